@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Installs what reviewlane's local stack and tests need and is not yet on the machine:
+# nats-server 2.10 or newer. On Debian bookworm (whose own package is 2.9, too old for
+# async-nats KV) it fetches Debian trixie's package through a private apt sources list
+# and unpacks it into .tools/ of this checkout, without touching the system's sources.
+# Prints the directory holding nats-server on its last line.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+tools="$root/.tools"
+mkdir -p "$tools"
+
+version_ok() { # $1 = path to nats-server
+  local v
+  v="$("$1" --version 2>/dev/null | sed -n 's/.*v\([0-9][0-9]*\)\.\([0-9][0-9]*\).*/\1 \2/p')"
+  [ -n "$v" ] || return 1
+  set -- $v
+  [ "$1" -gt 2 ] || { [ "$1" -eq 2 ] && [ "$2" -ge 10 ]; }
+}
+
+log() { echo "install-deps: $*" >&2; }
+
+if [ -x "$tools/usr/sbin/nats-server" ] && version_ok "$tools/usr/sbin/nats-server"; then
+  echo "$tools/usr/sbin"; exit 0
+fi
+if command -v nats-server >/dev/null 2>&1 && version_ok "$(command -v nats-server)"; then
+  dirname "$(command -v nats-server)"; exit 0
+fi
+
+if [ "$(uname)" = Darwin ]; then
+  brew install nats-server >&2
+  dirname "$(command -v nats-server)"; exit 0
+fi
+command -v apt-get >/dev/null || { log "need apt-get (Debian/Ubuntu) or a nats-server >= 2.10 on PATH"; exit 1; }
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+# The distribution's own package first, when it is new enough (Debian 13, Ubuntu 24.04+).
+$SUDO apt-get update -qq >&2 || true
+cand="$(apt-cache policy nats-server 2>/dev/null | sed -n 's/.*Candidate: *\([0-9][0-9]*\)\.\([0-9][0-9]*\).*/\1 \2/p')"
+if [ -n "$cand" ] && { set -- $cand; [ "$1" -gt 2 ] || { [ "$1" -eq 2 ] && [ "$2" -ge 10 ]; }; }; then
+  log "installing nats-server from the distribution"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nats-server >&2
+  dirname "$(command -v nats-server)"; exit 0
+fi
+
+# Otherwise: Debian trixie's package, through a private sources list, unpacked into .tools/.
+log "distribution nats-server too old or missing; fetching Debian trixie's package into $tools"
+apt_dir="$tools/apt"
+mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial"
+echo "deb http://deb.debian.org/debian trixie main" > "$apt_dir/sources.list"
+opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
+      -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache::archives=$apt_dir/archives"
+      -o "APT::Get::List-Cleanup=0")
+apt-get "${opts[@]}" update -qq >&2
+(cd "$apt_dir" && apt-get "${opts[@]}" download nats-server >&2)
+deb="$(ls -t "$apt_dir"/nats-server_*.deb | head -n1)"
+dpkg -x "$deb" "$tools"
+version_ok "$tools/usr/sbin/nats-server" || { log "unpacked nats-server is not >= 2.10"; exit 1; }
+log "$("$tools/usr/sbin/nats-server" --version)"
+echo "$tools/usr/sbin"

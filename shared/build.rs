@@ -1,0 +1,12 @@
+//! Compiles the API protos in pure Rust (protox), so no system `protoc` is needed.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let proto_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
+    let file = proto_dir.join("reviewlane/v1/review.proto");
+    println!("cargo:rerun-if-changed={}", file.display());
+    let fds = protox::compile([&file], [&proto_dir])?;
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    let bytes = prost::Message::encode_to_vec(&fds);
+    std::fs::write(out.join("reviewlane_descriptor.bin"), bytes)?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,130 @@
+//! Reading configuration: one pass over the environment (or a map, in tests) that
+//! collects every bad value before the service gives up, so an operator fixes them
+//! all at once. Messages name variables, never their values (which may be secrets).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+
+/// Where configuration comes from.
+pub trait Env {
+    fn get(&self, key: &str) -> Option<String>;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn get(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok()
+    }
+}
+
+impl Env for HashMap<String, String> {
+    fn get(&self, key: &str) -> Option<String> {
+        HashMap::get(self, key).cloned()
+    }
+}
+
+impl Env for HashMap<&str, String> {
+    fn get(&self, key: &str) -> Option<String> {
+        HashMap::get(self, key).cloned()
+    }
+}
+
+/// Every problem found in one configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<String>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "invalid configuration:")?;
+        for e in &self.0 {
+            writeln!(f, "  - {e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// Exit code for a bad configuration (sysexits EX_USAGE), used before binding anything.
+pub const EXIT_CONFIG: i32 = 64;
+/// Exit code for a wiring failure (sysexits EX_CONFIG): wrong region, unprovisioned NATS.
+pub const EXIT_WIRING: i32 = 78;
+
+pub struct Reader<'a> {
+    env: &'a dyn Env,
+    errors: Vec<String>,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(env: &'a dyn Env) -> Self {
+        Reader { env, errors: Vec::new() }
+    }
+
+    pub fn raw(&self, key: &str) -> Option<String> {
+        self.env.get(key).filter(|v| !v.trim().is_empty())
+    }
+
+    pub fn required<T: FromStr>(&mut self, key: &str, expected: &str) -> Option<T> {
+        match self.raw(key) {
+            None => {
+                self.errors.push(format!("{key} is required ({expected})"));
+                None
+            }
+            Some(v) => self.parse(key, &v, expected),
+        }
+    }
+
+    pub fn optional<T: FromStr>(&mut self, key: &str, expected: &str) -> Option<T> {
+        let v = self.raw(key)?;
+        self.parse(key, &v, expected)
+    }
+
+    pub fn or<T: FromStr>(&mut self, key: &str, default: T, expected: &str) -> T {
+        match self.raw(key) {
+            None => default,
+            Some(v) => self.parse(key, &v, expected).unwrap_or(default),
+        }
+    }
+
+    fn parse<T: FromStr>(&mut self, key: &str, v: &str, expected: &str) -> Option<T> {
+        match v.trim().parse() {
+            Ok(t) => Some(t),
+            Err(_) => {
+                self.errors.push(format!("{key} has an invalid value ({expected})"));
+                None
+            }
+        }
+    }
+
+    /// Records a problem found by a cross-field check.
+    pub fn error(&mut self, msg: impl Into<String>) {
+        self.errors.push(msg.into());
+    }
+
+    pub fn finish(self) -> Result<(), ConfigErrors> {
+        if self.errors.is_empty() { Ok(()) } else { Err(ConfigErrors(self.errors)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collects_every_error_and_never_echoes_values() {
+        let env: HashMap<&str, String> =
+            [("A", "notanumber-secret".to_string()), ("C", "7".to_string())].into_iter().collect();
+        let mut r = Reader::new(&env);
+        let a: Option<u32> = r.required("A", "a number");
+        let b: Option<u32> = r.required("B", "a number");
+        let c: u32 = r.or("C", 1, "a number");
+        let d: u32 = r.or("D", 5, "a number");
+        assert_eq!((a, b, c, d), (None, None, 7, 5));
+        let errs = r.finish().unwrap_err();
+        assert_eq!(errs.0.len(), 2);
+        assert!(!errs.to_string().contains("secret"));
+    }
+}

@@ -1,0 +1,414 @@
+//! Unified diff parser: the one reading of a diff that ingress validation, the built-in
+//! analyzer and the semantic checks of findings all share.
+//!
+//! Errors carry line numbers and kinds only, never text of the diff, so they can be
+//! returned to callers and logged.
+
+/// A parsed unified diff.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diff {
+    pub files: Vec<FileDiff>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileDiff {
+    /// Path on the old side; `None` for an added file.
+    pub old_path: Option<String>,
+    /// Path on the new side; `None` for a deleted file.
+    pub new_path: Option<String>,
+    pub hunks: Vec<Hunk>,
+    pub binary: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hunk {
+    pub old_start: u32,
+    pub old_len: u32,
+    pub new_start: u32,
+    pub new_len: u32,
+    pub lines: Vec<HunkLine>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LineKind {
+    Context,
+    Added,
+    Removed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HunkLine {
+    pub kind: LineKind,
+    /// The line without its `+`/`-`/` ` marker.
+    pub text: String,
+    /// Line number on the new side (context and added lines).
+    pub new_line: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DiffError {
+    #[error("diff is empty")]
+    Empty,
+    #[error("no file header (`diff --git` or `---`/`+++`) found")]
+    NoFiles,
+    #[error("line {line}: malformed hunk header")]
+    MalformedHunkHeader { line: usize },
+    #[error("line {line}: hunk header appears before any `+++` file header")]
+    HunkWithoutFile { line: usize },
+    #[error("line {line}: `---` header not followed by `+++`")]
+    MissingNewHeader { line: usize },
+    #[error("line {line}: hunk ends early (header announced more lines than present)")]
+    TruncatedHunk { line: usize },
+    #[error("line {line}: unexpected line inside a hunk")]
+    UnexpectedHunkLine { line: usize },
+    #[error("file {file}: has neither hunks nor a rename, mode change or binary marker")]
+    EmptyFile { file: usize },
+}
+
+impl Diff {
+    /// The file whose new side has `path`.
+    pub fn file_by_new_path(&self, path: &str) -> Option<&FileDiff> {
+        self.files.iter().find(|f| f.new_path.as_deref() == Some(path))
+    }
+
+    /// Added lines of the diff, in order: (file, hunk, line).
+    pub fn added_lines(&self) -> impl Iterator<Item = (&FileDiff, &Hunk, &HunkLine)> {
+        self.files.iter().flat_map(|f| {
+            f.hunks.iter().flat_map(move |h| {
+                h.lines
+                    .iter()
+                    .filter(|l| l.kind == LineKind::Added)
+                    .map(move |l| (f, h, l))
+            })
+        })
+    }
+
+    pub fn hunk_count(&self) -> usize {
+        self.files.iter().map(|f| f.hunks.len()).sum()
+    }
+}
+
+impl FileDiff {
+    /// The hunk whose new side covers `line`.
+    pub fn hunk_for_new_line(&self, line: u32) -> Option<&Hunk> {
+        self.hunks.iter().find(|h| h.covers_new_line(line))
+    }
+}
+
+impl Hunk {
+    pub fn covers_new_line(&self, line: u32) -> bool {
+        self.lines.iter().any(|l| l.new_line == Some(line))
+    }
+
+    /// Whether `needle` occurs in the text of this hunk (either side, one line or
+    /// across lines).
+    pub fn contains_text(&self, needle: &str) -> bool {
+        let needle = needle.trim();
+        if needle.is_empty() {
+            return false;
+        }
+        if self.lines.iter().any(|l| l.text.contains(needle)) {
+            return true;
+        }
+        let joined: Vec<&str> = self.lines.iter().map(|l| l.text.as_str()).collect();
+        joined.join("\n").contains(needle)
+    }
+}
+
+/// Parses `git diff` style unified diffs. Text before the first file header (a commit
+/// message from `git format-patch`, say) is ignored.
+pub fn parse(input: &str) -> Result<Diff, DiffError> {
+    if input.trim().is_empty() {
+        return Err(DiffError::Empty);
+    }
+    let lines: Vec<&str> = input.split('\n').collect();
+    // A trailing newline leaves one empty element that is not a line.
+    let n = if input.ends_with('\n') { lines.len() - 1 } else { lines.len() };
+    let mut files: Vec<FileDiff> = Vec::new();
+    // Whether the current file has header facts besides hunks (rename, mode, binary).
+    let mut cur: Option<(FileDiff, bool)> = None;
+    let mut i = 0;
+    let finish = |cur: &mut Option<(FileDiff, bool)>, files: &mut Vec<FileDiff>| -> Result<(), DiffError> {
+        if let Some((f, has_meta)) = cur.take() {
+            if f.hunks.is_empty() && !f.binary && !has_meta {
+                return Err(DiffError::EmptyFile { file: files.len() + 1 });
+            }
+            files.push(f);
+        }
+        Ok(())
+    };
+    while i < n {
+        let line = lines[i].strip_suffix('\r').unwrap_or(lines[i]);
+        let lno = i + 1;
+        if let Some(rest) = line.strip_prefix("diff --git ") {
+            finish(&mut cur, &mut files)?;
+            let (old, new) = split_git_paths(rest);
+            cur = Some((
+                FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false },
+                false,
+            ));
+            i += 1;
+            continue;
+        }
+        if line.starts_with("--- ") && i + 1 < n && lines[i + 1].starts_with("+++ ") {
+            let old = header_path(&line[4..]);
+            let new_line = lines[i + 1].strip_suffix('\r').unwrap_or(lines[i + 1]);
+            let new = header_path(&new_line[4..]);
+            match &mut cur {
+                // `diff --git` already named the file; the ---/+++ pair is authoritative
+                // for added (/dev/null) and deleted files.
+                Some((f, _)) if f.hunks.is_empty() => {
+                    f.old_path = old;
+                    f.new_path = new;
+                }
+                _ => {
+                    finish(&mut cur, &mut files)?;
+                    cur = Some((
+                        FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false },
+                        false,
+                    ));
+                }
+            }
+            i += 2;
+            continue;
+        }
+        if line.starts_with("--- ") && cur.as_ref().is_some_and(|(f, _)| f.hunks.is_empty()) {
+            return Err(DiffError::MissingNewHeader { line: lno });
+        }
+        if line.starts_with("@@") {
+            let Some((file, _)) = cur.as_mut() else {
+                return Err(DiffError::HunkWithoutFile { line: lno });
+            };
+            let (old_start, old_len, new_start, new_len) =
+                parse_hunk_header(line).ok_or(DiffError::MalformedHunkHeader { line: lno })?;
+            let mut hunk = Hunk { old_start, old_len, new_start, new_len, lines: Vec::new() };
+            let (mut old_left, mut new_left) = (old_len, new_len);
+            let mut new_no = new_start;
+            i += 1;
+            while old_left > 0 || new_left > 0 {
+                if i >= n {
+                    return Err(DiffError::TruncatedHunk { line: i });
+                }
+                let l = lines[i].strip_suffix('\r').unwrap_or(lines[i]);
+                let (kind, text) = match l.as_bytes().first() {
+                    Some(b'+') => (LineKind::Added, &l[1..]),
+                    Some(b'-') => (LineKind::Removed, &l[1..]),
+                    Some(b' ') => (LineKind::Context, &l[1..]),
+                    // Some tools strip the space of an empty context line.
+                    None => (LineKind::Context, ""),
+                    Some(b'\\') => {
+                        i += 1;
+                        continue;
+                    }
+                    Some(_) => return Err(DiffError::UnexpectedHunkLine { line: i + 1 }),
+                };
+                let new_line = match kind {
+                    LineKind::Removed => {
+                        if old_left == 0 {
+                            return Err(DiffError::UnexpectedHunkLine { line: i + 1 });
+                        }
+                        old_left -= 1;
+                        None
+                    }
+                    LineKind::Added => {
+                        if new_left == 0 {
+                            return Err(DiffError::UnexpectedHunkLine { line: i + 1 });
+                        }
+                        new_left -= 1;
+                        new_no += 1;
+                        Some(new_no - 1)
+                    }
+                    LineKind::Context => {
+                        if old_left == 0 || new_left == 0 {
+                            return Err(DiffError::UnexpectedHunkLine { line: i + 1 });
+                        }
+                        old_left -= 1;
+                        new_left -= 1;
+                        new_no += 1;
+                        Some(new_no - 1)
+                    }
+                };
+                hunk.lines.push(HunkLine { kind, text: text.to_string(), new_line });
+                i += 1;
+            }
+            // "\ No newline at end of file" right after the last line.
+            if i < n && lines[i].starts_with('\\') {
+                i += 1;
+            }
+            file.hunks.push(hunk);
+            continue;
+        }
+        if let Some((_, has_meta)) = cur.as_mut() {
+            if line.starts_with("Binary files ") || line.starts_with("GIT binary patch") {
+                cur.as_mut().expect("checked above").0.binary = true;
+            } else if ["rename from ", "rename to ", "copy from ", "copy to ", "old mode ", "new mode ",
+                "new file mode ", "deleted file mode ", "similarity index "]
+                .iter()
+                .any(|p| line.starts_with(p))
+            {
+                *has_meta = true;
+            }
+        }
+        i += 1;
+    }
+    finish(&mut cur, &mut files)?;
+    if files.is_empty() {
+        return Err(DiffError::NoFiles);
+    }
+    Ok(Diff { files })
+}
+
+/// `a/x b/y` from a `diff --git` line (paths without spaces; ---/+++ refine them).
+fn split_git_paths(rest: &str) -> (Option<String>, Option<String>) {
+    let mut parts = rest.split(' ');
+    let old = parts.next().map(strip_side_prefix);
+    let new = parts.next().map(strip_side_prefix);
+    (old, new)
+}
+
+fn header_path(raw: &str) -> Option<String> {
+    // Drop a trailing tab and timestamp (`--- a/x\t2024-01-01 ...`).
+    let p = raw.split('\t').next().unwrap_or(raw).trim_end();
+    if p == "/dev/null" {
+        return None;
+    }
+    Some(strip_side_prefix(p))
+}
+
+fn strip_side_prefix(p: &str) -> String {
+    p.strip_prefix("a/").or_else(|| p.strip_prefix("b/")).unwrap_or(p).to_string()
+}
+
+/// `@@ -a[,b] +c[,d] @@ ...`
+fn parse_hunk_header(line: &str) -> Option<(u32, u32, u32, u32)> {
+    let rest = line.strip_prefix("@@ -")?;
+    let end = rest.find(" @@")?;
+    let mut sides = rest[..end].split(" +");
+    let old = sides.next()?;
+    let new = sides.next()?;
+    if sides.next().is_some() {
+        return None;
+    }
+    let range = |s: &str| -> Option<(u32, u32)> {
+        match s.split_once(',') {
+            Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+            None => Some((s.parse().ok()?, 1)),
+        }
+    };
+    let (a, b) = range(old)?;
+    let (c, d) = range(new)?;
+    Some((a, b, c, d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = "diff --git a/src/lib.rs b/src/lib.rs
+index 1111111..2222222 100644
+--- a/src/lib.rs
++++ b/src/lib.rs
+@@ -1,3 +1,4 @@
+ fn a() {}
+-fn b() {}
++fn b() { x.unwrap(); }
++fn c() {}
+ fn d() {}
+@@ -10,2 +11,2 @@ impl X {
+-    old();
++    new();
+     tail();
+diff --git a/new.py b/new.py
+new file mode 100644
+--- /dev/null
++++ b/new.py
+@@ -0,0 +1,2 @@
++print('x')
++eval(y)
+";
+
+    #[test]
+    fn parses_files_hunks_and_new_line_numbers() {
+        let d = parse(SAMPLE).unwrap();
+        assert_eq!(d.files.len(), 2);
+        let f = &d.files[0];
+        assert_eq!(f.new_path.as_deref(), Some("src/lib.rs"));
+        assert_eq!(f.hunks.len(), 2);
+        let added: Vec<_> = f.hunks[0].lines.iter().filter(|l| l.kind == LineKind::Added).collect();
+        assert_eq!(added[0].new_line, Some(2));
+        assert_eq!(added[1].new_line, Some(3));
+        assert_eq!(f.hunks[1].lines[1].new_line, Some(11));
+        assert_eq!(f.hunks[1].lines[2].new_line, Some(12));
+        let g = &d.files[1];
+        assert_eq!(g.old_path, None);
+        assert_eq!(g.new_path.as_deref(), Some("new.py"));
+        assert_eq!(d.added_lines().count(), 5);
+    }
+
+    #[test]
+    fn hunk_coverage_and_evidence() {
+        let d = parse(SAMPLE).unwrap();
+        let f = d.file_by_new_path("src/lib.rs").unwrap();
+        assert!(f.hunk_for_new_line(2).is_some());
+        assert!(f.hunk_for_new_line(4).is_some()); // context line `fn d`
+        assert!(f.hunk_for_new_line(7).is_none()); // between hunks
+        let h = f.hunk_for_new_line(2).unwrap();
+        assert!(h.contains_text("x.unwrap()"));
+        assert!(!h.contains_text("new();"));
+        assert!(!h.contains_text("   "));
+        assert!(d.file_by_new_path("src/other.rs").is_none());
+    }
+
+    #[test]
+    fn plain_unified_diff_without_git_header() {
+        let d = parse("--- a.txt\t2024-01-01\n+++ b.txt\n@@ -1 +1 @@\n-a\n+b\n").unwrap();
+        assert_eq!(d.files[0].new_path.as_deref(), Some("b.txt"));
+        assert_eq!(d.files[0].hunks[0].lines[1].new_line, Some(1));
+    }
+
+    #[test]
+    fn deleted_file_has_no_new_path() {
+        let d = parse("diff --git a/x b/x\ndeleted file mode 100644\n--- a/x\n+++ /dev/null\n@@ -1 +0,0 @@\n-gone\n").unwrap();
+        assert_eq!(d.files[0].new_path, None);
+    }
+
+    #[test]
+    fn rename_without_hunks_is_valid() {
+        let d = parse("diff --git a/x b/y\nsimilarity index 100%\nrename from x\nrename to y\n").unwrap();
+        assert_eq!(d.files[0].new_path.as_deref(), Some("y"));
+    }
+
+    #[test]
+    fn no_newline_marker_is_skipped() {
+        let d = parse("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n+b\n\\ No newline at end of file\n").unwrap();
+        assert_eq!(d.files[0].hunks[0].lines.len(), 2);
+    }
+
+    #[test]
+    fn rejects_what_is_not_a_diff() {
+        assert_eq!(parse(""), Err(DiffError::Empty));
+        assert_eq!(parse("  \n\n"), Err(DiffError::Empty));
+        assert_eq!(parse("hello world\nthis is prose\n"), Err(DiffError::NoFiles));
+        assert_eq!(parse("@@ -1 +1 @@\n-a\n+b\n"), Err(DiffError::HunkWithoutFile { line: 1 }));
+        assert_eq!(
+            parse("--- a/x\n+++ b/x\n@@ -1,2 +1,2 @@\n-a\n+b\n"),
+            Err(DiffError::TruncatedHunk { line: 5 })
+        );
+        assert_eq!(
+            parse("--- a/x\n+++ b/x\n@@ -x +1 @@\n-a\n+b\n"),
+            Err(DiffError::MalformedHunkHeader { line: 3 })
+        );
+        assert_eq!(
+            parse("--- a/x\n+++ b/x\n@@ -1 +1 @@\n*a\n+b\n"),
+            Err(DiffError::UnexpectedHunkLine { line: 4 })
+        );
+        assert_eq!(parse("diff --git a/x b/x\nindex 1..2\n"), Err(DiffError::EmptyFile { file: 1 }));
+    }
+
+    #[test]
+    fn errors_never_echo_diff_text() {
+        let canary = "CANARY-7f3e";
+        let err = parse(&format!("--- a/{canary}\n+++ b/{canary}\n@@ -1 +1 @@\n*{canary}\n")).unwrap_err();
+        assert!(!err.to_string().contains(canary));
+    }
+}

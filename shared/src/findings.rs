@@ -1,0 +1,285 @@
+//! Findings: the versioned JSON Schema registry and the three-step validation every
+//! provider answer goes through before a job may complete (invariant 2):
+//! JSON parse -> JSON Schema -> semantic checks against the submitted diff.
+//!
+//! A document that is not JSON or does not have the schema's shape at the top is
+//! invalid output (the schema retry path). A single finding that fails is quarantined:
+//! kept with a content-free reason, counted, never delivered; the rest go on.
+
+use std::collections::BTreeSet;
+use std::sync::OnceLock;
+
+use serde::{Deserialize, Serialize};
+
+use crate::diff::Diff;
+
+pub const FINDINGS_V1: &str = "findings.v1";
+/// The version used when a request names none.
+pub const LATEST_SCHEMA: &str = FINDINGS_V1;
+
+const FINDINGS_V1_JSON: &str = include_str!("../schemas/findings.v1.json");
+
+/// One finding, as every schema version so far defines it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Finding {
+    pub path: String,
+    pub line: u32,
+    pub severity: String,
+    pub category: String,
+    pub title: String,
+    pub message: String,
+    pub evidence: String,
+}
+
+/// Why a finding was quarantined. Names only, never content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuarantineReason {
+    /// Failed the JSON Schema (missing field, unknown enum value, extra property...).
+    Schema,
+    /// The path is not a file on the new side of the diff.
+    PathNotInDiff,
+    /// The line is not on the new side of any hunk of that file.
+    LineOutsideHunks,
+    /// The quoted evidence does not appear in the hunk the line is in.
+    EvidenceNotInHunk,
+}
+
+impl QuarantineReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QuarantineReason::Schema => "schema",
+            QuarantineReason::PathNotInDiff => "path_not_in_diff",
+            QuarantineReason::LineOutsideHunks => "line_outside_hunks",
+            QuarantineReason::EvidenceNotInHunk => "evidence_not_in_hunk",
+        }
+    }
+}
+
+/// A finding kept back: the raw item as the provider sent it, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Quarantined {
+    pub index: usize,
+    pub reason: QuarantineReason,
+    pub raw: serde_json::Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Validated {
+    pub findings: Vec<Finding>,
+    pub quarantined: Vec<Quarantined>,
+}
+
+/// The whole answer is unusable. Content-free on purpose: it is logged and counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidOutput {
+    #[error("provider output is not JSON")]
+    NotJson,
+    #[error("provider output does not match the schema at its top level")]
+    Shape,
+    #[error("unknown findings schema version")]
+    UnknownSchema,
+}
+
+impl InvalidOutput {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InvalidOutput::NotJson => "not_json",
+            InvalidOutput::Shape => "shape",
+            InvalidOutput::UnknownSchema => "unknown_schema",
+        }
+    }
+}
+
+struct Schema {
+    version: &'static str,
+    document: serde_json::Value,
+    validator: jsonschema::Validator,
+}
+
+fn registry() -> &'static [Schema] {
+    static REGISTRY: OnceLock<Vec<Schema>> = OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        [(FINDINGS_V1, FINDINGS_V1_JSON)]
+            .into_iter()
+            .map(|(version, text)| {
+                let document: serde_json::Value =
+                    serde_json::from_str(text).expect("bundled schema is JSON");
+                let validator = jsonschema::validator_for(&document).expect("bundled schema compiles");
+                Schema { version, document, validator }
+            })
+            .collect()
+    })
+}
+
+fn schema(version: &str) -> Option<&'static Schema> {
+    registry().iter().find(|s| s.version == version)
+}
+
+/// Whether `version` names a schema this build knows.
+pub fn is_known_schema(version: &str) -> bool {
+    schema(version).is_some()
+}
+
+pub fn known_schemas() -> Vec<&'static str> {
+    registry().iter().map(|s| s.version).collect()
+}
+
+/// The schema document, for providers that take a JSON Schema (structured outputs).
+pub fn schema_document(version: &str) -> Option<&'static serde_json::Value> {
+    schema(version).map(|s| &s.document)
+}
+
+/// Validates a provider answer against the schema `version` and the submitted `diff`.
+pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, InvalidOutput> {
+    let schema = schema(version).ok_or(InvalidOutput::UnknownSchema)?;
+    let doc: serde_json::Value = serde_json::from_str(output).map_err(|_| InvalidOutput::NotJson)?;
+
+    // Step 2: JSON Schema. Errors inside /findings/<i> quarantine item i; any other
+    // error means the document itself is off.
+    let mut bad_items = BTreeSet::new();
+    for err in schema.validator.iter_errors(&doc) {
+        let path = err.instance_path().to_string();
+        match item_index(&path) {
+            Some(i) => {
+                bad_items.insert(i);
+            }
+            None => return Err(InvalidOutput::Shape),
+        }
+    }
+    let items = doc
+        .get("findings")
+        .and_then(|f| f.as_array())
+        .ok_or(InvalidOutput::Shape)?;
+
+    let mut out = Validated::default();
+    for (index, raw) in items.iter().enumerate() {
+        let reason = if bad_items.contains(&index) {
+            Some(QuarantineReason::Schema)
+        } else {
+            match serde_json::from_value::<Finding>(raw.clone()) {
+                Ok(f) => match semantic_check(&f, diff) {
+                    Ok(()) => {
+                        out.findings.push(f);
+                        None
+                    }
+                    Err(r) => Some(r),
+                },
+                Err(_) => Some(QuarantineReason::Schema),
+            }
+        };
+        if let Some(reason) = reason {
+            out.quarantined.push(Quarantined { index, reason, raw: raw.clone() });
+        }
+    }
+    Ok(out)
+}
+
+/// Step 3: the finding must point into the diff and quote it.
+pub fn semantic_check(f: &Finding, diff: &Diff) -> Result<(), QuarantineReason> {
+    let file = diff.file_by_new_path(&f.path).ok_or(QuarantineReason::PathNotInDiff)?;
+    let hunk = file.hunk_for_new_line(f.line).ok_or(QuarantineReason::LineOutsideHunks)?;
+    if !hunk.contains_text(&f.evidence) {
+        return Err(QuarantineReason::EvidenceNotInHunk);
+    }
+    Ok(())
+}
+
+/// `/findings/3/severity` -> 3
+fn item_index(instance_path: &str) -> Option<usize> {
+    let mut parts = instance_path.trim_start_matches('/').split('/');
+    if parts.next()? != "findings" {
+        return None;
+    }
+    parts.next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn diff() -> Diff {
+        crate::diff::parse(
+            "--- a/src/app.rs\n+++ b/src/app.rs\n@@ -1,2 +1,3 @@\n fn main() {\n+    let x = y.unwrap();\n }\n@@ -20,1 +21,2 @@\n tail();\n+// TODO: later\n",
+        )
+        .unwrap()
+    }
+
+    fn finding(path: &str, line: u32, evidence: &str) -> serde_json::Value {
+        json!({"path": path, "line": line, "severity": "medium", "category": "reliability",
+               "title": "t", "message": "m", "evidence": evidence})
+    }
+
+    #[test]
+    fn valid_findings_pass() {
+        let out = json!({"findings": [finding("src/app.rs", 2, "y.unwrap()"), finding("src/app.rs", 22, "TODO")]});
+        let v = validate(FINDINGS_V1, &out.to_string(), &diff()).unwrap();
+        assert_eq!(v.findings.len(), 2);
+        assert!(v.quarantined.is_empty());
+    }
+
+    #[test]
+    fn empty_findings_list_is_valid() {
+        let v = validate(FINDINGS_V1, r#"{"findings": []}"#, &diff()).unwrap();
+        assert!(v.findings.is_empty() && v.quarantined.is_empty());
+    }
+
+    #[test]
+    fn semantic_failures_are_quarantined_one_by_one() {
+        let out = json!({"findings": [
+            finding("src/other.rs", 2, "y.unwrap()"),
+            finding("src/app.rs", 10, "y.unwrap()"),
+            finding("src/app.rs", 2, "not in the hunk"),
+            finding("src/app.rs", 2, "unwrap"),
+        ]});
+        let v = validate(FINDINGS_V1, &out.to_string(), &diff()).unwrap();
+        assert_eq!(v.findings.len(), 1);
+        let reasons: Vec<_> = v.quarantined.iter().map(|q| (q.index, q.reason)).collect();
+        assert_eq!(
+            reasons,
+            vec![
+                (0, QuarantineReason::PathNotInDiff),
+                (1, QuarantineReason::LineOutsideHunks),
+                (2, QuarantineReason::EvidenceNotInHunk),
+            ]
+        );
+    }
+
+    #[test]
+    fn schema_failures_of_one_item_quarantine_that_item() {
+        let mut bad_enum = finding("src/app.rs", 2, "unwrap");
+        bad_enum["severity"] = json!("catastrophic");
+        let mut extra = finding("src/app.rs", 2, "unwrap");
+        extra["confidence"] = json!(0.9);
+        let mut missing = finding("src/app.rs", 2, "unwrap");
+        missing.as_object_mut().unwrap().remove("evidence");
+        let out = json!({"findings": [bad_enum, extra, missing, finding("src/app.rs", 2, "unwrap")]});
+        let v = validate(FINDINGS_V1, &out.to_string(), &diff()).unwrap();
+        assert_eq!(v.findings.len(), 1);
+        assert_eq!(v.quarantined.len(), 3);
+        assert!(v.quarantined.iter().all(|q| q.reason == QuarantineReason::Schema));
+    }
+
+    #[test]
+    fn whole_document_failures_are_invalid_output() {
+        let d = diff();
+        assert_eq!(validate(FINDINGS_V1, "not json {", &d), Err(InvalidOutput::NotJson));
+        assert_eq!(validate(FINDINGS_V1, "[]", &d), Err(InvalidOutput::Shape));
+        assert_eq!(validate(FINDINGS_V1, r#"{"items": []}"#, &d), Err(InvalidOutput::Shape));
+        assert_eq!(
+            validate(FINDINGS_V1, r#"{"findings": [], "extra": 1}"#, &d),
+            Err(InvalidOutput::Shape)
+        );
+        assert_eq!(validate("findings.v9", r#"{"findings": []}"#, &d), Err(InvalidOutput::UnknownSchema));
+    }
+
+    #[test]
+    fn registry_knows_v1_only() {
+        assert!(is_known_schema("findings.v1"));
+        assert!(!is_known_schema("findings.v2"));
+        assert_eq!(known_schemas(), vec!["findings.v1"]);
+        assert!(schema_document(LATEST_SCHEMA).is_some());
+    }
+}

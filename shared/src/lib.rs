@@ -1,0 +1,27 @@
+//! reviewlane's common crate: what the ingress, extractor and publisher must agree on.
+//!
+//! Pure cores (diff parsing, findings validation, the job state machine, job ids) have
+//! no I/O; `layout` is the one place that knows the NATS names of a region.
+
+pub mod api;
+pub mod config;
+pub mod diff;
+pub mod findings;
+pub mod job;
+pub mod job_id;
+pub mod layout;
+pub mod messages;
+pub mod region;
+pub mod telemetry;
+pub mod tenants;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+/// Generated gRPC types and the descriptor set for reflection.
+pub mod proto {
+    #![allow(clippy::all)]
+    tonic::include_proto!("reviewlane.v1");
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/reviewlane_descriptor.bin"));
+}
+
+pub use region::{Lane, Region};

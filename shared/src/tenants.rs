@@ -1,0 +1,170 @@
+//! The tenants file: who may call (API keys stored as sha256 hashes), where each
+//! tenant's data lives (region), its limits, and where its findings go (sink).
+//!
+//! ```toml
+//! [[tenants]]
+//! id = "acme"                   # [a-z0-9][a-z0-9_-]*, used in subjects and labels
+//! region = "eu"
+//! api_key_sha256 = ["<64 hex>"] # sha256 of each accepted key
+//! max_diff_bytes = 1048576      # optional; default from the ingress config
+//! sink = { kind = "webhook", url = "https://...", secret = "..." }
+//! # or: sink = { kind = "file", path = "/var/lib/reviewlane/acme.jsonl" }
+//! ```
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use secrecy::SecretString;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::region::Region;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum SinkConfig {
+    Webhook { url: String, secret: SecretString },
+    File { path: PathBuf },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tenant {
+    pub id: String,
+    pub region: Region,
+    #[serde(default)]
+    pub api_key_sha256: Vec<String>,
+    #[serde(default)]
+    pub max_diff_bytes: Option<usize>,
+    #[serde(default)]
+    pub sink: Option<SinkConfig>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantsFile {
+    #[serde(default)]
+    tenants: Vec<Tenant>,
+}
+
+/// All tenants, indexed by id and by key hash.
+#[derive(Debug, Clone, Default)]
+pub struct Tenants {
+    by_id: HashMap<String, Arc<Tenant>>,
+    by_key_hash: HashMap<String, Arc<Tenant>>,
+}
+
+pub fn hash_api_key(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+pub fn is_valid_tenant_id(id: &str) -> bool {
+    let b = id.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
+}
+
+impl Tenants {
+    pub fn load(path: &Path) -> Result<Tenants, Vec<String>> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| vec![format!("tenants file {}: cannot read: {}", path.display(), e.kind())])?;
+        Self::parse(&text)
+    }
+
+    /// Parses and validates the whole file, reporting every problem.
+    pub fn parse(text: &str) -> Result<Tenants, Vec<String>> {
+        let file: TenantsFile = toml::from_str(text).map_err(|e| {
+            // toml's message quotes the offending input, which may hold a secret:
+            // report only where it is.
+            let at = e.span().map(|s| format!(" at byte {}", s.start)).unwrap_or_default();
+            vec![format!("tenants file is not valid{at}")]
+        })?;
+        let mut errors = Vec::new();
+        let mut t = Tenants::default();
+        for (i, tenant) in file.tenants.into_iter().enumerate() {
+            let n = i + 1;
+            if !is_valid_tenant_id(&tenant.id) {
+                errors.push(format!("tenant #{n}: id must match [a-z0-9][a-z0-9_-]{{0,62}}"));
+                continue;
+            }
+            if t.by_id.contains_key(&tenant.id) {
+                errors.push(format!("tenant `{}`: duplicate id", tenant.id));
+                continue;
+            }
+            if let Some(SinkConfig::Webhook { url, .. }) = &tenant.sink
+                && !(url.starts_with("http://") || url.starts_with("https://"))
+            {
+                errors.push(format!("tenant `{}`: webhook url must be http(s)", tenant.id));
+            }
+            if tenant.max_diff_bytes == Some(0) {
+                errors.push(format!("tenant `{}`: max_diff_bytes must be positive", tenant.id));
+            }
+            let tenant = Arc::new(tenant);
+            for h in &tenant.api_key_sha256 {
+                let h = h.to_ascii_lowercase();
+                if h.len() != 64 || !h.bytes().all(|c| c.is_ascii_hexdigit()) {
+                    errors.push(format!("tenant `{}`: api_key_sha256 entries must be 64 hex digits", tenant.id));
+                } else if t.by_key_hash.insert(h, tenant.clone()).is_some() {
+                    errors.push(format!("tenant `{}`: an API key hash is used twice", tenant.id));
+                }
+            }
+            t.by_id.insert(tenant.id.clone(), tenant);
+        }
+        if errors.is_empty() { Ok(t) } else { Err(errors) }
+    }
+
+    /// The tenant a presented API key belongs to.
+    pub fn authenticate(&self, api_key: &str) -> Option<Arc<Tenant>> {
+        self.by_key_hash.get(&hash_api_key(api_key)).cloned()
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Tenant>> {
+        self.by_id.get(id).cloned()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Tenant>> {
+        self.by_id.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn authenticates_by_hash() {
+        let h = hash_api_key("k1");
+        let t = Tenants::parse(&format!(
+            "[[tenants]]\nid = \"acme\"\nregion = \"eu\"\napi_key_sha256 = [\"{h}\"]\nsink = {{ kind = \"file\", path = \"/tmp/x\" }}\n"
+        ))
+        .unwrap();
+        let acme = t.authenticate("k1").unwrap();
+        assert_eq!((acme.id.as_str(), acme.region), ("acme", Region::Eu));
+        assert!(t.authenticate("k2").is_none());
+        assert!(t.authenticate("").is_none());
+    }
+
+    #[test]
+    fn reports_every_problem_without_secrets() {
+        let errs = Tenants::parse(
+            "[[tenants]]\nid = \"Bad.Id\"\nregion = \"us\"\n\n[[tenants]]\nid = \"b\"\nregion = \"us\"\napi_key_sha256 = [\"xyz\"]\nsink = { kind = \"webhook\", url = \"ftp://x\", secret = \"s3cr3t\" }\n",
+        )
+        .unwrap_err();
+        assert_eq!(errs.len(), 3, "{errs:?}");
+        assert!(errs.iter().all(|e| !e.contains("s3cr3t")));
+        let errs = Tenants::parse("[[tenants]]\nid = \"a\"\nregion = \"apac\"\nsecret = \"s3cr3t\"\n").unwrap_err();
+        assert!(errs.iter().all(|e| !e.contains("s3cr3t")), "{errs:?}");
+    }
+
+    #[test]
+    fn secrets_do_not_print() {
+        let t = Tenants::parse(
+            "[[tenants]]\nid = \"a\"\nregion = \"us\"\nsink = { kind = \"webhook\", url = \"http://x\", secret = \"s3cr3t\" }\n",
+        )
+        .unwrap();
+        assert!(!format!("{:?}", t.get("a").unwrap()).contains("s3cr3t"));
+    }
+}

@@ -1,0 +1,94 @@
+//! Test support: a real `nats-server` with JetStream on a free loopback port and a
+//! temporary store, stopped (kill + wait) and removed when the handle drops.
+//!
+//! The binary comes from `NATS_SERVER_BIN`, else the project's `.tools/` (see
+//! `scripts/install-deps.sh`), else `PATH`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::region::Region;
+
+pub struct NatsServer {
+    child: Child,
+    url: String,
+    store: tempfile::TempDir,
+}
+
+pub fn nats_server_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("NATS_SERVER_BIN") {
+        return PathBuf::from(p);
+    }
+    let local = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.tools/usr/sbin/nats-server");
+    if local.exists() {
+        return local;
+    }
+    PathBuf::from("nats-server")
+}
+
+impl NatsServer {
+    /// Starts a server; panics (it is a test helper) if it does not come up in 10 s.
+    pub fn start() -> NatsServer {
+        let store = tempfile::tempdir().expect("temp dir");
+        let conf = store.path().join("nats.conf");
+        // max_payload: a 1 MiB diff plus its JSON envelope exceeds the 1 MiB default.
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: 127.0.0.1:-1\nmax_payload: 8MB\nports_file_dir: \"{dir}\"\njetstream {{ store_dir: \"{dir}/js\" }}\n",
+                dir = store.path().display()
+            ),
+        )
+        .expect("write nats.conf");
+        let child = Command::new(nats_server_bin())
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("TEST_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start nats-server ({}): {e}; run scripts/install-deps.sh", nats_server_bin().display()));
+        let ports = store.path().join(format!("nats-server_{}.ports", child.id()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let url = loop {
+            if let Ok(text) = std::fs::read_to_string(&ports)
+                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
+                && let Some(u) = v["nats"][0].as_str()
+            {
+                break u.to_string();
+            }
+            assert!(Instant::now() < deadline, "nats-server did not report its port in 10 s");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        NatsServer { child, url, store }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn store_dir(&self) -> &Path {
+        self.store.path()
+    }
+
+    /// Starts a server and records `region` as its identity.
+    pub async fn start_provisioned(region: Region) -> NatsServer {
+        let s = NatsServer::start();
+        let client = async_nats::connect(s.url()).await.expect("connect to test nats-server");
+        let js = async_nats::jetstream::new(client);
+        crate::layout::provision_identity(&js, region, s.url()).await.expect("provision");
+        s
+    }
+
+    /// Kills the server at once (SIGKILL), keeping the store.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
