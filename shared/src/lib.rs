@@ -9,9 +9,11 @@ pub mod diff;
 pub mod findings;
 pub mod job;
 pub mod job_id;
+pub mod job_store;
 pub mod layout;
 pub mod messages;
 pub mod region;
+pub mod startup;
 pub mod telemetry;
 pub mod tenants;
 #[cfg(feature = "testing")]

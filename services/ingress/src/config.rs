@@ -1,0 +1,121 @@
+//! Ingress configuration, read once from the environment and validated whole.
+//!
+//! | variable | default | meaning |
+//! | --- | --- | --- |
+//! | `REVIEWLANE_GRPC_ADDR` | `127.0.0.1:50051` | gRPC listen address |
+//! | `REVIEWLANE_TENANTS_FILE` | required | tenants, key hashes, regions, limits |
+//! | `REVIEWLANE_NATS_URL_US` / `_EU` | at least one | each region's NATS |
+//! | `REVIEWLANE_MAX_DIFF_BYTES` | `1048576` | largest diff accepted (a tenant may set its own) |
+//! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
+//! | `REVIEWLANE_LOG_FORMAT` | `text` | `json` for one JSON object a line |
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use reviewlane_shared::Region;
+use reviewlane_shared::config::{ConfigErrors, Env, Reader};
+use reviewlane_shared::tenants::Tenants;
+
+#[derive(Debug, Clone)]
+pub struct IngressConfig {
+    pub grpc_addr: SocketAddr,
+    pub tenants: Arc<Tenants>,
+    pub nats_urls: BTreeMap<Region, String>,
+    pub max_diff_bytes: usize,
+    pub shutdown_grace: Duration,
+    pub log_json: bool,
+}
+
+pub const DEFAULT_MAX_DIFF_BYTES: usize = 1024 * 1024;
+
+impl IngressConfig {
+    pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
+        let mut r = Reader::new(env);
+        let grpc_addr = r.or("REVIEWLANE_GRPC_ADDR", SocketAddr::from(([127, 0, 0, 1], 50051)), "host:port");
+        let tenants_file: Option<PathBuf> = r.required("REVIEWLANE_TENANTS_FILE", "path to the tenants TOML file");
+        let mut nats_urls = BTreeMap::new();
+        for region in Region::ALL {
+            if let Some(url) = r.raw(&format!("REVIEWLANE_NATS_URL_{}", region.upper())) {
+                nats_urls.insert(region, url);
+            }
+        }
+        if nats_urls.is_empty() {
+            r.error("REVIEWLANE_NATS_URL_US or REVIEWLANE_NATS_URL_EU is required");
+        }
+        let max_diff_bytes = r.or("REVIEWLANE_MAX_DIFF_BYTES", DEFAULT_MAX_DIFF_BYTES, "a byte count");
+        if max_diff_bytes == 0 {
+            r.error("REVIEWLANE_MAX_DIFF_BYTES must be positive");
+        }
+        let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
+        let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
+        let tenants = match tenants_file.map(|p| Tenants::load(&p)) {
+            Some(Ok(t)) => Some(t),
+            Some(Err(errs)) => {
+                errs.into_iter().for_each(|e| r.error(e));
+                None
+            }
+            None => None,
+        };
+        if let Some(t) = &tenants {
+            for tenant in t.iter() {
+                if !nats_urls.contains_key(&tenant.region) && !nats_urls.is_empty() {
+                    r.error(format!(
+                        "tenant `{}` lives in region `{}`, which has no REVIEWLANE_NATS_URL_{}",
+                        tenant.id,
+                        tenant.region,
+                        tenant.region.upper()
+                    ));
+                }
+            }
+        }
+        r.finish()?;
+        Ok(IngressConfig {
+            grpc_addr,
+            tenants: Arc::new(tenants.expect("checked by finish")),
+            nats_urls,
+            max_diff_bytes,
+            shutdown_grace: Duration::from_secs(grace),
+            log_json,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn reports_all_problems_at_once() {
+        let dir = tempfile_dir();
+        let path = dir.join("tenants.toml");
+        std::fs::write(&path, "[[tenants]]\nid = \"a\"\nregion = \"eu\"\n").unwrap();
+        let env: HashMap<&str, String> = [
+            ("REVIEWLANE_TENANTS_FILE", path.display().to_string()),
+            ("REVIEWLANE_NATS_URL_US", "nats://127.0.0.1:1".to_string()),
+            ("REVIEWLANE_MAX_DIFF_BYTES", "lots".to_string()),
+            ("REVIEWLANE_GRPC_ADDR", "nowhere".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        let errs = IngressConfig::from_env(&env).unwrap_err();
+        assert_eq!(errs.0.len(), 3, "{errs}");
+        assert!(errs.to_string().contains("REVIEWLANE_NATS_URL_EU"));
+    }
+
+    #[test]
+    fn missing_everything() {
+        let env: HashMap<&str, String> = HashMap::new();
+        let errs = IngressConfig::from_env(&env).unwrap_err();
+        assert_eq!(errs.0.len(), 2, "{errs}");
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("reviewlane-ingress-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}

@@ -1,0 +1,358 @@
+//! `ReviewService`: submit, get, watch and cancel reviews. Each call works on the
+//! region named by the tenant's policy (submit) or by the job id's prefix (the rest),
+//! and touches only that region's NATS. No call waits on a provider.
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use futures::{Stream, StreamExt};
+use reviewlane_shared::api;
+use reviewlane_shared::diff;
+use reviewlane_shared::findings::{self, Finding};
+use reviewlane_shared::job::{Event, JobRecord, JobState, ReviewDepth};
+use reviewlane_shared::job_id;
+use reviewlane_shared::job_store::{Created, JobStore, StoreError};
+use reviewlane_shared::layout::{self, RegionLayout};
+use reviewlane_shared::messages::{FindingsMessage, ReviewMetadata, ReviewMessage};
+use reviewlane_shared::proto::{
+    self, CancelReviewRequest, CancelReviewResponse, GetReviewRequest, GetReviewResponse, SubmitReviewRequest,
+    SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
+};
+use reviewlane_shared::region::Region;
+use reviewlane_shared::telemetry::now_ms;
+use reviewlane_shared::tenants::Tenant;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tracing::{Instrument, instrument};
+
+use crate::auth::tenant;
+use crate::error::ApiError;
+
+const MAX_IDEMPOTENCY_KEY: usize = 256;
+const MAX_METADATA_FIELD: usize = 1024;
+/// How long a client is told to wait when a lane is full.
+const LANE_FULL_RETRY: Duration = Duration::from_secs(5);
+
+/// One region as the ingress sees it.
+#[derive(Clone)]
+pub struct RegionHandle {
+    pub layout: RegionLayout,
+    pub jobs: JobStore,
+    pub max_payload: usize,
+}
+
+#[derive(Clone)]
+pub struct ReviewApi {
+    regions: Arc<BTreeMap<Region, RegionHandle>>,
+    max_diff_bytes: usize,
+    shutdown: CancellationToken,
+}
+
+impl ReviewApi {
+    pub fn new(regions: BTreeMap<Region, RegionHandle>, max_diff_bytes: usize, shutdown: CancellationToken) -> Self {
+        ReviewApi { regions: Arc::new(regions), max_diff_bytes, shutdown }
+    }
+
+    fn region(&self, r: Region) -> Result<&RegionHandle, ApiError> {
+        // Configuration checks every tenant's region has a NATS; a job id naming another
+        // region is simply not found here.
+        self.regions.get(&r).ok_or(ApiError::NotFound)
+    }
+
+    /// The job a tenant may see: its own, in its own region.
+    async fn owned_job(&self, tenant: &Tenant, id: &str) -> Result<(&RegionHandle, JobRecord), ApiError> {
+        let region = job_id::region_of(id).map_err(|e| ApiError::invalid("job_id", e.to_string()))?;
+        if region != tenant.region {
+            return Err(ApiError::NotFound);
+        }
+        let handle = self.region(region)?;
+        match handle.jobs.get(id).await? {
+            Some((rec, _)) if rec.tenant == tenant.id => Ok((handle, rec)),
+            _ => Err(ApiError::NotFound),
+        }
+    }
+
+    #[instrument(skip_all, fields(tenant = %tenant.id, region = %tenant.region, job_id = tracing::field::Empty, lane = tracing::field::Empty))]
+    async fn submit(&self, tenant: &Tenant, req: SubmitReviewRequest) -> Result<proto::Review, ApiError> {
+        let lane = api::lane_from_proto(req.lane).ok_or_else(|| ApiError::invalid("lane", "unknown lane"))?;
+        let schema_version = if req.schema_version.is_empty() {
+            findings::LATEST_SCHEMA.to_string()
+        } else if findings::is_known_schema(&req.schema_version) {
+            req.schema_version.clone()
+        } else {
+            return Err(ApiError::invalid(
+                "schema_version",
+                format!("unknown findings schema version; known: {}", findings::known_schemas().join(", ")),
+            ));
+        };
+        let limit = tenant.max_diff_bytes.unwrap_or(self.max_diff_bytes);
+        if req.diff.len() > limit {
+            return Err(ApiError::invalid(
+                "diff",
+                format!("diff is {} bytes, over the limit of {limit} bytes", req.diff.len()),
+            ));
+        }
+        diff::parse(&req.diff).map_err(|e| ApiError::invalid("diff", e.to_string()))?;
+        if req.idempotency_key.len() > MAX_IDEMPOTENCY_KEY {
+            return Err(ApiError::invalid("idempotency_key", format!("longer than {MAX_IDEMPOTENCY_KEY} bytes")));
+        }
+        let metadata = req.metadata.unwrap_or_default();
+        for (field, v) in [
+            ("metadata.repository", &metadata.repository),
+            ("metadata.base_revision", &metadata.base_revision),
+            ("metadata.head_revision", &metadata.head_revision),
+        ] {
+            if v.len() > MAX_METADATA_FIELD {
+                return Err(ApiError::invalid(field, format!("longer than {MAX_METADATA_FIELD} bytes")));
+            }
+        }
+        let idempotency_key = if req.idempotency_key.is_empty() {
+            hex::encode(rand::random::<[u8; 16]>())
+        } else {
+            req.idempotency_key
+        };
+
+        let region = tenant.region;
+        let handle = self.region(region)?;
+        let id = job_id::derive(region, &tenant.id, &idempotency_key);
+        tracing::Span::current().record("job_id", id.as_str()).record("lane", lane.as_str());
+        let request_digest = job_id::sha256_hex(&[
+            lane.as_str().as_bytes(),
+            schema_version.as_bytes(),
+            req.diff.as_bytes(),
+            metadata.repository.as_bytes(),
+            metadata.base_revision.as_bytes(),
+            metadata.head_revision.as_bytes(),
+        ]);
+        let now = now_ms();
+        let record = JobRecord::accepted(
+            id.clone(),
+            tenant.id.clone(),
+            region,
+            lane,
+            schema_version.clone(),
+            job_id::sha256_hex(&[req.diff.as_bytes()]),
+            request_digest,
+            ReviewDepth::Full,
+            now,
+        );
+        let rec = match handle.jobs.create(&record).await? {
+            Created::New(rec) => rec,
+            Created::Exists(existing) if existing.request_digest != record.request_digest => {
+                return Err(ApiError::AlreadyExists);
+            }
+            // A retry of a request we already hold. If the first attempt stopped before
+            // its message was on the lane, finish the enqueue now; the lane drops a
+            // duplicate through Nats-Msg-Id and the extractor through the job state.
+            Created::Exists(existing) if existing.state != JobState::Accepted => {
+                tracing::debug!(state = existing.state.as_str(), "idempotent retry");
+                return Ok(api::review(&existing, &[]));
+            }
+            Created::Exists(existing) => existing,
+        };
+        let msg = ReviewMessage {
+            job_id: id.clone(),
+            tenant: tenant.id.clone(),
+            region,
+            lane,
+            schema_version,
+            review_depth: rec.review_depth,
+            metadata: ReviewMetadata {
+                repository: metadata.repository,
+                base_revision: metadata.base_revision,
+                head_revision: metadata.head_revision,
+            },
+            diff: req.diff,
+            submitted_at_ms: rec.created_at_ms,
+        };
+        enqueue(handle, &msg).await?;
+        let rec = match handle.jobs.apply(&id, &Event::Enqueued).await {
+            Ok(r) => r,
+            // A worker was quicker (accepted -> running) or the job was cancelled.
+            Err(StoreError::Transition(_, current)) => *current,
+            Err(e) => return Err(e.into()),
+        };
+        tracing::info!(state = rec.state.as_str(), "review accepted");
+        Ok(api::review(&rec, &[]))
+    }
+
+    /// The API view with findings for a validated or published job.
+    async fn view(&self, handle: &RegionHandle, rec: &JobRecord) -> Result<proto::Review, ApiError> {
+        let findings = if matches!(rec.state, JobState::Validated | JobState::Published) {
+            read_findings(&handle.layout, rec).await?
+        } else {
+            Vec::new()
+        };
+        Ok(api::review(rec, &findings))
+    }
+}
+
+#[instrument(skip_all, fields(job_id = %msg.job_id, messaging.system = "nats"))]
+async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiError> {
+    let payload = serde_json::to_vec(msg).map_err(|e| ApiError::Internal(e.into()))?;
+    if payload.len() > handle.max_payload {
+        return Err(ApiError::invalid(
+            "diff",
+            format!("review is {} bytes once encoded, over the server's {} bytes", payload.len(), handle.max_payload),
+        ));
+    }
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(async_nats::header::NATS_MESSAGE_ID, msg.job_id.as_str());
+    let subject = layout::lane_subject(msg.region, msg.lane, &msg.tenant);
+    let ack = handle
+        .layout
+        .js
+        .publish_with_headers(subject, headers, payload.into())
+        .await
+        .map_err(|e| ApiError::Unavailable(e.into()))?
+        .await;
+    match ack {
+        Ok(_) => Ok(()),
+        Err(e) if is_stream_full(&e) => {
+            Err(ApiError::ResourceExhausted { what: "lane is full", retry_after: LANE_FULL_RETRY })
+        }
+        Err(e) => Err(ApiError::Unavailable(e.into())),
+    }
+}
+
+/// A lane at its maximum backlog refuses new messages (discard new).
+fn is_stream_full(e: &jetstream::context::PublishError) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .is_some_and(|j| {
+            j.error_code() == jetstream::ErrorCode::STREAM_STORE_FAILED
+                || j.error_code() == jetstream::ErrorCode::STREAM_MAX_STREAM_BYTES_EXCEEDED
+        })
+}
+
+async fn read_findings(layout: &RegionLayout, rec: &JobRecord) -> Result<Vec<Finding>, ApiError> {
+    let stream = layout
+        .js
+        .get_stream_no_info(layout::findings_stream(rec.region))
+        .await
+        .map_err(|e| ApiError::Unavailable(e.into()))?;
+    let subject = layout::findings_subject(rec.region, &rec.tenant, &rec.job_id);
+    match stream.get_last_raw_message_by_subject(&subject).await {
+        Ok(m) => {
+            let msg: FindingsMessage =
+                serde_json::from_slice(&m.payload).map_err(|e| ApiError::Internal(e.into()))?;
+            Ok(msg.findings)
+        }
+        Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(Vec::new()),
+        Err(e) => Err(ApiError::Unavailable(e.into())),
+    }
+}
+
+/// A client-supplied id goes into a span only when it has the shape of a job id.
+fn span_id(id: &str) -> &str {
+    if job_id::region_of(id).is_ok() { id } else { "malformed" }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchReviewResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ReviewService for ReviewApi {
+    async fn submit_review(
+        &self,
+        req: Request<SubmitReviewRequest>,
+    ) -> Result<Response<SubmitReviewResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let review = self.submit(&tenant, req.into_inner()).await?;
+        Ok(Response::new(SubmitReviewResponse { review: Some(review) }))
+    }
+
+    #[instrument(skip_all, fields(job_id = span_id(&req.get_ref().job_id)))]
+    async fn get_review(&self, req: Request<GetReviewRequest>) -> Result<Response<GetReviewResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
+        let review = self.view(handle, &rec).await?;
+        Ok(Response::new(GetReviewResponse { review: Some(review) }))
+    }
+
+    type WatchReviewStream = WatchStream;
+
+    #[instrument(skip_all, fields(job_id = span_id(&req.get_ref().job_id)))]
+    async fn watch_review(&self, req: Request<WatchReviewRequest>) -> Result<Response<Self::WatchReviewStream>, Status> {
+        let tenant = tenant(&req)?;
+        let id = req.into_inner().job_id;
+        let (handle, _) = self.owned_job(&tenant, &id).await?;
+        // Watch first, then read: no change can fall between the two.
+        let mut watch = handle.jobs.kv().watch(&id).await.map_err(|e| ApiError::Unavailable(e.into()))?;
+        let (rec, revision) = handle.jobs.get(&id).await.map_err(ApiError::from)?.ok_or(ApiError::NotFound)?;
+        let (tx, rx) = mpsc::channel(8);
+        let api = self.clone();
+        let handle = handle.clone();
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(
+            async move {
+                let mut last = revision;
+                let mut rec = rec;
+                loop {
+                    let review = match api.view(&handle, &rec).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = tx.send(Err(e.into())).await;
+                            return;
+                        }
+                    };
+                    if tx.send(Ok(WatchReviewResponse { review: Some(review) })).await.is_err() || rec.state.is_final() {
+                        return;
+                    }
+                    // Next newer record; deletes and older revisions are skipped.
+                    rec = loop {
+                        let entry = tokio::select! {
+                            e = watch.next() => e,
+                            _ = shutdown.cancelled() => {
+                                let _ = tx.send(Err(Status::unavailable("server shutting down; watch again"))).await;
+                                return;
+                            }
+                            _ = tx.closed() => return,
+                        };
+                        match entry {
+                            Some(Ok(e)) if e.operation == kv::Operation::Put && e.revision > last => {
+                                last = e.revision;
+                                match serde_json::from_slice::<JobRecord>(&e.value) {
+                                    Ok(r) => break r,
+                                    Err(_) => continue,
+                                }
+                            }
+                            Some(Ok(_)) => continue,
+                            Some(Err(e)) => {
+                                let _ = tx.send(Err(ApiError::Unavailable(e.into()).into())).await;
+                                return;
+                            }
+                            None => return,
+                        }
+                    };
+                }
+            }
+            .instrument(tracing::Span::current()),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    #[instrument(skip_all, fields(job_id = span_id(&req.get_ref().job_id)))]
+    async fn cancel_review(&self, req: Request<CancelReviewRequest>) -> Result<Response<CancelReviewResponse>, Status> {
+        let tenant = tenant(&req)?;
+        let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
+        let event = Event::Terminate {
+            reason: reviewlane_shared::job::TerminalReason::Cancelled,
+            upstream_status: None,
+        };
+        let rec = match handle.jobs.apply(&rec.job_id, &event).await {
+            Ok(r) => {
+                tracing::info!("review cancelled");
+                r
+            }
+            Err(StoreError::Transition(_, current)) => *current,
+            Err(e) => return Err(ApiError::from(e).into()),
+        };
+        let review = self.view(handle, &rec).await?;
+        Ok(Response::new(CancelReviewResponse { review: Some(review) }))
+    }
+}

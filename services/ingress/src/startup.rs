@@ -1,0 +1,95 @@
+//! Building and running the ingress: connect to every configured region (identity
+//! checked), serve gRPC (review service behind authentication, health, reflection),
+//! and drain on shutdown.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+
+use reviewlane_shared::layout::LayoutConfig;
+use reviewlane_shared::proto::review_service_server::ReviewServiceServer;
+use reviewlane_shared::startup::{StartError, connect_region};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::Authenticator;
+use crate::config::IngressConfig;
+use crate::service::{RegionHandle, ReviewApi};
+
+pub struct App {
+    listener: TcpListener,
+    api: ReviewApi,
+    config: IngressConfig,
+    clients: Vec<async_nats::Client>,
+    shutdown: CancellationToken,
+}
+
+pub async fn build(config: IngressConfig) -> Result<App, StartError> {
+    let mut regions = BTreeMap::new();
+    let mut clients = Vec::new();
+    for (region, url) in &config.nats_urls {
+        let conn = connect_region(url, *region, "reviewlane-ingress", &LayoutConfig::default()).await?;
+        let max_payload = conn.client.server_info().max_payload;
+        regions.insert(
+            *region,
+            RegionHandle {
+                jobs: reviewlane_shared::job_store::JobStore::new(conn.layout.jobs.clone()),
+                layout: conn.layout,
+                max_payload,
+            },
+        );
+        clients.push(conn.client);
+    }
+    let listener = TcpListener::bind(config.grpc_addr).await.map_err(|e| StartError::Other(e.into()))?;
+    let shutdown = CancellationToken::new();
+    let api = ReviewApi::new(regions, config.max_diff_bytes, shutdown.clone());
+    Ok(App { listener, api, config, clients, shutdown })
+}
+
+impl App {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("bound listener has an address")
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting, lets in-flight calls
+    /// finish within the grace period, and drains the NATS connections.
+    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let (health_reporter, health_service) = tonic_health::server::health_reporter();
+        health_reporter.set_serving::<ReviewServiceServer<ReviewApi>>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(reviewlane_shared::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()?;
+        let auth = Authenticator::new(self.config.tenants.clone());
+        let service = ReviewServiceServer::with_interceptor(self.api, move |req| auth.intercept(req));
+        tracing::info!(addr = %self.listener.local_addr()?, regions = self.clients.len(), "ingress serving");
+
+        let token = self.shutdown.clone();
+        let grace = self.config.shutdown_grace;
+        let stopping = async move {
+            shutdown.await;
+            tracing::info!("shutting down: no new calls");
+            health_reporter.set_not_serving::<ReviewServiceServer<ReviewApi>>().await;
+            // End open watches so the server can finish.
+            token.cancel();
+        };
+        let server = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(service)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stopping);
+        let token = self.shutdown.clone();
+        tokio::select! {
+            res = server => res?,
+            _ = async { token.cancelled().await; tokio::time::sleep(grace).await } => {
+                tracing::warn!("grace period over with calls still in flight");
+            }
+        }
+        for c in self.clients {
+            let _ = c.drain().await;
+        }
+        tracing::info!("ingress stopped");
+        Ok(())
+    }
+}

@@ -1,0 +1,89 @@
+//! The job store: job records in KV `JOBS_<R>`, every change a compare-and-set on the
+//! record's revision through `job::transition`.
+
+use async_nats::jetstream::kv;
+
+use crate::job::{Event, JobRecord, TransitionError, transition};
+use crate::telemetry::now_ms;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("job not found")]
+    NotFound,
+    #[error("job record is unreadable")]
+    Corrupt,
+    #[error("{0}")]
+    Transition(TransitionError, Box<JobRecord>),
+    #[error("job record kept changing under compare-and-set")]
+    Contended,
+    #[error("NATS: {0}")]
+    Nats(#[from] async_nats::Error),
+}
+
+/// Result of `create`.
+pub enum Created {
+    New(JobRecord),
+    /// A record already had this id; here it is, as stored.
+    Exists(JobRecord),
+}
+
+#[derive(Clone)]
+pub struct JobStore {
+    kv: kv::Store,
+}
+
+/// How often `apply` re-reads after losing a compare-and-set before giving up.
+const CAS_TRIES: usize = 16;
+
+impl JobStore {
+    pub fn new(kv: kv::Store) -> Self {
+        JobStore { kv }
+    }
+
+    pub fn kv(&self) -> &kv::Store {
+        &self.kv
+    }
+
+    /// Creates the record unless the id exists (KV `create`: exactly one creator wins).
+    pub async fn create(&self, rec: &JobRecord) -> Result<Created, StoreError> {
+        let bytes = serde_json::to_vec(rec).expect("job record serializes");
+        match self.kv.create(&rec.job_id, bytes.into()).await {
+            Ok(_) => Ok(Created::New(rec.clone())),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                let (existing, _) = self.get(&rec.job_id).await?.ok_or(StoreError::NotFound)?;
+                Ok(Created::Exists(existing))
+            }
+            Err(e) => Err(StoreError::Nats(e.into())),
+        }
+    }
+
+    pub async fn get(&self, job_id: &str) -> Result<Option<(JobRecord, u64)>, StoreError> {
+        let Some(entry) = self.kv.entry(job_id).await.map_err(|e| StoreError::Nats(e.into()))? else {
+            return Ok(None);
+        };
+        if entry.operation != kv::Operation::Put {
+            return Ok(None);
+        }
+        let rec = serde_json::from_slice(&entry.value).map_err(|_| StoreError::Corrupt)?;
+        Ok(Some((rec, entry.revision)))
+    }
+
+    /// Applies `event` with compare-and-set, re-reading on conflict. A refused
+    /// transition returns the current record with the reason.
+    pub async fn apply(&self, job_id: &str, event: &Event) -> Result<JobRecord, StoreError> {
+        for _ in 0..CAS_TRIES {
+            let (rec, revision) = self.get(job_id).await?.ok_or(StoreError::NotFound)?;
+            let next = match transition(&rec, event, now_ms()) {
+                Ok(n) => n,
+                Err(e) => return Err(StoreError::Transition(e, Box::new(rec))),
+            };
+            let bytes = serde_json::to_vec(&next).expect("job record serializes");
+            match self.kv.update(job_id, bytes.into(), revision).await {
+                Ok(_) => return Ok(next),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(StoreError::Nats(e.into())),
+            }
+        }
+        Err(StoreError::Contended)
+    }
+}
