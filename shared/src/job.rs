@@ -47,6 +47,11 @@ pub enum TerminalReason {
     UpstreamRejected,
     Cancelled,
     DeadlineExceeded,
+    /// The provider account is out of quota (429 `insufficient_quota`): money, not load.
+    InsufficientQuota,
+    /// The message on the lane could not be read back (should never happen: the ingress
+    /// validated it).
+    InvalidInput,
     /// The tenant's sink refused the delivery permanently (4xx other than 408/429).
     DeliveryRejected,
 }
@@ -60,6 +65,8 @@ impl TerminalReason {
             TerminalReason::UpstreamRejected => "upstream_rejected",
             TerminalReason::Cancelled => "cancelled",
             TerminalReason::DeadlineExceeded => "deadline_exceeded",
+            TerminalReason::InsufficientQuota => "insufficient_quota",
+            TerminalReason::InvalidInput => "invalid_input",
             TerminalReason::DeliveryRejected => "delivery_rejected",
         }
     }

@@ -1,1 +1,12 @@
+//! reviewlane extractor, one per region: takes reviews off the region's lanes, asks the
+//! region's provider, validates the answer against the schema and the diff, and
+//! publishes the validated findings to `FINDINGS_<R>`.
 
+pub mod config;
+pub mod provider;
+pub mod startup;
+pub mod upstream;
+pub mod worker;
+
+pub use config::ExtractorConfig;
+pub use startup::{App, build, build_with_provider};

@@ -1,0 +1,188 @@
+//! Extractor configuration, read once and validated whole.
+//!
+//! | variable | default | meaning |
+//! | --- | --- | --- |
+//! | `REVIEWLANE_REGION` | required | `us` or `eu`: the only region this process touches |
+//! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
+//! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin` or `openai` (any OpenAI-compatible API) |
+//! | `REVIEWLANE_OPENAI_BASE_URL` | for `openai` | e.g. `https://api.openai.com/v1` |
+//! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
+//! | `REVIEWLANE_OPENAI_API_KEY` | optional | bearer key (kept secret) |
+//! | `REVIEWLANE_PROVIDER_REGION` | for `openai` | region the endpoint is bound to; must equal `REVIEWLANE_REGION` |
+//! | `REVIEWLANE_CONCURRENCY` | `8` | provider calls in flight in this process |
+//! | `REVIEWLANE_LEASE_SECS` | `30` | consumer ack wait; extended by progress acks during a call |
+//! | `REVIEWLANE_PROVIDER_TIMEOUT_SECS` | `120` | one provider call |
+//! | `REVIEWLANE_BUDGET_CONGESTION` / `_TRANSIENT` / `_SCHEMA` | `5` / `3` / `2` | retries per job and kind |
+//! | `REVIEWLANE_BACKOFF_BASE_MS` / `REVIEWLANE_BACKOFF_CAP_SECS` | `1000` / `60` | backoff without a hint |
+//! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
+
+use std::time::Duration;
+
+use reviewlane_shared::Region;
+use reviewlane_shared::config::{ConfigErrors, Env, Reader};
+use secrecy::SecretString;
+
+use crate::upstream::Backoff;
+
+#[derive(Debug, Clone)]
+pub enum ProviderConfig {
+    Builtin,
+    OpenAi { base_url: String, model: String, api_key: Option<SecretString>, endpoint_region: Region },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budgets {
+    pub congestion: u32,
+    pub transient: u32,
+    pub schema: u32,
+}
+
+impl Default for Budgets {
+    fn default() -> Self {
+        Budgets { congestion: 5, transient: 3, schema: 2 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ExtractorConfig {
+    pub region: Region,
+    pub nats_url: String,
+    pub provider: ProviderConfig,
+    pub concurrency: usize,
+    pub lease: Duration,
+    pub provider_timeout: Duration,
+    pub budgets: Budgets,
+    pub backoff: Backoff,
+    pub shutdown_grace: Duration,
+    pub log_json: bool,
+}
+
+impl ExtractorConfig {
+    /// A configuration with defaults, for tests and embedding.
+    pub fn new(region: Region, nats_url: impl Into<String>, provider: ProviderConfig) -> Self {
+        ExtractorConfig {
+            region,
+            nats_url: nats_url.into(),
+            provider,
+            concurrency: 8,
+            lease: Duration::from_secs(30),
+            provider_timeout: Duration::from_secs(120),
+            budgets: Budgets::default(),
+            backoff: Backoff::default(),
+            shutdown_grace: Duration::from_secs(20),
+            log_json: false,
+        }
+    }
+
+    pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
+        let mut r = Reader::new(env);
+        let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
+        let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
+        let provider = match r.raw("REVIEWLANE_PROVIDER").as_deref().unwrap_or("builtin") {
+            "builtin" => Some(ProviderConfig::Builtin),
+            "openai" => {
+                let base_url: Option<String> = r.required("REVIEWLANE_OPENAI_BASE_URL", "http(s) URL of the API");
+                let model: Option<String> = r.required("REVIEWLANE_OPENAI_MODEL", "model name");
+                let endpoint_region: Option<Region> =
+                    r.required("REVIEWLANE_PROVIDER_REGION", "`us` or `eu`: where the endpoint processes data");
+                let api_key = r.raw("REVIEWLANE_OPENAI_API_KEY").map(SecretString::from);
+                if let Some(u) = &base_url
+                    && !(u.starts_with("http://") || u.starts_with("https://"))
+                {
+                    r.error("REVIEWLANE_OPENAI_BASE_URL must be an http(s) URL");
+                }
+                match (base_url, model, endpoint_region) {
+                    (Some(base_url), Some(model), Some(endpoint_region)) => {
+                        Some(ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region })
+                    }
+                    _ => None,
+                }
+            }
+            _ => {
+                r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin` or `openai`)");
+                None
+            }
+        };
+        if let (Some(region), Some(ProviderConfig::OpenAi { endpoint_region, .. })) = (region, &provider)
+            && *endpoint_region != region
+        {
+            r.error(format!(
+                "provider endpoint belongs to region `{endpoint_region}` but this extractor serves `{region}`; refusing to send `{region}` content there"
+            ));
+        }
+        let d = ExtractorConfig::new(Region::Us, "", ProviderConfig::Builtin);
+        let concurrency: usize = r.or("REVIEWLANE_CONCURRENCY", d.concurrency, "a positive count");
+        if concurrency == 0 {
+            r.error("REVIEWLANE_CONCURRENCY must be positive");
+        }
+        let lease: u64 = r.or("REVIEWLANE_LEASE_SECS", 30, "whole seconds");
+        if lease == 0 {
+            r.error("REVIEWLANE_LEASE_SECS must be positive");
+        }
+        let timeout: u64 = r.or("REVIEWLANE_PROVIDER_TIMEOUT_SECS", 120, "whole seconds");
+        let budgets = Budgets {
+            congestion: r.or("REVIEWLANE_BUDGET_CONGESTION", d.budgets.congestion, "a count"),
+            transient: r.or("REVIEWLANE_BUDGET_TRANSIENT", d.budgets.transient, "a count"),
+            schema: r.or("REVIEWLANE_BUDGET_SCHEMA", d.budgets.schema, "a count"),
+        };
+        let base_ms: u64 = r.or("REVIEWLANE_BACKOFF_BASE_MS", 1000, "milliseconds");
+        let cap_s: u64 = r.or("REVIEWLANE_BACKOFF_CAP_SECS", 60, "whole seconds");
+        let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
+        let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
+        r.finish()?;
+        Ok(ExtractorConfig {
+            region: region.expect("checked"),
+            nats_url: nats_url.expect("checked"),
+            provider: provider.expect("checked"),
+            concurrency,
+            lease: Duration::from_secs(lease),
+            provider_timeout: Duration::from_secs(timeout),
+            budgets,
+            backoff: Backoff { base: Duration::from_millis(base_ms), cap: Duration::from_secs(cap_s), ..Backoff::default() },
+            shutdown_grace: Duration::from_secs(grace),
+            log_json,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&'static str, &str)]) -> HashMap<&'static str, String> {
+        pairs.iter().map(|(k, v)| (*k, v.to_string())).collect()
+    }
+
+    #[test]
+    fn builtin_defaults() {
+        let c = ExtractorConfig::from_env(&env(&[("REVIEWLANE_REGION", "eu"), ("REVIEWLANE_NATS_URL", "nats://x")])).unwrap();
+        assert_eq!(c.region, Region::Eu);
+        assert!(matches!(c.provider, ProviderConfig::Builtin));
+        assert_eq!(c.concurrency, 8);
+    }
+
+    #[test]
+    fn refuses_a_provider_endpoint_of_another_region() {
+        let errs = ExtractorConfig::from_env(&env(&[
+            ("REVIEWLANE_REGION", "eu"),
+            ("REVIEWLANE_NATS_URL", "nats://x"),
+            ("REVIEWLANE_PROVIDER", "openai"),
+            ("REVIEWLANE_OPENAI_BASE_URL", "https://api.example/v1"),
+            ("REVIEWLANE_OPENAI_MODEL", "m"),
+            ("REVIEWLANE_OPENAI_API_KEY", "sk-secret-value"),
+            ("REVIEWLANE_PROVIDER_REGION", "us"),
+        ]))
+        .unwrap_err();
+        assert_eq!(errs.0.len(), 1, "{errs}");
+        assert!(errs.0[0].contains("`us`") && errs.0[0].contains("`eu`"));
+        assert!(!errs.to_string().contains("sk-secret-value"));
+    }
+
+    #[test]
+    fn reports_all_missing() {
+        let errs = ExtractorConfig::from_env(&env(&[("REVIEWLANE_PROVIDER", "openai"), ("REVIEWLANE_CONCURRENCY", "0")])).unwrap_err();
+        // region, nats url, base url, model, provider region, concurrency
+        assert_eq!(errs.0.len(), 6, "{errs}");
+    }
+}

@@ -1,0 +1,108 @@
+//! OpenAI-compatible chat completions with structured outputs (`response_format`
+//! `json_schema`, strict). Works with OpenAI, vLLM, Ollama and LiteLLM endpoints.
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use reviewlane_shared::Region;
+use reviewlane_shared::findings;
+use secrecy::{ExposeSecret, SecretString};
+
+use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
+use crate::upstream::{UpstreamOutcome, classify};
+
+/// Header carrying the job id (metadata) so a provider or proxy can correlate calls.
+pub const JOB_ID_HEADER: &str = "x-reviewlane-job-id";
+
+const SYSTEM_PROMPT: &str = "You are a meticulous code reviewer. Review the unified diff the user sends. \
+Report only real problems in added lines: security issues (hard-coded secrets, injection, eval), \
+correctness and reliability bugs (panics, unchecked errors), leftover debug output, and TODO/FIXME notes. \
+For each finding give the file path exactly as on the diff's new side (`+++ b/<path>`, without `b/`), \
+the line number on the new side, a severity, a category, a short title, a message explaining the problem \
+and the fix, and `evidence`: text copied verbatim from that line. Answer with JSON that matches the schema; \
+an empty `findings` list is a valid answer.";
+
+pub struct OpenAiProvider {
+    http: reqwest::Client,
+    endpoint: String,
+    model: String,
+    api_key: Option<SecretString>,
+    region: Region,
+}
+
+impl OpenAiProvider {
+    pub fn new(base_url: &str, model: String, api_key: Option<SecretString>, region: Region, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(Duration::from_secs(10))
+            .pool_max_idle_per_host(64)
+            .build()
+            .expect("reqwest client builds");
+        OpenAiProvider {
+            http,
+            endpoint: format!("{}/chat/completions", base_url.trim_end_matches('/')),
+            model,
+            api_key,
+            region,
+        }
+    }
+
+    fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
+        // The schema as structured outputs take it: without the meta keys.
+        let mut schema = findings::schema_document(req.schema_version).cloned().unwrap_or_default();
+        if let Some(o) = schema.as_object_mut() {
+            for k in ["$schema", "$id", "title"] {
+                o.remove(k);
+            }
+        }
+        serde_json::json!({
+            "model": self.model,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": req.diff_text},
+            ],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": req.schema_version.replace('.', "_"), "strict": true, "schema": schema},
+            },
+        })
+    }
+
+    async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
+        let mut rb = self.http.post(&self.endpoint).header(JOB_ID_HEADER, req.job_id).json(&self.body(req));
+        if let Some(key) = &self.api_key {
+            rb = rb.bearer_auth(key.expose_secret());
+        }
+        let resp = match rb.send().await {
+            Ok(r) => r,
+            Err(e) if e.is_timeout() => return UpstreamOutcome::Transient { status_class: "timeout" },
+            Err(_) => return UpstreamOutcome::Transient { status_class: "connect" },
+        };
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        match resp.bytes().await {
+            Ok(body) => classify(status, &headers, &body),
+            Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },
+            Err(_) => UpstreamOutcome::Transient { status_class: "reset" },
+        }
+    }
+}
+
+impl Provider for OpenAiProvider {
+    fn name(&self) -> &'static str {
+        "openai"
+    }
+
+    fn region(&self) -> Region {
+        self.region
+    }
+
+    fn review<'a>(&'a self, req: &'a ProviderRequest<'a>) -> BoxFuture<'a, UpstreamOutcome> {
+        if req.region != self.region {
+            return futures::future::ready(UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }).boxed();
+        }
+        self.call(req).boxed()
+    }
+}

@@ -1,0 +1,200 @@
+//! Building and running one region's extractor: verify the wiring, create the durable
+//! pull consumers, pull only as many messages as there are free call slots, and drain
+//! on shutdown.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{self, PullConsumer};
+use futures::StreamExt;
+use reviewlane_shared::job_store::JobStore;
+use reviewlane_shared::layout::{self, LayoutConfig};
+use reviewlane_shared::region::Lane;
+use reviewlane_shared::startup::{StartError, connect_region};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::config::{ExtractorConfig, ProviderConfig};
+use crate::provider::Provider;
+use crate::provider::builtin::BuiltinAnalyzer;
+use crate::provider::openai::OpenAiProvider;
+use crate::worker::Worker;
+
+/// Longest a pull request waits on the server for a message.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+/// Most messages asked for in one pull.
+const MAX_PULL: usize = 64;
+
+pub struct App {
+    client: async_nats::Client,
+    worker: Arc<Worker>,
+    consumers: Vec<(Lane, PullConsumer)>,
+    config: ExtractorConfig,
+}
+
+pub fn consumer_name(lane: Lane) -> String {
+    format!("extractor-{}", lane.as_str())
+}
+
+pub async fn build(config: ExtractorConfig) -> Result<App, StartError> {
+    build_with_provider(config, None).await
+}
+
+/// As `build`, with a provider supplied by the caller (tests, embedding).
+pub async fn build_with_provider(config: ExtractorConfig, provider: Option<Arc<dyn Provider>>) -> Result<App, StartError> {
+    let provider: Arc<dyn Provider> = match (provider, &config.provider) {
+        (Some(p), _) => p,
+        (None, ProviderConfig::Builtin) => Arc::new(BuiltinAnalyzer::new(config.region)),
+        (None, ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region }) => {
+            Arc::new(OpenAiProvider::new(base_url, model.clone(), api_key.clone(), *endpoint_region, config.provider_timeout))
+        }
+    };
+    if provider.region() != config.region {
+        return Err(StartError::Other(anyhow::anyhow!(
+            "provider endpoint belongs to region `{}` but this extractor serves `{}`",
+            provider.region(),
+            config.region
+        )));
+    }
+    let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &LayoutConfig::default()).await?;
+    let mut consumers = Vec::new();
+    for lane in Lane::ALL {
+        let stream = conn
+            .layout
+            .js
+            .get_stream_no_info(layout::lane_stream(config.region, lane))
+            .await
+            .map_err(|e| StartError::Other(e.into()))?;
+        let c: PullConsumer = stream
+            .get_or_create_consumer(
+                &consumer_name(lane),
+                consumer::pull::Config {
+                    durable_name: Some(consumer_name(lane)),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    ack_wait: config.lease,
+                    // Our budgets live in the job record; naks must not run into a cap.
+                    max_deliver: -1,
+                    max_ack_pending: 10_000,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| StartError::Other(e.into()))?;
+        consumers.push((lane, c));
+    }
+    let worker = Arc::new(Worker {
+        region: config.region,
+        jobs: JobStore::new(conn.layout.jobs.clone()),
+        layout: conn.layout,
+        provider,
+        budgets: config.budgets,
+        backoff: config.backoff,
+        lease: config.lease,
+        provider_timeout: config.provider_timeout,
+    });
+    Ok(App { client: conn.client, worker, consumers, config })
+}
+
+impl App {
+    pub fn worker(&self) -> Arc<Worker> {
+        self.worker.clone()
+    }
+
+    /// Pulls and processes until `shutdown` resolves; then stops pulling, gives calls in
+    /// flight the grace period, hands back what is left, and drains NATS.
+    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let stop = CancellationToken::new();
+        let abort = CancellationToken::new();
+        let slots = Arc::new(Semaphore::new(self.config.concurrency));
+        let tasks = TaskTracker::new();
+        let mut loops = Vec::new();
+        for (lane, consumer) in self.consumers {
+            let span = tracing::info_span!("pull_loop", region = %self.config.region, lane = lane.as_str());
+            loops.push(tokio::spawn(
+                pull_loop(consumer, slots.clone(), self.worker.clone(), tasks.clone(), stop.clone(), abort.clone()).instrument(span),
+            ));
+        }
+        tracing::info!(region = %self.config.region, concurrency = self.config.concurrency, "extractor running");
+        shutdown.await;
+        tracing::info!("shutting down: no new pulls");
+        stop.cancel();
+        for l in loops {
+            let _ = l.await;
+        }
+        tasks.close();
+        if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {
+            tracing::warn!("grace period over; handing back unfinished work");
+            abort.cancel();
+            tasks.wait().await;
+        }
+        self.client.drain().await?;
+        tracing::info!("extractor stopped");
+        Ok(())
+    }
+}
+
+async fn pull_loop(
+    consumer: PullConsumer,
+    slots: Arc<Semaphore>,
+    worker: Arc<Worker>,
+    tasks: TaskTracker,
+    stop: CancellationToken,
+    abort: CancellationToken,
+) {
+    let mut failures = 0u32;
+    loop {
+        // Take a free slot before pulling: never hold a lease without a slot to use it.
+        let first = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+            _ = stop.cancelled() => return,
+        };
+        let mut permits = vec![first];
+        while permits.len() < MAX_PULL {
+            match slots.clone().try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => break,
+            }
+        }
+        let batch = tokio::select! {
+            b = consumer.batch().max_messages(permits.len()).expires(PULL_EXPIRES).messages() => b,
+            _ = stop.cancelled() => return,
+        };
+        let mut batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, "pull failed");
+                let pause = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = stop.cancelled() => return }
+            }
+        };
+        failures = 0;
+        loop {
+            let next = tokio::select! {
+                m = batch.next() => m,
+                _ = stop.cancelled() => return,
+            };
+            let Some(msg) = next else { break };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(error = %e, "pull message error");
+                    break;
+                }
+            };
+            let Some(permit) = permits.pop() else { break };
+            let worker = worker.clone();
+            let abort = abort.clone();
+            tasks.spawn(
+                async move {
+                    let _permit = permit;
+                    worker.process_one(msg, &abort).await;
+                }
+                .in_current_span(),
+            );
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! The extractor's unit of work: one lane message -> at most one provider call -> one
+//! decision, recorded in the job record by compare-and-set before the message is
+//! settled. No worker sleeps holding a lease: a retry is a nak with a delay.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use reviewlane_shared::diff;
+use reviewlane_shared::findings::{self, Validated};
+use reviewlane_shared::job::{Budget, Event, JobRecord, JobState, TerminalReason};
+use reviewlane_shared::job_store::{JobStore, StoreError};
+use reviewlane_shared::layout::{self, RegionLayout};
+use reviewlane_shared::messages::{FindingsMessage, ReviewMessage};
+use reviewlane_shared::region::Region;
+use reviewlane_shared::telemetry::now_ms;
+use tokio_util::sync::CancellationToken;
+use tracing::instrument;
+
+use crate::config::Budgets;
+use crate::provider::{Provider, ProviderRequest};
+use crate::upstream::{Backoff, UpstreamOutcome};
+
+/// How the worker settled one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Validated { findings: usize, quarantined: usize },
+    RetryScheduled { budget: Budget, delay: Duration },
+    Terminal(TerminalReason),
+    /// Nothing to do: the job is final or its result is already recorded.
+    Skipped,
+    /// Handed back without delay (shutdown) or after an infrastructure error.
+    Released,
+}
+
+pub struct Worker {
+    pub region: Region,
+    pub layout: RegionLayout,
+    pub jobs: JobStore,
+    pub provider: Arc<dyn Provider>,
+    pub budgets: Budgets,
+    pub backoff: Backoff,
+    pub lease: Duration,
+    pub provider_timeout: Duration,
+}
+
+/// Retry after our own infrastructure failed (NATS), not the provider.
+const INFRA_RETRY: Duration = Duration::from_secs(1);
+
+impl Worker {
+    /// Processes one message from a lane. `abort` fires when the shutdown grace is
+    /// over: a call still running is abandoned and the message handed back at once.
+    #[instrument(skip_all, fields(job_id = tracing::field::Empty, region = %self.region, provider = self.provider.name()))]
+    pub async fn process_one(&self, msg: jetstream::Message, abort: &CancellationToken) -> Outcome {
+        let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::error!("undecodable review message; terminating it");
+                settle(&msg, AckKind::Term).await;
+                return Outcome::Skipped;
+            }
+        };
+        tracing::Span::current().record("job_id", review.job_id.as_str());
+        if review.region != self.region {
+            // Cannot happen through our subjects; refuse rather than process.
+            tracing::error!(message_region = %review.region, "message of another region on this lane");
+            settle(&msg, AckKind::Term).await;
+            return Outcome::Skipped;
+        }
+        match self.run(&msg, &review, abort).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                tracing::warn!(error = %e, "infrastructure error; handing the message back");
+                settle(&msg, AckKind::Nak(Some(INFRA_RETRY))).await;
+                Outcome::Released
+            }
+        }
+    }
+
+    async fn run(&self, msg: &jetstream::Message, review: &ReviewMessage, abort: &CancellationToken) -> Result<Outcome, StoreError> {
+        let id = review.job_id.as_str();
+        let Some((rec, _)) = self.jobs.get(id).await? else {
+            tracing::warn!("no job record for message; terminating it");
+            settle(msg, AckKind::Term).await;
+            return Ok(Outcome::Skipped);
+        };
+        match rec.state {
+            s if s.is_final() => {
+                if rec.state == JobState::Terminal {
+                    self.dead_letter(msg, review, rec.reason.unwrap_or(TerminalReason::Cancelled)).await?;
+                }
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Skipped);
+            }
+            JobState::Validated => {
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Skipped);
+            }
+            // A previous holder may have published the result and died before
+            // recording it: record it instead of paying for a second call.
+            JobState::Running => {
+                if let Some(found) = self.published_result(review).await? {
+                    self.record_validated(msg, review, found.findings.len(), found.quarantined.len()).await?;
+                    return Ok(Outcome::Skipped);
+                }
+            }
+            _ => {}
+        }
+
+        let leased = self.jobs.apply(id, &Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 }).await;
+        let rec = match leased {
+            Ok(r) => r,
+            Err(StoreError::Transition(_, current)) => {
+                tracing::info!(state = current.state.as_str(), "job moved on before lease");
+                if current.state == JobState::Terminal {
+                    self.dead_letter(msg, review, current.reason.unwrap_or(TerminalReason::Cancelled)).await?;
+                }
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Skipped);
+            }
+            Err(e) => return Err(e),
+        };
+
+        let Ok(parsed) = diff::parse(&review.diff) else {
+            return self.terminate(msg, review, TerminalReason::InvalidInput, None).await;
+        };
+        let req = ProviderRequest {
+            job_id: id,
+            region: review.region,
+            schema_version: &review.schema_version,
+            diff_text: &review.diff,
+            diff: &parsed,
+            review_depth: review.review_depth,
+        };
+        let Some(upstream) = self.call_with_lease(msg, &req, abort).await else {
+            tracing::info!("shutdown grace over; handing the message back");
+            settle(msg, AckKind::Nak(None)).await;
+            return Ok(Outcome::Released);
+        };
+        let status = Some(upstream.status_class().to_string());
+        tracing::info!(outcome = upstream.status_class(), attempt = rec.attempts.leases, "provider answered");
+        match upstream {
+            UpstreamOutcome::Ok { output } => match findings::validate(&review.schema_version, &output, &parsed) {
+                Ok(validated) => self.complete(msg, review, validated).await,
+                Err(invalid) => {
+                    tracing::warn!(reason = invalid.as_str(), "invalid provider output");
+                    self.retry_or_terminate(msg, review, &rec, Budget::Schema, None, status).await
+                }
+            },
+            UpstreamOutcome::RateLimited { retry_after } => {
+                self.retry_or_terminate(msg, review, &rec, Budget::Congestion, retry_after, status).await
+            }
+            UpstreamOutcome::Transient { .. } => {
+                self.retry_or_terminate(msg, review, &rec, Budget::Transient, None, status).await
+            }
+            UpstreamOutcome::QuotaExhausted => {
+                tracing::error!("provider account out of quota");
+                self.terminate(msg, review, TerminalReason::InsufficientQuota, status).await
+            }
+            UpstreamOutcome::Permanent { status: code } => {
+                tracing::warn!(status = code, "provider rejected the request");
+                self.terminate(msg, review, TerminalReason::UpstreamRejected, status).await
+            }
+        }
+    }
+
+    /// Runs the provider call, extending the lease with progress acks while it is alive.
+    /// `None` when `abort` fired first.
+    async fn call_with_lease(&self, msg: &jetstream::Message, req: &ProviderRequest<'_>, abort: &CancellationToken) -> Option<UpstreamOutcome> {
+        let call = tokio::time::timeout(self.provider_timeout, self.provider.review(req));
+        tokio::pin!(call);
+        let mut heartbeat = tokio::time::interval(self.lease / 3);
+        heartbeat.tick().await; // the first tick is immediate
+        loop {
+            tokio::select! {
+                res = &mut call => {
+                    return Some(res.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" }));
+                }
+                _ = heartbeat.tick() => {
+                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                        tracing::warn!(error = %e, "progress ack failed");
+                    }
+                }
+                _ = abort.cancelled() => return None,
+            }
+        }
+    }
+
+    async fn complete(&self, msg: &jetstream::Message, review: &ReviewMessage, v: Validated) -> Result<Outcome, StoreError> {
+        let (n, q) = (v.findings.len(), v.quarantined.len());
+        for reason in v.quarantined.iter().map(|q| q.reason.as_str()) {
+            tracing::info!(reason, "finding quarantined");
+        }
+        let out = FindingsMessage {
+            job_id: review.job_id.clone(),
+            tenant: review.tenant.clone(),
+            region: review.region,
+            lane: review.lane,
+            schema_version: review.schema_version.clone(),
+            review_depth: review.review_depth,
+            metadata: review.metadata.clone(),
+            findings: v.findings,
+            quarantined: v.quarantined,
+            submitted_at_ms: review.submitted_at_ms,
+        };
+        let payload = serde_json::to_vec(&out).expect("findings serialize");
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
+        let subject = layout::findings_subject(review.region, &review.tenant, &review.job_id);
+        self.layout
+            .js
+            .publish_with_headers(subject, headers, payload.into())
+            .await
+            .map_err(|e| StoreError::Nats(e.into()))?
+            .await
+            .map_err(|e| StoreError::Nats(e.into()))?;
+        self.record_validated(msg, review, n, q).await?;
+        tracing::info!(findings = n, quarantined = q, "validated");
+        Ok(Outcome::Validated { findings: n, quarantined: q })
+    }
+
+    async fn record_validated(&self, msg: &jetstream::Message, review: &ReviewMessage, n: usize, q: usize) -> Result<(), StoreError> {
+        let event = Event::Validated { findings: n as u32, quarantined: q as u32 };
+        match self.jobs.apply(&review.job_id, &event).await {
+            Ok(_) => {}
+            // Cancelled meanwhile: the publisher sees the terminal state and delivers nothing.
+            Err(StoreError::Transition(_, current)) => {
+                tracing::info!(state = current.state.as_str(), "job moved on before validation was recorded");
+            }
+            Err(e) => return Err(e),
+        }
+        settle(msg, AckKind::Ack).await;
+        Ok(())
+    }
+
+    async fn published_result(&self, review: &ReviewMessage) -> Result<Option<FindingsMessage>, StoreError> {
+        let stream = self
+            .layout
+            .js
+            .get_stream_no_info(layout::findings_stream(review.region))
+            .await
+            .map_err(|e| StoreError::Nats(e.into()))?;
+        let subject = layout::findings_subject(review.region, &review.tenant, &review.job_id);
+        match stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => Ok(serde_json::from_slice(&m.payload).ok()),
+            Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(StoreError::Nats(e.into())),
+        }
+    }
+
+    async fn retry_or_terminate(
+        &self,
+        msg: &jetstream::Message,
+        review: &ReviewMessage,
+        rec: &JobRecord,
+        budget: Budget,
+        hint: Option<Duration>,
+        status: Option<String>,
+    ) -> Result<Outcome, StoreError> {
+        let used = rec.attempts.get(budget);
+        let allowed = match budget {
+            Budget::Congestion => self.budgets.congestion,
+            Budget::Transient => self.budgets.transient,
+            Budget::Schema => self.budgets.schema,
+        };
+        if used >= allowed {
+            let reason = match budget {
+                Budget::Congestion => TerminalReason::RateLimitBudgetExhausted,
+                Budget::Transient => TerminalReason::TransientBudgetExhausted,
+                Budget::Schema => TerminalReason::InvalidOutput,
+            };
+            return self.terminate(msg, review, reason, status).await;
+        }
+        let delay = hint.unwrap_or_else(|| self.backoff.delay(used + 1, rand::random::<f64>()));
+        let event = Event::RetryScheduled {
+            budget,
+            next_eligible_at_ms: now_ms() + delay.as_millis() as u64,
+            upstream_status: status,
+        };
+        match self.jobs.apply(&review.job_id, &event).await {
+            Ok(_) => {}
+            Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
+                self.dead_letter(msg, review, current.reason.unwrap_or(TerminalReason::Cancelled)).await?;
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Skipped);
+            }
+            Err(e) => return Err(e),
+        }
+        tracing::info!(budget = budget.as_str(), attempt = used + 1, delay_ms = delay.as_millis() as u64, "retry scheduled");
+        settle(msg, AckKind::Nak(Some(delay))).await;
+        Ok(Outcome::RetryScheduled { budget, delay })
+    }
+
+    async fn terminate(
+        &self,
+        msg: &jetstream::Message,
+        review: &ReviewMessage,
+        reason: TerminalReason,
+        status: Option<String>,
+    ) -> Result<Outcome, StoreError> {
+        match self.jobs.apply(&review.job_id, &Event::Terminate { reason, upstream_status: status }).await {
+            Ok(_) | Err(StoreError::Transition(..)) => {}
+            Err(e) => return Err(e),
+        }
+        self.dead_letter(msg, review, reason).await?;
+        settle(msg, AckKind::Ack).await;
+        tracing::warn!(reason = reason.as_str(), "job terminal");
+        Ok(Outcome::Terminal(reason))
+    }
+
+    /// Moves the review to `DEADLETTER_<R>` (same region, same access policy as the
+    /// diff) so it leaves the lane and stops skewing its queue age.
+    async fn dead_letter(&self, msg: &jetstream::Message, review: &ReviewMessage, reason: TerminalReason) -> Result<(), StoreError> {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
+        headers.insert("Reviewlane-Reason", reason.as_str());
+        let subject = layout::deadletter_subject(review.region, &review.tenant, &review.job_id);
+        self.layout
+            .js
+            .publish_with_headers(subject, headers, msg.payload.clone())
+            .await
+            .map_err(|e| StoreError::Nats(e.into()))?
+            .await
+            .map_err(|e| StoreError::Nats(e.into()))?;
+        Ok(())
+    }
+}
+
+async fn settle(msg: &jetstream::Message, kind: AckKind) {
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(error = %e, "settling the message failed; it will be redelivered after its lease");
+    }
+}
