@@ -1,1 +1,4 @@
+//! Load-test and test support for reviewlane: the simulated provider, and (in later
+//! issues) the load generator and scenarios.
 
+pub mod simprovider;

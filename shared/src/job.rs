@@ -54,6 +54,8 @@ pub enum TerminalReason {
     InvalidInput,
     /// The tenant's sink refused the delivery permanently (4xx other than 408/429).
     DeliveryRejected,
+    /// The tenant's sink kept failing transiently until the delivery budget ran out.
+    DeliveryBudgetExhausted,
 }
 
 impl TerminalReason {
@@ -68,6 +70,7 @@ impl TerminalReason {
             TerminalReason::InsufficientQuota => "insufficient_quota",
             TerminalReason::InvalidInput => "invalid_input",
             TerminalReason::DeliveryRejected => "delivery_rejected",
+            TerminalReason::DeliveryBudgetExhausted => "delivery_budget_exhausted",
         }
     }
 }

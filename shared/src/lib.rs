@@ -12,6 +12,7 @@ pub mod job_id;
 pub mod job_store;
 pub mod layout;
 pub mod messages;
+pub mod pull;
 pub mod region;
 pub mod startup;
 pub mod telemetry;

@@ -4,13 +4,12 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_nats::jetstream::consumer::{self, PullConsumer};
-use futures::StreamExt;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::region::Lane;
+use reviewlane_shared::pull::pull_loop;
 use reviewlane_shared::startup::{StartError, connect_region};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -22,11 +21,6 @@ use crate::provider::Provider;
 use crate::provider::builtin::BuiltinAnalyzer;
 use crate::provider::openai::OpenAiProvider;
 use crate::worker::Worker;
-
-/// Longest a pull request waits on the server for a message.
-const PULL_EXPIRES: Duration = Duration::from_secs(5);
-/// Most messages asked for in one pull.
-const MAX_PULL: usize = 64;
 
 pub struct App {
     client: async_nats::Client,
@@ -113,9 +107,16 @@ impl App {
         let mut loops = Vec::new();
         for (lane, consumer) in self.consumers {
             let span = tracing::info_span!("pull_loop", region = %self.config.region, lane = lane.as_str());
-            loops.push(tokio::spawn(
-                pull_loop(consumer, slots.clone(), self.worker.clone(), tasks.clone(), stop.clone(), abort.clone()).instrument(span),
-            ));
+            let worker = self.worker.clone();
+            let abort = abort.clone();
+            let handle = move |msg| {
+                let worker = worker.clone();
+                let abort = abort.clone();
+                async move {
+                    worker.process_one(msg, &abort).await;
+                }
+            };
+            loops.push(tokio::spawn(pull_loop(consumer, slots.clone(), tasks.clone(), stop.clone(), handle).instrument(span)));
         }
         tracing::info!(region = %self.config.region, concurrency = self.config.concurrency, "extractor running");
         shutdown.await;
@@ -133,68 +134,5 @@ impl App {
         self.client.drain().await?;
         tracing::info!("extractor stopped");
         Ok(())
-    }
-}
-
-async fn pull_loop(
-    consumer: PullConsumer,
-    slots: Arc<Semaphore>,
-    worker: Arc<Worker>,
-    tasks: TaskTracker,
-    stop: CancellationToken,
-    abort: CancellationToken,
-) {
-    let mut failures = 0u32;
-    loop {
-        // Take a free slot before pulling: never hold a lease without a slot to use it.
-        let first = tokio::select! {
-            p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
-            _ = stop.cancelled() => return,
-        };
-        let mut permits = vec![first];
-        while permits.len() < MAX_PULL {
-            match slots.clone().try_acquire_owned() {
-                Ok(p) => permits.push(p),
-                Err(_) => break,
-            }
-        }
-        let batch = tokio::select! {
-            b = consumer.batch().max_messages(permits.len()).expires(PULL_EXPIRES).messages() => b,
-            _ = stop.cancelled() => return,
-        };
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(error = %e, "pull failed");
-                let pause = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
-                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = stop.cancelled() => return }
-            }
-        };
-        failures = 0;
-        loop {
-            let next = tokio::select! {
-                m = batch.next() => m,
-                _ = stop.cancelled() => return,
-            };
-            let Some(msg) = next else { break };
-            let msg = match msg {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::warn!(error = %e, "pull message error");
-                    break;
-                }
-            };
-            let Some(permit) = permits.pop() else { break };
-            let worker = worker.clone();
-            let abort = abort.clone();
-            tasks.spawn(
-                async move {
-                    let _permit = permit;
-                    worker.process_one(msg, &abort).await;
-                }
-                .in_current_span(),
-            );
-        }
     }
 }

@@ -1,1 +1,10 @@
+//! reviewlane publisher, one per region: delivers each job's validated findings to the
+//! tenant's sink exactly once, deduplicating through KV `PUBLISHED_<R>`.
 
+pub mod config;
+pub mod sink;
+pub mod startup;
+pub mod worker;
+
+pub use config::PublisherConfig;
+pub use startup::{App, build};

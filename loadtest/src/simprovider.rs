@@ -1,0 +1,289 @@
+//! A simulated LLM provider speaking the OpenAI-compatible chat-completions contract
+//! over real HTTP (hyper), with knobs for latency, a concurrency cap, what happens over
+//! the cap (queue, or 429 with a retry hint), 5xx and malformed-output rates, findings
+//! that point outside the diff, and scripted answers. `GET /stats` counts calls per job
+//! id and the most concurrent calls seen.
+//!
+//! Answers are real findings: it parses the diff in the prompt and points at real added
+//! lines, quoting them, so they pass validation unless a knob says otherwise.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde::Serialize;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, oneshot};
+
+pub const JOB_ID_HEADER: &str = "x-reviewlane-job-id";
+
+/// What to do with a call over the concurrency cap.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OverCap {
+    /// Wait for a slot (a provider that queues).
+    Queue,
+    /// Answer 429 with these headers (e.g. `retry-after: 2`).
+    Reject { headers: Vec<(String, String)> },
+}
+
+/// One scripted answer, used before the knobs: tests say exactly what happens.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scripted {
+    Status { status: u16, headers: Vec<(String, String)>, body: String },
+    /// 200 with this text as the model's output.
+    Output(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub latency: Duration,
+    pub concurrency_cap: Option<usize>,
+    pub over_cap: OverCap,
+    /// Share of calls answered 500.
+    pub error_5xx_rate: f64,
+    /// Share of calls whose output is not JSON.
+    pub malformed_rate: f64,
+    /// Add one finding whose path is not in the diff and one whose line is in no hunk.
+    pub outside_diff: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            latency: Duration::ZERO,
+            concurrency_cap: None,
+            over_cap: OverCap::Queue,
+            error_5xx_rate: 0.0,
+            malformed_rate: 0.0,
+            outside_diff: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct Stats {
+    pub total_calls: u64,
+    /// Calls per job id (`x-reviewlane-job-id`), every answer counted.
+    pub calls_by_job: BTreeMap<String, u64>,
+    /// Calls answered 200 per job id: the paid ones.
+    pub paid_by_job: BTreeMap<String, u64>,
+    pub calls_429: u64,
+    pub calls_5xx: u64,
+    pub max_concurrent: usize,
+    /// Start times of calls (ms since the server started), per job id.
+    pub call_times_ms: BTreeMap<String, Vec<u64>>,
+    /// Every distinct text seen in prompts' user messages is checked against this list.
+    pub canaries_seen: Vec<String>,
+}
+
+struct State {
+    config: SimConfig,
+    slots: Option<Arc<Semaphore>>,
+    in_flight: AtomicUsize,
+    stats: Mutex<Stats>,
+    script: Mutex<VecDeque<Scripted>>,
+    started: Instant,
+    canaries: Vec<String>,
+}
+
+/// A running simulated provider; stops when dropped.
+pub struct SimProvider {
+    addr: SocketAddr,
+    state: Arc<State>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl SimProvider {
+    pub async fn start(config: SimConfig) -> SimProvider {
+        Self::start_with(config, Vec::new()).await
+    }
+
+    /// `canaries`: strings to watch for in prompts; `stats().canaries_seen` lists hits.
+    pub async fn start_with(config: SimConfig, canaries: Vec<String>) -> SimProvider {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind simulated provider");
+        let addr = listener.local_addr().expect("addr");
+        let state = Arc::new(State {
+            slots: config.concurrency_cap.map(|n| Arc::new(Semaphore::new(n))),
+            config,
+            in_flight: AtomicUsize::new(0),
+            stats: Mutex::new(Stats::default()),
+            script: Mutex::new(VecDeque::new()),
+            started: Instant::now(),
+            canaries,
+        });
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let st = state.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    a = listener.accept() => a,
+                    _ = &mut stopped => return,
+                };
+                let Ok((stream, _)) = accepted else { continue };
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| handle(st.clone(), req));
+                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+        });
+        SimProvider { addr, state, _stop: stop }
+    }
+
+    /// Base URL for an OpenAI-compatible client: `http://127.0.0.1:port/v1`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.state.stats.lock().expect("stats lock").clone()
+    }
+
+    /// Queues scripted answers, used in order before the knobs apply.
+    pub fn script(&self, answers: impl IntoIterator<Item = Scripted>) {
+        self.state.script.lock().expect("script lock").extend(answers);
+    }
+}
+
+fn respond(status: StatusCode, headers: &[(String, String)], body: String) -> Response<Full<Bytes>> {
+    let mut b = Response::builder().status(status).header("content-type", "application/json");
+    for (k, v) in headers {
+        b = b.header(k.as_str(), v.as_str());
+    }
+    b.body(Full::new(Bytes::from(body))).expect("response builds")
+}
+
+fn chat_completion(output: &str) -> String {
+    json!({
+        "id": "chatcmpl-sim",
+        "object": "chat.completion",
+        "model": "sim",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": output}}],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 50, "total_tokens": 150},
+    })
+    .to_string()
+}
+
+async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    if req.method() == hyper::Method::GET && req.uri().path() == "/stats" {
+        let body = serde_json::to_string(&*st.stats.lock().expect("stats lock")).expect("stats serialize");
+        return Ok(respond(StatusCode::OK, &[], body));
+    }
+    if req.method() != hyper::Method::POST || req.uri().path() != "/v1/chat/completions" {
+        return Ok(respond(StatusCode::NOT_FOUND, &[], "{}".into()));
+    }
+    let job = req.headers().get(JOB_ID_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let prompt = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["messages"].as_array()?.iter().rev().find(|m| m["role"] == "user")?["content"].as_str().map(str::to_string))
+        .unwrap_or_default();
+    {
+        let mut s = st.stats.lock().expect("stats lock");
+        s.total_calls += 1;
+        *s.calls_by_job.entry(job.clone()).or_default() += 1;
+        s.call_times_ms.entry(job.clone()).or_default().push(st.started.elapsed().as_millis() as u64);
+        for c in &st.canaries {
+            if prompt.contains(c.as_str()) && !s.canaries_seen.contains(c) {
+                s.canaries_seen.push(c.clone());
+            }
+        }
+    }
+
+    // Admission at the cap.
+    let _permit = match &st.slots {
+        None => None,
+        Some(slots) => match &st.config.over_cap {
+            OverCap::Queue => Some(slots.clone().acquire_owned().await.expect("semaphore open")),
+            OverCap::Reject { headers } => match slots.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    st.stats.lock().expect("stats lock").calls_429 += 1;
+                    let body = json!({"error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}});
+                    return Ok(respond(StatusCode::TOO_MANY_REQUESTS, headers, body.to_string()));
+                }
+            },
+        },
+    };
+    let now = st.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+    {
+        let mut s = st.stats.lock().expect("stats lock");
+        s.max_concurrent = s.max_concurrent.max(now);
+    }
+    let scripted = st.script.lock().expect("script lock").pop_front();
+    tokio::time::sleep(st.config.latency).await;
+    st.in_flight.fetch_sub(1, Ordering::SeqCst);
+
+    let output = match scripted {
+        Some(Scripted::Status { status, headers, body }) => {
+            let mut s = st.stats.lock().expect("stats lock");
+            match status {
+                429 => s.calls_429 += 1,
+                500..=599 => s.calls_5xx += 1,
+                _ => {}
+            }
+            return Ok(respond(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), &headers, body));
+        }
+        Some(Scripted::Output(text)) => text,
+        None => {
+            if rand::random::<f64>() < st.config.error_5xx_rate {
+                st.stats.lock().expect("stats lock").calls_5xx += 1;
+                return Ok(respond(StatusCode::INTERNAL_SERVER_ERROR, &[], "{\"error\":{\"message\":\"overloaded\"}}".into()));
+            }
+            if rand::random::<f64>() < st.config.malformed_rate {
+                "Sure! Here are the findings: [oops".to_string()
+            } else {
+                findings_for(&prompt, st.config.outside_diff).to_string()
+            }
+        }
+    };
+    *st.stats.lock().expect("stats lock").paid_by_job.entry(job).or_default() += 1;
+    Ok(respond(StatusCode::OK, &[], chat_completion(&output)))
+}
+
+/// One finding per file with an added line, at its first added line, quoting it; plus
+/// two that point outside the diff when asked.
+pub fn findings_for(diff_text: &str, outside_diff: bool) -> serde_json::Value {
+    let mut findings = Vec::new();
+    if let Ok(diff) = reviewlane_shared::diff::parse(diff_text) {
+        let mut seen = std::collections::HashSet::new();
+        for (file, _, line) in diff.added_lines() {
+            let Some(path) = file.new_path.as_deref() else { continue };
+            if line.text.trim().is_empty() || !seen.insert(path.to_string()) {
+                continue;
+            }
+            findings.push(json!({
+                "path": path, "line": line.new_line, "severity": "low", "category": "maintainability",
+                "title": "Simulated finding", "message": "The simulated provider points at the first added line.",
+                "evidence": line.text.trim(),
+            }));
+        }
+        if outside_diff && let Some((file, _, line)) = diff.added_lines().find(|(f, _, l)| f.new_path.is_some() && !l.text.trim().is_empty()) {
+            let path = file.new_path.clone().unwrap_or_default();
+            findings.push(json!({
+                "path": "not/in/the/diff.rs", "line": 1, "severity": "high", "category": "correctness",
+                "title": "Outside the diff", "message": "A path the diff does not touch.", "evidence": line.text.trim(),
+            }));
+            findings.push(json!({
+                "path": path, "line": 999_999, "severity": "high", "category": "correctness",
+                "title": "Outside every hunk", "message": "A line no hunk covers.", "evidence": line.text.trim(),
+            }));
+        }
+    }
+    json!({ "findings": findings })
+}

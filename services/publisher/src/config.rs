@@ -1,0 +1,94 @@
+//! Publisher configuration, read once and validated whole.
+//!
+//! | variable | default | meaning |
+//! | --- | --- | --- |
+//! | `REVIEWLANE_REGION` | required | `us` or `eu` |
+//! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
+//! | `REVIEWLANE_TENANTS_FILE` | required | sinks and webhook secrets per tenant |
+//! | `REVIEWLANE_CONCURRENCY` | `16` | deliveries in flight |
+//! | `REVIEWLANE_SINK_TIMEOUT_SECS` | `10` | one webhook request |
+//! | `REVIEWLANE_DELIVERY_ATTEMPTS` | `8` | deliveries tried before a job fails |
+//! | `REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS` | `60` | longest wait between deliveries |
+//! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for deliveries in flight at SIGTERM |
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use reviewlane_shared::Region;
+use reviewlane_shared::config::{ConfigErrors, Env, Reader};
+use reviewlane_shared::tenants::Tenants;
+
+#[derive(Debug, Clone)]
+pub struct PublisherConfig {
+    pub region: Region,
+    pub nats_url: String,
+    pub tenants: Arc<Tenants>,
+    pub concurrency: usize,
+    pub sink_timeout: Duration,
+    pub delivery_attempts: u32,
+    pub delivery_backoff_base: Duration,
+    pub delivery_backoff_cap: Duration,
+    pub lease: Duration,
+    pub shutdown_grace: Duration,
+    pub log_json: bool,
+}
+
+impl PublisherConfig {
+    pub fn new(region: Region, nats_url: impl Into<String>, tenants: Arc<Tenants>) -> Self {
+        PublisherConfig {
+            region,
+            nats_url: nats_url.into(),
+            tenants,
+            concurrency: 16,
+            sink_timeout: Duration::from_secs(10),
+            delivery_attempts: 8,
+            delivery_backoff_base: Duration::from_millis(500),
+            delivery_backoff_cap: Duration::from_secs(60),
+            lease: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(20),
+            log_json: false,
+        }
+    }
+
+    pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
+        let mut r = Reader::new(env);
+        let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
+        let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
+        let file: Option<PathBuf> = r.required("REVIEWLANE_TENANTS_FILE", "path to the tenants TOML file");
+        let tenants = match file.map(|p| Tenants::load(&p)) {
+            Some(Ok(t)) => Some(t),
+            Some(Err(errs)) => {
+                errs.into_iter().for_each(|e| r.error(e));
+                None
+            }
+            None => None,
+        };
+        let d = PublisherConfig::new(Region::Us, "", Arc::default());
+        let concurrency: usize = r.or("REVIEWLANE_CONCURRENCY", d.concurrency, "a positive count");
+        if concurrency == 0 {
+            r.error("REVIEWLANE_CONCURRENCY must be positive");
+        }
+        let timeout: u64 = r.or("REVIEWLANE_SINK_TIMEOUT_SECS", 10, "whole seconds");
+        let attempts: u32 = r.or("REVIEWLANE_DELIVERY_ATTEMPTS", d.delivery_attempts, "a count");
+        if attempts == 0 {
+            r.error("REVIEWLANE_DELIVERY_ATTEMPTS must be positive");
+        }
+        let cap: u64 = r.or("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", 60, "whole seconds");
+        let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
+        let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
+        r.finish()?;
+        Ok(PublisherConfig {
+            region: region.expect("checked"),
+            nats_url: nats_url.expect("checked"),
+            tenants: Arc::new(tenants.expect("checked")),
+            concurrency,
+            sink_timeout: Duration::from_secs(timeout),
+            delivery_attempts: attempts,
+            delivery_backoff_cap: Duration::from_secs(cap),
+            shutdown_grace: Duration::from_secs(grace),
+            log_json,
+            ..d
+        })
+    }
+}

@@ -1,0 +1,95 @@
+//! Building and running one region's publisher.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use async_nats::jetstream::consumer::{self, PullConsumer};
+use reviewlane_shared::job_store::JobStore;
+use reviewlane_shared::layout::{self, LayoutConfig};
+use reviewlane_shared::pull::pull_loop;
+use reviewlane_shared::startup::{StartError, connect_region};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::config::PublisherConfig;
+use crate::sink::Sinks;
+use crate::worker::Worker;
+
+pub const CONSUMER_NAME: &str = "publisher";
+
+pub struct App {
+    client: async_nats::Client,
+    worker: Arc<Worker>,
+    consumer: PullConsumer,
+    config: PublisherConfig,
+}
+
+pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
+    let conn = connect_region(&config.nats_url, config.region, "reviewlane-publisher", &LayoutConfig::default()).await?;
+    let stream = conn
+        .layout
+        .js
+        .get_stream_no_info(layout::findings_stream(config.region))
+        .await
+        .map_err(|e| StartError::Other(e.into()))?;
+    let consumer: PullConsumer = stream
+        .get_or_create_consumer(
+            CONSUMER_NAME,
+            consumer::pull::Config {
+                durable_name: Some(CONSUMER_NAME.to_string()),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: config.lease,
+                max_deliver: -1,
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| StartError::Other(e.into()))?;
+    let worker = Arc::new(Worker {
+        region: config.region,
+        jobs: JobStore::new(conn.layout.jobs.clone()),
+        published: conn.layout.published.clone(),
+        tenants: config.tenants.clone(),
+        sinks: Sinks::new(config.sink_timeout),
+        delivery_attempts: config.delivery_attempts,
+        backoff_base: config.delivery_backoff_base,
+        backoff_cap: config.delivery_backoff_cap,
+    });
+    Ok(App { client: conn.client, worker, consumer, config })
+}
+
+impl App {
+    pub fn worker(&self) -> Arc<Worker> {
+        self.worker.clone()
+    }
+
+    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let stop = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let slots = Arc::new(Semaphore::new(self.config.concurrency));
+        let worker = self.worker.clone();
+        let handle = move |msg| {
+            let worker = worker.clone();
+            async move {
+                worker.process_one(msg).await;
+            }
+        };
+        let span = tracing::info_span!("pull_loop", region = %self.config.region);
+        let pulling = tokio::spawn(pull_loop(self.consumer, slots, tasks.clone(), stop.clone(), handle).instrument(span));
+        tracing::info!(region = %self.config.region, "publisher running");
+        shutdown.await;
+        tracing::info!("shutting down: no new pulls");
+        stop.cancel();
+        let _ = pulling.await;
+        tasks.close();
+        if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {
+            tracing::warn!("grace period over with deliveries in flight; they will be redelivered");
+        }
+        self.client.drain().await?;
+        tracing::info!("publisher stopped");
+        Ok(())
+    }
+}
