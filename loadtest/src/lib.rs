@@ -2,3 +2,4 @@
 //! issues) the load generator and scenarios.
 
 pub mod simprovider;
+pub mod webhook;

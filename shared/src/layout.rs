@@ -153,7 +153,7 @@ pub async fn provision_identity(js: &jetstream::Context, region: Region, url: &s
 }
 
 pub async fn stream_exists(js: &jetstream::Context, name: &str) -> Result<bool, async_nats::Error> {
-    match js.get_stream_no_info(name).await {
+    match js.get_stream(name).await {
         Ok(_) => Ok(true),
         Err(e) => match e.kind() {
             jetstream::context::GetStreamErrorKind::JetStream(j)

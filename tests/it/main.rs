@@ -1,1 +1,11 @@
-fn main() {}
+//! Integration tests across ingress, extractor and publisher on real nats-server
+//! processes, a real simulated provider and a real webhook receiver.
+
+mod auth;
+mod harness;
+mod idempotency;
+mod invalid_argument;
+mod pipeline;
+mod publish_once;
+mod quarantine;
+mod residency;

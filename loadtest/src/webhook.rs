@@ -1,0 +1,94 @@
+//! A real HTTP webhook receiver that records every delivery (headers and body), for
+//! tests and load scenarios. Answers 200 unless told to answer something else first.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub idempotency_key: Option<String>,
+    pub signature: Option<String>,
+    pub body: Bytes,
+}
+
+#[derive(Default)]
+struct State {
+    received: Mutex<Vec<Received>>,
+    statuses: Mutex<VecDeque<u16>>,
+}
+
+pub struct WebhookReceiver {
+    addr: SocketAddr,
+    state: Arc<State>,
+    _stop: oneshot::Sender<()>,
+}
+
+impl WebhookReceiver {
+    pub async fn start() -> WebhookReceiver {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind webhook receiver");
+        let addr = listener.local_addr().expect("addr");
+        let state = Arc::new(State::default());
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let st = state.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    a = listener.accept() => a,
+                    _ = &mut stopped => return,
+                };
+                let Ok((stream, _)) = accepted else { continue };
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| handle(st.clone(), req));
+                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+                });
+            }
+        });
+        WebhookReceiver { addr, state, _stop: stop }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/hook", self.addr)
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.state.received.lock().expect("lock").clone()
+    }
+
+    /// Deliveries recorded for one job id (by `Idempotency-Key`).
+    pub fn for_job(&self, job_id: &str) -> Vec<Received> {
+        self.received().into_iter().filter(|r| r.idempotency_key.as_deref() == Some(job_id)).collect()
+    }
+
+    /// The next requests are answered with these statuses (then 200 again).
+    pub fn answer_with(&self, statuses: impl IntoIterator<Item = u16>) {
+        self.state.statuses.lock().expect("lock").extend(statuses);
+    }
+}
+
+async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let header = |n: &str| req.headers().get(n).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let idempotency_key = header("idempotency-key");
+    let signature = header("x-reviewlane-signature");
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let status = st.statuses.lock().expect("lock").pop_front().unwrap_or(200);
+    if status == 200 {
+        st.received.lock().expect("lock").push(Received { idempotency_key, signature, body });
+    }
+    Ok(Response::builder()
+        .status(StatusCode::from_u16(status).unwrap_or(StatusCode::OK))
+        .body(Full::new(Bytes::new()))
+        .expect("response builds"))
+}

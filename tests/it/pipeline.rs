@@ -1,0 +1,83 @@
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use reviewlane_shared::messages::Delivery;
+use reviewlane_shared::proto::{JobState, ReviewDepth};
+use sha2::Sha256;
+
+use crate::harness::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_delivers_findings_once_signed_and_get_shows_published() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+
+    let submitted = client.submit_review(submit_req(US_KEY, "pipeline-1", &sample_diff("p1"))).await.unwrap().into_inner();
+    let review = submitted.review.unwrap();
+    assert!(review.job_id.starts_with("us_"), "{}", review.job_id);
+    assert_eq!(review.region, "us");
+    assert!(matches!(JobState::try_from(review.state).unwrap(), JobState::Waiting | JobState::Running | JobState::Accepted));
+
+    let last = wait_final(&mut client, US_KEY, &review.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32, "terminal reason: {}", last.terminal_reason);
+
+    // Exactly one delivery, after a window in which a second would have shown up.
+    assert!(eventually(Duration::from_secs(5), || !stack.webhook.for_job(&review.job_id).is_empty()).await);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let got = stack.webhook.for_job(&review.job_id);
+    assert_eq!(got.len(), 1, "delivered exactly once");
+
+    // The signature verifies with the tenant's secret and fails with another.
+    let d = &got[0];
+    let sig = d.signature.as_deref().expect("signature header").strip_prefix("sha256=").unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(US_SECRET.as_bytes()).unwrap();
+    mac.update(&d.body);
+    mac.verify_slice(&hex::decode(sig).unwrap()).expect("signature verifies");
+    let mut wrong = Hmac::<Sha256>::new_from_slice(EU_SECRET.as_bytes()).unwrap();
+    wrong.update(&d.body);
+    assert!(wrong.verify_slice(&hex::decode(sig).unwrap()).is_err());
+
+    let delivery: Delivery = serde_json::from_slice(&d.body).unwrap();
+    assert_eq!(delivery.job_id, review.job_id);
+    assert_eq!(delivery.tenant, "acme");
+    assert!(!delivery.findings.is_empty());
+
+    // GetReview shows the same findings.
+    let got = get(&mut client, US_KEY, &review.job_id).await.unwrap();
+    assert_eq!(got.state, JobState::Published as i32);
+    assert_eq!(got.review_depth, ReviewDepth::Full as i32);
+    assert_eq!(got.findings.len(), delivery.findings.len());
+    assert_eq!(got.findings[0].path, delivery.findings[0].path);
+    assert_eq!(got.findings[0].line, delivery.findings[0].line);
+    assert_eq!(got.findings[0].evidence, delivery.findings[0].evidence);
+    assert_eq!(got.attempts.unwrap().congestion, 0);
+
+    // One paid provider call for the job.
+    assert_eq!(stack.us.provider.stats().paid_by_job.get(&review.job_id), Some(&1));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_streams_state_changes_until_final() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let review = client.submit_review(submit_req(EU_KEY, "watch-1", &sample_diff("w1"))).await.unwrap().into_inner().review.unwrap();
+    let mut stream = client
+        .watch_review(authed(EU_KEY, reviewlane_shared::proto::WatchReviewRequest { job_id: review.job_id.clone() }))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut states = Vec::new();
+    let collect = async {
+        while let Some(m) = stream.message().await.unwrap() {
+            states.push(m.review.unwrap().state);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), collect).await.expect("watch ends after the final state");
+    assert_eq!(*states.last().unwrap(), JobState::Published as i32, "{states:?}");
+    // States only move forward.
+    let mut sorted = states.clone();
+    sorted.sort();
+    assert_eq!(states, sorted);
+    stack.shutdown().await;
+}
