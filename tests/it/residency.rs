@@ -74,3 +74,33 @@ async fn eu_content_never_reaches_the_us_server_or_provider() {
     assert!(!stack.eu.provider.stats().calls_by_job.contains_key(&us_job.job_id));
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_and_ingress_refuse_a_miswired_region() {
+    use std::sync::Arc;
+    use reviewlane_shared::region::Region;
+    use reviewlane_shared::startup::StartError;
+    use reviewlane_shared::tenants::Tenants;
+    use reviewlane_shared::testing::NatsServer;
+
+    let eu = NatsServer::start_provisioned(Region::Eu).await;
+    let tenants = Arc::new(Tenants::parse(&tenants_toml("http://127.0.0.1:9/hook")).unwrap());
+    let cfg = reviewlane_publisher::PublisherConfig::new(Region::Us, eu.url(), tenants.clone());
+    let err = reviewlane_publisher::build(cfg).await.err().expect("publisher refuses");
+    assert!(matches!(err, StartError::Wiring(_)), "{err}");
+    assert_eq!(err.exit_code(), 78);
+    let msg = err.to_string();
+    assert!(msg.contains("`us`") && msg.contains("`eu`"), "{msg}");
+
+    // An ingress whose US URL points at the EU server.
+    let cfg = reviewlane_ingress::IngressConfig {
+        grpc_addr: "127.0.0.1:0".parse().unwrap(),
+        tenants,
+        nats_urls: [(Region::Us, eu.url().to_string())].into(),
+        max_diff_bytes: 1024,
+        shutdown_grace: Duration::from_secs(1),
+        log_json: false,
+    };
+    let err = reviewlane_ingress::build(cfg).await.err().expect("ingress refuses");
+    assert!(matches!(err, StartError::Wiring(_)), "{err}");
+}
