@@ -104,3 +104,23 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
     let err = reviewlane_ingress::build(cfg).await.err().expect("ingress refuses");
     assert!(matches!(err, StartError::Wiring(_)), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_starting_at_once_all_pass_the_wiring_check() {
+    use reviewlane_shared::layout::LayoutConfig;
+    use reviewlane_shared::region::Region;
+    use reviewlane_shared::startup::connect_region;
+    use reviewlane_shared::testing::NatsServer;
+
+    let us = NatsServer::start_provisioned(Region::Us).await;
+    let cfg = LayoutConfig::default();
+    // As after `reviewlane-admin provision`: the layout exists already.
+    let js = async_nats::jetstream::new(async_nats::connect(us.url()).await.unwrap());
+    reviewlane_shared::layout::ensure(&js, Region::Us, &cfg).await.unwrap();
+    let starts = (0..6).map(|_| connect_region(us.url(), Region::Us, "t", &cfg));
+    for r in futures::future::join_all(starts).await {
+        if let Err(e) = r {
+            panic!("concurrent start failed: {e}");
+        }
+    }
+}

@@ -261,3 +261,34 @@ mod tests {
         assert_eq!(analyze(&d), analyze(&d));
     }
 }
+
+#[cfg(test)]
+mod sample_tests {
+    use super::*;
+    use reviewlane_shared::diff::parse;
+    use reviewlane_shared::findings::{FINDINGS_V1, validate};
+
+    /// The demo's sample diffs parse, and every rule family shows up in them.
+    #[test]
+    fn sample_diffs_yield_valid_findings_of_every_rule_family() {
+        let mut titles = std::collections::BTreeSet::new();
+        for text in [include_str!("../../../../samples/us-payments.diff"), include_str!("../../../../samples/eu-analytics.diff")] {
+            let d = parse(text).expect("sample parses");
+            let v = validate(FINDINGS_V1, &analyze(&d).to_string(), &d).unwrap();
+            assert!(v.quarantined.is_empty());
+            titles.extend(v.findings.into_iter().map(|f| f.title));
+        }
+        for t in [
+            "Hard-coded secret",
+            "API token committed",
+            "Debug macro left in",
+            "Debug print left in",
+            "unwrap/expect in non-test code",
+            "Use of eval",
+            "SQL built from strings",
+            "TODO/FIXME left in",
+        ] {
+            assert!(titles.contains(t), "missing `{t}` in {titles:?}");
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The main job end to end on this machine: two regional nats-servers, each
+//! provisioned with its identity, the ingress, an extractor and a publisher per region
+//! (the real binaries, built-in analyzer), the sample diffs submitted by one US and one
+//! EU tenant over gRPC, the findings printed as a table, then everything stopped with
+//! SIGTERM (and killed if it does not stop).
+//!
+//! Run through `scripts/demo.sh`, which installs nats-server and builds the binaries.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
+use reviewlane_shared::proto::{self, SubmitReviewRequest, WatchReviewRequest};
+use reviewlane_shared::tenants::hash_api_key;
+use reviewlane_shared::testing::NatsServer;
+
+/// A child process stopped (SIGTERM, then SIGKILL after 10 s) when dropped.
+struct Service {
+    name: String,
+    child: Child,
+}
+
+impl Service {
+    fn start(bin_dir: &Path, bin: &str, label: &str, env: &[(&str, String)], log: &Path) -> anyhow::Result<Service> {
+        let log_file = std::fs::File::create(log)?;
+        let child = Command::new(bin_dir.join(bin))
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("starting {bin} (run scripts/demo.sh to build it)"))?;
+        Ok(Service { name: label.to_string(), child })
+    }
+
+    /// SIGTERM, then wait up to 10 s; returns the exit code.
+    fn stop(&mut self) -> Option<i32> {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+struct Submission {
+    tenant: &'static str,
+    region: &'static str,
+    key: String,
+    diff_file: &'static str,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bin_dir: PathBuf = std::env::current_exe()?.parent().context("binary dir")?.to_path_buf();
+    // Kept on failure (logs); removed after a clean run.
+    let work = tempfile::Builder::new().prefix("reviewlane-demo-").tempdir()?.keep();
+    println!("reviewlane demo — working directory {}", work.as_path().display());
+
+    let us = NatsServer::start();
+    let eu = NatsServer::start();
+    for (region, server) in [("us", &us), ("eu", &eu)] {
+        let out = Command::new(bin_dir.join("reviewlane-admin"))
+            .args(["provision", "--region", region, "--nats-url", server.url()])
+            .output()
+            .context("running reviewlane-admin")?;
+        if !out.status.success() {
+            bail!("provisioning {region} failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        println!("  nats-server {region}: {} (identity `{region}`)", server.url());
+    }
+
+    let submissions = [
+        Submission { tenant: "acme", region: "us", key: hex_key(), diff_file: "samples/us-payments.diff" },
+        Submission { tenant: "euro", region: "eu", key: hex_key(), diff_file: "samples/eu-analytics.diff" },
+    ];
+    let mut tenants = String::new();
+    for s in &submissions {
+        tenants.push_str(&format!(
+            "[[tenants]]\nid = \"{}\"\nregion = \"{}\"\napi_key_sha256 = [\"{}\"]\nsink = {{ kind = \"file\", path = \"{}\" }}\n\n",
+            s.tenant,
+            s.region,
+            hash_api_key(&s.key),
+            work.as_path().join(format!("{}-findings.jsonl", s.tenant)).display()
+        ));
+    }
+    let tenants_file = work.as_path().join("tenants.toml");
+    std::fs::write(&tenants_file, tenants)?;
+
+    let port = free_port()?;
+    let tf = tenants_file.display().to_string();
+    let mut services = vec![Service::start(
+        &bin_dir,
+        "reviewlane-ingress",
+        "ingress",
+        &[
+            ("REVIEWLANE_GRPC_ADDR", format!("127.0.0.1:{port}")),
+            ("REVIEWLANE_TENANTS_FILE", tf.clone()),
+            ("REVIEWLANE_NATS_URL_US", us.url().to_string()),
+            ("REVIEWLANE_NATS_URL_EU", eu.url().to_string()),
+        ],
+        &work.as_path().join("ingress.log"),
+    )?];
+    for (region, server) in [("us", &us), ("eu", &eu)] {
+        let env = [
+            ("REVIEWLANE_REGION", region.to_string()),
+            ("REVIEWLANE_NATS_URL", server.url().to_string()),
+            ("REVIEWLANE_TENANTS_FILE", tf.clone()),
+            ("REVIEWLANE_PROVIDER", "builtin".to_string()),
+        ];
+        services.push(Service::start(&bin_dir, "reviewlane-extractor", &format!("extractor-{region}"), &env, &work.as_path().join(format!("extractor-{region}.log")))?);
+        services.push(Service::start(&bin_dir, "reviewlane-publisher", &format!("publisher-{region}"), &env, &work.as_path().join(format!("publisher-{region}.log")))?);
+    }
+    println!("  services: ingress 127.0.0.1:{port}, extractor-us, extractor-eu, publisher-us, publisher-eu (built-in analyzer)");
+
+    let channel = connect_when_ready(port).await?;
+    let mut client = ReviewServiceClient::new(channel);
+    let mut rows = Vec::new();
+    for s in &submissions {
+        let diff = std::fs::read_to_string(root.join(s.diff_file)).with_context(|| format!("reading {}", s.diff_file))?;
+        let started = Instant::now();
+        let mut req = tonic::Request::new(SubmitReviewRequest {
+            idempotency_key: format!("demo-{}", s.diff_file),
+            lane: proto::Lane::Interactive as i32,
+            diff,
+            schema_version: "findings.v1".into(),
+            metadata: Some(proto::ReviewMetadata { repository: format!("{}/sample", s.tenant), ..Default::default() }),
+        });
+        req.metadata_mut().insert("authorization", format!("Bearer {}", s.key).parse()?);
+        let job = client.submit_review(req).await?.into_inner().review.context("review")?;
+        println!("  submitted {} as tenant `{}` -> job {} ({})", s.diff_file, s.tenant, job.job_id, job.region);
+        let mut req = tonic::Request::new(WatchReviewRequest { job_id: job.job_id.clone() });
+        req.metadata_mut().insert("authorization", format!("Bearer {}", s.key).parse()?);
+        let mut stream = client.watch_review(req).await?.into_inner();
+        let mut last = None;
+        let watch = async {
+            while let Some(m) = stream.message().await? {
+                last = m.review;
+            }
+            anyhow::Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(30), watch).await.context("job did not finish in 30 s")??;
+        let review = last.context("no state")?;
+        let state = proto::JobState::try_from(review.state).map(|s| s.as_str_name()).unwrap_or("?");
+        println!(
+            "    -> {state} in {} ms: {} findings, {} quarantined",
+            started.elapsed().as_millis(),
+            review.findings.len(),
+            review.quarantined_count
+        );
+        rows.push((s.region, s.tenant, review));
+    }
+
+    println!();
+    println!("{:<3} {:<6} {:<9} {:<16} {:<45} {}", "REG", "TENANT", "SEVERITY", "CATEGORY", "LOCATION", "FINDING");
+    println!("{}", "-".repeat(120));
+    for (region, tenant, review) in &rows {
+        for f in &review.findings {
+            println!(
+                "{:<3} {:<6} {:<9} {:<16} {:<45} {}",
+                region,
+                tenant,
+                f.severity,
+                f.category,
+                format!("{}:{}", f.path, f.line),
+                f.title
+            );
+        }
+    }
+    println!();
+    for s in &submissions {
+        let path = work.as_path().join(format!("{}-findings.jsonl", s.tenant));
+        let lines = std::fs::read_to_string(&path).map(|t| t.lines().count()).unwrap_or(0);
+        println!("  file sink of `{}`: {} delivery line(s) in {}", s.tenant, lines, path.display());
+    }
+
+    println!();
+    let mut clean = true;
+    for s in services.iter_mut().rev() {
+        let code = s.stop();
+        clean &= code == Some(0);
+        println!("  stopped {} (exit {})", s.name, code.map(|c| c.to_string()).unwrap_or_else(|| "killed".into()));
+    }
+    drop(us);
+    drop(eu);
+    println!("  stopped both nats-servers");
+    let published = rows.iter().all(|(_, _, r)| r.state == proto::JobState::Published as i32);
+    if !published || !clean {
+        bail!("demo did not complete cleanly (logs in {})", work.display());
+    }
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(())
+}
+
+fn hex_key() -> String {
+    format!("rl_{}", (0..4).map(|_| format!("{:016x}", rand::random::<u64>())).collect::<String>())
+}
+
+async fn connect_when_ready(port: u16) -> anyhow::Result<tonic::transport::Channel> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(ch) = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?.connect().await {
+            let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
+            let req = tonic_health::pb::HealthCheckRequest { service: "reviewlane.v1.ReviewService".into() };
+            if health.check(req).await.is_ok_and(|r| r.into_inner().status == 1) {
+                return Ok(ch);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("ingress not serving within 20 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
