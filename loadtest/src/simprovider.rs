@@ -40,7 +40,11 @@ pub enum OverCap {
 /// One scripted answer, used before the knobs: tests say exactly what happens.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Scripted {
-    Status { status: u16, headers: Vec<(String, String)>, body: String },
+    Status {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: String,
+    },
     /// 200 with this text as the model's output.
     Output(String),
 }
@@ -191,7 +195,11 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let prompt = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
-        .and_then(|v| v["messages"].as_array()?.iter().rev().find(|m| m["role"] == "user")?["content"].as_str().map(str::to_string))
+        .and_then(|v| {
+            v["messages"].as_array()?.iter().rev().find(|m| m["role"] == "user")?["content"]
+                .as_str()
+                .map(str::to_string)
+        })
         .unwrap_or_default();
     {
         let mut s = st.stats.lock().expect("stats lock");
@@ -237,13 +245,21 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
                 500..=599 => s.calls_5xx += 1,
                 _ => {}
             }
-            return Ok(respond(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), &headers, body));
+            return Ok(respond(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                &headers,
+                body,
+            ));
         }
         Some(Scripted::Output(text)) => text,
         None => {
             if rand::random::<f64>() < st.config.error_5xx_rate {
                 st.stats.lock().expect("stats lock").calls_5xx += 1;
-                return Ok(respond(StatusCode::INTERNAL_SERVER_ERROR, &[], "{\"error\":{\"message\":\"overloaded\"}}".into()));
+                return Ok(respond(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    &[],
+                    "{\"error\":{\"message\":\"overloaded\"}}".into(),
+                ));
             }
             if rand::random::<f64>() < st.config.malformed_rate {
                 "Sure! Here are the findings: [oops".to_string()
@@ -273,7 +289,10 @@ pub fn findings_for(diff_text: &str, outside_diff: bool) -> serde_json::Value {
                 "evidence": line.text.trim(),
             }));
         }
-        if outside_diff && let Some((file, _, line)) = diff.added_lines().find(|(f, _, l)| f.new_path.is_some() && !l.text.trim().is_empty()) {
+        if outside_diff
+            && let Some((file, _, line)) =
+                diff.added_lines().find(|(f, _, l)| f.new_path.is_some() && !l.text.trim().is_empty())
+        {
             let path = file.new_path.clone().unwrap_or_default();
             findings.push(json!({
                 "path": "not/in/the/diff.rs", "line": 1, "severity": "high", "category": "correctness",

@@ -74,12 +74,9 @@ impl Diff {
     /// Added lines of the diff, in order: (file, hunk, line).
     pub fn added_lines(&self) -> impl Iterator<Item = (&FileDiff, &Hunk, &HunkLine)> {
         self.files.iter().flat_map(|f| {
-            f.hunks.iter().flat_map(move |h| {
-                h.lines
-                    .iter()
-                    .filter(|l| l.kind == LineKind::Added)
-                    .map(move |l| (f, h, l))
-            })
+            f.hunks
+                .iter()
+                .flat_map(move |h| h.lines.iter().filter(|l| l.kind == LineKind::Added).map(move |l| (f, h, l)))
         })
     }
 
@@ -143,10 +140,7 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
         if let Some(rest) = line.strip_prefix("diff --git ") {
             finish(&mut cur, &mut files)?;
             let (old, new) = split_git_paths(rest);
-            cur = Some((
-                FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false },
-                false,
-            ));
+            cur = Some((FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false }, false));
             i += 1;
             continue;
         }
@@ -163,10 +157,7 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
                 }
                 _ => {
                     finish(&mut cur, &mut files)?;
-                    cur = Some((
-                        FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false },
-                        false,
-                    ));
+                    cur = Some((FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false }, false));
                 }
             }
             i += 2;
@@ -241,10 +232,19 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
         if let Some((_, has_meta)) = cur.as_mut() {
             if line.starts_with("Binary files ") || line.starts_with("GIT binary patch") {
                 cur.as_mut().expect("checked above").0.binary = true;
-            } else if ["rename from ", "rename to ", "copy from ", "copy to ", "old mode ", "new mode ",
-                "new file mode ", "deleted file mode ", "similarity index "]
-                .iter()
-                .any(|p| line.starts_with(p))
+            } else if [
+                "rename from ",
+                "rename to ",
+                "copy from ",
+                "copy to ",
+                "old mode ",
+                "new mode ",
+                "new file mode ",
+                "deleted file mode ",
+                "similarity index ",
+            ]
+            .iter()
+            .any(|p| line.starts_with(p))
             {
                 *has_meta = true;
             }
@@ -368,7 +368,8 @@ new file mode 100644
 
     #[test]
     fn deleted_file_has_no_new_path() {
-        let d = parse("diff --git a/x b/x\ndeleted file mode 100644\n--- a/x\n+++ /dev/null\n@@ -1 +0,0 @@\n-gone\n").unwrap();
+        let d = parse("diff --git a/x b/x\ndeleted file mode 100644\n--- a/x\n+++ /dev/null\n@@ -1 +0,0 @@\n-gone\n")
+            .unwrap();
         assert_eq!(d.files[0].new_path, None);
     }
 
@@ -380,7 +381,10 @@ new file mode 100644
 
     #[test]
     fn no_newline_marker_is_skipped() {
-        let d = parse("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n+b\n\\ No newline at end of file\n").unwrap();
+        let d = parse(
+            "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n\\ No newline at end of file\n+b\n\\ No newline at end of file\n",
+        )
+        .unwrap();
         assert_eq!(d.files[0].hunks[0].lines.len(), 2);
     }
 
@@ -390,18 +394,9 @@ new file mode 100644
         assert_eq!(parse("  \n\n"), Err(DiffError::Empty));
         assert_eq!(parse("hello world\nthis is prose\n"), Err(DiffError::NoFiles));
         assert_eq!(parse("@@ -1 +1 @@\n-a\n+b\n"), Err(DiffError::HunkWithoutFile { line: 1 }));
-        assert_eq!(
-            parse("--- a/x\n+++ b/x\n@@ -1,2 +1,2 @@\n-a\n+b\n"),
-            Err(DiffError::TruncatedHunk { line: 5 })
-        );
-        assert_eq!(
-            parse("--- a/x\n+++ b/x\n@@ -x +1 @@\n-a\n+b\n"),
-            Err(DiffError::MalformedHunkHeader { line: 3 })
-        );
-        assert_eq!(
-            parse("--- a/x\n+++ b/x\n@@ -1 +1 @@\n*a\n+b\n"),
-            Err(DiffError::UnexpectedHunkLine { line: 4 })
-        );
+        assert_eq!(parse("--- a/x\n+++ b/x\n@@ -1,2 +1,2 @@\n-a\n+b\n"), Err(DiffError::TruncatedHunk { line: 5 }));
+        assert_eq!(parse("--- a/x\n+++ b/x\n@@ -x +1 @@\n-a\n+b\n"), Err(DiffError::MalformedHunkHeader { line: 3 }));
+        assert_eq!(parse("--- a/x\n+++ b/x\n@@ -1 +1 @@\n*a\n+b\n"), Err(DiffError::UnexpectedHunkLine { line: 4 }));
         assert_eq!(parse("diff --git a/x b/x\nindex 1..2\n"), Err(DiffError::EmptyFile { file: 1 }));
     }
 

@@ -104,8 +104,7 @@ fn registry() -> &'static [Schema] {
         [(FINDINGS_V1, FINDINGS_V1_JSON)]
             .into_iter()
             .map(|(version, text)| {
-                let document: serde_json::Value =
-                    serde_json::from_str(text).expect("bundled schema is JSON");
+                let document: serde_json::Value = serde_json::from_str(text).expect("bundled schema is JSON");
                 let validator = jsonschema::validator_for(&document).expect("bundled schema compiles");
                 Schema { version, document, validator }
             })
@@ -148,10 +147,7 @@ pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, I
             None => return Err(InvalidOutput::Shape),
         }
     }
-    let items = doc
-        .get("findings")
-        .and_then(|f| f.as_array())
-        .ok_or(InvalidOutput::Shape)?;
+    let items = doc.get("findings").and_then(|f| f.as_array()).ok_or(InvalidOutput::Shape)?;
 
     let mut out = Validated::default();
     for (index, raw) in items.iter().enumerate() {
@@ -268,10 +264,7 @@ mod tests {
         assert_eq!(validate(FINDINGS_V1, "not json {", &d), Err(InvalidOutput::NotJson));
         assert_eq!(validate(FINDINGS_V1, "[]", &d), Err(InvalidOutput::Shape));
         assert_eq!(validate(FINDINGS_V1, r#"{"items": []}"#, &d), Err(InvalidOutput::Shape));
-        assert_eq!(
-            validate(FINDINGS_V1, r#"{"findings": [], "extra": 1}"#, &d),
-            Err(InvalidOutput::Shape)
-        );
+        assert_eq!(validate(FINDINGS_V1, r#"{"findings": [], "extra": 1}"#, &d), Err(InvalidOutput::Shape));
         assert_eq!(validate("findings.v9", r#"{"findings": []}"#, &d), Err(InvalidOutput::UnknownSchema));
     }
 

@@ -61,7 +61,15 @@ mod tests {
 
     #[test]
     fn rejects_malformed_ids() {
-        for bad in ["", "eu", "eu_", "xx_0123456789abcdef0123456789abcdef", "eu_0123", "eu_0123456789ABCDEF0123456789abcdef", "eu_0123456789abcdef0123456789abcde."] {
+        for bad in [
+            "",
+            "eu",
+            "eu_",
+            "xx_0123456789abcdef0123456789abcdef",
+            "eu_0123",
+            "eu_0123456789ABCDEF0123456789abcdef",
+            "eu_0123456789abcdef0123456789abcde.",
+        ] {
             assert_eq!(region_of(bad), Err(MalformedJobId), "{bad}");
         }
     }

@@ -90,9 +90,13 @@ pub struct RegionLayout {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WiringError {
-    #[error("configured for region `{configured}` but the NATS server at {url} carries region identity `{found}`; refusing to start")]
+    #[error(
+        "configured for region `{configured}` but the NATS server at {url} carries region identity `{found}`; refusing to start"
+    )]
     Mismatch { configured: Region, found: Region, url: String },
-    #[error("the NATS server at {url} carries no region identity; provision it first (`reviewlane-admin provision --region {configured} --nats-url {url}`)")]
+    #[error(
+        "the NATS server at {url} carries no region identity; provision it first (`reviewlane-admin provision --region {configured} --nats-url {url}`)"
+    )]
     Unprovisioned { configured: Region, url: String },
     #[error("the NATS server at {url} carries conflicting region identities")]
     Conflicting { url: String },
@@ -175,7 +179,11 @@ async fn get_or_create_kv(js: &jetstream::Context, config: kv::Config) -> Result
 
 /// Creates (idempotently) every stream and bucket of the region and returns handles.
 /// Call only after `verify_identity`.
-pub async fn ensure(js: &jetstream::Context, region: Region, cfg: &LayoutConfig) -> Result<RegionLayout, async_nats::Error> {
+pub async fn ensure(
+    js: &jetstream::Context,
+    region: Region,
+    cfg: &LayoutConfig,
+) -> Result<RegionLayout, async_nats::Error> {
     for lane in Lane::ALL {
         js.get_or_create_stream(stream::Config {
             name: lane_stream(region, lane),

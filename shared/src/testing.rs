@@ -47,7 +47,9 @@ impl NatsServer {
             .stdout(Stdio::null())
             .stderr(if std::env::var_os("TEST_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start nats-server ({}): {e}; run scripts/install-deps.sh", nats_server_bin().display()));
+            .unwrap_or_else(|e| {
+                panic!("cannot start nats-server ({}): {e}; run scripts/install-deps.sh", nats_server_bin().display())
+            });
         let ports = store.path().join(format!("nats-server_{}.ports", child.id()));
         let deadline = Instant::now() + Duration::from_secs(10);
         let url = loop {

@@ -16,7 +16,8 @@ async fn unauthenticated_and_cross_tenant_access_are_refused() {
     malformed.metadata_mut().insert("authorization", "Basic abc".parse().unwrap());
     assert_eq!(client.submit_review(malformed).await.unwrap_err().code(), Code::Unauthenticated);
 
-    let job = client.submit_review(submit_req(US_KEY, "mine", &sample_diff("a"))).await.unwrap().into_inner().review.unwrap();
+    let job =
+        client.submit_review(submit_req(US_KEY, "mine", &sample_diff("a"))).await.unwrap().into_inner().review.unwrap();
     // Tenant B, same region, and a tenant of another region: not found, never forbidden.
     for key in [US2_KEY, EU_KEY] {
         assert_eq!(get(&mut client, key, &job.job_id).await.unwrap_err().code(), Code::NotFound);
@@ -32,11 +33,7 @@ async fn unauthenticated_and_cross_tenant_access_are_refused() {
 
     // Health is served without a key.
     let mut health = tonic_health_client(&stack).await;
-    let resp = health
-        .check(tonic_health_req())
-        .await
-        .unwrap()
-        .into_inner();
+    let resp = health.check(tonic_health_req()).await.unwrap().into_inner();
     assert_eq!(resp.status, 1, "SERVING");
     stack.shutdown().await;
 }
@@ -44,7 +41,8 @@ async fn unauthenticated_and_cross_tenant_access_are_refused() {
 async fn tonic_health_client(
     stack: &Stack,
 ) -> tonic_health::pb::health_client::HealthClient<tonic::transport::Channel> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", stack.ingress)).unwrap().connect().await.unwrap();
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", stack.ingress)).unwrap().connect().await.unwrap();
     tonic_health::pb::health_client::HealthClient::new(channel)
 }
 

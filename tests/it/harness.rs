@@ -210,7 +210,11 @@ pub async fn wait_final(client: &mut ReviewServiceClient<Channel>, key: &str, jo
     tokio::time::timeout(Duration::from_secs(30), watch).await.expect("job reaches a final state within 30 s")
 }
 
-pub async fn get(client: &mut ReviewServiceClient<Channel>, key: &str, job_id: &str) -> Result<proto::Review, tonic::Status> {
+pub async fn get(
+    client: &mut ReviewServiceClient<Channel>,
+    key: &str,
+    job_id: &str,
+) -> Result<proto::Review, tonic::Status> {
     client
         .get_review(authed(key, GetReviewRequest { job_id: job_id.to_string() }))
         .await

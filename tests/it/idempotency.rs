@@ -31,7 +31,8 @@ async fn same_key_three_times_is_one_job_and_one_provider_call() {
     let err = client.submit_review(submit_req(US_KEY, "idem-key", &sample_diff("other"))).await.unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists);
     // The same key from another tenant is another job.
-    let other = client.submit_review(submit_req(US2_KEY, "idem-key", &diff)).await.unwrap().into_inner().review.unwrap();
+    let other =
+        client.submit_review(submit_req(US2_KEY, "idem-key", &diff)).await.unwrap().into_inner().review.unwrap();
     assert_ne!(other.job_id, ids[0]);
     stack.shutdown().await;
 }

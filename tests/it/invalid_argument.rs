@@ -15,9 +15,19 @@ async fn bad_requests_are_invalid_argument_and_persist_nothing() {
     let canary = "CANARY-invalid-4c1d";
     let cases: Vec<(&str, String, &str, &str)> = vec![
         ("malformed", format!("this is not a diff {canary}\n"), "findings.v1", "no file header"),
-        ("truncated hunk", format!("--- a/x.rs\n+++ b/x.rs\n@@ -1,3 +1,3 @@\n-{canary}\n"), "findings.v1", "hunk ends early"),
+        (
+            "truncated hunk",
+            format!("--- a/x.rs\n+++ b/x.rs\n@@ -1,3 +1,3 @@\n-{canary}\n"),
+            "findings.v1",
+            "hunk ends early",
+        ),
         ("empty", String::new(), "findings.v1", "diff is empty"),
-        ("oversized", format!("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+{}\n", "x".repeat(70 * 1024)), "findings.v1", "over the limit of 65536 bytes"),
+        (
+            "oversized",
+            format!("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+{}\n", "x".repeat(70 * 1024)),
+            "findings.v1",
+            "over the limit of 65536 bytes",
+        ),
         ("unknown schema", sample_diff("s"), "findings.v9", "unknown findings schema version"),
     ];
     for (name, diff, schema, expect) in cases {

@@ -12,11 +12,15 @@ async fn submit_delivers_findings_once_signed_and_get_shows_published() {
     let stack = Stack::start().await;
     let mut client = stack.client().await;
 
-    let submitted = client.submit_review(submit_req(US_KEY, "pipeline-1", &sample_diff("p1"))).await.unwrap().into_inner();
+    let submitted =
+        client.submit_review(submit_req(US_KEY, "pipeline-1", &sample_diff("p1"))).await.unwrap().into_inner();
     let review = submitted.review.unwrap();
     assert!(review.job_id.starts_with("us_"), "{}", review.job_id);
     assert_eq!(review.region, "us");
-    assert!(matches!(JobState::try_from(review.state).unwrap(), JobState::Waiting | JobState::Running | JobState::Accepted));
+    assert!(matches!(
+        JobState::try_from(review.state).unwrap(),
+        JobState::Waiting | JobState::Running | JobState::Accepted
+    ));
 
     let last = wait_final(&mut client, US_KEY, &review.job_id).await;
     assert_eq!(last.state, JobState::Published as i32, "terminal reason: {}", last.terminal_reason);
@@ -61,7 +65,13 @@ async fn submit_delivers_findings_once_signed_and_get_shows_published() {
 async fn watch_streams_state_changes_until_final() {
     let stack = Stack::start().await;
     let mut client = stack.client().await;
-    let review = client.submit_review(submit_req(EU_KEY, "watch-1", &sample_diff("w1"))).await.unwrap().into_inner().review.unwrap();
+    let review = client
+        .submit_review(submit_req(EU_KEY, "watch-1", &sample_diff("w1")))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
     let mut stream = client
         .watch_review(authed(EU_KEY, reviewlane_shared::proto::WatchReviewRequest { job_id: review.job_id.clone() }))
         .await

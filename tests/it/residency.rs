@@ -52,8 +52,20 @@ async fn eu_content_never_reaches_the_us_server_or_provider() {
     let mut client = stack.client().await;
 
     // Traffic in both regions, so the US side is busy but must stay clean.
-    let us_job = client.submit_review(submit_req(US_KEY, "res-us", &sample_diff("us-side"))).await.unwrap().into_inner().review.unwrap();
-    let eu_job = client.submit_review(submit_req(EU_KEY, "res-eu", &sample_diff(&canary))).await.unwrap().into_inner().review.unwrap();
+    let us_job = client
+        .submit_review(submit_req(US_KEY, "res-us", &sample_diff("us-side")))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    let eu_job = client
+        .submit_review(submit_req(EU_KEY, "res-eu", &sample_diff(&canary)))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
     assert!(eu_job.job_id.starts_with("eu_"));
     assert_eq!(wait_final(&mut client, EU_KEY, &eu_job.job_id).await.state, JobState::Published as i32);
     assert_eq!(wait_final(&mut client, US_KEY, &us_job.job_id).await.state, JobState::Published as i32);
@@ -77,11 +89,11 @@ async fn eu_content_never_reaches_the_us_server_or_provider() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publisher_and_ingress_refuse_a_miswired_region() {
-    use std::sync::Arc;
     use reviewlane_shared::region::Region;
     use reviewlane_shared::startup::StartError;
     use reviewlane_shared::tenants::Tenants;
     use reviewlane_shared::testing::NatsServer;
+    use std::sync::Arc;
 
     let eu = NatsServer::start_provisioned(Region::Eu).await;
     let tenants = Arc::new(Tenants::parse(&tenants_toml("http://127.0.0.1:9/hook")).unwrap());

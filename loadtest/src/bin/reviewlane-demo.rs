@@ -132,16 +132,31 @@ async fn main() -> anyhow::Result<()> {
             ("REVIEWLANE_TENANTS_FILE", tf.clone()),
             ("REVIEWLANE_PROVIDER", "builtin".to_string()),
         ];
-        services.push(Service::start(&bin_dir, "reviewlane-extractor", &format!("extractor-{region}"), &env, &work.as_path().join(format!("extractor-{region}.log")))?);
-        services.push(Service::start(&bin_dir, "reviewlane-publisher", &format!("publisher-{region}"), &env, &work.as_path().join(format!("publisher-{region}.log")))?);
+        services.push(Service::start(
+            &bin_dir,
+            "reviewlane-extractor",
+            &format!("extractor-{region}"),
+            &env,
+            &work.as_path().join(format!("extractor-{region}.log")),
+        )?);
+        services.push(Service::start(
+            &bin_dir,
+            "reviewlane-publisher",
+            &format!("publisher-{region}"),
+            &env,
+            &work.as_path().join(format!("publisher-{region}.log")),
+        )?);
     }
-    println!("  services: ingress 127.0.0.1:{port}, extractor-us, extractor-eu, publisher-us, publisher-eu (built-in analyzer)");
+    println!(
+        "  services: ingress 127.0.0.1:{port}, extractor-us, extractor-eu, publisher-us, publisher-eu (built-in analyzer)"
+    );
 
     let channel = connect_when_ready(port).await?;
     let mut client = ReviewServiceClient::new(channel);
     let mut rows = Vec::new();
     for s in &submissions {
-        let diff = std::fs::read_to_string(root.join(s.diff_file)).with_context(|| format!("reading {}", s.diff_file))?;
+        let diff =
+            std::fs::read_to_string(root.join(s.diff_file)).with_context(|| format!("reading {}", s.diff_file))?;
         let started = Instant::now();
         let mut req = tonic::Request::new(SubmitReviewRequest {
             idempotency_key: format!("demo-{}", s.diff_file),
@@ -176,7 +191,7 @@ async fn main() -> anyhow::Result<()> {
     }
 
     println!();
-    println!("{:<3} {:<6} {:<9} {:<16} {:<45} {}", "REG", "TENANT", "SEVERITY", "CATEGORY", "LOCATION", "FINDING");
+    println!("{:<3} {:<6} {:<9} {:<16} {:<45} FINDING", "REG", "TENANT", "SEVERITY", "CATEGORY", "LOCATION");
     println!("{}", "-".repeat(120));
     for (region, tenant, review) in &rows {
         for f in &review.findings {

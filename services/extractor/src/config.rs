@@ -138,7 +138,11 @@ impl ExtractorConfig {
             lease: Duration::from_secs(lease),
             provider_timeout: Duration::from_secs(timeout),
             budgets,
-            backoff: Backoff { base: Duration::from_millis(base_ms), cap: Duration::from_secs(cap_s), ..Backoff::default() },
+            backoff: Backoff {
+                base: Duration::from_millis(base_ms),
+                cap: Duration::from_secs(cap_s),
+                ..Backoff::default()
+            },
             shutdown_grace: Duration::from_secs(grace),
             log_json,
         })
@@ -156,7 +160,8 @@ mod tests {
 
     #[test]
     fn builtin_defaults() {
-        let c = ExtractorConfig::from_env(&env(&[("REVIEWLANE_REGION", "eu"), ("REVIEWLANE_NATS_URL", "nats://x")])).unwrap();
+        let c = ExtractorConfig::from_env(&env(&[("REVIEWLANE_REGION", "eu"), ("REVIEWLANE_NATS_URL", "nats://x")]))
+            .unwrap();
         assert_eq!(c.region, Region::Eu);
         assert!(matches!(c.provider, ProviderConfig::Builtin));
         assert_eq!(c.concurrency, 8);
@@ -181,7 +186,9 @@ mod tests {
 
     #[test]
     fn reports_all_missing() {
-        let errs = ExtractorConfig::from_env(&env(&[("REVIEWLANE_PROVIDER", "openai"), ("REVIEWLANE_CONCURRENCY", "0")])).unwrap_err();
+        let errs =
+            ExtractorConfig::from_env(&env(&[("REVIEWLANE_PROVIDER", "openai"), ("REVIEWLANE_CONCURRENCY", "0")]))
+                .unwrap_err();
         // region, nats url, base url, model, provider region, concurrency
         assert_eq!(errs.0.len(), 6, "{errs}");
     }

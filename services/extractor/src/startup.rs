@@ -8,8 +8,8 @@ use std::sync::Arc;
 use async_nats::jetstream::consumer::{self, PullConsumer};
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
-use reviewlane_shared::region::Lane;
 use reviewlane_shared::pull::pull_loop;
+use reviewlane_shared::region::Lane;
 use reviewlane_shared::startup::{StartError, connect_region};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -38,13 +38,20 @@ pub async fn build(config: ExtractorConfig) -> Result<App, StartError> {
 }
 
 /// As `build`, with a provider supplied by the caller (tests, embedding).
-pub async fn build_with_provider(config: ExtractorConfig, provider: Option<Arc<dyn Provider>>) -> Result<App, StartError> {
+pub async fn build_with_provider(
+    config: ExtractorConfig,
+    provider: Option<Arc<dyn Provider>>,
+) -> Result<App, StartError> {
     let provider: Arc<dyn Provider> = match (provider, &config.provider) {
         (Some(p), _) => p,
         (None, ProviderConfig::Builtin) => Arc::new(BuiltinAnalyzer::new(config.region)),
-        (None, ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region }) => {
-            Arc::new(OpenAiProvider::new(base_url, model.clone(), api_key.clone(), *endpoint_region, config.provider_timeout))
-        }
+        (None, ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region }) => Arc::new(OpenAiProvider::new(
+            base_url,
+            model.clone(),
+            api_key.clone(),
+            *endpoint_region,
+            config.provider_timeout,
+        )),
     };
     if provider.region() != config.region {
         return Err(StartError::Other(anyhow::anyhow!(
@@ -53,7 +60,8 @@ pub async fn build_with_provider(config: ExtractorConfig, provider: Option<Arc<d
             config.region
         )));
     }
-    let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &LayoutConfig::default()).await?;
+    let conn =
+        connect_region(&config.nats_url, config.region, "reviewlane-extractor", &LayoutConfig::default()).await?;
     let mut consumers = Vec::new();
     for lane in Lane::ALL {
         let stream = conn
@@ -116,7 +124,9 @@ impl App {
                     worker.process_one(msg, &abort).await;
                 }
             };
-            loops.push(tokio::spawn(pull_loop(consumer, slots.clone(), tasks.clone(), stop.clone(), handle).instrument(span)));
+            loops.push(tokio::spawn(
+                pull_loop(consumer, slots.clone(), tasks.clone(), stop.clone(), handle).instrument(span),
+            ));
         }
         tracing::info!(region = %self.config.region, concurrency = self.config.concurrency, "extractor running");
         shutdown.await;

@@ -151,7 +151,10 @@ mod tests {
         );
         assert_eq!(retry_hint(&headers(&[("retry-after", "soon")])), None);
         assert_eq!(retry_hint(&headers(&[("retry-after", "-3")])), None);
-        assert_eq!(retry_hint(&headers(&[("retry-after-ms", "NaN"), ("retry-after", "1")])), Some(Duration::from_secs(1)));
+        assert_eq!(
+            retry_hint(&headers(&[("retry-after-ms", "NaN"), ("retry-after", "1")])),
+            Some(Duration::from_secs(1))
+        );
     }
 
     #[test]

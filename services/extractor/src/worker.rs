@@ -24,8 +24,14 @@ use crate::upstream::{Backoff, UpstreamOutcome};
 /// How the worker settled one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Validated { findings: usize, quarantined: usize },
-    RetryScheduled { budget: Budget, delay: Duration },
+    Validated {
+        findings: usize,
+        quarantined: usize,
+    },
+    RetryScheduled {
+        budget: Budget,
+        delay: Duration,
+    },
     Terminal(TerminalReason),
     /// Nothing to do: the job is final or its result is already recorded.
     Skipped,
@@ -77,7 +83,12 @@ impl Worker {
         }
     }
 
-    async fn run(&self, msg: &jetstream::Message, review: &ReviewMessage, abort: &CancellationToken) -> Result<Outcome, StoreError> {
+    async fn run(
+        &self,
+        msg: &jetstream::Message,
+        review: &ReviewMessage,
+        abort: &CancellationToken,
+    ) -> Result<Outcome, StoreError> {
         let id = review.job_id.as_str();
         let Some((rec, _)) = self.jobs.get(id).await? else {
             tracing::warn!("no job record for message; terminating it");
@@ -107,7 +118,8 @@ impl Worker {
             _ => {}
         }
 
-        let leased = self.jobs.apply(id, &Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 }).await;
+        let leased =
+            self.jobs.apply(id, &Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 }).await;
         let rec = match leased {
             Ok(r) => r,
             Err(StoreError::Transition(_, current)) => {
@@ -166,7 +178,12 @@ impl Worker {
 
     /// Runs the provider call, extending the lease with progress acks while it is alive.
     /// `None` when `abort` fired first.
-    async fn call_with_lease(&self, msg: &jetstream::Message, req: &ProviderRequest<'_>, abort: &CancellationToken) -> Option<UpstreamOutcome> {
+    async fn call_with_lease(
+        &self,
+        msg: &jetstream::Message,
+        req: &ProviderRequest<'_>,
+        abort: &CancellationToken,
+    ) -> Option<UpstreamOutcome> {
         let call = tokio::time::timeout(self.provider_timeout, self.provider.review(req));
         tokio::pin!(call);
         let mut heartbeat = tokio::time::interval(self.lease / 3);
@@ -186,7 +203,12 @@ impl Worker {
         }
     }
 
-    async fn complete(&self, msg: &jetstream::Message, review: &ReviewMessage, v: Validated) -> Result<Outcome, StoreError> {
+    async fn complete(
+        &self,
+        msg: &jetstream::Message,
+        review: &ReviewMessage,
+        v: Validated,
+    ) -> Result<Outcome, StoreError> {
         let (n, q) = (v.findings.len(), v.quarantined.len());
         for reason in v.quarantined.iter().map(|q| q.reason.as_str()) {
             tracing::info!(reason, "finding quarantined");
@@ -219,7 +241,13 @@ impl Worker {
         Ok(Outcome::Validated { findings: n, quarantined: q })
     }
 
-    async fn record_validated(&self, msg: &jetstream::Message, review: &ReviewMessage, n: usize, q: usize) -> Result<(), StoreError> {
+    async fn record_validated(
+        &self,
+        msg: &jetstream::Message,
+        review: &ReviewMessage,
+        n: usize,
+        q: usize,
+    ) -> Result<(), StoreError> {
         let event = Event::Validated { findings: n as u32, quarantined: q as u32 };
         match self.jobs.apply(&review.job_id, &event).await {
             Ok(_) => {}
@@ -286,7 +314,12 @@ impl Worker {
             }
             Err(e) => return Err(e),
         }
-        tracing::info!(budget = budget.as_str(), attempt = used + 1, delay_ms = delay.as_millis() as u64, "retry scheduled");
+        tracing::info!(
+            budget = budget.as_str(),
+            attempt = used + 1,
+            delay_ms = delay.as_millis() as u64,
+            "retry scheduled"
+        );
         settle(msg, AckKind::Nak(Some(delay))).await;
         Ok(Outcome::RetryScheduled { budget, delay })
     }
@@ -310,7 +343,12 @@ impl Worker {
 
     /// Moves the review to `DEADLETTER_<R>` (same region, same access policy as the
     /// diff) so it leaves the lane and stops skewing its queue age.
-    async fn dead_letter(&self, msg: &jetstream::Message, review: &ReviewMessage, reason: TerminalReason) -> Result<(), StoreError> {
+    async fn dead_letter(
+        &self,
+        msg: &jetstream::Message,
+        review: &ReviewMessage,
+        reason: TerminalReason,
+    ) -> Result<(), StoreError> {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
         headers.insert("Reviewlane-Reason", reason.as_str());

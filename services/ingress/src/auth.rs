@@ -20,10 +20,7 @@ impl Authenticator {
     }
 
     pub fn intercept(&self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        let header = req
-            .metadata()
-            .get("authorization")
-            .ok_or(ApiError::Unauthenticated("missing bearer API key"))?;
+        let header = req.metadata().get("authorization").ok_or(ApiError::Unauthenticated("missing bearer API key"))?;
         let key = header
             .to_str()
             .ok()
@@ -39,8 +36,5 @@ impl Authenticator {
 
 /// The authenticated tenant of a request that passed the interceptor.
 pub fn tenant<T>(req: &Request<T>) -> Result<Arc<Tenant>, ApiError> {
-    req.extensions()
-        .get::<Arc<Tenant>>()
-        .cloned()
-        .ok_or(ApiError::Unauthenticated("missing bearer API key"))
+    req.extensions().get::<Arc<Tenant>>().cloned().ok_or(ApiError::Unauthenticated("missing bearer API key"))
 }

@@ -52,9 +52,7 @@ impl From<ApiError> for Status {
                 ErrorDetails::with_bad_request_violation(field, description),
             ),
             ApiError::NotFound => Status::not_found("review not found"),
-            ApiError::AlreadyExists => {
-                Status::already_exists("idempotency key already used for a different request")
-            }
+            ApiError::AlreadyExists => Status::already_exists("idempotency key already used for a different request"),
             ApiError::ResourceExhausted { what, retry_after } => Status::with_error_details(
                 Code::ResourceExhausted,
                 format!("{what}; retry later"),
@@ -86,8 +84,7 @@ mod tests {
 
     #[test]
     fn resource_exhausted_carries_retry_info() {
-        let s: Status =
-            ApiError::ResourceExhausted { what: "lane full", retry_after: Duration::from_secs(3) }.into();
+        let s: Status = ApiError::ResourceExhausted { what: "lane full", retry_after: Duration::from_secs(3) }.into();
         assert_eq!(s.code(), Code::ResourceExhausted);
         assert_eq!(s.get_details_retry_info().unwrap().retry_delay, Some(Duration::from_secs(3)));
     }

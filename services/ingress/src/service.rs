@@ -16,7 +16,7 @@ use reviewlane_shared::job::{Event, JobRecord, JobState, ReviewDepth};
 use reviewlane_shared::job_id;
 use reviewlane_shared::job_store::{Created, JobStore, StoreError};
 use reviewlane_shared::layout::{self, RegionLayout};
-use reviewlane_shared::messages::{FindingsMessage, ReviewMetadata, ReviewMessage};
+use reviewlane_shared::messages::{FindingsMessage, ReviewMessage, ReviewMetadata};
 use reviewlane_shared::proto::{
     self, CancelReviewRequest, CancelReviewResponse, GetReviewRequest, GetReviewResponse, SubmitReviewRequest,
     SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
@@ -111,11 +111,8 @@ impl ReviewApi {
                 return Err(ApiError::invalid(field, format!("longer than {MAX_METADATA_FIELD} bytes")));
             }
         }
-        let idempotency_key = if req.idempotency_key.is_empty() {
-            hex::encode(rand::random::<[u8; 16]>())
-        } else {
-            req.idempotency_key
-        };
+        let idempotency_key =
+            if req.idempotency_key.is_empty() { hex::encode(rand::random::<[u8; 16]>()) } else { req.idempotency_key };
 
         let region = tenant.region;
         let handle = self.region(region)?;
@@ -222,12 +219,10 @@ async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiEr
 
 /// A lane at its maximum backlog refuses new messages (discard new).
 fn is_stream_full(e: &jetstream::context::PublishError) -> bool {
-    std::error::Error::source(e)
-        .and_then(|s| s.downcast_ref::<jetstream::Error>())
-        .is_some_and(|j| {
-            j.error_code() == jetstream::ErrorCode::STREAM_STORE_FAILED
-                || j.error_code() == jetstream::ErrorCode::STREAM_MAX_STREAM_BYTES_EXCEEDED
-        })
+    std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>()).is_some_and(|j| {
+        j.error_code() == jetstream::ErrorCode::STREAM_STORE_FAILED
+            || j.error_code() == jetstream::ErrorCode::STREAM_MAX_STREAM_BYTES_EXCEEDED
+    })
 }
 
 async fn read_findings(layout: &RegionLayout, rec: &JobRecord) -> Result<Vec<Finding>, ApiError> {
@@ -239,8 +234,7 @@ async fn read_findings(layout: &RegionLayout, rec: &JobRecord) -> Result<Vec<Fin
     let subject = layout::findings_subject(rec.region, &rec.tenant, &rec.job_id);
     match stream.get_last_raw_message_by_subject(&subject).await {
         Ok(m) => {
-            let msg: FindingsMessage =
-                serde_json::from_slice(&m.payload).map_err(|e| ApiError::Internal(e.into()))?;
+            let msg: FindingsMessage = serde_json::from_slice(&m.payload).map_err(|e| ApiError::Internal(e.into()))?;
             Ok(msg.findings)
         }
         Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(Vec::new()),
@@ -257,10 +251,7 @@ type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchReviewResponse, Status>
 
 #[tonic::async_trait]
 impl ReviewService for ReviewApi {
-    async fn submit_review(
-        &self,
-        req: Request<SubmitReviewRequest>,
-    ) -> Result<Response<SubmitReviewResponse>, Status> {
+    async fn submit_review(&self, req: Request<SubmitReviewRequest>) -> Result<Response<SubmitReviewResponse>, Status> {
         let tenant = tenant(&req)?;
         let review = self.submit(&tenant, req.into_inner()).await?;
         Ok(Response::new(SubmitReviewResponse { review: Some(review) }))
@@ -277,7 +268,10 @@ impl ReviewService for ReviewApi {
     type WatchReviewStream = WatchStream;
 
     #[instrument(skip_all, fields(job_id = span_id(&req.get_ref().job_id)))]
-    async fn watch_review(&self, req: Request<WatchReviewRequest>) -> Result<Response<Self::WatchReviewStream>, Status> {
+    async fn watch_review(
+        &self,
+        req: Request<WatchReviewRequest>,
+    ) -> Result<Response<Self::WatchReviewStream>, Status> {
         let tenant = tenant(&req)?;
         let id = req.into_inner().job_id;
         let (handle, _) = self.owned_job(&tenant, &id).await?;
@@ -300,7 +294,8 @@ impl ReviewService for ReviewApi {
                             return;
                         }
                     };
-                    if tx.send(Ok(WatchReviewResponse { review: Some(review) })).await.is_err() || rec.state.is_final() {
+                    if tx.send(Ok(WatchReviewResponse { review: Some(review) })).await.is_err() || rec.state.is_final()
+                    {
                         return;
                     }
                     // Next newer record; deletes and older revisions are skipped.
@@ -340,10 +335,8 @@ impl ReviewService for ReviewApi {
     async fn cancel_review(&self, req: Request<CancelReviewRequest>) -> Result<Response<CancelReviewResponse>, Status> {
         let tenant = tenant(&req)?;
         let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
-        let event = Event::Terminate {
-            reason: reviewlane_shared::job::TerminalReason::Cancelled,
-            upstream_status: None,
-        };
+        let event =
+            Event::Terminate { reason: reviewlane_shared::job::TerminalReason::Cancelled, upstream_status: None };
         let rec = match handle.jobs.apply(&rec.job_id, &event).await {
             Ok(r) => {
                 tracing::info!("review cancelled");

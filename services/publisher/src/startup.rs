@@ -27,7 +27,8 @@ pub struct App {
 }
 
 pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
-    let conn = connect_region(&config.nats_url, config.region, "reviewlane-publisher", &LayoutConfig::default()).await?;
+    let conn =
+        connect_region(&config.nats_url, config.region, "reviewlane-publisher", &LayoutConfig::default()).await?;
     let stream = conn
         .layout
         .js
@@ -78,7 +79,8 @@ impl App {
             }
         };
         let span = tracing::info_span!("pull_loop", region = %self.config.region);
-        let pulling = tokio::spawn(pull_loop(self.consumer, slots, tasks.clone(), stop.clone(), handle).instrument(span));
+        let pulling =
+            tokio::spawn(pull_loop(self.consumer, slots, tasks.clone(), stop.clone(), handle).instrument(span));
         tracing::info!(region = %self.config.region, "publisher running");
         shutdown.await;
         tracing::info!("shutting down: no new pulls");

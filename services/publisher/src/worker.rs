@@ -120,7 +120,12 @@ impl Worker {
         let revision = match self.published.create(id, encode(PublicationState::Publishing)).await {
             Ok(rev) => rev,
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                let entry = self.published.entry(id).await.map_err(|e| StoreError::Nats(e.into()))?.ok_or(StoreError::NotFound)?;
+                let entry = self
+                    .published
+                    .entry(id)
+                    .await
+                    .map_err(|e| StoreError::Nats(e.into()))?
+                    .ok_or(StoreError::NotFound)?;
                 let p: Publication = serde_json::from_slice(&entry.value).map_err(|_| StoreError::Corrupt)?;
                 match p.state {
                     PublicationState::Published => {
@@ -159,7 +164,12 @@ impl Worker {
                 }
                 self.mark_job(id, &Event::Published).await?;
                 settle(msg, AckKind::Ack).await;
-                tracing::info!(outcome = "published", findings = f.findings.len(), quarantined = f.quarantined.len(), "delivered");
+                tracing::info!(
+                    outcome = "published",
+                    findings = f.findings.len(),
+                    quarantined = f.quarantined.len(),
+                    "delivered"
+                );
                 Ok(Outcome::Published)
             }
             SinkOutcome::Transient(class) => {
@@ -168,9 +178,15 @@ impl Worker {
                     return self.fail(msg, id, revision, TerminalReason::DeliveryBudgetExhausted).await;
                 }
                 let exp = self.backoff_base.as_secs_f64() * 2f64.powi(delivered.min(30) as i32 - 1);
-                let delay = Duration::from_secs_f64(exp.min(self.backoff_cap.as_secs_f64()) * (0.5 + rand::random::<f64>()))
-                    .min(self.backoff_cap);
-                tracing::warn!(status_class = class, attempt = delivered, delay_ms = delay.as_millis() as u64, "delivery failed; retry scheduled");
+                let delay =
+                    Duration::from_secs_f64(exp.min(self.backoff_cap.as_secs_f64()) * (0.5 + rand::random::<f64>()))
+                        .min(self.backoff_cap);
+                tracing::warn!(
+                    status_class = class,
+                    attempt = delivered,
+                    delay_ms = delay.as_millis() as u64,
+                    "delivery failed; retry scheduled"
+                );
                 settle(msg, AckKind::Nak(Some(delay))).await;
                 Ok(Outcome::RetryScheduled(delay))
             }
@@ -181,7 +197,13 @@ impl Worker {
         }
     }
 
-    async fn fail(&self, msg: &jetstream::Message, id: &str, revision: u64, reason: TerminalReason) -> Result<Outcome, StoreError> {
+    async fn fail(
+        &self,
+        msg: &jetstream::Message,
+        id: &str,
+        revision: u64,
+        reason: TerminalReason,
+    ) -> Result<Outcome, StoreError> {
         let _ = self.published.update(id, encode(PublicationState::Failed), revision).await;
         self.mark_job(id, &Event::Terminate { reason, upstream_status: None }).await?;
         settle(msg, AckKind::Ack).await;

@@ -39,41 +39,139 @@ struct Rule {
     message: &'static str,
 }
 
-fn rule(scope: Scope, pattern: &str, severity: &'static str, category: &'static str, title: &'static str, message: &'static str) -> Rule {
-    Rule { scope, pattern: Regex::new(pattern).expect("rule pattern compiles"), and: None, severity, category, title, message }
+fn rule(
+    scope: Scope,
+    pattern: &str,
+    severity: &'static str,
+    category: &'static str,
+    title: &'static str,
+    message: &'static str,
+) -> Rule {
+    Rule {
+        scope,
+        pattern: Regex::new(pattern).expect("rule pattern compiles"),
+        and: None,
+        severity,
+        category,
+        title,
+        message,
+    }
 }
 
 static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
     vec![
-        rule(Scope::Any, r"-----BEGIN (RSA |EC |DSA |OPENSSH )?PRIVATE KEY-----", "critical", "security",
-            "Private key committed", "A private key is added to the repository. Remove it, rotate the key, and load it from a secret store."),
-        rule(Scope::Any, r"\b(AKIA|ASIA)[0-9A-Z]{16}\b", "critical", "security",
-            "AWS access key committed", "An AWS access key id is hard-coded. Revoke it and read credentials from the environment or a secret store."),
-        rule(Scope::Any, r"\b(sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{30,}|xox[baprs]-[A-Za-z0-9-]{10,})", "critical", "security",
-            "API token committed", "An API token is hard-coded. Revoke it and inject it at run time."),
-        rule(Scope::Any, r#"(?i)\b[a-z_]*(password|passwd|secret|api_?key|token|access_?token|auth_?token)\b["']?\s*[:=]\s*["'][^"'\s]{8,}["']"#, "high", "security",
-            "Hard-coded secret", "A credential is assigned a literal value. Read it from configuration or a secret store instead."),
-        rule(Scope::Rust, r"\bdbg!\(", "low", "maintainability",
-            "Debug macro left in", "`dbg!` prints to stderr and is meant for local debugging; remove it before merging."),
-        rule(Scope::Script, r"\bconsole\.(log|debug|trace)\(", "low", "maintainability",
-            "Debug print left in", "Console logging left in shipped code; remove it or use the project's logger."),
-        rule(Scope::Python, r"^\s*(print\(|breakpoint\(\)|import pdb|pdb\.set_trace\(\))", "low", "maintainability",
-            "Debug print left in", "A debug print or breakpoint is left in; remove it or use logging."),
-        rule(Scope::Java, r"System\.(out|err)\.print(ln)?\(|\.printStackTrace\(\)", "low", "maintainability",
-            "Debug print left in", "Printing to stdout/stderr bypasses logging; use the logger."),
-        rule(Scope::NonTestRust, r"\.unwrap\(\)|\.expect\(", "medium", "reliability",
-            "unwrap/expect in non-test code", "This panics on the error path. Propagate the error with `?` or handle it."),
-        rule(Scope::NonTestRust, r"\b(panic|unimplemented|todo)!\(", "medium", "reliability",
-            "panic in non-test code", "This aborts the task at run time. Return an error instead."),
-        rule(Scope::Any, r"(^|[^.\w])eval\s*\(", "high", "security",
-            "Use of eval", "`eval` runs arbitrary code built from data; parse the input or dispatch explicitly."),
+        rule(
+            Scope::Any,
+            r"-----BEGIN (RSA |EC |DSA |OPENSSH )?PRIVATE KEY-----",
+            "critical",
+            "security",
+            "Private key committed",
+            "A private key is added to the repository. Remove it, rotate the key, and load it from a secret store.",
+        ),
+        rule(
+            Scope::Any,
+            r"\b(AKIA|ASIA)[0-9A-Z]{16}\b",
+            "critical",
+            "security",
+            "AWS access key committed",
+            "An AWS access key id is hard-coded. Revoke it and read credentials from the environment or a secret store.",
+        ),
+        rule(
+            Scope::Any,
+            r"\b(sk-[A-Za-z0-9_-]{20,}|ghp_[A-Za-z0-9]{30,}|xox[baprs]-[A-Za-z0-9-]{10,})",
+            "critical",
+            "security",
+            "API token committed",
+            "An API token is hard-coded. Revoke it and inject it at run time.",
+        ),
+        rule(
+            Scope::Any,
+            r#"(?i)\b[a-z_]*(password|passwd|secret|api_?key|token|access_?token|auth_?token)\b["']?\s*[:=]\s*["'][^"'\s]{8,}["']"#,
+            "high",
+            "security",
+            "Hard-coded secret",
+            "A credential is assigned a literal value. Read it from configuration or a secret store instead.",
+        ),
+        rule(
+            Scope::Rust,
+            r"\bdbg!\(",
+            "low",
+            "maintainability",
+            "Debug macro left in",
+            "`dbg!` prints to stderr and is meant for local debugging; remove it before merging.",
+        ),
+        rule(
+            Scope::Script,
+            r"\bconsole\.(log|debug|trace)\(",
+            "low",
+            "maintainability",
+            "Debug print left in",
+            "Console logging left in shipped code; remove it or use the project's logger.",
+        ),
+        rule(
+            Scope::Python,
+            r"^\s*(print\(|breakpoint\(\)|import pdb|pdb\.set_trace\(\))",
+            "low",
+            "maintainability",
+            "Debug print left in",
+            "A debug print or breakpoint is left in; remove it or use logging.",
+        ),
+        rule(
+            Scope::Java,
+            r"System\.(out|err)\.print(ln)?\(|\.printStackTrace\(\)",
+            "low",
+            "maintainability",
+            "Debug print left in",
+            "Printing to stdout/stderr bypasses logging; use the logger.",
+        ),
+        rule(
+            Scope::NonTestRust,
+            r"\.unwrap\(\)|\.expect\(",
+            "medium",
+            "reliability",
+            "unwrap/expect in non-test code",
+            "This panics on the error path. Propagate the error with `?` or handle it.",
+        ),
+        rule(
+            Scope::NonTestRust,
+            r"\b(panic|unimplemented|todo)!\(",
+            "medium",
+            "reliability",
+            "panic in non-test code",
+            "This aborts the task at run time. Return an error instead.",
+        ),
+        rule(
+            Scope::Any,
+            r"(^|[^.\w])eval\s*\(",
+            "high",
+            "security",
+            "Use of eval",
+            "`eval` runs arbitrary code built from data; parse the input or dispatch explicitly.",
+        ),
         Rule {
-            and: Some(Regex::new(r#"["'`]\s*(\+|\.\.|\|\||%\s)|\+\s*["'`]|format!\(|\bf["']|\.format\(|sprintf\(|\$\{|%s|\{\}"#).expect("compiles")),
-            ..rule(Scope::Any, r#"(?i)["'`]\s*(select\s.*\bfrom|insert\s+into|update\s+\w+\s+set|delete\s+from)\b"#, "high", "security",
-                "SQL built from strings", "The query is assembled from strings, which invites SQL injection. Use bound parameters.")
+            and: Some(
+                Regex::new(
+                    r#"["'`]\s*(\+|\.\.|\|\||%\s)|\+\s*["'`]|format!\(|\bf["']|\.format\(|sprintf\(|\$\{|%s|\{\}"#,
+                )
+                .expect("compiles"),
+            ),
+            ..rule(
+                Scope::Any,
+                r#"(?i)["'`]\s*(select\s.*\bfrom|insert\s+into|update\s+\w+\s+set|delete\s+from)\b"#,
+                "high",
+                "security",
+                "SQL built from strings",
+                "The query is assembled from strings, which invites SQL injection. Use bound parameters.",
+            )
         },
-        rule(Scope::Any, r"\b(TODO|FIXME|XXX)\b", "info", "maintainability",
-            "TODO/FIXME left in", "An open TODO/FIXME is added; track it in an issue or resolve it before merging."),
+        rule(
+            Scope::Any,
+            r"\b(TODO|FIXME|XXX)\b",
+            "info",
+            "maintainability",
+            "TODO/FIXME left in",
+            "An open TODO/FIXME is added; track it in an issue or resolve it before merging.",
+        ),
     ]
 });
 
@@ -91,7 +189,11 @@ fn in_scope(scope: Scope, path: &str) -> bool {
 
 fn is_rust_test_path(path: &str) -> bool {
     let p = format!("/{path}");
-    p.contains("/tests/") || p.contains("/benches/") || p.contains("/examples/") || p.ends_with("_test.rs") || p.ends_with("/tests.rs")
+    p.contains("/tests/")
+        || p.contains("/benches/")
+        || p.contains("/examples/")
+        || p.ends_with("_test.rs")
+        || p.ends_with("/tests.rs")
 }
 
 /// Evidence: the trimmed line, cut at 200 characters (on a char boundary), so it is
@@ -185,7 +287,13 @@ mod tests {
             .as_array()
             .unwrap()
             .iter()
-            .map(|f| (f["path"].as_str().unwrap().to_string(), f["line"].as_u64().unwrap(), f["title"].as_str().unwrap().to_string()))
+            .map(|f| {
+                (
+                    f["path"].as_str().unwrap().to_string(),
+                    f["line"].as_u64().unwrap(),
+                    f["title"].as_str().unwrap().to_string(),
+                )
+            })
             .collect()
     }
 
@@ -201,14 +309,17 @@ mod tests {
 
     #[test]
     fn finds_each_rule_on_the_right_line() {
-        let f = titles(&one_file("src/db.rs", &[
-            "let pw = \"hunter2hunter2\"; let password = \"hunter2hunter2\";",
-            "let v = map.get(k).unwrap();",
-            "dbg!(v);",
-            "let q = format!(\"SELECT * FROM users WHERE id = {}\", id);",
-            "// TODO: handle errors",
-            "let fine = 1 + 2;",
-        ]));
+        let f = titles(&one_file(
+            "src/db.rs",
+            &[
+                "let pw = \"hunter2hunter2\"; let password = \"hunter2hunter2\";",
+                "let v = map.get(k).unwrap();",
+                "dbg!(v);",
+                "let q = format!(\"SELECT * FROM users WHERE id = {}\", id);",
+                "// TODO: handle errors",
+                "let fine = 1 + 2;",
+            ],
+        ));
         assert_eq!(
             f,
             vec![
@@ -223,12 +334,15 @@ mod tests {
 
     #[test]
     fn script_rules() {
-        let f = titles(&one_file("web/app.js", &[
-            "console.log(user)",
-            "const r = eval(input)",
-            "db.query(\"SELECT * FROM t WHERE name = '\" + name + \"'\")",
-            "const key = \"AKIAABCDEFGHIJKLMNOP\"",
-        ]));
+        let f = titles(&one_file(
+            "web/app.js",
+            &[
+                "console.log(user)",
+                "const r = eval(input)",
+                "db.query(\"SELECT * FROM t WHERE name = '\" + name + \"'\")",
+                "const key = \"AKIAABCDEFGHIJKLMNOP\"",
+            ],
+        ));
         let t: Vec<_> = f.iter().map(|x| x.2.as_str()).collect();
         assert_eq!(t, vec!["Debug print left in", "Use of eval", "SQL built from strings", "AWS access key committed"]);
     }
@@ -244,10 +358,10 @@ mod tests {
 
     #[test]
     fn output_always_validates_against_the_diff() {
-        let diff = one_file("src/lib.rs", &[
-            &format!("    let token = \"{}\"; // TODO {}", "a".repeat(40), "é".repeat(300)),
-            "panic!(\"boom\")",
-        ]);
+        let diff = one_file(
+            "src/lib.rs",
+            &[&format!("    let token = \"{}\"; // TODO {}", "a".repeat(40), "é".repeat(300)), "panic!(\"boom\")"],
+        );
         let d = parse(&diff).unwrap();
         let out = analyze(&d).to_string();
         let v = validate(FINDINGS_V1, &out, &d).unwrap();
@@ -272,7 +386,10 @@ mod sample_tests {
     #[test]
     fn sample_diffs_yield_valid_findings_of_every_rule_family() {
         let mut titles = std::collections::BTreeSet::new();
-        for text in [include_str!("../../../../samples/us-payments.diff"), include_str!("../../../../samples/eu-analytics.diff")] {
+        for text in [
+            include_str!("../../../../samples/us-payments.diff"),
+            include_str!("../../../../samples/eu-analytics.diff"),
+        ] {
             let d = parse(text).expect("sample parses");
             let v = validate(FINDINGS_V1, &analyze(&d).to_string(), &d).unwrap();
             assert!(v.quarantined.is_empty());

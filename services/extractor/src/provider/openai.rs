@@ -32,7 +32,13 @@ pub struct OpenAiProvider {
 }
 
 impl OpenAiProvider {
-    pub fn new(base_url: &str, model: String, api_key: Option<SecretString>, region: Region, timeout: Duration) -> Self {
+    pub fn new(
+        base_url: &str,
+        model: String,
+        api_key: Option<SecretString>,
+        region: Region,
+        timeout: Duration,
+    ) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(Duration::from_secs(10))

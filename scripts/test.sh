@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: installs nats-server 2.10+ if missing, checks formatting and
+# lints, then runs every unit and integration test (real nats-server processes on
+# free loopback ports; never 4222).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+nats_dir="$(bash scripts/install-deps.sh | tail -n1)"
+export NATS_SERVER_BIN="$nats_dir/nats-server"
+echo "using $("$NATS_SERVER_BIN" --version)"
+if rustup component list --installed 2>/dev/null | grep -q '^rustfmt'; then
+  cargo fmt --all --check
+fi
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked "$@"
