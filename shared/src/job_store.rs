@@ -30,14 +30,39 @@ pub enum Created {
 #[derive(Clone)]
 pub struct JobStore {
     kv: kv::Store,
+    client: async_nats::Client,
+}
+
+/// Signals that a job record may have changed; re-read it with `JobStore::get`.
+///
+/// A core NATS subscription on the record's KV subject, not a KV watch: async-nats
+/// creates a watch's consumer before subscribing to its deliver subject, so an update
+/// in between is seen only after the 5 s idle-heartbeat recovery. Subscribing first and
+/// reading after, on one connection, misses nothing.
+pub struct JobChanges {
+    sub: async_nats::Subscriber,
+}
+
+impl JobChanges {
+    /// Waits for the next change; `None` when the subscription ended.
+    pub async fn next(&mut self) -> Option<()> {
+        futures::StreamExt::next(&mut self.sub).await.map(|_| ())
+    }
 }
 
 /// How often `apply` re-reads after losing a compare-and-set before giving up.
 const CAS_TRIES: usize = 16;
 
 impl JobStore {
-    pub fn new(kv: kv::Store) -> Self {
-        JobStore { kv }
+    pub fn new(kv: kv::Store, client: async_nats::Client) -> Self {
+        JobStore { kv, client }
+    }
+
+    /// Subscribes to changes of one record. Read the record after this returns.
+    pub async fn changes(&self, job_id: &str) -> Result<JobChanges, StoreError> {
+        let subject = format!("{}{}", self.kv.prefix, job_id);
+        let sub = self.client.subscribe(subject).await.map_err(|e| StoreError::Nats(e.into()))?;
+        Ok(JobChanges { sub })
     }
 
     pub fn kv(&self) -> &kv::Store {

@@ -1,11 +1,17 @@
-//! The pull loop both workers share: take a free slot, then pull at most as many
-//! messages as there are free slots, so no message sits leased without a worker.
+//! The pull loop both workers share.
+//!
+//! No slot is held during a long-poll: several loops (one per lane) share the slots, and
+//! an idle lane must not park capacity another lane needs. A loop waits until a slot is
+//! free, asks for at most as many messages as slots are free, and takes a slot per
+//! message as it arrives. A message that finds no free slot (another lane took it
+//! meanwhile) is handed back at once (nak without delay), so nothing sits leased
+//! without a worker.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer};
+use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures::StreamExt;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -31,20 +37,14 @@ pub async fn pull_loop<F, Fut>(
 {
     let mut failures = 0u32;
     loop {
-        // Take a free slot before pulling: never hold a lease without a slot to use it.
-        let first = tokio::select! {
-            p = slots.clone().acquire_owned() => p.expect("semaphore never closed"),
+        // Wait for a free slot, without keeping it.
+        tokio::select! {
+            p = slots.clone().acquire_owned() => drop(p.expect("semaphore never closed")),
             _ = stop.cancelled() => return,
-        };
-        let mut permits = vec![first];
-        while permits.len() < MAX_PULL {
-            match slots.clone().try_acquire_owned() {
-                Ok(p) => permits.push(p),
-                Err(_) => break,
-            }
         }
+        let want = slots.available_permits().clamp(1, MAX_PULL);
         let batch = tokio::select! {
-            b = consumer.batch().max_messages(permits.len()).expires(PULL_EXPIRES).messages() => b,
+            b = consumer.batch().max_messages(want).expires(PULL_EXPIRES).messages() => b,
             _ = stop.cancelled() => return,
         };
         let mut batch = match batch {
@@ -62,15 +62,20 @@ pub async fn pull_loop<F, Fut>(
                 m = batch.next() => m,
                 _ = stop.cancelled() => return,
             };
-            let Some(msg) = next else { break };
-            let msg = match msg {
-                Ok(m) => m,
-                Err(e) => {
+            let msg = match next {
+                None => break,
+                Some(Ok(m)) => m,
+                Some(Err(e)) => {
                     tracing::warn!(error = %e, "pull message error");
                     break;
                 }
             };
-            let Some(permit) = permits.pop() else { break };
+            let Ok(permit) = slots.clone().try_acquire_owned() else {
+                if let Err(e) = msg.ack_with(AckKind::Nak(None)).await {
+                    tracing::warn!(error = %e, "handing back a message failed; it returns after its lease");
+                }
+                continue;
+            };
             let work = handle(msg);
             tasks.spawn(
                 async move {

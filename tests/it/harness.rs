@@ -46,6 +46,7 @@ pub struct StackOptions {
     pub eu_provider: SimConfig,
     pub canaries: Vec<String>,
     pub max_diff_bytes: usize,
+    pub extractor_concurrency: usize,
 }
 
 impl Default for StackOptions {
@@ -55,6 +56,7 @@ impl Default for StackOptions {
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
+            extractor_concurrency: 8,
         }
     }
 }
@@ -120,6 +122,7 @@ impl Stack {
                 },
             );
             xc.lease = Duration::from_secs(5);
+            xc.concurrency = opts.extractor_concurrency;
             xc.backoff.base = Duration::from_millis(200);
             xc.backoff.cap = Duration::from_secs(2);
             xc.shutdown_grace = Duration::from_secs(2);

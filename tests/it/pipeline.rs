@@ -91,3 +91,27 @@ async fn watch_streams_state_changes_until_final() {
     assert_eq!(states, sorted);
     stack.shutdown().await;
 }
+
+/// An idle lane's long-poll must not hold the capacity another lane needs: with one
+/// call slot, interactive work is served at once, not after the batch lane's 5 s poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_lane_does_not_park_the_only_slot() {
+    let stack = Stack::start_with(StackOptions { extractor_concurrency: 1, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    // Let both lanes' pull loops reach their long-poll.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..3 {
+        let started = std::time::Instant::now();
+        let job = client
+            .submit_review(submit_req(US_KEY, &format!("slot-{i}"), &sample_diff(&format!("s{i}"))))
+            .await
+            .unwrap()
+            .into_inner()
+            .review
+            .unwrap();
+        assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
+        // The pull long-poll is 5 s; a parked slot shows up as a wait of about that long.
+        assert!(started.elapsed() < Duration::from_secs(3), "job {i} took {:?}", started.elapsed());
+    }
+    stack.shutdown().await;
+}

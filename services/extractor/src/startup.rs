@@ -89,7 +89,7 @@ pub async fn build_with_provider(
     }
     let worker = Arc::new(Worker {
         region: config.region,
-        jobs: JobStore::new(conn.layout.jobs.clone()),
+        jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
         layout: conn.layout,
         provider,
         budgets: config.budgets,

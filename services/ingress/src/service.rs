@@ -7,8 +7,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv};
-use futures::{Stream, StreamExt};
+use async_nats::jetstream;
+use futures::Stream;
 use reviewlane_shared::api;
 use reviewlane_shared::diff;
 use reviewlane_shared::findings::{self, Finding};
@@ -275,17 +275,15 @@ impl ReviewService for ReviewApi {
         let tenant = tenant(&req)?;
         let id = req.into_inner().job_id;
         let (handle, _) = self.owned_job(&tenant, &id).await?;
-        // Watch first, then read: no change can fall between the two.
-        let mut watch = handle.jobs.kv().watch(&id).await.map_err(|e| ApiError::Unavailable(e.into()))?;
-        let (rec, revision) = handle.jobs.get(&id).await.map_err(ApiError::from)?.ok_or(ApiError::NotFound)?;
+        // Subscribe first, then read: no change can fall between the two.
+        let mut changes = handle.jobs.changes(&id).await.map_err(ApiError::from)?;
+        let (mut rec, mut last) = handle.jobs.get(&id).await.map_err(ApiError::from)?.ok_or(ApiError::NotFound)?;
         let (tx, rx) = mpsc::channel(8);
         let api = self.clone();
         let handle = handle.clone();
         let shutdown = self.shutdown.clone();
         tokio::spawn(
             async move {
-                let mut last = revision;
-                let mut rec = rec;
                 loop {
                     let review = match api.view(&handle, &rec).await {
                         Ok(r) => r,
@@ -298,32 +296,28 @@ impl ReviewService for ReviewApi {
                     {
                         return;
                     }
-                    // Next newer record; deletes and older revisions are skipped.
-                    rec = loop {
-                        let entry = tokio::select! {
-                            e = watch.next() => e,
+                    // Wait for a newer revision; a signal for one already sent is skipped.
+                    loop {
+                        tokio::select! {
+                            c = changes.next() => if c.is_none() { return },
                             _ = shutdown.cancelled() => {
                                 let _ = tx.send(Err(Status::unavailable("server shutting down; watch again"))).await;
                                 return;
                             }
                             _ = tx.closed() => return,
-                        };
-                        match entry {
-                            Some(Ok(e)) if e.operation == kv::Operation::Put && e.revision > last => {
-                                last = e.revision;
-                                match serde_json::from_slice::<JobRecord>(&e.value) {
-                                    Ok(r) => break r,
-                                    Err(_) => continue,
-                                }
+                        }
+                        match handle.jobs.get(&rec.job_id).await {
+                            Ok(Some((r, rev))) if rev > last => {
+                                (rec, last) = (r, rev);
+                                break;
                             }
-                            Some(Ok(_)) => continue,
-                            Some(Err(e)) => {
-                                let _ = tx.send(Err(ApiError::Unavailable(e.into()).into())).await;
+                            Ok(_) => continue,
+                            Err(e) => {
+                                let _ = tx.send(Err(ApiError::from(e).into())).await;
                                 return;
                             }
-                            None => return,
                         }
-                    };
+                    }
                 }
             }
             .instrument(tracing::Span::current()),

@@ -34,7 +34,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
         regions.insert(
             *region,
             RegionHandle {
-                jobs: reviewlane_shared::job_store::JobStore::new(conn.layout.jobs.clone()),
+                jobs: reviewlane_shared::job_store::JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
                 layout: conn.layout,
                 max_payload,
             },

@@ -51,7 +51,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         .map_err(|e| StartError::Other(e.into()))?;
     let worker = Arc::new(Worker {
         region: config.region,
-        jobs: JobStore::new(conn.layout.jobs.clone()),
+        jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
         published: conn.layout.published.clone(),
         tenants: config.tenants.clone(),
         sinks: Sinks::new(config.sink_timeout),

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, kv};
-use futures::StreamExt;
 use reviewlane_shared::job::{Event, JobState, TerminalReason};
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::messages::{Delivery, FindingsMessage};
@@ -218,22 +217,16 @@ impl Worker {
     /// The extractor publishes findings, then records `validated`: wait briefly for that
     /// write instead of bouncing the message.
     async fn await_validated(&self, id: &str) -> Result<JobState, StoreError> {
-        let mut watch = self.jobs.kv().watch(id).await.map_err(|e| StoreError::Nats(e.into()))?;
-        let current = self.job_state(id).await?.ok_or(StoreError::NotFound)?;
-        if current != JobState::Running {
-            return Ok(current);
-        }
+        let mut changes = self.jobs.changes(id).await?;
         let wait = async {
-            while let Some(Ok(entry)) = watch.next().await {
-                if let Ok(rec) = serde_json::from_slice::<reviewlane_shared::job::JobRecord>(&entry.value)
-                    && rec.state != JobState::Running
-                {
-                    return rec.state;
+            loop {
+                let current = self.job_state(id).await?.ok_or(StoreError::NotFound)?;
+                if current != JobState::Running || changes.next().await.is_none() {
+                    return Ok(current);
                 }
             }
-            JobState::Running
         };
-        Ok(tokio::time::timeout(VALIDATED_WAIT, wait).await.unwrap_or(JobState::Running))
+        tokio::time::timeout(VALIDATED_WAIT, wait).await.unwrap_or(Ok(JobState::Running))
     }
 
     async fn mark_job(&self, id: &str, event: &Event) -> Result<(), StoreError> {
