@@ -87,8 +87,20 @@ pub struct Stats {
     pub max_concurrent: usize,
     /// Start times of calls (ms since the server started), per job id.
     pub call_times_ms: BTreeMap<String, Vec<u64>>,
-    /// Every distinct text seen in prompts' user messages is checked against this list.
+    /// Canaries (see `start_with`) found in prompts.
     pub canaries_seen: Vec<String>,
+    /// Shape of the last request, without content: model, response_format type and
+    /// json_schema strictness, whether a bearer key came.
+    pub last_request: Option<RequestShape>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct RequestShape {
+    pub model: String,
+    pub response_format: String,
+    pub strict: bool,
+    pub schema_has_findings: bool,
+    pub bearer: bool,
 }
 
 struct State {
@@ -192,18 +204,27 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         return Ok(respond(StatusCode::NOT_FOUND, &[], "{}".into()));
     }
     let job = req.headers().get(JOB_ID_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let bearer =
+        req.headers().get("authorization").and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("Bearer "));
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-    let prompt = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| {
-            v["messages"].as_array()?.iter().rev().find(|m| m["role"] == "user")?["content"]
-                .as_str()
-                .map(str::to_string)
-        })
-        .unwrap_or_default();
+    let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let prompt = request["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    let shape = RequestShape {
+        model: request["model"].as_str().unwrap_or_default().to_string(),
+        response_format: request["response_format"]["type"].as_str().unwrap_or_default().to_string(),
+        strict: request["response_format"]["json_schema"]["strict"].as_bool().unwrap_or(false),
+        schema_has_findings: request["response_format"]["json_schema"]["schema"]["properties"]["findings"].is_object(),
+        bearer,
+    };
     {
         let mut s = st.stats.lock().expect("stats lock");
         s.total_calls += 1;
+        s.last_request = Some(shape);
         *s.calls_by_job.entry(job.clone()).or_default() += 1;
         s.call_times_ms.entry(job.clone()).or_default().push(st.started.elapsed().as_millis() as u64);
         for c in &st.canaries {
@@ -305,4 +326,77 @@ pub fn findings_for(diff_text: &str, outside_diff: bool) -> serde_json::Value {
         }
     }
     json!({ "findings": findings })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn http(addr: SocketAddr, request: String) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    fn chat(job: &str, diff: &str) -> String {
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": diff}]}).to_string();
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\nx-reviewlane-job-id: {job}\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    #[tokio::test]
+    async fn answers_findings_rejects_over_the_cap_and_counts_over_http() {
+        let sim = SimProvider::start(SimConfig {
+            latency: Duration::from_millis(300),
+            concurrency_cap: Some(1),
+            over_cap: OverCap::Reject { headers: vec![("retry-after".into(), "2".into())] },
+            ..Default::default()
+        })
+        .await;
+        let diff = "--- a/x.rs\n+++ b/x.rs\n@@ -1 +1,2 @@\n a\n+let b = c;\n";
+        let (first, second) = tokio::join!(http(sim.addr(), chat("j1", diff)), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            http(sim.addr(), chat("j2", diff)).await
+        });
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+        assert!(first.contains("let b = c;"), "a finding quoting the added line");
+        assert!(second.starts_with("HTTP/1.1 429"), "{second}");
+        assert!(second.to_ascii_lowercase().contains("retry-after: 2"));
+
+        let stats = http(sim.addr(), "GET /stats HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".into()).await;
+        let body = stats.split("\r\n\r\n").nth(1).unwrap();
+        let s: Stats = serde_json::from_str(body).unwrap();
+        assert_eq!(s.calls_by_job.get("j1"), Some(&1));
+        assert_eq!(s.calls_by_job.get("j2"), Some(&1));
+        assert_eq!(s.paid_by_job.get("j2"), None);
+        assert_eq!((s.calls_429, s.max_concurrent, s.total_calls), (1, 1, 2));
+    }
+
+    #[tokio::test]
+    async fn queues_over_the_cap_and_fails_on_request() {
+        let sim = SimProvider::start(SimConfig {
+            latency: Duration::from_millis(100),
+            concurrency_cap: Some(2),
+            error_5xx_rate: 0.0,
+            ..Default::default()
+        })
+        .await;
+        let diff = "--- a/x.rs\n+++ b/x.rs\n@@ -1 +1,2 @@\n a\n+b\n";
+        let calls = (0..5).map(|i| http(sim.addr(), chat(&format!("q{i}"), diff)));
+        for r in futures::future::join_all(calls).await {
+            assert!(r.starts_with("HTTP/1.1 200"));
+        }
+        assert_eq!(sim.stats().max_concurrent, 2);
+
+        let broken = SimProvider::start(SimConfig { error_5xx_rate: 1.0, ..Default::default() }).await;
+        assert!(http(broken.addr(), chat("x", diff)).await.starts_with("HTTP/1.1 500"));
+        let malformed = SimProvider::start(SimConfig { malformed_rate: 1.0, ..Default::default() }).await;
+        let r = http(malformed.addr(), chat("y", diff)).await;
+        assert!(r.starts_with("HTTP/1.1 200") && r.contains("[oops"));
+    }
 }

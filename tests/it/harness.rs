@@ -47,6 +47,8 @@ pub struct StackOptions {
     pub canaries: Vec<String>,
     pub max_diff_bytes: usize,
     pub extractor_concurrency: usize,
+    /// The extractor's lease (consumer ack wait).
+    pub lease: Duration,
 }
 
 impl Default for StackOptions {
@@ -57,6 +59,7 @@ impl Default for StackOptions {
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
             extractor_concurrency: 8,
+            lease: Duration::from_secs(5),
         }
     }
 }
@@ -121,7 +124,7 @@ impl Stack {
                     endpoint_region: region,
                 },
             );
-            xc.lease = Duration::from_secs(5);
+            xc.lease = opts.lease;
             xc.concurrency = opts.extractor_concurrency;
             xc.backoff.base = Duration::from_millis(200);
             xc.backoff.cap = Duration::from_secs(2);
@@ -222,6 +225,20 @@ pub async fn get(
         .get_review(authed(key, GetReviewRequest { job_id: job_id.to_string() }))
         .await
         .map(|r| r.into_inner().review.expect("review set"))
+}
+
+/// Every message on one stream of a region's server, as (subject, headers, payload).
+pub async fn stream_messages(url: &str, stream: &str) -> Vec<(String, async_nats::HeaderMap, bytes::Bytes)> {
+    let js = async_nats::jetstream::new(async_nats::connect(url).await.expect("connect"));
+    let mut s = js.get_stream(stream).await.expect("stream exists");
+    let state = s.info().await.expect("stream info").state.clone();
+    let mut out = Vec::new();
+    for seq in state.first_sequence..=state.last_sequence {
+        if let Ok(m) = s.get_raw_message(seq).await {
+            out.push((m.subject.to_string(), m.headers, m.payload));
+        }
+    }
+    out
 }
 
 /// Polls `cond` every 50 ms for at most `limit`.

@@ -5,6 +5,7 @@ mod auth;
 mod harness;
 mod idempotency;
 mod invalid_argument;
+mod lifecycle;
 mod pipeline;
 mod publish_once;
 mod quarantine;

@@ -1,0 +1,153 @@
+use std::time::Duration;
+
+use loadtest::simprovider::{Scripted, SimConfig};
+use reviewlane_shared::layout;
+use reviewlane_shared::proto::{CancelReviewRequest, JobState};
+use reviewlane_shared::region::Region;
+
+use crate::harness::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_before_the_provider_call_and_after_publication() {
+    // One slot and a slow provider: the second job waits on its lane while we cancel it.
+    let stack = Stack::start_with(StackOptions {
+        extractor_concurrency: 1,
+        us_provider: SimConfig { latency: Duration::from_millis(1500), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let a = client
+        .submit_review(submit_req(US_KEY, "cancel-a", &sample_diff("a")))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || stack.us.provider.stats().calls_by_job.contains_key(&a.job_id)).await
+    );
+    let b = client
+        .submit_review(submit_req(US_KEY, "cancel-b", &sample_diff("b")))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    let cancelled = client
+        .cancel_review(authed(US_KEY, CancelReviewRequest { job_id: b.job_id.clone() }))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert_eq!(cancelled.state, JobState::Terminal as i32);
+    assert_eq!(cancelled.terminal_reason, "cancelled");
+
+    assert_eq!(wait_final(&mut client, US_KEY, &a.job_id).await.state, JobState::Published as i32);
+    // B's message leaves the lane for the dead-letter stream, with its reason; the
+    // provider never sees B and nothing is delivered for it.
+    let dead_subject = layout::deadletter_subject(Region::Us, "acme", &b.job_id);
+    let url = stack.us.nats.url().to_string();
+    let mut found = false;
+    for _ in 0..100 {
+        let dead = stream_messages(&url, &layout::deadletter_stream(Region::Us)).await;
+        if let Some((_, headers, _)) = dead.iter().find(|(s, _, _)| *s == dead_subject) {
+            assert_eq!(headers.get("Reviewlane-Reason").map(|v| v.as_str()), Some("cancelled"));
+            found = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(found, "cancelled job dead-lettered");
+    let lane = stream_messages(&url, &layout::lane_stream(Region::Us, reviewlane_shared::Lane::Interactive)).await;
+    assert!(lane.is_empty(), "lane drained");
+    assert!(!stack.us.provider.stats().calls_by_job.contains_key(&b.job_id));
+    assert!(stack.webhook.for_job(&b.job_id).is_empty());
+
+    // Cancelling a published job changes nothing.
+    let again = client
+        .cancel_review(authed(US_KEY, CancelReviewRequest { job_id: a.job_id.clone() }))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert_eq!(again.state, JobState::Published as i32);
+    assert!(!again.findings.is_empty());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_acks_keep_the_lease_through_a_call_longer_than_it() {
+    let stack = Stack::start_with(StackOptions {
+        lease: Duration::from_secs(1),
+        us_provider: SimConfig { latency: Duration::from_millis(2600), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let job = client
+        .submit_review(submit_req(US_KEY, "long-call", &sample_diff("long")))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
+    // Without progress acks the message would be redelivered after 1 s and called again.
+    assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&1));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_output_spends_the_schema_budget_then_ends_terminal() {
+    let stack = Stack::start().await;
+    // Budget 2: the first answer and two retries are malformed.
+    stack.eu.provider.script([
+        Scripted::Output("not json".into()),
+        Scripted::Output("{\"findings\": \"nope\"}".into()),
+        Scripted::Output("[]".into()),
+    ]);
+    let mut client = stack.client().await;
+    let job = client
+        .submit_review(submit_req(EU_KEY, "bad-output", &sample_diff("bad")))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    let last = wait_final(&mut client, EU_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Terminal as i32);
+    assert_eq!(last.terminal_reason, "invalid_output");
+    assert_eq!(last.attempts.unwrap().schema, 2);
+    assert_eq!(stack.eu.provider.stats().calls_by_job.get(&job.job_id), Some(&3));
+    assert!(stack.webhook.for_job(&job.job_id).is_empty());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_request_is_terminal_at_once_and_the_adapter_speaks_structured_outputs() {
+    let stack = Stack::start().await;
+    stack.us.provider.script([Scripted::Status { status: 401, headers: vec![], body: "{\"error\":{}}".into() }]);
+    let mut client = stack.client().await;
+    let job = client
+        .submit_review(submit_req(US_KEY, "unauthorized", &sample_diff("401")))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "upstream_rejected"));
+    let a = last.attempts.unwrap();
+    assert_eq!((a.congestion, a.transient, a.schema), (0, 0, 0));
+    let stats = stack.us.provider.stats();
+    assert_eq!(stats.calls_by_job.get(&job.job_id), Some(&1), "never retried");
+
+    let shape = stats.last_request.unwrap();
+    assert_eq!(shape.model, "sim");
+    assert_eq!(shape.response_format, "json_schema");
+    assert!(shape.strict && shape.schema_has_findings && shape.bearer, "{shape:?}");
+    stack.shutdown().await;
+}
