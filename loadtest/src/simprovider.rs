@@ -17,14 +17,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde::Serialize;
 use serde_json::json;
-use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::Semaphore;
 
 pub const JOB_ID_HEADER: &str = "x-reviewlane-job-id";
 
@@ -117,7 +113,7 @@ struct State {
 pub struct SimProvider {
     addr: SocketAddr,
     state: Arc<State>,
-    _stop: oneshot::Sender<()>,
+    _server: crate::http::Server,
 }
 
 impl SimProvider {
@@ -127,8 +123,6 @@ impl SimProvider {
 
     /// `canaries`: strings to watch for in prompts; `stats().canaries_seen` lists hits.
     pub async fn start_with(config: SimConfig, canaries: Vec<String>) -> SimProvider {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind simulated provider");
-        let addr = listener.local_addr().expect("addr");
         let state = Arc::new(State {
             slots: config.concurrency_cap.map(|n| Arc::new(Semaphore::new(n))),
             config,
@@ -138,23 +132,9 @@ impl SimProvider {
             started: Instant::now(),
             canaries,
         });
-        let (stop, mut stopped) = oneshot::channel::<()>();
         let st = state.clone();
-        tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    a = listener.accept() => a,
-                    _ = &mut stopped => return,
-                };
-                let Ok((stream, _)) = accepted else { continue };
-                let st = st.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| handle(st.clone(), req));
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
-                });
-            }
-        });
-        SimProvider { addr, state, _stop: stop }
+        let server = crate::http::serve(move |req| handle(st.clone(), req)).await;
+        SimProvider { addr: server.addr, state, _server: server }
     }
 
     /// Base URL for an OpenAI-compatible client: `http://127.0.0.1:port/v1`.

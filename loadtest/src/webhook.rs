@@ -9,12 +9,9 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+
+use crate::http::HttpResponse;
 
 #[derive(Debug, Clone)]
 pub struct Received {
@@ -32,31 +29,15 @@ struct State {
 pub struct WebhookReceiver {
     addr: SocketAddr,
     state: Arc<State>,
-    _stop: oneshot::Sender<()>,
+    _server: crate::http::Server,
 }
 
 impl WebhookReceiver {
     pub async fn start() -> WebhookReceiver {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind webhook receiver");
-        let addr = listener.local_addr().expect("addr");
         let state = Arc::new(State::default());
-        let (stop, mut stopped) = oneshot::channel::<()>();
         let st = state.clone();
-        tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    a = listener.accept() => a,
-                    _ = &mut stopped => return,
-                };
-                let Ok((stream, _)) = accepted else { continue };
-                let st = st.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| handle(st.clone(), req));
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
-                });
-            }
-        });
-        WebhookReceiver { addr, state, _stop: stop }
+        let server = crate::http::serve(move |req| handle(st.clone(), req)).await;
+        WebhookReceiver { addr: server.addr, state, _server: server }
     }
 
     pub fn url(&self) -> String {
@@ -78,7 +59,7 @@ impl WebhookReceiver {
     }
 }
 
-async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<HttpResponse, Infallible> {
     let header = |n: &str| req.headers().get(n).and_then(|v| v.to_str().ok()).map(str::to_string);
     let idempotency_key = header("idempotency-key");
     let signature = header("x-reviewlane-signature");

@@ -1,7 +1,10 @@
 //! What every service does at start and stop: connect to its region's NATS and check
 //! the wiring, map start-up failures to exit codes, and wait for SIGTERM/SIGINT.
 
-use async_nats::jetstream;
+use std::future::Future;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer};
 
 use crate::config::{ConfigErrors, EXIT_CONFIG, EXIT_WIRING};
 use crate::layout::{self, LayoutConfig, RegionLayout, WiringError};
@@ -32,6 +35,32 @@ impl StartError {
     }
 }
 
+/// A durable pull consumer with explicit acks whose ack wait is the lease. Delivery is
+/// unlimited (`max_deliver` -1): retry budgets live in the job record, and naks must
+/// not run into a cap.
+pub async fn durable_consumer(
+    js: &jetstream::Context,
+    stream: &str,
+    name: &str,
+    lease: Duration,
+) -> Result<consumer::PullConsumer, StartError> {
+    let stream = js.get_stream_no_info(stream).await.map_err(|e| StartError::Other(e.into()))?;
+    stream
+        .get_or_create_consumer(
+            name,
+            consumer::pull::Config {
+                durable_name: Some(name.to_string()),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: lease,
+                max_deliver: -1,
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| StartError::Other(e.into()))
+}
+
 /// A connection to one region's NATS, its identity verified and its layout in place.
 pub struct RegionConnection {
     pub client: async_nats::Client,
@@ -56,6 +85,46 @@ pub async fn connect_region(
         .await
         .map_err(|source| StartError::Layout { url: url.to_string(), source })?;
     Ok(RegionConnection { client, layout })
+}
+
+/// The whole `main` of a service: read the configuration (exit 64 on errors, before
+/// binding anything), start logging, build (exit 78 on wiring errors), run until
+/// SIGTERM/SIGINT, exit 0 after a clean drain.
+pub async fn run_service<C, A, B, R>(
+    name: &str,
+    config: Result<C, ConfigErrors>,
+    log_json: impl FnOnce(&C) -> bool,
+    build: impl FnOnce(C) -> B,
+    run: impl FnOnce(A, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> R,
+) -> std::process::ExitCode
+where
+    B: Future<Output = Result<A, StartError>>,
+    R: Future<Output = anyhow::Result<()>>,
+{
+    use std::process::ExitCode;
+    let config = match config {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
+    crate::telemetry::init(log_json(&config));
+    let app = match build(config).await {
+        Ok(app) => app,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start");
+            eprintln!("{name}: {e}");
+            return ExitCode::from(e.exit_code() as u8);
+        }
+    };
+    match run(app, Box::pin(shutdown_signal())).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "stopped with an error");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.

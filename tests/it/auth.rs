@@ -16,8 +16,7 @@ async fn unauthenticated_and_cross_tenant_access_are_refused() {
     malformed.metadata_mut().insert("authorization", "Basic abc".parse().unwrap());
     assert_eq!(client.submit_review(malformed).await.unwrap_err().code(), Code::Unauthenticated);
 
-    let job =
-        client.submit_review(submit_req(US_KEY, "mine", &sample_diff("a"))).await.unwrap().into_inner().review.unwrap();
+    let job = submit(&mut client, US_KEY, "mine", &sample_diff("a")).await;
     // Tenant B, same region, and a tenant of another region: not found, never forbidden.
     for key in [US2_KEY, EU_KEY] {
         assert_eq!(get(&mut client, key, &job.job_id).await.unwrap_err().code(), Code::NotFound);

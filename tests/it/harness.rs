@@ -199,6 +199,17 @@ pub fn submit_req(key: &str, idem: &str, diff: &str) -> tonic::Request<SubmitRev
     )
 }
 
+/// Submits a review that must be accepted; returns its first view.
+pub async fn submit(client: &mut ReviewServiceClient<Channel>, key: &str, idem: &str, diff: &str) -> proto::Review {
+    client
+        .submit_review(submit_req(key, idem, diff))
+        .await
+        .expect("submit accepted")
+        .into_inner()
+        .review
+        .expect("review set")
+}
+
 /// Watches a job until a final state (bounded), returning the last view.
 pub async fn wait_final(client: &mut ReviewServiceClient<Channel>, key: &str, job_id: &str) -> proto::Review {
     let watch = async {

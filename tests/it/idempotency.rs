@@ -10,7 +10,7 @@ async fn same_key_three_times_is_one_job_and_one_provider_call() {
     let diff = sample_diff("idem");
     let mut ids = Vec::new();
     for _ in 0..3 {
-        let r = client.submit_review(submit_req(US_KEY, "idem-key", &diff)).await.unwrap().into_inner().review.unwrap();
+        let r = submit(&mut client, US_KEY, "idem-key", &diff).await;
         ids.push(r.job_id);
     }
     assert!(ids.iter().all(|i| *i == ids[0]), "{ids:?}");
@@ -18,7 +18,7 @@ async fn same_key_three_times_is_one_job_and_one_provider_call() {
     assert_eq!(last.state, JobState::Published as i32);
 
     // A fourth submit after completion returns the finished job.
-    let again = client.submit_review(submit_req(US_KEY, "idem-key", &diff)).await.unwrap().into_inner().review.unwrap();
+    let again = submit(&mut client, US_KEY, "idem-key", &diff).await;
     assert_eq!(again.job_id, ids[0]);
     assert_eq!(again.state, JobState::Published as i32);
 
@@ -31,8 +31,7 @@ async fn same_key_three_times_is_one_job_and_one_provider_call() {
     let err = client.submit_review(submit_req(US_KEY, "idem-key", &sample_diff("other"))).await.unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists);
     // The same key from another tenant is another job.
-    let other =
-        client.submit_review(submit_req(US2_KEY, "idem-key", &diff)).await.unwrap().into_inner().review.unwrap();
+    let other = submit(&mut client, US2_KEY, "idem-key", &diff).await;
     assert_ne!(other.job_id, ids[0]);
     stack.shutdown().await;
 }

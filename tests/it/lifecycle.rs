@@ -17,23 +17,11 @@ async fn cancel_before_the_provider_call_and_after_publication() {
     })
     .await;
     let mut client = stack.client().await;
-    let a = client
-        .submit_review(submit_req(US_KEY, "cancel-a", &sample_diff("a")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let a = submit(&mut client, US_KEY, "cancel-a", &sample_diff("a")).await;
     assert!(
         eventually(Duration::from_secs(5), || stack.us.provider.stats().calls_by_job.contains_key(&a.job_id)).await
     );
-    let b = client
-        .submit_review(submit_req(US_KEY, "cancel-b", &sample_diff("b")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let b = submit(&mut client, US_KEY, "cancel-b", &sample_diff("b")).await;
     let cancelled = client
         .cancel_review(authed(US_KEY, CancelReviewRequest { job_id: b.job_id.clone() }))
         .await
@@ -87,13 +75,7 @@ async fn progress_acks_keep_the_lease_through_a_call_longer_than_it() {
     })
     .await;
     let mut client = stack.client().await;
-    let job = client
-        .submit_review(submit_req(US_KEY, "long-call", &sample_diff("long")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let job = submit(&mut client, US_KEY, "long-call", &sample_diff("long")).await;
     assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
     // Without progress acks the message would be redelivered after 1 s and called again.
     assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&1));
@@ -110,13 +92,7 @@ async fn invalid_output_spends_the_schema_budget_then_ends_terminal() {
         Scripted::Output("[]".into()),
     ]);
     let mut client = stack.client().await;
-    let job = client
-        .submit_review(submit_req(EU_KEY, "bad-output", &sample_diff("bad")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let job = submit(&mut client, EU_KEY, "bad-output", &sample_diff("bad")).await;
     let last = wait_final(&mut client, EU_KEY, &job.job_id).await;
     assert_eq!(last.state, JobState::Terminal as i32);
     assert_eq!(last.terminal_reason, "invalid_output");
@@ -131,13 +107,7 @@ async fn a_rejected_request_is_terminal_at_once_and_the_adapter_speaks_structure
     let stack = Stack::start().await;
     stack.us.provider.script([Scripted::Status { status: 401, headers: vec![], body: "{\"error\":{}}".into() }]);
     let mut client = stack.client().await;
-    let job = client
-        .submit_review(submit_req(US_KEY, "unauthorized", &sample_diff("401")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let job = submit(&mut client, US_KEY, "unauthorized", &sample_diff("401")).await;
     let last = wait_final(&mut client, US_KEY, &job.job_id).await;
     assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "upstream_rejected"));
     let a = last.attempts.unwrap();

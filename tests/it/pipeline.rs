@@ -65,13 +65,7 @@ async fn submit_delivers_findings_once_signed_and_get_shows_published() {
 async fn watch_streams_state_changes_until_final() {
     let stack = Stack::start().await;
     let mut client = stack.client().await;
-    let review = client
-        .submit_review(submit_req(EU_KEY, "watch-1", &sample_diff("w1")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let review = submit(&mut client, EU_KEY, "watch-1", &sample_diff("w1")).await;
     let mut stream = client
         .watch_review(authed(EU_KEY, reviewlane_shared::proto::WatchReviewRequest { job_id: review.job_id.clone() }))
         .await
@@ -102,13 +96,7 @@ async fn an_idle_lane_does_not_park_the_only_slot() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     for i in 0..3 {
         let started = std::time::Instant::now();
-        let job = client
-            .submit_review(submit_req(US_KEY, &format!("slot-{i}"), &sample_diff(&format!("s{i}"))))
-            .await
-            .unwrap()
-            .into_inner()
-            .review
-            .unwrap();
+        let job = submit(&mut client, US_KEY, &format!("slot-{i}"), &sample_diff(&format!("s{i}"))).await;
         assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
         // The pull long-poll is 5 s; a parked slot shows up as a wait of about that long.
         assert!(started.elapsed() < Duration::from_secs(3), "job {i} took {:?}", started.elapsed());

@@ -11,13 +11,7 @@ use crate::harness::*;
 async fn the_same_findings_message_twice_is_delivered_once() {
     let stack = Stack::start().await;
     let mut client = stack.client().await;
-    let job = client
-        .submit_review(submit_req(US_KEY, "once-1", &sample_diff("once")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let job = submit(&mut client, US_KEY, "once-1", &sample_diff("once")).await;
     assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
     assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&job.job_id).len() == 1).await);
 
@@ -53,13 +47,7 @@ async fn a_failing_webhook_is_retried_then_delivered_once() {
     let stack = Stack::start().await;
     stack.webhook.answer_with([503, 503]);
     let mut client = stack.client().await;
-    let job = client
-        .submit_review(submit_req(EU_KEY, "retry-hook", &sample_diff("hook")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let job = submit(&mut client, EU_KEY, "retry-hook", &sample_diff("hook")).await;
     assert_eq!(wait_final(&mut client, EU_KEY, &job.job_id).await.state, JobState::Published as i32);
     assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1);
     stack.shutdown().await;

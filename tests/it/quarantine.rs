@@ -14,8 +14,7 @@ async fn findings_outside_the_diff_are_quarantined_and_the_rest_delivered() {
     })
     .await;
     let mut client = stack.client().await;
-    let job =
-        client.submit_review(submit_req(US_KEY, "q-1", &sample_diff("q"))).await.unwrap().into_inner().review.unwrap();
+    let job = submit(&mut client, US_KEY, "q-1", &sample_diff("q")).await;
     let last = wait_final(&mut client, US_KEY, &job.job_id).await;
     assert_eq!(last.state, JobState::Published as i32, "{}", last.terminal_reason);
     // The simulated provider answered one valid finding plus one on a path outside the

@@ -52,20 +52,8 @@ async fn eu_content_never_reaches_the_us_server_or_provider() {
     let mut client = stack.client().await;
 
     // Traffic in both regions, so the US side is busy but must stay clean.
-    let us_job = client
-        .submit_review(submit_req(US_KEY, "res-us", &sample_diff("us-side")))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
-    let eu_job = client
-        .submit_review(submit_req(EU_KEY, "res-eu", &sample_diff(&canary)))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let us_job = submit(&mut client, US_KEY, "res-us", &sample_diff("us-side")).await;
+    let eu_job = submit(&mut client, EU_KEY, "res-eu", &sample_diff(&canary)).await;
     assert!(eu_job.job_id.starts_with("eu_"));
     assert_eq!(wait_final(&mut client, EU_KEY, &eu_job.job_id).await.state, JobState::Published as i32);
     assert_eq!(wait_final(&mut client, US_KEY, &us_job.job_id).await.state, JobState::Published as i32);

@@ -5,12 +5,12 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use async_nats::jetstream::consumer::{self, PullConsumer};
+use async_nats::jetstream::consumer::PullConsumer;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::pull::pull_loop;
 use reviewlane_shared::region::Lane;
-use reviewlane_shared::startup::{StartError, connect_region};
+use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -64,27 +64,13 @@ pub async fn build_with_provider(
         connect_region(&config.nats_url, config.region, "reviewlane-extractor", &LayoutConfig::default()).await?;
     let mut consumers = Vec::new();
     for lane in Lane::ALL {
-        let stream = conn
-            .layout
-            .js
-            .get_stream_no_info(layout::lane_stream(config.region, lane))
-            .await
-            .map_err(|e| StartError::Other(e.into()))?;
-        let c: PullConsumer = stream
-            .get_or_create_consumer(
-                &consumer_name(lane),
-                consumer::pull::Config {
-                    durable_name: Some(consumer_name(lane)),
-                    ack_policy: consumer::AckPolicy::Explicit,
-                    ack_wait: config.lease,
-                    // Our budgets live in the job record; naks must not run into a cap.
-                    max_deliver: -1,
-                    max_ack_pending: 10_000,
-                    ..Default::default()
-                },
-            )
-            .await
-            .map_err(|e| StartError::Other(e.into()))?;
+        let c = durable_consumer(
+            &conn.layout.js,
+            &layout::lane_stream(config.region, lane),
+            &consumer_name(lane),
+            config.lease,
+        )
+        .await?;
         consumers.push((lane, c));
     }
     let worker = Arc::new(Worker {

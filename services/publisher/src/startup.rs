@@ -3,11 +3,11 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use async_nats::jetstream::consumer::{self, PullConsumer};
+use async_nats::jetstream::consumer::PullConsumer;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::pull::pull_loop;
-use reviewlane_shared::startup::{StartError, connect_region};
+use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -29,26 +29,8 @@ pub struct App {
 pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
     let conn =
         connect_region(&config.nats_url, config.region, "reviewlane-publisher", &LayoutConfig::default()).await?;
-    let stream = conn
-        .layout
-        .js
-        .get_stream_no_info(layout::findings_stream(config.region))
-        .await
-        .map_err(|e| StartError::Other(e.into()))?;
-    let consumer: PullConsumer = stream
-        .get_or_create_consumer(
-            CONSUMER_NAME,
-            consumer::pull::Config {
-                durable_name: Some(CONSUMER_NAME.to_string()),
-                ack_policy: consumer::AckPolicy::Explicit,
-                ack_wait: config.lease,
-                max_deliver: -1,
-                max_ack_pending: 10_000,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| StartError::Other(e.into()))?;
+    let consumer =
+        durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, config.lease).await?;
     let worker = Arc::new(Worker {
         region: config.region,
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
