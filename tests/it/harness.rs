@@ -49,6 +49,8 @@ pub struct StackOptions {
     pub extractor_concurrency: usize,
     /// The extractor's lease (consumer ack wait).
     pub lease: Duration,
+    /// Lane size, set on the servers before the services start.
+    pub lane_max_messages: Option<i64>,
 }
 
 impl Default for StackOptions {
@@ -60,6 +62,7 @@ impl Default for StackOptions {
             max_diff_bytes: 1024 * 1024,
             extractor_concurrency: 8,
             lease: Duration::from_secs(5),
+            lane_max_messages: None,
         }
     }
 }
@@ -111,6 +114,13 @@ impl Stack {
             nats: NatsServer::start_provisioned(Region::Eu).await,
             provider: SimProvider::start_with(opts.eu_provider, opts.canaries.clone()).await,
         };
+        if let Some(max) = opts.lane_max_messages {
+            for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
+                let js = async_nats::jetstream::new(async_nats::connect(rs.nats.url()).await.expect("connect"));
+                let cfg = reviewlane_shared::layout::LayoutConfig { lane_max_messages: max, ..Default::default() };
+                reviewlane_shared::layout::ensure(&js, region, &cfg).await.expect("layout");
+            }
+        }
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
         for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {

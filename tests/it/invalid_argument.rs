@@ -61,3 +61,37 @@ async fn bad_requests_are_invalid_argument_and_persist_nothing() {
     assert_eq!(stack.us.provider.stats().total_calls, 0);
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_lane_is_resource_exhausted_with_retry_info_and_keeps_nothing() {
+    use loadtest::simprovider::SimConfig;
+    use std::time::Duration;
+
+    // Two messages fit; the one being processed still counts until it is acked.
+    let stack = Stack::start_with(StackOptions {
+        lane_max_messages: Some(2),
+        extractor_concurrency: 1,
+        us_provider: SimConfig { latency: Duration::from_millis(1500), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let a = submit(&mut client, US_KEY, "full-a", &sample_diff("a")).await;
+    let b = submit(&mut client, US_KEY, "full-b", &sample_diff("b")).await;
+    let err = client.submit_review(submit_req(US_KEY, "full-c", &sample_diff("c"))).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    let retry = err.get_details_retry_info().expect("RetryInfo detail");
+    assert!(retry.retry_delay.is_some_and(|d| d > Duration::ZERO));
+
+    // The refused request left no record; the two accepted ones finish, after which the
+    // same request goes through.
+    let c_id = reviewlane_shared::job_id::derive(Region::Us, "acme", "full-c");
+    assert_eq!(get(&mut client, US_KEY, &c_id).await.unwrap_err().code(), Code::NotFound);
+    for id in [&a.job_id, &b.job_id] {
+        assert_eq!(wait_final(&mut client, US_KEY, id).await.state, proto::JobState::Published as i32);
+    }
+    let c = submit(&mut client, US_KEY, "full-c", &sample_diff("c")).await;
+    assert_eq!(c.job_id, c_id);
+    assert_eq!(wait_final(&mut client, US_KEY, &c.job_id).await.state, proto::JobState::Published as i32);
+    stack.shutdown().await;
+}

@@ -138,8 +138,8 @@ impl ReviewApi {
             ReviewDepth::Full,
             now,
         );
-        let rec = match handle.jobs.create(&record).await? {
-            Created::New(rec) => rec,
+        let (rec, created) = match handle.jobs.create(&record).await? {
+            Created::New(rec) => (rec, true),
             Created::Exists(existing) if existing.request_digest != record.request_digest => {
                 return Err(ApiError::AlreadyExists);
             }
@@ -150,7 +150,7 @@ impl ReviewApi {
                 tracing::debug!(state = existing.state.as_str(), "idempotent retry");
                 return Ok(api::review(&existing, &[]));
             }
-            Created::Exists(existing) => existing,
+            Created::Exists(existing) => (existing, false),
         };
         let msg = ReviewMessage {
             job_id: id.clone(),
@@ -167,7 +167,15 @@ impl ReviewApi {
             diff: req.diff,
             submitted_at_ms: rec.created_at_ms,
         };
-        enqueue(handle, &msg).await?;
+        if let Err(e) = enqueue(handle, &msg).await {
+            // A refused request leaves nothing behind; a retry with the same key starts over.
+            if created && matches!(e, ApiError::ResourceExhausted { .. } | ApiError::InvalidArgument { .. }) {
+                if let Err(d) = handle.jobs.kv().delete(&id).await {
+                    tracing::warn!(error = %d, "could not remove the record of a refused review");
+                }
+            }
+            return Err(e);
+        }
         let rec = match handle.jobs.apply(&id, &Event::Enqueued).await {
             Ok(r) => r,
             // A worker was quicker (accepted -> running) or the job was cancelled.
