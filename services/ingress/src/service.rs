@@ -169,10 +169,11 @@ impl ReviewApi {
         };
         if let Err(e) = enqueue(handle, &msg).await {
             // A refused request leaves nothing behind; a retry with the same key starts over.
-            if created && matches!(e, ApiError::ResourceExhausted { .. } | ApiError::InvalidArgument { .. }) {
-                if let Err(d) = handle.jobs.kv().delete(&id).await {
-                    tracing::warn!(error = %d, "could not remove the record of a refused review");
-                }
+            if created
+                && matches!(e, ApiError::ResourceExhausted { .. } | ApiError::InvalidArgument { .. })
+                && let Err(d) = handle.jobs.kv().delete(&id).await
+            {
+                tracing::warn!(error = %d, "could not remove the record of a refused review");
             }
             return Err(e);
         }
