@@ -19,6 +19,14 @@ version_ok() { # $1 = path to nats-server
 
 log() { echo "install-deps: $*" >&2; }
 
+# A C compiler: ring (TLS for NATS and HTTPS) builds a little C. Rust's own
+# installation usually brought one.
+if ! command -v cc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  log "installing a C compiler (build-essential)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq build-essential >&2
+fi
+
 if [ -x "$tools/usr/sbin/nats-server" ] && version_ok "$tools/usr/sbin/nats-server"; then
   echo "$tools/usr/sbin"; exit 0
 fi
