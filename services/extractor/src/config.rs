@@ -14,6 +14,7 @@
 //! | `REVIEWLANE_PROVIDER_TIMEOUT_SECS` | `120` | one provider call |
 //! | `REVIEWLANE_BUDGET_CONGESTION` / `_TRANSIENT` / `_SCHEMA` | `5` / `3` / `2` | retries per job and kind |
 //! | `REVIEWLANE_BACKOFF_BASE_MS` / `REVIEWLANE_BACKOFF_CAP_SECS` | `1000` / `60` | backoff without a hint |
+//! | `REVIEWLANE_HINT_CEILING_SECS` | `300` | longest provider retry hint honoured |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
 
 use std::time::Duration;
@@ -53,6 +54,8 @@ pub struct ExtractorConfig {
     pub provider_timeout: Duration,
     pub budgets: Budgets,
     pub backoff: Backoff,
+    /// Longest provider retry hint honoured; longer ones are cut to this and counted.
+    pub hint_ceiling: Duration,
     pub shutdown_grace: Duration,
     pub log_json: bool,
 }
@@ -69,6 +72,7 @@ impl ExtractorConfig {
             provider_timeout: Duration::from_secs(120),
             budgets: Budgets::default(),
             backoff: Backoff::default(),
+            hint_ceiling: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(20),
             log_json: false,
         }
@@ -127,6 +131,7 @@ impl ExtractorConfig {
         };
         let base_ms: u64 = r.or("REVIEWLANE_BACKOFF_BASE_MS", 1000, "milliseconds");
         let cap_s: u64 = r.or("REVIEWLANE_BACKOFF_CAP_SECS", 60, "whole seconds");
+        let ceiling: u64 = r.or("REVIEWLANE_HINT_CEILING_SECS", 300, "whole seconds");
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
         let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
         r.finish()?;
@@ -143,6 +148,7 @@ impl ExtractorConfig {
                 cap: Duration::from_secs(cap_s),
                 ..Backoff::default()
             },
+            hint_ceiling: Duration::from_secs(ceiling),
             shutdown_grace: Duration::from_secs(grace),
             log_json,
         })

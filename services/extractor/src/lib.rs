@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod provider;
+pub mod retry_hint;
 pub mod startup;
 pub mod upstream;
 pub mod worker;

@@ -51,6 +51,7 @@ pub async fn build_with_provider(
             api_key.clone(),
             *endpoint_region,
             config.provider_timeout,
+            config.hint_ceiling,
         )),
     };
     if provider.region() != config.region {

@@ -4,16 +4,20 @@
 //! congestion path, only `Transient` the transient path, an `Ok` whose output fails
 //! validation the schema path; `Permanent` and `QuotaExhausted` are never retried.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use http::HeaderMap;
 
+use crate::retry_hint::{headroom_pause, retry_hint};
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamOutcome {
-    /// 2xx with the model's output text.
-    Ok { output: String },
-    /// 429 rate limit: retry after the provider's hint, else backoff.
-    RateLimited { retry_after: Option<Duration> },
+    /// 2xx with the model's output text; `slow_down` when a rate-limit dimension is
+    /// empty, so the scope pauses before a 429.
+    Ok { output: String, slow_down: Option<Duration> },
+    /// 429 rate limit: retry after the provider's hint (cut to the ceiling, `capped`),
+    /// else backoff.
+    RateLimited { retry_after: Option<Duration>, capped: bool },
     /// 429 `insufficient_quota`: the account is out of money; retrying cannot help.
     QuotaExhausted,
     /// 408, 5xx, timeout, connection reset.
@@ -36,11 +40,17 @@ impl UpstreamOutcome {
 
 /// Classifies an HTTP answer of an OpenAI-compatible API. `body` is read only for the
 /// error code of a 429 and for the output of a 2xx.
-pub fn classify(status: u16, headers: &HeaderMap, body: &[u8]) -> UpstreamOutcome {
+pub fn classify(status: u16, headers: &HeaderMap, body: &[u8], now: SystemTime, ceiling: Duration) -> UpstreamOutcome {
     match status {
-        200..=299 => UpstreamOutcome::Ok { output: chat_output(body).unwrap_or_default() },
+        200..=299 => UpstreamOutcome::Ok {
+            output: chat_output(body).unwrap_or_default(),
+            slow_down: headroom_pause(headers, now, ceiling),
+        },
         429 if is_insufficient_quota(body) => UpstreamOutcome::QuotaExhausted,
-        429 => UpstreamOutcome::RateLimited { retry_after: retry_hint(headers) },
+        429 => {
+            let hint = retry_hint(headers, now, ceiling);
+            UpstreamOutcome::RateLimited { retry_after: hint.map(|h| h.delay), capped: hint.is_some_and(|h| h.capped) }
+        }
         408 => UpstreamOutcome::Transient { status_class: "408" },
         500..=599 => UpstreamOutcome::Transient { status_class: "5xx" },
         s => UpstreamOutcome::Permanent { status: s },
@@ -61,25 +71,6 @@ fn is_insufficient_quota(body: &[u8]) -> bool {
     [&e["code"], &e["type"]]
         .iter()
         .any(|f| matches!(f.as_str(), Some("insufficient_quota" | "billing_hard_limit_reached")))
-}
-
-/// The provider's own retry hint. Precedence: `retry-after-ms`, then `retry-after`
-/// (delta-seconds). Garbage is ignored.
-pub fn retry_hint(headers: &HeaderMap) -> Option<Duration> {
-    let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
-    if let Some(ms) = get("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
-        && ms.is_finite()
-        && ms >= 0.0
-    {
-        return Some(Duration::from_secs_f64(ms / 1000.0));
-    }
-    if let Some(secs) = get("retry-after").and_then(|v| v.parse::<f64>().ok())
-        && secs.is_finite()
-        && secs >= 0.0
-    {
-        return Some(Duration::from_secs_f64(secs));
-    }
-    None
 }
 
 /// Capped exponential backoff with jitter, for when the provider gives no hint.
@@ -119,13 +110,31 @@ mod tests {
         h
     }
 
+    const CEIL: Duration = Duration::from_secs(300);
+
+    fn classify(status: u16, h: &HeaderMap, body: &[u8]) -> UpstreamOutcome {
+        super::classify(status, h, body, SystemTime::now(), CEIL)
+    }
+
     #[test]
     fn classifies_by_status() {
         let h = HeaderMap::new();
         let ok = br#"{"choices":[{"message":{"content":"{\"findings\":[]}"}}]}"#;
-        assert_eq!(classify(200, &h, ok), UpstreamOutcome::Ok { output: "{\"findings\":[]}".into() });
-        assert_eq!(classify(200, &h, b"garbage"), UpstreamOutcome::Ok { output: String::new() });
-        assert_eq!(classify(429, &h, b"{}"), UpstreamOutcome::RateLimited { retry_after: None });
+        assert_eq!(classify(200, &h, ok), UpstreamOutcome::Ok { output: "{\"findings\":[]}".into(), slow_down: None });
+        assert_eq!(classify(200, &h, b"garbage"), UpstreamOutcome::Ok { output: String::new(), slow_down: None });
+        assert_eq!(classify(429, &h, b"{}"), UpstreamOutcome::RateLimited { retry_after: None, capped: false });
+        assert_eq!(
+            classify(429, &headers(&[("retry-after", "2")]), b"{}"),
+            UpstreamOutcome::RateLimited { retry_after: Some(Duration::from_secs(2)), capped: false }
+        );
+        assert_eq!(
+            classify(429, &headers(&[("retry-after", "3600")]), b"{}"),
+            UpstreamOutcome::RateLimited { retry_after: Some(CEIL), capped: true }
+        );
+        let empty = headers(&[("x-ratelimit-remaining-requests", "0"), ("x-ratelimit-reset-requests", "1s")]);
+        assert!(
+            matches!(classify(200, &empty, ok), UpstreamOutcome::Ok { slow_down: Some(d), .. } if d == Duration::from_secs(1))
+        );
         assert_eq!(classify(408, &h, b""), UpstreamOutcome::Transient { status_class: "408" });
         assert_eq!(classify(503, &h, b""), UpstreamOutcome::Transient { status_class: "5xx" });
         assert_eq!(classify(401, &h, b""), UpstreamOutcome::Permanent { status: 401 });
@@ -138,23 +147,6 @@ mod tests {
         assert_eq!(classify(429, &HeaderMap::new(), body), UpstreamOutcome::QuotaExhausted);
         let body = br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
         assert!(matches!(classify(429, &HeaderMap::new(), body), UpstreamOutcome::RateLimited { .. }));
-    }
-
-    #[test]
-    fn retry_hints_and_precedence() {
-        assert_eq!(retry_hint(&headers(&[("retry-after", "2")])), Some(Duration::from_secs(2)));
-        assert_eq!(retry_hint(&headers(&[("retry-after", "0.5")])), Some(Duration::from_millis(500)));
-        assert_eq!(retry_hint(&headers(&[("retry-after-ms", "250")])), Some(Duration::from_millis(250)));
-        assert_eq!(
-            retry_hint(&headers(&[("retry-after", "9"), ("retry-after-ms", "1500")])),
-            Some(Duration::from_millis(1500))
-        );
-        assert_eq!(retry_hint(&headers(&[("retry-after", "soon")])), None);
-        assert_eq!(retry_hint(&headers(&[("retry-after", "-3")])), None);
-        assert_eq!(
-            retry_hint(&headers(&[("retry-after-ms", "NaN"), ("retry-after", "1")])),
-            Some(Duration::from_secs(1))
-        );
     }
 
     #[test]

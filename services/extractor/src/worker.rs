@@ -152,14 +152,17 @@ impl Worker {
         let status = Some(upstream.status_class().to_string());
         tracing::info!(outcome = upstream.status_class(), attempt = rec.attempts.leases, "provider answered");
         match upstream {
-            UpstreamOutcome::Ok { output } => match findings::validate(&review.schema_version, &output, &parsed) {
+            UpstreamOutcome::Ok { output, .. } => match findings::validate(&review.schema_version, &output, &parsed) {
                 Ok(validated) => self.complete(msg, review, validated).await,
                 Err(invalid) => {
                     tracing::warn!(reason = invalid.as_str(), "invalid provider output");
                     self.retry_or_terminate(msg, review, &rec, Budget::Schema, None, status).await
                 }
             },
-            UpstreamOutcome::RateLimited { retry_after } => {
+            UpstreamOutcome::RateLimited { retry_after, capped } => {
+                if capped {
+                    tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
+                }
                 self.retry_or_terminate(msg, review, &rec, Budget::Congestion, retry_after, status).await
             }
             UpstreamOutcome::Transient { .. } => {

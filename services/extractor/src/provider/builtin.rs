@@ -269,7 +269,7 @@ impl Provider for BuiltinAnalyzer {
         let outcome = if req.region != self.region {
             UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }
         } else {
-            UpstreamOutcome::Ok { output: analyze(req.diff).to_string() }
+            UpstreamOutcome::Ok { output: analyze(req.diff).to_string(), slow_down: None }
         };
         futures::future::ready(outcome).boxed()
     }

@@ -29,6 +29,7 @@ pub struct OpenAiProvider {
     model: String,
     api_key: Option<SecretString>,
     region: Region,
+    hint_ceiling: Duration,
 }
 
 impl OpenAiProvider {
@@ -38,6 +39,7 @@ impl OpenAiProvider {
         api_key: Option<SecretString>,
         region: Region,
         timeout: Duration,
+        hint_ceiling: Duration,
     ) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)
@@ -51,6 +53,7 @@ impl OpenAiProvider {
             model,
             api_key,
             region,
+            hint_ceiling,
         }
     }
 
@@ -89,7 +92,7 @@ impl OpenAiProvider {
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
         match resp.bytes().await {
-            Ok(body) => classify(status, &headers, &body),
+            Ok(body) => classify(status, &headers, &body, std::time::SystemTime::now(), self.hint_ceiling),
             Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },
             Err(_) => UpstreamOutcome::Transient { status_class: "reset" },
         }
