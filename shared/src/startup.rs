@@ -42,6 +42,7 @@ pub async fn durable_consumer(
     js: &jetstream::Context,
     stream: &str,
     name: &str,
+    filter_subject: Option<String>,
     lease: Duration,
 ) -> Result<consumer::PullConsumer, StartError> {
     let stream = js.get_stream_no_info(stream).await.map_err(|e| StartError::Other(e.into()))?;
@@ -50,6 +51,7 @@ pub async fn durable_consumer(
             name,
             consumer::pull::Config {
                 durable_name: Some(name.to_string()),
+                filter_subject: filter_subject.unwrap_or_default(),
                 ack_policy: consumer::AckPolicy::Explicit,
                 ack_wait: lease,
                 max_deliver: -1,

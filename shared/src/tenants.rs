@@ -8,6 +8,8 @@
 //! api_key_sha256 = ["<64 hex>"] # sha256 of each accepted key
 //! max_diff_bytes = 1048576      # optional; default from the ingress config
 //! sink = { kind = "webhook", url = "https://...", secret = "..." }
+//! weight = 1                    # optional: share against other tenants of a lane
+//! scope_limit = 4               # optional: provider calls in flight, all replicas
 //! # or: sink = { kind = "file", path = "/var/lib/reviewlane/acme.jsonl" }
 //! ```
 
@@ -39,6 +41,17 @@ pub struct Tenant {
     pub max_diff_bytes: Option<usize>,
     #[serde(default)]
     pub sink: Option<SinkConfig>,
+    /// Share of the extractor's attention against other tenants of the lane (1..=16).
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// Provider calls in flight for this tenant's quota scope, summed over replicas;
+    /// default from the extractor's configuration.
+    #[serde(default)]
+    pub scope_limit: Option<u32>,
+}
+
+fn default_weight() -> u32 {
+    1
 }
 
 #[derive(Debug, Deserialize)]
@@ -98,6 +111,9 @@ impl Tenants {
                 && !(url.starts_with("http://") || url.starts_with("https://"))
             {
                 errors.push(format!("tenant `{}`: webhook url must be http(s)", tenant.id));
+            }
+            if !(1..=16).contains(&tenant.weight) {
+                errors.push(format!("tenant `{}`: weight must be 1 to 16", tenant.id));
             }
             if tenant.max_diff_bytes == Some(0) {
                 errors.push(format!("tenant `{}`: max_diff_bytes must be positive", tenant.id));

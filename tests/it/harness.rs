@@ -127,6 +127,7 @@ impl Stack {
             let mut xc = ExtractorConfig::new(
                 region,
                 rs.nats.url(),
+                tenants.clone(),
                 ProviderConfig::OpenAi {
                     base_url: rs.provider.base_url(),
                     model: "sim".into(),

@@ -4,6 +4,11 @@
 //! | --- | --- | --- |
 //! | `REVIEWLANE_REGION` | required | `us` or `eu`: the only region this process touches |
 //! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
+//! | `REVIEWLANE_TENANTS_FILE` | required | this region's tenants get a consumer per lane (weight, scope limit) |
+//! | `REVIEWLANE_MODEL_CLASS` | the model | model class of the quota scope (provider, model class, tenant, region) |
+//! | `REVIEWLANE_SCOPE_LIMIT` | `8` | calls in flight per scope, summed over replicas (a tenant may set `scope_limit`) |
+//! | `REVIEWLANE_HEARTBEAT_MS` | `1000` | replica heartbeat in `QUOTA_<R>` |
+//! | `REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS` | `5` | batch stops pulling while interactive work waited longer |
 //! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin` or `openai` (any OpenAI-compatible API) |
 //! | `REVIEWLANE_OPENAI_BASE_URL` | for `openai` | e.g. `https://api.openai.com/v1` |
 //! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
@@ -20,7 +25,11 @@
 use std::time::Duration;
 
 use reviewlane_shared::Region;
+use std::path::PathBuf;
+use std::sync::Arc;
+
 use reviewlane_shared::config::{ConfigErrors, Env, Reader};
+use reviewlane_shared::tenants::Tenants;
 use secrecy::SecretString;
 
 use crate::upstream::Backoff;
@@ -48,7 +57,17 @@ impl Default for Budgets {
 pub struct ExtractorConfig {
     pub region: Region,
     pub nats_url: String,
+    /// Tenants: this region's get a consumer per lane, with their weight and scope limit.
+    pub tenants: Arc<Tenants>,
     pub provider: ProviderConfig,
+    /// Model class of the quota scope (provider, model class, tenant, region).
+    pub model_class: String,
+    /// Calls in flight per quota scope, summed over replicas, unless a tenant sets it.
+    pub scope_limit: u32,
+    /// Replica heartbeat period in `QUOTA_<R>`.
+    pub heartbeat: Duration,
+    /// Batch stops pulling while interactive work has waited longer than this.
+    pub interactive_wait_limit: Duration,
     pub concurrency: usize,
     pub lease: Duration,
     pub provider_timeout: Duration,
@@ -62,11 +81,20 @@ pub struct ExtractorConfig {
 
 impl ExtractorConfig {
     /// A configuration with defaults, for tests and embedding.
-    pub fn new(region: Region, nats_url: impl Into<String>, provider: ProviderConfig) -> Self {
+    pub fn new(region: Region, nats_url: impl Into<String>, tenants: Arc<Tenants>, provider: ProviderConfig) -> Self {
+        let model_class = match &provider {
+            ProviderConfig::Builtin => "builtin".to_string(),
+            ProviderConfig::OpenAi { model, .. } => model.clone(),
+        };
         ExtractorConfig {
             region,
             nats_url: nats_url.into(),
+            tenants,
             provider,
+            model_class,
+            scope_limit: 8,
+            heartbeat: Duration::from_secs(1),
+            interactive_wait_limit: Duration::from_secs(5),
             concurrency: 8,
             lease: Duration::from_secs(30),
             provider_timeout: Duration::from_secs(120),
@@ -82,6 +110,15 @@ impl ExtractorConfig {
         let mut r = Reader::new(env);
         let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
         let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
+        let tenants_file: Option<PathBuf> = r.required("REVIEWLANE_TENANTS_FILE", "path to the tenants TOML file");
+        let tenants = match tenants_file.map(|p| Tenants::load(&p)) {
+            Some(Ok(t)) => Some(t),
+            Some(Err(errs)) => {
+                errs.into_iter().for_each(|e| r.error(e));
+                None
+            }
+            None => None,
+        };
         let provider = match r.raw("REVIEWLANE_PROVIDER").as_deref().unwrap_or("builtin") {
             "builtin" => Some(ProviderConfig::Builtin),
             "openai" => {
@@ -114,7 +151,14 @@ impl ExtractorConfig {
                 "provider endpoint belongs to region `{endpoint_region}` but this extractor serves `{region}`; refusing to send `{region}` content there"
             ));
         }
-        let d = ExtractorConfig::new(Region::Us, "", ProviderConfig::Builtin);
+        let d = ExtractorConfig::new(Region::Us, "", Arc::default(), ProviderConfig::Builtin);
+        let model_class: Option<String> = r.optional("REVIEWLANE_MODEL_CLASS", "a name");
+        let scope_limit: u32 = r.or("REVIEWLANE_SCOPE_LIMIT", d.scope_limit, "a count");
+        let heartbeat_ms: u64 = r.or("REVIEWLANE_HEARTBEAT_MS", 1000, "milliseconds");
+        let wait_limit: u64 = r.or("REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS", 5, "whole seconds");
+        if heartbeat_ms == 0 {
+            r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
+        }
         let concurrency: usize = r.or("REVIEWLANE_CONCURRENCY", d.concurrency, "a positive count");
         if concurrency == 0 {
             r.error("REVIEWLANE_CONCURRENCY must be positive");
@@ -135,10 +179,20 @@ impl ExtractorConfig {
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
         let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
         r.finish()?;
+        let provider = provider.expect("checked");
+        let model_class = model_class.unwrap_or_else(|| match &provider {
+            ProviderConfig::Builtin => "builtin".to_string(),
+            ProviderConfig::OpenAi { model, .. } => model.clone(),
+        });
         Ok(ExtractorConfig {
             region: region.expect("checked"),
             nats_url: nats_url.expect("checked"),
-            provider: provider.expect("checked"),
+            tenants: Arc::new(tenants.expect("checked")),
+            provider,
+            model_class,
+            scope_limit,
+            heartbeat: Duration::from_millis(heartbeat_ms),
+            interactive_wait_limit: Duration::from_secs(wait_limit),
             concurrency,
             lease: Duration::from_secs(lease),
             provider_timeout: Duration::from_secs(timeout),
@@ -161,7 +215,11 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(pairs: &[(&'static str, &str)]) -> HashMap<&'static str, String> {
-        pairs.iter().map(|(k, v)| (*k, v.to_string())).collect()
+        let path = std::env::temp_dir().join(format!("reviewlane-x-tenants-{}.toml", std::process::id()));
+        std::fs::write(&path, "[[tenants]]\nid = \"a\"\nregion = \"eu\"\n").unwrap();
+        let mut m: HashMap<&'static str, String> = pairs.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        m.entry("REVIEWLANE_TENANTS_FILE").or_insert(path.display().to_string());
+        m
     }
 
     #[test]

@@ -4,7 +4,9 @@
 
 pub mod config;
 pub mod provider;
+pub mod quota;
 pub mod retry_hint;
+pub mod schedule;
 pub mod startup;
 pub mod upstream;
 pub mod worker;

@@ -50,7 +50,7 @@ fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 fn non_negative_secs(v: f64) -> Option<Duration> {
-    (v.is_finite() && v >= 0.0 && v < 1e9).then(|| Duration::from_secs_f64(v))
+    (0.0..1e9).contains(&v).then(|| Duration::from_secs_f64(v))
 }
 
 /// `retry-after`: delta-seconds or an HTTP-date.

@@ -1,17 +1,17 @@
-//! Building and running one region's extractor: verify the wiring, create the durable
-//! pull consumers, pull only as many messages as there are free call slots, and drain
-//! on shutdown.
+//! Building and running one region's extractor: verify the wiring, create one durable
+//! pull consumer per (lane, tenant), announce the replica in `QUOTA_<R>`, serve the
+//! consumers through the scheduler, and drain on shutdown.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use async_nats::jetstream::consumer::PullConsumer;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
-use reviewlane_shared::pull::pull_loop;
 use reviewlane_shared::region::Lane;
 use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
-use tokio::sync::Semaphore;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -20,17 +20,20 @@ use crate::config::{ExtractorConfig, ProviderConfig};
 use crate::provider::Provider;
 use crate::provider::builtin::BuiltinAnalyzer;
 use crate::provider::openai::OpenAiProvider;
+use crate::quota::{Quota, Scope};
+use crate::schedule::{Backlog, LaneLoop, Slots, serve};
 use crate::worker::Worker;
 
 pub struct App {
     client: async_nats::Client,
     worker: Arc<Worker>,
-    consumers: Vec<(Lane, PullConsumer)>,
+    loops: Vec<(LaneLoop, u32)>,
+    quota: Quota,
     config: ExtractorConfig,
 }
 
-pub fn consumer_name(lane: Lane) -> String {
-    format!("extractor-{}", lane.as_str())
+pub fn consumer_name(lane: Lane, tenant: &str) -> String {
+    format!("extractor-{}-{}", lane.as_str(), tenant)
 }
 
 pub async fn build(config: ExtractorConfig) -> Result<App, StartError> {
@@ -63,28 +66,46 @@ pub async fn build_with_provider(
     }
     let conn =
         connect_region(&config.nats_url, config.region, "reviewlane-extractor", &LayoutConfig::default()).await?;
-    let mut consumers = Vec::new();
-    for lane in Lane::ALL {
-        let c = durable_consumer(
-            &conn.layout.js,
-            &layout::lane_stream(config.region, lane),
-            &consumer_name(lane),
-            config.lease,
-        )
-        .await?;
-        consumers.push((lane, c));
+    let mut loops = Vec::new();
+    let mut limits = HashMap::new();
+    for tenant in config.tenants.iter().filter(|t| t.region == config.region) {
+        if let Some(l) = tenant.scope_limit {
+            limits.insert(tenant.id.clone(), l);
+        }
+        let scope = Scope {
+            provider: provider.name().to_string(),
+            model_class: config.model_class.clone(),
+            tenant: tenant.id.clone(),
+        };
+        for lane in Lane::ALL {
+            let consumer = durable_consumer(
+                &conn.layout.js,
+                &layout::lane_stream(config.region, lane),
+                &consumer_name(lane, &tenant.id),
+                Some(layout::lane_subject(config.region, lane, &tenant.id)),
+                config.lease,
+            )
+            .await?;
+            loops.push((LaneLoop { lane, scope: scope.clone(), consumer }, tenant.weight));
+        }
     }
+    if loops.is_empty() {
+        tracing::warn!(region = %config.region, "no tenant of this region in the tenants file: nothing to serve");
+    }
+    let quota =
+        Quota::new(conn.layout.quota.clone(), conn.client.clone(), config.scope_limit, limits, config.heartbeat);
     let worker = Arc::new(Worker {
         region: config.region,
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
         layout: conn.layout,
         provider,
+        quota: quota.clone(),
         budgets: config.budgets,
         backoff: config.backoff,
         lease: config.lease,
         provider_timeout: config.provider_timeout,
     });
-    Ok(App { client: conn.client, worker, consumers, config })
+    Ok(App { client: conn.client, worker, loops, quota, config })
 }
 
 impl App {
@@ -92,36 +113,63 @@ impl App {
         self.worker.clone()
     }
 
-    /// Pulls and processes until `shutdown` resolves; then stops pulling, gives calls in
-    /// flight the grace period, hands back what is left, and drains NATS.
+    /// Serves until `shutdown` resolves; then stops pulling, gives calls in flight the
+    /// grace period, hands back what is left without delay, and drains NATS.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
-        let slots = Arc::new(Semaphore::new(self.config.concurrency));
+        self.quota.start(stop.clone()).await.map_err(|e| anyhow::anyhow!(e))?;
+        let changed: Arc<Notify> = self.quota.changed.clone();
+        let slots = Slots::new(self.config.concurrency, changed);
+        let backlog = Backlog::default();
         let tasks = TaskTracker::new();
-        let mut loops = Vec::new();
-        for (lane, consumer) in self.consumers {
-            let span = tracing::info_span!("pull_loop", region = %self.config.region, lane = lane.as_str());
-            let worker = self.worker.clone();
-            let abort = abort.clone();
-            let handle = move |msg| {
-                let worker = worker.clone();
+        let interactive: Vec<_> =
+            self.loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.consumer.clone()).collect();
+        let monitor = tokio::spawn(watch_interactive_backlog(
+            interactive,
+            backlog.clone(),
+            self.config.interactive_wait_limit,
+            stop.clone(),
+        ));
+        let mut handles = Vec::new();
+        for (l, weight) in self.loops {
+            let span = tracing::info_span!("lane", region = %self.config.region, lane = l.lane.as_str(), tenant = %l.scope.tenant);
+            let shared = Arc::new(l);
+            for _ in 0..weight {
+                let l = LaneLoop { lane: shared.lane, scope: shared.scope.clone(), consumer: shared.consumer.clone() };
+                let worker = self.worker.clone();
                 let abort = abort.clone();
-                async move {
-                    worker.process_one(msg, &abort).await;
-                }
-            };
-            loops.push(tokio::spawn(
-                pull_loop(consumer, slots.clone(), tasks.clone(), stop.clone(), handle).instrument(span),
-            ));
+                let run = move |admitted| {
+                    let worker = worker.clone();
+                    let abort = abort.clone();
+                    async move {
+                        worker.process_one(admitted, &abort).await;
+                    }
+                    .in_current_span()
+                };
+                handles.push(tokio::spawn(
+                    serve(
+                        l,
+                        slots.clone(),
+                        self.quota.clone(),
+                        backlog.clone(),
+                        self.config.lease,
+                        tasks.clone(),
+                        stop.clone(),
+                        run,
+                    )
+                    .instrument(span.clone()),
+                ));
+            }
         }
         tracing::info!(region = %self.config.region, concurrency = self.config.concurrency, "extractor running");
         shutdown.await;
         tracing::info!("shutting down: no new pulls");
         stop.cancel();
-        for l in loops {
-            let _ = l.await;
+        for h in handles {
+            let _ = h.await;
         }
+        let _ = monitor.await;
         tasks.close();
         if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {
             tracing::warn!("grace period over; handing back unfinished work");
@@ -131,5 +179,29 @@ impl App {
         self.client.drain().await?;
         tracing::info!("extractor stopped");
         Ok(())
+    }
+}
+
+/// Marks the interactive lane backlogged once reviews have been waiting undelivered
+/// (consumer metadata only) for longer than `limit`.
+async fn watch_interactive_backlog(
+    consumers: Vec<async_nats::jetstream::consumer::PullConsumer>,
+    backlog: Backlog,
+    limit: Duration,
+    stop: CancellationToken,
+) {
+    let mut waiting_since: Option<Instant> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
+        let mut pending = 0u64;
+        for c in &consumers {
+            let mut c = c.clone();
+            if let Ok(info) = c.info().await {
+                pending += info.num_pending;
+            }
+        }
+        waiting_since = if pending > 0 { waiting_since.or(Some(Instant::now())) } else { None };
+        backlog.set(waiting_since.is_some_and(|t| t.elapsed() > limit));
     }
 }

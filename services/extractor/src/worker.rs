@@ -19,6 +19,8 @@ use tracing::instrument;
 
 use crate::config::Budgets;
 use crate::provider::{Provider, ProviderRequest};
+use crate::quota::{Quota, Scope};
+use crate::schedule::Admitted;
 use crate::upstream::{Backoff, UpstreamOutcome};
 
 /// How the worker settled one message.
@@ -44,20 +46,31 @@ pub struct Worker {
     pub layout: RegionLayout,
     pub jobs: JobStore,
     pub provider: Arc<dyn Provider>,
+    pub quota: Quota,
     pub budgets: Budgets,
     pub backoff: Backoff,
     pub lease: Duration,
     pub provider_timeout: Duration,
 }
 
+enum CallEnd {
+    Answered(UpstreamOutcome),
+    /// Shutdown grace over.
+    Aborted,
+    /// The job ended (cancelled) while the call ran.
+    Ended(TerminalReason),
+}
+
 /// Retry after our own infrastructure failed (NATS), not the provider.
 const INFRA_RETRY: Duration = Duration::from_secs(1);
 
 impl Worker {
-    /// Processes one message from a lane. `abort` fires when the shutdown grace is
-    /// over: a call still running is abandoned and the message handed back at once.
-    #[instrument(skip_all, fields(job_id = tracing::field::Empty, region = %self.region, provider = self.provider.name()))]
-    pub async fn process_one(&self, msg: jetstream::Message, abort: &CancellationToken) -> Outcome {
+    /// Processes one admitted message (it holds a call slot and its scope's allowance
+    /// until this returns). `abort` fires when the shutdown grace is over: a call still
+    /// running is abandoned and the message handed back at once.
+    #[instrument(skip_all, fields(job_id = tracing::field::Empty, region = %self.region, provider = self.provider.name(), tenant = %admitted.scope.tenant))]
+    pub async fn process_one(&self, admitted: Admitted, abort: &CancellationToken) -> Outcome {
+        let Admitted { msg, scope, slot: _slot, running: _running } = admitted;
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
             Ok(r) => r,
             Err(_) => {
@@ -73,7 +86,7 @@ impl Worker {
             settle(&msg, AckKind::Term).await;
             return Outcome::Skipped;
         }
-        match self.run(&msg, &review, abort).await {
+        match self.run(&msg, &review, &scope, abort).await {
             Ok(outcome) => outcome,
             Err(e) => {
                 tracing::warn!(error = %e, "infrastructure error; handing the message back");
@@ -87,6 +100,7 @@ impl Worker {
         &self,
         msg: &jetstream::Message,
         review: &ReviewMessage,
+        scope: &Scope,
         abort: &CancellationToken,
     ) -> Result<Outcome, StoreError> {
         let id = review.job_id.as_str();
@@ -144,26 +158,49 @@ impl Worker {
             diff: &parsed,
             review_depth: review.review_depth,
         };
-        let Some(upstream) = self.call_with_lease(msg, &req, abort).await else {
-            tracing::info!("shutdown grace over; handing the message back");
-            settle(msg, AckKind::Nak(None)).await;
-            return Ok(Outcome::Released);
+        let upstream = match self.call_with_lease(msg, &req, abort).await? {
+            CallEnd::Answered(u) => u,
+            CallEnd::Aborted => {
+                tracing::info!("shutdown grace over; handing the message back");
+                settle(msg, AckKind::Nak(None)).await;
+                return Ok(Outcome::Released);
+            }
+            CallEnd::Ended(reason) => {
+                tracing::info!(reason = reason.as_str(), "job ended during the provider call; call abandoned");
+                self.dead_letter(msg, review, reason).await?;
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Terminal(reason));
+            }
         };
         let status = Some(upstream.status_class().to_string());
         tracing::info!(outcome = upstream.status_class(), attempt = rec.attempts.leases, "provider answered");
         match upstream {
-            UpstreamOutcome::Ok { output, .. } => match findings::validate(&review.schema_version, &output, &parsed) {
-                Ok(validated) => self.complete(msg, review, validated).await,
-                Err(invalid) => {
-                    tracing::warn!(reason = invalid.as_str(), "invalid provider output");
-                    self.retry_or_terminate(msg, review, &rec, Budget::Schema, None, status).await
+            UpstreamOutcome::Ok { output, slow_down } => {
+                self.quota.succeeded(scope);
+                if let Some(d) = slow_down
+                    && let Err(e) = self.quota.pause(scope, d).await
+                {
+                    tracing::warn!(error = %e, "recording a headroom pause failed");
                 }
-            },
+                match findings::validate(&review.schema_version, &output, &parsed) {
+                    Ok(validated) => self.complete(msg, review, validated).await,
+                    Err(invalid) => {
+                        tracing::warn!(reason = invalid.as_str(), "invalid provider output");
+                        self.retry_or_terminate(msg, review, &rec, Budget::Schema, None, status).await
+                    }
+                }
+            }
             UpstreamOutcome::RateLimited { retry_after, capped } => {
                 if capped {
                     tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
                 }
-                self.retry_or_terminate(msg, review, &rec, Budget::Congestion, retry_after, status).await
+                // The whole scope waits, on every replica, for as long as this job does.
+                let delay = retry_after
+                    .unwrap_or_else(|| self.backoff.delay(rec.attempts.congestion + 1, rand::random::<f64>()));
+                if let Err(e) = self.quota.rate_limited(scope, delay).await {
+                    tracing::warn!(error = %e, "recording the scope pause failed");
+                }
+                self.retry_or_terminate(msg, review, &rec, Budget::Congestion, Some(delay), status).await
             }
             UpstreamOutcome::Transient { .. } => {
                 self.retry_or_terminate(msg, review, &rec, Budget::Transient, None, status).await
@@ -179,14 +216,15 @@ impl Worker {
         }
     }
 
-    /// Runs the provider call, extending the lease with progress acks while it is alive.
-    /// `None` when `abort` fired first.
+    /// Runs the provider call, extending the lease with progress acks while it is alive,
+    /// and abandoning it when the job ends meanwhile (cancelled) or `abort` fires.
     async fn call_with_lease(
         &self,
         msg: &jetstream::Message,
         req: &ProviderRequest<'_>,
         abort: &CancellationToken,
-    ) -> Option<UpstreamOutcome> {
+    ) -> Result<CallEnd, StoreError> {
+        let mut changes = self.jobs.changes(req.job_id).await?;
         let call = tokio::time::timeout(self.provider_timeout, self.provider.review(req));
         tokio::pin!(call);
         let mut heartbeat = tokio::time::interval(self.lease / 3);
@@ -194,14 +232,21 @@ impl Worker {
         loop {
             tokio::select! {
                 res = &mut call => {
-                    return Some(res.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" }));
+                    return Ok(CallEnd::Answered(res.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" })));
                 }
                 _ = heartbeat.tick() => {
                     if let Err(e) = msg.ack_with(AckKind::Progress).await {
                         tracing::warn!(error = %e, "progress ack failed");
                     }
                 }
-                _ = abort.cancelled() => return None,
+                Some(()) = changes.next() => {
+                    if let Some((rec, _)) = self.jobs.get(req.job_id).await?
+                        && rec.state == JobState::Terminal
+                    {
+                        return Ok(CallEnd::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled)));
+                    }
+                }
+                _ = abort.cancelled() => return Ok(CallEnd::Aborted),
             }
         }
     }

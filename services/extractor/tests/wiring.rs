@@ -8,10 +8,13 @@ use reviewlane_shared::Region;
 use reviewlane_shared::testing::NatsServer;
 
 fn run_extractor(region: &str, url: &str) -> std::process::Output {
+    let tenants = std::env::temp_dir().join(format!("reviewlane-wiring-{}.toml", std::process::id()));
+    std::fs::write(&tenants, "[[tenants]]\nid = \"t\"\nregion = \"us\"\n").expect("write tenants");
     let mut child = Command::new(env!("CARGO_BIN_EXE_reviewlane-extractor"))
         .env_clear()
         .env("REVIEWLANE_REGION", region)
         .env("REVIEWLANE_NATS_URL", url)
+        .env("REVIEWLANE_TENANTS_FILE", &tenants)
         .env("RUST_LOG", "error")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

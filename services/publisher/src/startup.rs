@@ -30,7 +30,8 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
     let conn =
         connect_region(&config.nats_url, config.region, "reviewlane-publisher", &LayoutConfig::default()).await?;
     let consumer =
-        durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, config.lease).await?;
+        durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, None, config.lease)
+            .await?;
     let worker = Arc::new(Worker {
         region: config.region,
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),

@@ -1,0 +1,383 @@
+//! Quota scopes — `(provider, model class, tenant, region)` — and what every replica of
+//! a region shares about them through KV `QUOTA_<R>`:
+//!
+//! - `pause.<provider>.<class>.<tenant>` = `{"until_ms": …}`: written on a 429 with a
+//!   compare-and-set that keeps the later time; every replica follows the key's subject
+//!   and makes no call to the scope before then.
+//! - `replica.<id>` = `{"at_ms": …}`: heartbeats. Each replica takes its share of a
+//!   scope's limit among the live replicas (rank-ordered, so the shares sum to the
+//!   limit), and within it an AIMD window that halves on a 429 and grows on success.
+//!
+//! The share and AIMD arithmetic are pure functions below, with unit tests.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use reviewlane_shared::telemetry::now_ms;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// A quota scope within this region.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Scope {
+    pub provider: String,
+    pub model_class: String,
+    pub tenant: String,
+}
+
+impl Scope {
+    /// KV key token: `<provider>.<class>.<tenant>`, each part reduced to `[A-Za-z0-9_-]`.
+    pub fn token(&self) -> String {
+        let clean = |s: &str| {
+            s.chars()
+                .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+                .collect::<String>()
+        };
+        format!("{}.{}.{}", clean(&self.provider), clean(&self.model_class), clean(&self.tenant))
+    }
+}
+
+/// This replica's part of `limit` when `live` (sorted ids, including `me`) share it:
+/// an even split, the remainder to the lowest ranks, so the parts sum to `limit`.
+pub fn share(limit: u32, live: &[String], me: &str) -> u32 {
+    let n = live.len().max(1) as u32;
+    let rank = live.iter().position(|id| id == me).unwrap_or(live.len()) as u32;
+    if rank >= n {
+        return 0;
+    }
+    limit / n + u32::from(rank < limit % n)
+}
+
+/// Additive-increase, multiplicative-decrease window for one scope on one replica.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Aimd {
+    window: f64,
+}
+
+impl Aimd {
+    pub fn new(start: u32) -> Self {
+        Aimd { window: f64::from(start.max(1)) }
+    }
+
+    /// Calls this replica may have in flight, given its share.
+    pub fn allowed(&self, share: u32) -> u32 {
+        (self.window.floor() as u32).min(share)
+    }
+
+    pub fn on_rate_limited(&mut self) {
+        self.window = (self.window / 2.0).max(1.0);
+    }
+
+    /// One more call per window of successes, up to the share.
+    pub fn on_success(&mut self, share: u32) {
+        self.window = (self.window + 1.0 / self.window.max(1.0)).min(f64::from(share.max(1)));
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Pause {
+    until_ms: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Heartbeat {
+    at_ms: u64,
+}
+
+struct State {
+    paused_until_ms: HashMap<String, u64>,
+    live: Vec<String>,
+    /// Until this time the replica only heartbeats: others must see it before it takes
+    /// a share (only when others exist at start).
+    warm_until_ms: u64,
+    aimd: HashMap<String, Aimd>,
+    in_flight: HashMap<String, u32>,
+}
+
+/// Shared quota state of this replica. Cheap to clone.
+#[derive(Clone)]
+pub struct Quota {
+    kv: kv::Store,
+    client: async_nats::Client,
+    me: String,
+    default_limit: u32,
+    limits: Arc<HashMap<String, u32>>,
+    heartbeat: Duration,
+    state: Arc<Mutex<State>>,
+    /// Woken whenever a pause, a share or an in-flight count changes.
+    pub changed: Arc<Notify>,
+}
+
+/// A running call in a scope; ends it when dropped.
+pub struct ScopeGuard {
+    quota: Quota,
+    token: String,
+}
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        let mut st = self.quota.state.lock().expect("quota lock");
+        if let Some(n) = st.in_flight.get_mut(&self.token) {
+            *n = n.saturating_sub(1);
+        }
+        drop(st);
+        self.quota.changed.notify_waiters();
+    }
+}
+
+const PAUSE_PREFIX: &str = "pause.";
+const REPLICA_PREFIX: &str = "replica.";
+
+impl Quota {
+    /// `limits`: scope limit by tenant (summed over replicas), else `default_limit`.
+    pub fn new(
+        kv: kv::Store,
+        client: async_nats::Client,
+        default_limit: u32,
+        limits: HashMap<String, u32>,
+        heartbeat: Duration,
+    ) -> Quota {
+        let me = format!("{:016x}", rand::random::<u64>());
+        Quota {
+            kv,
+            client,
+            me: me.clone(),
+            default_limit,
+            limits: Arc::new(limits),
+            heartbeat,
+            state: Arc::new(Mutex::new(State {
+                paused_until_ms: HashMap::new(),
+                live: vec![me],
+                warm_until_ms: 0,
+                aimd: HashMap::new(),
+                in_flight: HashMap::new(),
+            })),
+            changed: Arc::new(Notify::new()),
+        }
+    }
+
+    fn limit(&self, scope: &Scope) -> u32 {
+        self.limits.get(&scope.tenant).copied().unwrap_or(self.default_limit)
+    }
+
+    /// Announces this replica, loads pauses, and keeps both current until `stop`.
+    pub async fn start(&self, stop: CancellationToken) -> Result<(), async_nats::Error> {
+        // Follow pauses first, then read what is there: nothing falls in between.
+        let mut pauses = self.client.subscribe(format!("{}{PAUSE_PREFIX}>", self.kv.prefix)).await?;
+        self.beat().await?;
+        let others = self.refresh_live().await?;
+        if others > 0 {
+            self.state.lock().expect("quota lock").warm_until_ms = now_ms() + 2 * self.heartbeat.as_millis() as u64;
+        }
+        let mut keys = self.kv.keys().await?;
+        while let Some(Ok(key)) = keys.next().await {
+            if let Some(token) = key.strip_prefix(PAUSE_PREFIX)
+                && let Ok(Some(v)) = self.kv.get(&key).await
+            {
+                self.note_pause(token, &v);
+            }
+        }
+        let q = self.clone();
+        let prefix_len = self.kv.prefix.len() + PAUSE_PREFIX.len();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(q.heartbeat);
+            loop {
+                tokio::select! {
+                    m = pauses.next() => match m {
+                        Some(m) => if let Some(token) = m.subject.get(prefix_len..) { q.note_pause(token, &m.payload) },
+                        None => return,
+                    },
+                    _ = tick.tick() => {
+                        if let Err(e) = q.beat().await { tracing::warn!(error = %e, "heartbeat failed"); }
+                        if let Err(e) = q.refresh_live().await { tracing::warn!(error = %e, "reading replicas failed"); }
+                    }
+                    _ = stop.cancelled() => {
+                        let _ = q.kv.delete(format!("{REPLICA_PREFIX}{}", q.me)).await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn note_pause(&self, token: &str, value: &[u8]) {
+        let Ok(p) = serde_json::from_slice::<Pause>(value) else { return };
+        let mut st = self.state.lock().expect("quota lock");
+        let e = st.paused_until_ms.entry(token.to_string()).or_default();
+        *e = (*e).max(p.until_ms);
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    async fn beat(&self) -> Result<(), async_nats::Error> {
+        let v = serde_json::to_vec(&Heartbeat { at_ms: now_ms() })?;
+        self.kv.put(format!("{REPLICA_PREFIX}{}", self.me), v.into()).await?;
+        Ok(())
+    }
+
+    /// Re-reads the live replicas; returns how many others there are.
+    async fn refresh_live(&self) -> Result<usize, async_nats::Error> {
+        let stale_after = 3 * self.heartbeat.as_millis() as u64;
+        let now = now_ms();
+        let mut live = Vec::new();
+        let mut keys = self.kv.keys().await?;
+        while let Some(Ok(key)) = keys.next().await {
+            let Some(id) = key.strip_prefix(REPLICA_PREFIX) else { continue };
+            let Ok(Some(v)) = self.kv.get(&key).await else { continue };
+            match serde_json::from_slice::<Heartbeat>(&v) {
+                Ok(h) if now.saturating_sub(h.at_ms) <= stale_after => live.push(id.to_string()),
+                // Long dead: tidy up.
+                Ok(h) if now.saturating_sub(h.at_ms) > 20 * stale_after => {
+                    let _ = self.kv.delete(&key).await;
+                }
+                _ => {}
+            }
+        }
+        if !live.contains(&self.me) {
+            live.push(self.me.clone());
+        }
+        live.sort();
+        let others = live.len() - 1;
+        let mut st = self.state.lock().expect("quota lock");
+        if st.live != live {
+            st.live = live;
+            drop(st);
+            self.changed.notify_waiters();
+        }
+        Ok(others)
+    }
+
+    /// How long the scope is still paused, if it is.
+    pub fn paused_for(&self, scope: &Scope) -> Option<Duration> {
+        let until = *self.state.lock().expect("quota lock").paused_until_ms.get(&scope.token())?;
+        let now = now_ms();
+        (until > now).then(|| Duration::from_millis(until - now))
+    }
+
+    /// Starts a call in `scope` if the scope is not paused and this replica is under
+    /// its allowance; `None` otherwise.
+    pub fn try_start(&self, scope: &Scope) -> Option<ScopeGuard> {
+        if self.paused_for(scope).is_some() {
+            return None;
+        }
+        let token = scope.token();
+        let limit = self.limit(scope);
+        let mut st = self.state.lock().expect("quota lock");
+        if now_ms() < st.warm_until_ms {
+            return None;
+        }
+        let my_share = share(limit, &st.live, &self.me);
+        let allowed = st.aimd.entry(token.clone()).or_insert_with(|| Aimd::new(my_share)).allowed(my_share);
+        let n = st.in_flight.entry(token.clone()).or_default();
+        if *n >= allowed {
+            return None;
+        }
+        *n += 1;
+        Some(ScopeGuard { quota: self.clone(), token })
+    }
+
+    /// Records a 429: pauses the scope for every replica (keeping a later pause), and
+    /// halves this replica's window.
+    pub async fn rate_limited(&self, scope: &Scope, pause: Duration) -> Result<(), async_nats::Error> {
+        let token = scope.token();
+        self.state
+            .lock()
+            .expect("quota lock")
+            .aimd
+            .entry(token.clone())
+            .or_insert_with(|| Aimd::new(1))
+            .on_rate_limited();
+        self.pause(scope, pause).await
+    }
+
+    /// Pauses the scope for `pause` from now, unless a later pause is already recorded.
+    pub async fn pause(&self, scope: &Scope, pause: Duration) -> Result<(), async_nats::Error> {
+        let token = scope.token();
+        let until_ms = now_ms() + pause.as_millis() as u64;
+        let key = format!("{PAUSE_PREFIX}{token}");
+        let value: bytes::Bytes = serde_json::to_vec(&Pause { until_ms })?.into();
+        for _ in 0..8 {
+            match self.kv.entry(&key).await? {
+                Some(e) if e.operation == kv::Operation::Put => {
+                    if serde_json::from_slice::<Pause>(&e.value).is_ok_and(|p| p.until_ms >= until_ms) {
+                        break;
+                    }
+                    match self.kv.update(&key, value.clone(), e.revision).await {
+                        Ok(_) => break,
+                        Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                        Err(err) => return Err(err.into()),
+                    }
+                }
+                _ => match self.kv.create(&key, value.clone()).await {
+                    Ok(_) => break,
+                    Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => continue,
+                    Err(err) => return Err(err.into()),
+                },
+            }
+        }
+        self.note_pause(&token, &value);
+        Ok(())
+    }
+
+    pub fn succeeded(&self, scope: &Scope) {
+        let limit = self.limit(scope);
+        let mut st = self.state.lock().expect("quota lock");
+        let my_share = share(limit, &st.live, &self.me);
+        st.aimd.entry(scope.token()).or_insert_with(|| Aimd::new(my_share)).on_success(my_share);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("r{i}")).collect()
+    }
+
+    #[test]
+    fn shares_sum_to_the_limit() {
+        for limit in 0..10u32 {
+            for n in 1..6 {
+                let live = ids(n);
+                let total: u32 = live.iter().map(|me| share(limit, &live, me)).sum();
+                assert_eq!(total, limit, "limit {limit} over {n}");
+            }
+        }
+        let live = ids(3);
+        assert_eq!([share(2, &live, "r0"), share(2, &live, "r1"), share(2, &live, "r2")], [1, 1, 0]);
+        assert_eq!(share(8, &ids(1), "r0"), 8);
+        // Not (yet) among the live: no share.
+        assert_eq!(share(8, &live, "zz"), 0);
+    }
+
+    #[test]
+    fn aimd_halves_on_429_and_grows_back_to_the_share() {
+        let mut a = Aimd::new(8);
+        assert_eq!(a.allowed(8), 8);
+        a.on_rate_limited();
+        assert_eq!(a.allowed(8), 4);
+        a.on_rate_limited();
+        a.on_rate_limited();
+        a.on_rate_limited();
+        assert_eq!(a.allowed(8), 1, "never below one");
+        for _ in 0..200 {
+            a.on_success(8);
+        }
+        assert_eq!(a.allowed(8), 8);
+        // The share bounds it, whatever the window.
+        assert_eq!(a.allowed(3), 3);
+        assert_eq!(a.allowed(0), 0);
+    }
+
+    #[test]
+    fn scope_tokens_are_subject_safe() {
+        let s = Scope { provider: "openai".into(), model_class: "gpt-4.1 mini".into(), tenant: "acme".into() };
+        assert_eq!(s.token(), "openai.gpt-4_1_mini.acme");
+    }
+}

@@ -1,0 +1,235 @@
+//! Scheduling ahead of the worker pool.
+//!
+//! One durable pull consumer per (lane, tenant) subject, each served by `weight` loops
+//! of its own. A loop pulls only when its tenant's quota scope is not paused (and, for
+//! batch, while the interactive lane is not backlogged), and holds at most one message.
+//! No call slot is held during a long-poll, so an idle lane or tenant parks no capacity.
+//! A message that has arrived waits for a slot — interactive before batch — and for its
+//! scope's allowance, keeping its lease alive with progress acks; waiters are served in
+//! the order they started waiting, so tenants of a lane take turns. A message whose
+//! scope is paused goes back with the remaining delay, spending no budget.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
+use futures::StreamExt;
+use reviewlane_shared::region::Lane;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::quota::{Quota, Scope, ScopeGuard};
+
+/// Longest a pull request waits on the server for a message.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+struct SlotState {
+    free: usize,
+    interactive_waiting: usize,
+}
+
+/// Provider call slots of this process, interactive first.
+pub struct Slots {
+    state: Mutex<SlotState>,
+    changed: Arc<Notify>,
+}
+
+/// One slot; freed when dropped.
+pub struct Slot {
+    slots: Arc<Slots>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.slots.state.lock().expect("slots lock").free += 1;
+        self.slots.changed.notify_waiters();
+    }
+}
+
+impl Slots {
+    pub fn new(n: usize, changed: Arc<Notify>) -> Arc<Slots> {
+        Arc::new(Slots { state: Mutex::new(SlotState { free: n, interactive_waiting: 0 }), changed })
+    }
+
+    fn try_take(self: &Arc<Self>, lane: Lane) -> Option<Slot> {
+        let mut st = self.state.lock().expect("slots lock");
+        if st.free == 0 || (lane == Lane::Batch && st.interactive_waiting > 0) {
+            return None;
+        }
+        st.free -= 1;
+        Some(Slot { slots: self.clone() })
+    }
+
+    fn interactive_waiting(&self, delta: isize) {
+        let mut st = self.state.lock().expect("slots lock");
+        st.interactive_waiting = st.interactive_waiting.saturating_add_signed(delta);
+    }
+}
+
+/// Whether the interactive lane's oldest waiting review is older than its threshold;
+/// batch loops stop pulling while it is.
+#[derive(Clone, Default)]
+pub struct Backlog(Arc<AtomicBool>);
+
+impl Backlog {
+    pub fn set(&self, v: bool) {
+        self.0.store(v, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+pub struct LaneLoop {
+    pub lane: Lane,
+    pub scope: Scope,
+    pub consumer: PullConsumer,
+}
+
+/// What a started message needs to run.
+pub struct Admitted {
+    pub msg: jetstream::Message,
+    pub scope: Scope,
+    pub slot: Slot,
+    pub running: ScopeGuard,
+}
+
+/// Waits until `ready()` holds, re-checking whenever capacity changes (or every
+/// `max_wait`). Returns false if `stop` fired.
+async fn wait_until(
+    changed: &Notify,
+    stop: &CancellationToken,
+    max_wait: Duration,
+    mut ready: impl FnMut() -> bool,
+) -> bool {
+    loop {
+        let notified = changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if ready() {
+            return true;
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = tokio::time::sleep(max_wait) => {}
+            _ = stop.cancelled() => return false,
+        }
+    }
+}
+
+/// Serves one (lane, tenant) consumer until `stop`. `run` gets each admitted message.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve<F, Fut>(
+    l: LaneLoop,
+    slots: Arc<Slots>,
+    quota: Quota,
+    backlog: Backlog,
+    lease: Duration,
+    tasks: TaskTracker,
+    stop: CancellationToken,
+    run: F,
+) where
+    F: Fn(Admitted) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let changed = quota.changed.clone();
+    let mut failures = 0u32;
+    loop {
+        // Pull only for a scope that may be called, and batch only without backlog.
+        let pull_ok = || quota.paused_for(&l.scope).is_none() && (l.lane == Lane::Interactive || !backlog.get());
+        let wait = quota.paused_for(&l.scope).unwrap_or(Duration::from_millis(500)).min(Duration::from_secs(5));
+        if !wait_until(&changed, &stop, wait, pull_ok).await {
+            return;
+        }
+        let batch = tokio::select! {
+            b = l.consumer.batch().max_messages(1).expires(PULL_EXPIRES).messages() => b,
+            _ = stop.cancelled() => return,
+        };
+        let mut batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, "pull failed");
+                let pause = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = stop.cancelled() => return }
+            }
+        };
+        failures = 0;
+        let msg = tokio::select! {
+            m = batch.next() => m,
+            _ = stop.cancelled() => return,
+        };
+        let msg = match msg {
+            None => continue,
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "pull message error");
+                continue;
+            }
+        };
+        match admit(&l, msg, &slots, &quota, lease, &stop).await {
+            Some(admitted) => {
+                let work = run(admitted);
+                tasks.spawn(work);
+            }
+            None if stop.is_cancelled() => return,
+            None => {}
+        }
+    }
+}
+
+/// Waits for a slot and the scope's allowance while keeping the message's lease alive.
+/// Hands the message back (and returns `None`) when its scope is paused or at shutdown.
+async fn admit(
+    l: &LaneLoop,
+    msg: jetstream::Message,
+    slots: &Arc<Slots>,
+    quota: &Quota,
+    lease: Duration,
+    stop: &CancellationToken,
+) -> Option<Admitted> {
+    let interactive = l.lane == Lane::Interactive;
+    if interactive {
+        slots.interactive_waiting(1);
+    }
+    let mut heartbeat = tokio::time::interval(lease / 3);
+    heartbeat.tick().await;
+    let result = loop {
+        if let Some(remaining) = quota.paused_for(&l.scope) {
+            settle(&msg, AckKind::Nak(Some(remaining))).await;
+            break None;
+        }
+        let notified = quota.changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if let Some(slot) = slots.try_take(l.lane) {
+            if let Some(running) = quota.try_start(&l.scope) {
+                break Some(Admitted { msg, scope: l.scope.clone(), slot, running });
+            }
+            drop(slot);
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = heartbeat.tick() => settle(&msg, AckKind::Progress).await,
+            // A pause may end without a notification.
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stop.cancelled() => {
+                settle(&msg, AckKind::Nak(None)).await;
+                break None;
+            }
+        }
+    };
+    if interactive {
+        slots.interactive_waiting(-1);
+    }
+    result
+}
+
+async fn settle(msg: &jetstream::Message, kind: AckKind) {
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(error = %e, "settling a message failed; it returns after its lease");
+    }
+}
