@@ -85,6 +85,10 @@ pub struct Stats {
     pub call_times_ms: BTreeMap<String, Vec<u64>>,
     /// Canaries (see `start_with`) found in prompts.
     pub canaries_seen: Vec<String>,
+    /// Call start times (ms since start) per bearer key, to tell callers apart in tests.
+    pub call_times_by_key: BTreeMap<String, Vec<u64>>,
+    /// Calls in flight when each call started, and its start time: (start_ms, end_ms).
+    pub call_spans_ms: Vec<(u64, u64)>,
     /// Shape of the last request, without content: model, response_format type and
     /// json_schema strictness, whether a bearer key came.
     pub last_request: Option<RequestShape>,
@@ -184,8 +188,13 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         return Ok(respond(StatusCode::NOT_FOUND, &[], "{}".into()));
     }
     let job = req.headers().get(JOB_ID_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
-    let bearer =
-        req.headers().get("authorization").and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("Bearer "));
+    let key = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_string);
+    let bearer = key.is_some();
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let prompt = request["messages"]
@@ -206,7 +215,9 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         s.total_calls += 1;
         s.last_request = Some(shape);
         *s.calls_by_job.entry(job.clone()).or_default() += 1;
-        s.call_times_ms.entry(job.clone()).or_default().push(st.started.elapsed().as_millis() as u64);
+        let at = st.started.elapsed().as_millis() as u64;
+        s.call_times_ms.entry(job.clone()).or_default().push(at);
+        s.call_times_by_key.entry(key.clone().unwrap_or_default()).or_default().push(at);
         for c in &st.canaries {
             if prompt.contains(c.as_str()) && !s.canaries_seen.contains(c) {
                 s.canaries_seen.push(c.clone());
@@ -235,8 +246,10 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         s.max_concurrent = s.max_concurrent.max(now);
     }
     let scripted = st.script.lock().expect("script lock").pop_front();
+    let began = st.started.elapsed().as_millis() as u64;
     tokio::time::sleep(st.config.latency).await;
     st.in_flight.fetch_sub(1, Ordering::SeqCst);
+    st.stats.lock().expect("stats lock").call_spans_ms.push((began, st.started.elapsed().as_millis() as u64));
 
     let output = match scripted {
         Some(Scripted::Status { status, headers, body }) => {

@@ -37,8 +37,21 @@ pub struct Stack {
     pub eu: RegionStack,
     pub webhook: WebhookReceiver,
     pub ingress: SocketAddr,
+    pub tenants: Arc<Tenants>,
     stop: CancellationToken,
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+    /// Per running extractor: region, its own stop, its task.
+    extractors: Vec<(Region, CancellationToken, JoinHandle<anyhow::Result<()>>)>,
+    opts: ExtractorKnobs,
+}
+
+#[derive(Clone, Copy)]
+struct ExtractorKnobs {
+    lease: Duration,
+    concurrency: usize,
+    scope_limit: u32,
+    heartbeat: Duration,
+    grace: Duration,
 }
 
 pub struct StackOptions {
@@ -51,6 +64,12 @@ pub struct StackOptions {
     pub lease: Duration,
     /// Lane size, set on the servers before the services start.
     pub lane_max_messages: Option<i64>,
+    /// Extractor replicas per region (0: start none).
+    pub extractors: usize,
+    /// Calls in flight per quota scope, summed over replicas.
+    pub scope_limit: u32,
+    pub heartbeat: Duration,
+    pub shutdown_grace: Duration,
 }
 
 impl Default for StackOptions {
@@ -63,6 +82,10 @@ impl Default for StackOptions {
             extractor_concurrency: 8,
             lease: Duration::from_secs(5),
             lane_max_messages: None,
+            extractors: 1,
+            scope_limit: 8,
+            heartbeat: Duration::from_millis(200),
+            shutdown_grace: Duration::from_secs(2),
         }
     }
 }
@@ -124,26 +147,6 @@ impl Stack {
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
         for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
-            let mut xc = ExtractorConfig::new(
-                region,
-                rs.nats.url(),
-                tenants.clone(),
-                ProviderConfig::OpenAi {
-                    base_url: rs.provider.base_url(),
-                    model: "sim".into(),
-                    api_key: Some("sk-test".to_string().into()),
-                    endpoint_region: region,
-                },
-            );
-            xc.lease = opts.lease;
-            xc.concurrency = opts.extractor_concurrency;
-            xc.backoff.base = Duration::from_millis(200);
-            xc.backoff.cap = Duration::from_secs(2);
-            xc.shutdown_grace = Duration::from_secs(2);
-            let x = reviewlane_extractor::build(xc).await.expect("extractor builds");
-            let s = stop.clone();
-            tasks.push(tokio::spawn(x.run_until_stopped(async move { s.cancelled().await })));
-
             let mut pc = PublisherConfig::new(region, rs.nats.url(), tenants.clone());
             pc.delivery_backoff_base = Duration::from_millis(100);
             pc.delivery_backoff_cap = Duration::from_secs(1);
@@ -152,9 +155,16 @@ impl Stack {
             let s = stop.clone();
             tasks.push(tokio::spawn(p.run_until_stopped(async move { s.cancelled().await })));
         }
+        let knobs = ExtractorKnobs {
+            lease: opts.lease,
+            concurrency: opts.extractor_concurrency,
+            scope_limit: opts.scope_limit,
+            heartbeat: opts.heartbeat,
+            grace: opts.shutdown_grace,
+        };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
-            tenants,
+            tenants: tenants.clone(),
             nats_urls: [(Region::Us, us.nats.url().to_string()), (Region::Eu, eu.nats.url().to_string())].into(),
             max_diff_bytes: opts.max_diff_bytes,
             shutdown_grace: Duration::from_secs(2),
@@ -165,7 +175,68 @@ impl Stack {
         let addr = ingress.local_addr();
         let s = stop.clone();
         tasks.push(tokio::spawn(ingress.run_until_stopped(async move { s.cancelled().await })));
-        Stack { us, eu, webhook, ingress: addr, stop, tasks }
+        let mut stack =
+            Stack { us, eu, webhook, ingress: addr, tenants, stop, tasks, extractors: Vec::new(), opts: knobs };
+        for _ in 0..opts.extractors {
+            stack.start_extractor(Region::Us).await;
+            stack.start_extractor(Region::Eu).await;
+        }
+        stack
+    }
+
+    fn region(&self, r: Region) -> &RegionStack {
+        match r {
+            Region::Us => &self.us,
+            Region::Eu => &self.eu,
+        }
+    }
+
+    /// The configuration of the next extractor replica of `region`; each replica calls
+    /// the provider with its own key (`sk-replica-<n>`), so the provider can tell them
+    /// apart.
+    pub fn extractor_config(&self, region: Region) -> ExtractorConfig {
+        let n = self.extractors.iter().filter(|(r, _, _)| *r == region).count();
+        let rs = self.region(region);
+        let mut xc = ExtractorConfig::new(
+            region,
+            rs.nats.url(),
+            self.tenants.clone(),
+            ProviderConfig::OpenAi {
+                base_url: rs.provider.base_url(),
+                model: "sim".into(),
+                api_key: Some(format!("sk-replica-{n}").into()),
+                endpoint_region: region,
+            },
+        );
+        xc.lease = self.opts.lease;
+        xc.concurrency = self.opts.concurrency;
+        xc.scope_limit = self.opts.scope_limit;
+        xc.heartbeat = self.opts.heartbeat;
+        xc.backoff.base = Duration::from_millis(200);
+        xc.backoff.cap = Duration::from_secs(2);
+        xc.shutdown_grace = self.opts.grace;
+        xc
+    }
+
+    /// Starts one more extractor replica for `region`.
+    pub async fn start_extractor(&mut self, region: Region) {
+        let xc = self.extractor_config(region);
+        let x = reviewlane_extractor::build(xc).await.expect("extractor builds");
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let task = tokio::spawn(x.run_until_stopped(async move { s.cancelled().await }));
+        self.extractors.push((region, stop, task));
+    }
+
+    /// Stops every extractor of `region` as SIGTERM would, and waits for them.
+    pub async fn stop_extractors(&mut self, region: Region) {
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.extractors).into_iter().partition(|(r, _, _)| *r == region);
+        self.extractors = rest;
+        for (_, stop, task) in mine {
+            stop.cancel();
+            task.await.expect("extractor task").expect("extractor stops cleanly");
+        }
     }
 
     pub async fn client(&self) -> ReviewServiceClient<Channel> {
@@ -175,6 +246,10 @@ impl Stack {
     /// Stops every service and waits for each to finish draining.
     pub async fn shutdown(mut self) {
         self.stop.cancel();
+        for (_, stop, task) in std::mem::take(&mut self.extractors) {
+            stop.cancel();
+            task.await.expect("extractor task").expect("extractor stops cleanly");
+        }
         for t in std::mem::take(&mut self.tasks) {
             t.await.expect("service task").expect("service stops cleanly");
         }
@@ -184,6 +259,9 @@ impl Stack {
 impl Drop for Stack {
     fn drop(&mut self) {
         self.stop.cancel();
+        for (_, stop, _) in &self.extractors {
+            stop.cancel();
+        }
     }
 }
 
@@ -208,6 +286,18 @@ pub fn submit_req(key: &str, idem: &str, diff: &str) -> tonic::Request<SubmitRev
             }),
         },
     )
+}
+
+/// Submits a review to the batch lane.
+pub async fn submit_batch(
+    client: &mut ReviewServiceClient<Channel>,
+    key: &str,
+    idem: &str,
+    diff: &str,
+) -> proto::Review {
+    let mut req = submit_req(key, idem, diff);
+    req.get_mut().lane = proto::Lane::Batch as i32;
+    client.submit_review(req).await.expect("submit accepted").into_inner().review.expect("review set")
 }
 
 /// Submits a review that must be accepted; returns its first view.
@@ -235,7 +325,13 @@ pub async fn wait_final(client: &mut ReviewServiceClient<Channel>, key: &str, jo
         }
         last.expect("watch yields at least one state")
     };
-    tokio::time::timeout(Duration::from_secs(30), watch).await.expect("job reaches a final state within 30 s")
+    match tokio::time::timeout(Duration::from_secs(30), watch).await {
+        Ok(r) => r,
+        Err(_) => {
+            let now = get(client, key, job_id).await;
+            panic!("job {job_id} did not reach a final state within 30 s; now: {now:?}")
+        }
+    }
 }
 
 pub async fn get(

@@ -9,4 +9,6 @@ mod lifecycle;
 mod pipeline;
 mod publish_once;
 mod quarantine;
+mod rate_limits;
 mod residency;
+mod scheduling;

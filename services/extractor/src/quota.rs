@@ -259,6 +259,17 @@ impl Quota {
         (until > now).then(|| Duration::from_millis(until - now))
     }
 
+    /// Calls this replica may run in `scope` now (0 while warming up or without a share).
+    pub fn allowance(&self, scope: &Scope) -> u32 {
+        let limit = self.limit(scope);
+        let mut st = self.state.lock().expect("quota lock");
+        if now_ms() < st.warm_until_ms {
+            return 0;
+        }
+        let my_share = share(limit, &st.live, &self.me);
+        st.aimd.entry(scope.token()).or_insert_with(|| Aimd::new(my_share)).allowed(my_share)
+    }
+
     /// Starts a call in `scope` if the scope is not paused and this replica is under
     /// its allowance; `None` otherwise.
     pub fn try_start(&self, scope: &Scope) -> Option<ScopeGuard> {

@@ -37,15 +37,26 @@ pub struct Slots {
     changed: Arc<Notify>,
 }
 
-/// One slot; freed when dropped.
+/// One slot; freed when dropped, waking the waiters.
 pub struct Slot {
     slots: Arc<Slots>,
+    /// Handed back unused: nothing changed for the waiters, so wake nobody (waking them
+    /// here would let loops blocked on a full scope wake each other forever).
+    unused: bool,
+}
+
+impl Slot {
+    fn give_back_unused(mut self) {
+        self.unused = true;
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         self.slots.state.lock().expect("slots lock").free += 1;
-        self.slots.changed.notify_waiters();
+        if !self.unused {
+            self.slots.changed.notify_waiters();
+        }
     }
 }
 
@@ -60,7 +71,7 @@ impl Slots {
             return None;
         }
         st.free -= 1;
-        Some(Slot { slots: self.clone() })
+        Some(Slot { slots: self.clone(), unused: false })
     }
 
     fn interactive_waiting(&self, delta: isize) {
@@ -139,7 +150,11 @@ pub async fn serve<F, Fut>(
     let mut failures = 0u32;
     loop {
         // Pull only for a scope that may be called, and batch only without backlog.
-        let pull_ok = || quota.paused_for(&l.scope).is_none() && (l.lane == Lane::Interactive || !backlog.get());
+        let pull_ok = || {
+            quota.paused_for(&l.scope).is_none()
+                && quota.allowance(&l.scope) > 0
+                && (l.lane == Lane::Interactive || !backlog.get())
+        };
         let wait = quota.paused_for(&l.scope).unwrap_or(Duration::from_millis(500)).min(Duration::from_secs(5));
         if !wait_until(&changed, &stop, wait, pull_ok).await {
             return;
@@ -202,6 +217,11 @@ async fn admit(
             settle(&msg, AckKind::Nak(Some(remaining))).await;
             break None;
         }
+        // This replica lost its share (another replica joined): let others take it.
+        if quota.allowance(&l.scope) == 0 {
+            settle(&msg, AckKind::Nak(None)).await;
+            break None;
+        }
         let notified = quota.changed.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
@@ -209,7 +229,7 @@ async fn admit(
             if let Some(running) = quota.try_start(&l.scope) {
                 break Some(Admitted { msg, scope: l.scope.clone(), slot, running });
             }
-            drop(slot);
+            slot.give_back_unused();
         }
         tokio::select! {
             _ = notified => {}

@@ -1,0 +1,152 @@
+//! Issue 3: a 429 is an admission signal. Retry hints, backoff, budgets, the shared
+//! pause per quota scope, and the scope's concurrency summed over replicas.
+
+use std::time::Duration;
+
+use loadtest::simprovider::{Scripted, SimConfig};
+use reviewlane_shared::proto::JobState;
+
+use crate::harness::*;
+
+fn status(status: u16, headers: &[(&str, &str)], body: &str) -> Scripted {
+    Scripted::Status {
+        status,
+        headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        body: body.to_string(),
+    }
+}
+
+const RATE_LIMITED: &str =
+    r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_429s_then_success_honours_retry_after_and_publishes_once() {
+    let stack = Stack::start().await;
+    stack.us.provider.script([status(429, &[("retry-after", "2")], RATE_LIMITED), status(429, &[], RATE_LIMITED)]);
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "429-twice", &sample_diff("r")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32, "{}", last.terminal_reason);
+    let a = last.attempts.unwrap();
+    assert_eq!((a.congestion, a.transient, a.schema), (2, 0, 0));
+    assert!(!last.findings.is_empty(), "the result validated");
+
+    let times = stack.us.provider.stats().call_times_ms[&job.job_id].clone();
+    assert_eq!(times.len(), 3, "{times:?}");
+    // The first 429 answered at about times[0]; retry-after: 2 holds the next call back.
+    assert!(times[1] - times[0] >= 2000, "second attempt {} ms after the first", times[1] - times[0]);
+    assert!(eventually(Duration::from_secs(3), || stack.webhook.for_job(&job.job_id).len() == 1).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1, "exactly one publication");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_without_hint_backs_off_within_bounds_and_quota_exhaustion_is_terminal() {
+    let stack = Stack::start().await;
+    // Backoff in the harness: base 200 ms, cap 2 s, jitter x0.5..1.5.
+    stack.us.provider.script([
+        status(429, &[], RATE_LIMITED),
+        status(429, &[], RATE_LIMITED),
+        status(429, &[], RATE_LIMITED),
+    ]);
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "429-nohint", &sample_diff("n")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32);
+    assert_eq!(last.attempts.unwrap().congestion, 3);
+    let t = stack.us.provider.stats().call_times_ms[&job.job_id].clone();
+    for (n, pair) in t.windows(2).enumerate() {
+        let gap = pair[1] - pair[0];
+        let nominal = 200.0 * 2f64.powi(n as i32);
+        let (lo, hi) = ((nominal * 0.5) as u64, (nominal * 1.5) as u64 + 300);
+        assert!(gap >= lo && gap <= hi, "retry {} after {gap} ms, expected {lo}..{hi}", n + 1);
+    }
+
+    // 429 insufficient_quota: money, not load. Terminal at once, no retry.
+    stack.eu.provider.script([status(
+        429,
+        &[("retry-after", "1")],
+        r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#,
+    )]);
+    let job = submit(&mut client, EU_KEY, "no-money", &sample_diff("q")).await;
+    let last = wait_final(&mut client, EU_KEY, &job.job_id).await;
+    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "insufficient_quota"));
+    assert_eq!(stack.eu.provider.stats().calls_by_job[&job.job_id], 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_congestion_budget_ends_in_rate_limit_budget_exhausted() {
+    let stack = Stack::start().await;
+    // Budget 5: six 429s with a short hint.
+    stack.us.provider.script((0..6).map(|_| status(429, &[("retry-after-ms", "50")], RATE_LIMITED)));
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "429-forever", &sample_diff("f")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "rate_limit_budget_exhausted"));
+    assert_eq!(last.attempts.unwrap().congestion, 5);
+    assert_eq!(stack.us.provider.stats().calls_by_job[&job.job_id], 6);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_429_pauses_the_scope_on_every_replica() {
+    let stack = Stack::start_with(StackOptions {
+        extractors: 2,
+        extractor_concurrency: 2,
+        us_provider: SimConfig { latency: Duration::from_millis(200), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    // Let the replicas see each other.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stack.us.provider.script([status(429, &[("retry-after", "2")], RATE_LIMITED)]);
+    let mut client = stack.client().await;
+    let mut jobs = Vec::new();
+    for i in 0..8 {
+        jobs.push(submit(&mut client, US_KEY, &format!("pause-{i}"), &sample_diff(&format!("p{i}"))).await);
+    }
+    for j in &jobs {
+        assert_eq!(wait_final(&mut client, US_KEY, &j.job_id).await.state, JobState::Published as i32);
+    }
+    let stats = stack.us.provider.stats();
+    // The 429 answered when its call ended: the span of the first call.
+    let (first_start, answered) = stats.call_spans_ms.iter().copied().min_by_key(|(s, _)| *s).unwrap();
+    assert!(answered >= first_start);
+    let starts: Vec<u64> = stats.call_times_by_key.values().flatten().copied().collect();
+    let in_pause: Vec<_> = starts.iter().filter(|&&t| t > answered + 100 && t < answered + 2000).collect();
+    assert!(in_pause.is_empty(), "calls during the pause at {in_pause:?} (429 answered at {answered})");
+    // Both replicas resumed after it.
+    for (key, times) in &stats.call_times_by_key {
+        assert!(times.iter().any(|&t| t >= answered + 2000), "replica {key} never resumed: {times:?}");
+    }
+    assert_eq!(stats.call_times_by_key.len(), 2, "{:?}", stats.call_times_by_key.keys());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_never_exceed_the_scope_limit() {
+    let stack = Stack::start_with(StackOptions {
+        extractors: 3,
+        extractor_concurrency: 8,
+        scope_limit: 2,
+        us_provider: SimConfig { latency: Duration::from_millis(150), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut client = stack.client().await;
+    let mut jobs = Vec::new();
+    for i in 0..16 {
+        jobs.push(submit(&mut client, US_KEY, &format!("limit-{i}"), &sample_diff(&format!("l{i}"))).await);
+    }
+    for j in &jobs {
+        assert_eq!(wait_final(&mut client, US_KEY, &j.job_id).await.state, JobState::Published as i32);
+    }
+    let stats = stack.us.provider.stats();
+    assert_eq!(stats.total_calls, 16, "one call per job");
+    assert!(stats.max_concurrent <= 2, "provider saw {} concurrent calls", stats.max_concurrent);
+    assert_eq!(stats.max_concurrent, 2, "and the limit was used");
+    stack.shutdown().await;
+}

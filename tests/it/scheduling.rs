@@ -1,0 +1,217 @@
+//! Issue 3: tenant-aware scheduling ahead of the worker pool, interactive before batch,
+//! and the lifecycle under cancellation, SIGTERM and kill -9.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use loadtest::simprovider::SimConfig;
+use reviewlane_shared::layout;
+use reviewlane_shared::messages::Delivery;
+use reviewlane_shared::proto::{CancelReviewRequest, JobState};
+use reviewlane_shared::region::Region;
+
+use crate::harness::*;
+
+fn tenant_order(stack: &Stack) -> Vec<String> {
+    stack
+        .webhook
+        .received()
+        .iter()
+        .map(|r| serde_json::from_slice::<Delivery>(&r.body).expect("delivery").tenant)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_tenant_does_not_starve_another() {
+    let stack = Stack::start_with(StackOptions {
+        extractor_concurrency: 2,
+        us_provider: SimConfig { latency: Duration::from_millis(40), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    for i in 0..100 {
+        submit(&mut client, US_KEY, &format!("flood-{i}"), &sample_diff(&format!("a{i}"))).await;
+    }
+    let mut b = Vec::new();
+    for i in 0..5 {
+        b.push(submit(&mut client, US2_KEY, &format!("few-{i}"), &sample_diff(&format!("b{i}"))).await);
+    }
+    for j in &b {
+        assert_eq!(wait_final(&mut client, US2_KEY, &j.job_id).await.state, JobState::Published as i32);
+    }
+    let order = tenant_order(&stack);
+    let fifth_b = order.iter().enumerate().filter(|(_, t)| *t == "beta").nth(4).map(|(i, _)| i).expect("five beta");
+    let a_before = order[..fifth_b].iter().filter(|t| *t == "acme").count();
+    assert!(a_before < 50, "{a_before} of acme's 100 finished before beta's fifth");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interactive_review_waits_behind_no_batch_backlog() {
+    let latency = Duration::from_millis(300);
+    let stack = Stack::start_with(StackOptions {
+        extractor_concurrency: 2,
+        us_provider: SimConfig { latency, ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    for i in 0..200 {
+        submit_batch(&mut client, US_KEY, &format!("batch-{i}"), &sample_diff(&format!("b{i}"))).await;
+    }
+    assert!(eventually(Duration::from_secs(5), || stack.us.provider.stats().total_calls >= 2).await);
+    let started = Instant::now();
+    let job = submit(&mut client, US_KEY, "urgent", &sample_diff("urgent")).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
+    let took = started.elapsed();
+    eprintln!("interactive submit-to-published: {took:?}");
+    // At most one call to wait for (a slot to free), plus its own call, plus overhead.
+    assert!(took < 2 * latency + Duration::from_millis(300), "interactive took {took:?}");
+    let batch_done = stack.webhook.received().len() - 1;
+    assert!(batch_done < 40, "{batch_done} of 200 batch reviews were done first");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_during_the_call_abandons_it() {
+    let stack = Stack::start_with(StackOptions {
+        us_provider: SimConfig { latency: Duration::from_secs(3), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "cancel-mid", &sample_diff("mid")).await;
+    assert!(
+        eventually(Duration::from_secs(5), || stack.us.provider.stats().calls_by_job.contains_key(&job.job_id)).await
+    );
+    let started = Instant::now();
+    let r = client
+        .cancel_review(authed(US_KEY, CancelReviewRequest { job_id: job.job_id.clone() }))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert_eq!((r.state, r.terminal_reason.as_str()), (JobState::Terminal as i32, "cancelled"));
+    // The worker abandons the call at once and dead-letters the review.
+    let url = stack.us.nats.url().to_string();
+    let subject = layout::deadletter_subject(Region::Us, "acme", &job.job_id);
+    let mut dead = false;
+    while !dead && started.elapsed() < Duration::from_secs(2) {
+        dead =
+            stream_messages(&url, &layout::deadletter_stream(Region::Us)).await.iter().any(|(s, _, _)| *s == subject);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(dead, "dead-lettered well before the 3 s call would have ended");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let findings = stream_messages(&url, &layout::findings_stream(Region::Us)).await;
+    assert!(findings.is_empty(), "no findings published for a cancelled job");
+    assert!(stack.webhook.for_job(&job.job_id).is_empty());
+    assert_eq!(get(&mut client, US_KEY, &job.job_id).await.unwrap().state, JobState::Terminal as i32);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_work_loses_and_duplicates_nothing() {
+    let mut stack = Stack::start_with(StackOptions {
+        extractor_concurrency: 2,
+        shutdown_grace: Duration::from_secs(3),
+        us_provider: SimConfig { latency: Duration::from_millis(1200), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let mut jobs = Vec::new();
+    for i in 0..6 {
+        jobs.push(submit(&mut client, US_KEY, &format!("term-{i}"), &sample_diff(&format!("t{i}"))).await);
+    }
+    assert!(eventually(Duration::from_secs(5), || stack.us.provider.stats().total_calls >= 2).await);
+    // SIGTERM: stop pulling, let the two calls in flight finish, hand back the rest.
+    stack.stop_extractors(Region::Us).await;
+    let after_stop = stack.us.provider.stats();
+    assert_eq!(after_stop.total_calls, after_stop.paid_by_job.values().sum::<u64>(), "in-flight calls finished");
+    stack.start_extractor(Region::Us).await;
+    for j in &jobs {
+        assert_eq!(wait_final(&mut client, US_KEY, &j.job_id).await.state, JobState::Published as i32);
+    }
+    let stats = stack.us.provider.stats();
+    for j in &jobs {
+        assert_eq!(stats.calls_by_job.get(&j.job_id), Some(&1), "one call per job");
+        assert!(eventually(Duration::from_secs(3), || stack.webhook.for_job(&j.job_id).len() == 1).await);
+    }
+    assert_eq!(stack.webhook.received().len(), 6);
+    stack.shutdown().await;
+}
+
+/// The extractor binary next to this test binary (cargo builds it for the extractor's
+/// own integration tests in the same `cargo test --workspace` run).
+fn extractor_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let bin = exe.parent().and_then(|d| d.parent()).expect("target dir").join("reviewlane-extractor");
+    assert!(bin.exists(), "{} missing: run `cargo build --bins` or the whole workspace's tests", bin.display());
+    bin
+}
+
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_call_is_redelivered_after_the_lease_and_published_once() {
+    let mut stack = Stack::start_with(StackOptions {
+        extractors: 0,
+        us_provider: SimConfig { latency: Duration::from_secs(4), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    std::fs::write(&tenants, tenants_toml(&stack.webhook.url())).unwrap();
+    let mut process = Process(
+        Command::new(extractor_binary())
+            .env_clear()
+            .envs([
+                ("REVIEWLANE_REGION", "us".to_string()),
+                ("REVIEWLANE_NATS_URL", stack.us.nats.url().to_string()),
+                ("REVIEWLANE_TENANTS_FILE", tenants.display().to_string()),
+                ("REVIEWLANE_PROVIDER", "openai".into()),
+                ("REVIEWLANE_OPENAI_BASE_URL", stack.us.provider.base_url()),
+                ("REVIEWLANE_OPENAI_MODEL", "sim".into()),
+                ("REVIEWLANE_OPENAI_API_KEY", "sk-doomed".into()),
+                ("REVIEWLANE_PROVIDER_REGION", "us".into()),
+                ("REVIEWLANE_LEASE_SECS", "2".into()),
+                ("REVIEWLANE_HEARTBEAT_MS", "200".into()),
+                ("RUST_LOG", "error".into()),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the extractor binary"),
+    );
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "crash", &sample_diff("crash")).await;
+    assert!(
+        eventually(Duration::from_secs(10), || stack.us.provider.stats().calls_by_job.contains_key(&job.job_id)).await
+    );
+    process.0.kill().expect("SIGKILL");
+    process.0.wait().expect("reaped");
+    let killed_at = stack.us.provider.stats().call_times_ms[&job.job_id][0];
+
+    // A healthy replica takes the job once the dead one's lease has run out.
+    stack.start_extractor(Region::Us).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
+    let stats = stack.us.provider.stats();
+    let times = &stats.call_times_ms[&job.job_id];
+    assert_eq!(times.len(), 2, "the dead replica's call, then one more");
+    assert!(times[1] - killed_at >= 1000, "redelivered only after the lease ({} ms)", times[1] - killed_at);
+    assert!(eventually(Duration::from_secs(3), || stack.webhook.for_job(&job.job_id).len() == 1).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1, "published exactly once");
+    stack.shutdown().await;
+}
