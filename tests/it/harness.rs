@@ -70,6 +70,8 @@ pub struct StackOptions {
     pub scope_limit: u32,
     pub heartbeat: Duration,
     pub shutdown_grace: Duration,
+    /// Admission policy of the interactive lane, and the sampling period.
+    pub interactive_policy: Option<(reviewlane_ingress::admission::LanePolicy, Duration)>,
 }
 
 impl Default for StackOptions {
@@ -86,6 +88,7 @@ impl Default for StackOptions {
             scope_limit: 8,
             heartbeat: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(2),
+            interactive_policy: None,
         }
     }
 }
@@ -169,6 +172,9 @@ impl Stack {
             max_diff_bytes: opts.max_diff_bytes,
             shutdown_grace: Duration::from_secs(2),
             log_json: false,
+            interactive: opts.interactive_policy.map(|p| p.0).unwrap_or(IngressConfig::default_policies().0),
+            batch: IngressConfig::default_policies().1,
+            admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
         })
         .await
         .expect("ingress builds");

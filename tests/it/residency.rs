@@ -100,6 +100,9 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
         max_diff_bytes: 1024,
         shutdown_grace: Duration::from_secs(1),
         log_json: false,
+        interactive: reviewlane_ingress::IngressConfig::default_policies().0,
+        batch: reviewlane_ingress::IngressConfig::default_policies().1,
+        admission_sample: Duration::from_secs(1),
     };
     let err = reviewlane_ingress::build(cfg).await.err().expect("ingress refuses");
     assert!(matches!(err, StartError::Wiring(_)), "{err}");

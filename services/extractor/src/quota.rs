@@ -270,6 +270,16 @@ impl Quota {
         st.aimd.entry(scope.token()).or_insert_with(|| Aimd::new(my_share)).allowed(my_share)
     }
 
+    /// Whether a call in `scope` could start now (not paused, under the allowance).
+    pub fn has_room(&self, scope: &Scope) -> bool {
+        if self.paused_for(scope).is_some() {
+            return false;
+        }
+        let allowed = self.allowance(scope);
+        let st = self.state.lock().expect("quota lock");
+        st.in_flight.get(&scope.token()).copied().unwrap_or(0) < allowed
+    }
+
     /// Starts a call in `scope` if the scope is not paused and this replica is under
     /// its allowance; `None` otherwise.
     pub fn try_start(&self, scope: &Scope) -> Option<ScopeGuard> {

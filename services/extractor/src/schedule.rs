@@ -9,6 +9,7 @@
 //! the order they started waiting, so tenants of a lane take turns. A message whose
 //! scope is paused goes back with the remaining delay, spending no budget.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,10 +29,14 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
 struct SlotState {
     free: usize,
-    interactive_waiting: usize,
+    /// Waiting messages in arrival order, by ticket. The first interactive one is served
+    /// first; without interactive waiters, the first of all. Only messages whose scope
+    /// has room wait here, so none blocks the queue.
+    queue: VecDeque<(u64, Lane)>,
+    next_ticket: u64,
 }
 
-/// Provider call slots of this process, interactive first.
+/// Provider call slots of this process: first come, first served, interactive first.
 pub struct Slots {
     state: Mutex<SlotState>,
     changed: Arc<Notify>,
@@ -40,43 +45,49 @@ pub struct Slots {
 /// One slot; freed when dropped, waking the waiters.
 pub struct Slot {
     slots: Arc<Slots>,
-    /// Handed back unused: nothing changed for the waiters, so wake nobody (waking them
-    /// here would let loops blocked on a full scope wake each other forever).
-    unused: bool,
-}
-
-impl Slot {
-    fn give_back_unused(mut self) {
-        self.unused = true;
-    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         self.slots.state.lock().expect("slots lock").free += 1;
-        if !self.unused {
-            self.slots.changed.notify_waiters();
-        }
+        self.slots.changed.notify_waiters();
     }
 }
 
 impl Slots {
     pub fn new(n: usize, changed: Arc<Notify>) -> Arc<Slots> {
-        Arc::new(Slots { state: Mutex::new(SlotState { free: n, interactive_waiting: 0 }), changed })
+        Arc::new(Slots { state: Mutex::new(SlotState { free: n, queue: VecDeque::new(), next_ticket: 0 }), changed })
     }
 
-    fn try_take(self: &Arc<Self>, lane: Lane) -> Option<Slot> {
+    fn join(&self, lane: Lane) -> u64 {
         let mut st = self.state.lock().expect("slots lock");
-        if st.free == 0 || (lane == Lane::Batch && st.interactive_waiting > 0) {
+        let t = st.next_ticket;
+        st.next_ticket += 1;
+        st.queue.push_back((t, lane));
+        t
+    }
+
+    fn leave(&self, ticket: u64) {
+        let mut st = self.state.lock().expect("slots lock");
+        st.queue.retain(|(t, _)| *t != ticket);
+        drop(st);
+        // The head may have changed.
+        self.changed.notify_waiters();
+    }
+
+    /// A slot for `ticket` if one is free and it is this ticket's turn.
+    fn try_take(self: &Arc<Self>, ticket: u64) -> Option<Slot> {
+        let mut st = self.state.lock().expect("slots lock");
+        if st.free == 0 {
             return None;
         }
+        let head = st.queue.iter().find(|(_, l)| *l == Lane::Interactive).or(st.queue.front()).map(|(t, _)| *t);
+        if head != Some(ticket) {
+            return None;
+        }
+        st.queue.retain(|(t, _)| *t != ticket);
         st.free -= 1;
-        Some(Slot { slots: self.clone(), unused: false })
-    }
-
-    fn interactive_waiting(&self, delta: isize) {
-        let mut st = self.state.lock().expect("slots lock");
-        st.interactive_waiting = st.interactive_waiting.saturating_add_signed(delta);
+        Some(Slot { slots: self.clone() })
     }
 }
 
@@ -197,7 +208,8 @@ pub async fn serve<F, Fut>(
 }
 
 /// Waits for a slot and the scope's allowance while keeping the message's lease alive.
-/// Hands the message back (and returns `None`) when its scope is paused or at shutdown.
+/// Hands the message back (and returns `None`) when its scope is paused, when this
+/// replica has no share of the scope, or at shutdown.
 async fn admit(
     l: &LaneLoop,
     msg: jetstream::Message,
@@ -206,30 +218,42 @@ async fn admit(
     lease: Duration,
     stop: &CancellationToken,
 ) -> Option<Admitted> {
-    let interactive = l.lane == Lane::Interactive;
-    if interactive {
-        slots.interactive_waiting(1);
-    }
     let mut heartbeat = tokio::time::interval(lease / 3);
     heartbeat.tick().await;
-    let result = loop {
+    let mut ticket: Option<u64> = None;
+    let hand_back = |ticket: Option<u64>| {
+        if let Some(t) = ticket {
+            slots.leave(t);
+        }
+    };
+    loop {
         if let Some(remaining) = quota.paused_for(&l.scope) {
+            hand_back(ticket);
             settle(&msg, AckKind::Nak(Some(remaining))).await;
-            break None;
+            return None;
         }
         // This replica lost its share (another replica joined): let others take it.
         if quota.allowance(&l.scope) == 0 {
+            hand_back(ticket);
             settle(&msg, AckKind::Nak(None)).await;
-            break None;
+            return None;
         }
         let notified = quota.changed.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if let Some(slot) = slots.try_take(l.lane) {
-            if let Some(running) = quota.try_start(&l.scope) {
-                break Some(Admitted { msg, scope: l.scope.clone(), slot, running });
+        if quota.has_room(&l.scope) {
+            let t = *ticket.get_or_insert_with(|| slots.join(l.lane));
+            if let Some(slot) = slots.try_take(t) {
+                ticket = None;
+                match quota.try_start(&l.scope) {
+                    Some(running) => return Some(Admitted { msg, scope: l.scope.clone(), slot, running }),
+                    // Lost a race for the scope's last place: the slot goes to the next.
+                    None => drop(slot),
+                }
             }
-            slot.give_back_unused();
+        } else if let Some(t) = ticket.take() {
+            // Wait for the scope outside the queue, so others are served meanwhile.
+            slots.leave(t);
         }
         tokio::select! {
             _ = notified => {}
@@ -237,15 +261,12 @@ async fn admit(
             // A pause may end without a notification.
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
             _ = stop.cancelled() => {
+                hand_back(ticket);
                 settle(&msg, AckKind::Nak(None)).await;
-                break None;
+                return None;
             }
         }
-    };
-    if interactive {
-        slots.interactive_waiting(-1);
     }
-    result
 }
 
 async fn settle(msg: &jetstream::Message, kind: AckKind) {

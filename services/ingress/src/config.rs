@@ -8,6 +8,10 @@
 //! | `REVIEWLANE_MAX_DIFF_BYTES` | `1048576` | largest diff accepted (a tenant may set its own) |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
 //! | `REVIEWLANE_LOG_FORMAT` | `text` | `json` for one JSON object a line |
+//! | `REVIEWLANE_INTERACTIVE_WINDOW_SECS` / `REVIEWLANE_BATCH_WINDOW_SECS` | `60` / `3600` | admission window per lane |
+//! | `REVIEWLANE_DEGRADE_FACTOR` | `2` | predicted age up to window x this: accepted at depth `changed_hunks` |
+//! | `REVIEWLANE_ADMISSION_MIN_WAITING` | `16` | below this many waiting, accept without predicting |
+//! | `REVIEWLANE_ADMISSION_SAMPLE_MS` | `1000` | lane metadata sampling period |
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -16,6 +20,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reviewlane_shared::Region;
+use reviewlane_shared::region::Lane;
+
+use crate::admission::LanePolicy;
 use reviewlane_shared::config::{ConfigErrors, Env, Reader};
 use reviewlane_shared::tenants::Tenants;
 
@@ -27,6 +34,27 @@ pub struct IngressConfig {
     pub max_diff_bytes: usize,
     pub shutdown_grace: Duration,
     pub log_json: bool,
+    pub interactive: LanePolicy,
+    pub batch: LanePolicy,
+    /// How often lane metadata is sampled for admission.
+    pub admission_sample: Duration,
+}
+
+impl IngressConfig {
+    pub fn policy(&self, lane: Lane) -> &LanePolicy {
+        match lane {
+            Lane::Interactive => &self.interactive,
+            Lane::Batch => &self.batch,
+        }
+    }
+
+    /// Default admission policies: interactive 60 s window, batch 1 h, degrade up to 2x.
+    pub fn default_policies() -> (LanePolicy, LanePolicy) {
+        (
+            LanePolicy { window: Duration::from_secs(60), degrade_factor: 2.0, min_waiting: 16 },
+            LanePolicy { window: Duration::from_secs(3600), degrade_factor: 2.0, min_waiting: 16 },
+        )
+    }
 }
 
 pub const DEFAULT_MAX_DIFF_BYTES: usize = 1024 * 1024;
@@ -51,6 +79,19 @@ impl IngressConfig {
         }
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
         let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
+        let (mut interactive, mut batch) = Self::default_policies();
+        interactive.window = Duration::from_secs(r.or("REVIEWLANE_INTERACTIVE_WINDOW_SECS", 60, "whole seconds"));
+        batch.window = Duration::from_secs(r.or("REVIEWLANE_BATCH_WINDOW_SECS", 3600, "whole seconds"));
+        let factor: f64 = r.or("REVIEWLANE_DEGRADE_FACTOR", 2.0, "a number >= 1");
+        if factor.is_nan() || factor < 1.0 {
+            r.error("REVIEWLANE_DEGRADE_FACTOR must be at least 1");
+        }
+        let min_waiting: u64 = r.or("REVIEWLANE_ADMISSION_MIN_WAITING", 16, "a count");
+        for p in [&mut interactive, &mut batch] {
+            p.degrade_factor = factor;
+            p.min_waiting = min_waiting;
+        }
+        let sample_ms: u64 = r.or("REVIEWLANE_ADMISSION_SAMPLE_MS", 1000, "milliseconds");
         let tenants = match tenants_file.map(|p| Tenants::load(&p)) {
             Some(Ok(t)) => Some(t),
             Some(Err(errs)) => {
@@ -79,6 +120,9 @@ impl IngressConfig {
             max_diff_bytes,
             shutdown_grace: Duration::from_secs(grace),
             log_json,
+            interactive,
+            batch,
+            admission_sample: Duration::from_millis(sample_ms.max(50)),
         })
     }
 }

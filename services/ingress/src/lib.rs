@@ -2,6 +2,7 @@
 //! diff and enqueues the review durably on that region's lane. It never calls a
 //! provider and never waits on one.
 
+pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod error;

@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, instrument};
 
+use crate::admission::{Decision, LanePolicy, Sampler, decide};
 use crate::auth::tenant;
 use crate::error::ApiError;
 
@@ -51,11 +52,32 @@ pub struct ReviewApi {
     regions: Arc<BTreeMap<Region, RegionHandle>>,
     max_diff_bytes: usize,
     shutdown: CancellationToken,
+    sampler: Sampler,
+    policies: Arc<[LanePolicy; 2]>,
 }
 
 impl ReviewApi {
-    pub fn new(regions: BTreeMap<Region, RegionHandle>, max_diff_bytes: usize, shutdown: CancellationToken) -> Self {
-        ReviewApi { regions: Arc::new(regions), max_diff_bytes, shutdown }
+    pub fn new(
+        regions: BTreeMap<Region, RegionHandle>,
+        max_diff_bytes: usize,
+        shutdown: CancellationToken,
+        sampler: Sampler,
+        interactive: LanePolicy,
+        batch: LanePolicy,
+    ) -> Self {
+        ReviewApi {
+            regions: Arc::new(regions),
+            max_diff_bytes,
+            shutdown,
+            sampler,
+            policies: Arc::new([interactive, batch]),
+        }
+    }
+
+    fn admission(&self, region: Region, lane: reviewlane_shared::Lane) -> Decision {
+        let (waiting, per_sec) = self.sampler.get(region, lane);
+        let policy = &self.policies[usize::from(lane == reviewlane_shared::Lane::Batch)];
+        decide(waiting, per_sec, policy)
     }
 
     fn region(&self, r: Region) -> Result<&RegionHandle, ApiError> {
@@ -126,6 +148,20 @@ impl ReviewApi {
             metadata.base_revision.as_bytes(),
             metadata.head_revision.as_bytes(),
         ]);
+        // Admission on predicted queue age; a retry of a job we hold is answered anyway.
+        let depth = match self.admission(region, lane) {
+            Decision::Accept => ReviewDepth::Full,
+            Decision::Degrade => ReviewDepth::ChangedHunks,
+            Decision::Refuse { retry_after } => match handle.jobs.get(&id).await? {
+                Some((existing, _)) if existing.request_digest == request_digest => {
+                    return Ok(api::review(&existing, &[]));
+                }
+                _ => {
+                    tracing::info!(retry_after_ms = retry_after.as_millis() as u64, "refused: lane over its window");
+                    return Err(ApiError::ResourceExhausted { what: "lane is over its service window", retry_after });
+                }
+            },
+        };
         let now = now_ms();
         let record = JobRecord::accepted(
             id.clone(),
@@ -135,7 +171,7 @@ impl ReviewApi {
             schema_version.clone(),
             job_id::sha256_hex(&[req.diff.as_bytes()]),
             request_digest,
-            ReviewDepth::Full,
+            depth,
             now,
         );
         let (rec, created) = match handle.jobs.create(&record).await? {

@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::Sampler;
 use crate::auth::Authenticator;
 use crate::config::IngressConfig;
 use crate::service::{RegionHandle, ReviewApi};
@@ -43,7 +44,12 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     }
     let listener = TcpListener::bind(config.grpc_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let shutdown = CancellationToken::new();
-    let api = ReviewApi::new(regions, config.max_diff_bytes, shutdown.clone());
+    let sampler = Sampler::default();
+    for (region, handle) in &regions {
+        tokio::spawn(sampler.clone().run(*region, handle.layout.js.clone(), config.admission_sample, shutdown.clone()));
+    }
+    let api =
+        ReviewApi::new(regions, config.max_diff_bytes, shutdown.clone(), sampler, config.interactive, config.batch);
     Ok(App { listener, api, config, clients, shutdown })
 }
 

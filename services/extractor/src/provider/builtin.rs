@@ -12,6 +12,7 @@ use futures::future::BoxFuture;
 use regex::Regex;
 use reviewlane_shared::Region;
 use reviewlane_shared::diff::{Diff, LineKind};
+use reviewlane_shared::job::ReviewDepth;
 use serde_json::json;
 
 use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
@@ -204,6 +205,12 @@ fn evidence(text: &str) -> String {
 
 /// Runs every rule over every added line. Deterministic: same diff, same answer.
 pub fn analyze(diff: &Diff) -> serde_json::Value {
+    analyze_at(diff, ReviewDepth::Full)
+}
+
+/// At depth `changed_hunks` (admission degraded the review under load) only findings
+/// of medium severity and above are reported.
+pub fn analyze_at(diff: &Diff, depth: ReviewDepth) -> serde_json::Value {
     let mut findings = Vec::new();
     'files: for file in &diff.files {
         let Some(path) = file.new_path.as_deref() else { continue };
@@ -223,6 +230,9 @@ pub fn analyze(diff: &Diff) -> serde_json::Value {
                 let new_line = line.new_line.expect("added lines have a new line number");
                 for r in RULES.iter() {
                     if !in_scope(r.scope, path) || (matches!(r.scope, Scope::NonTestRust) && in_test_module) {
+                        continue;
+                    }
+                    if depth == ReviewDepth::ChangedHunks && matches!(r.severity, "info" | "low") {
                         continue;
                     }
                     if r.pattern.is_match(&line.text) && r.and.as_ref().is_none_or(|a| a.is_match(&line.text)) {
@@ -269,7 +279,7 @@ impl Provider for BuiltinAnalyzer {
         let outcome = if req.region != self.region {
             UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }
         } else {
-            UpstreamOutcome::Ok { output: analyze(req.diff).to_string(), slow_down: None }
+            UpstreamOutcome::Ok { output: analyze_at(req.diff, req.review_depth).to_string(), slow_down: None }
         };
         futures::future::ready(outcome).boxed()
     }

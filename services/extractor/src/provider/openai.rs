@@ -7,6 +7,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use reviewlane_shared::Region;
 use reviewlane_shared::findings;
+use reviewlane_shared::job::ReviewDepth;
 use secrecy::{ExposeSecret, SecretString};
 
 use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
@@ -22,6 +23,10 @@ For each finding give the file path exactly as on the diff's new side (`+++ b/<p
 the line number on the new side, a severity, a category, a short title, a message explaining the problem \
 and the fix, and `evidence`: text copied verbatim from that line. Answer with JSON that matches the schema; \
 an empty `findings` list is a valid answer.";
+
+/// Added at depth `changed_hunks`, when admission degraded the review under load.
+const CHANGED_HUNKS_PROMPT: &str = "The service is under load: review only the changed lines, report only problems \
+of medium severity or higher, and keep messages short.";
 
 pub struct OpenAiProvider {
     http: reqwest::Client,
@@ -69,7 +74,10 @@ impl OpenAiProvider {
             "model": self.model,
             "temperature": 0,
             "messages": [
-                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "system", "content": match req.review_depth {
+                    ReviewDepth::Full => SYSTEM_PROMPT.to_string(),
+                    ReviewDepth::ChangedHunks => format!("{SYSTEM_PROMPT} {CHANGED_HUNKS_PROMPT}"),
+                }},
                 {"role": "user", "content": req.diff_text},
             ],
             "response_format": {

@@ -1,0 +1,174 @@
+//! Admission: predicted queue age of a lane (reviews waiting / recent throughput, both
+//! from stream metadata, never content) against the lane's window decides whether a
+//! review is accepted, accepted at reduced depth (`changed_hunks`), or refused with a
+//! retry delay. The decision is a pure function; `Sampler` keeps its inputs current.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use reviewlane_shared::layout;
+use reviewlane_shared::region::{Lane, Region};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LanePolicy {
+    /// The lane's service window: a review should be done within it.
+    pub window: Duration,
+    /// Predicted ages up to `window * degrade_factor` are served at reduced depth.
+    pub degrade_factor: f64,
+    /// Below this many waiting reviews, accept without a prediction (cold start).
+    pub min_waiting: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decision {
+    Accept,
+    Degrade,
+    Refuse { retry_after: Duration },
+}
+
+/// `waiting`: reviews on the lane; `per_sec`: recent completions per second while the
+/// lane had work, `None` before any busy interval was seen (then the bounded lane is
+/// the only limit).
+pub fn decide(waiting: u64, per_sec: Option<f64>, p: &LanePolicy) -> Decision {
+    let Some(per_sec) = per_sec else { return Decision::Accept };
+    if waiting < p.min_waiting {
+        return Decision::Accept;
+    }
+    let predicted = if per_sec > 0.0 { waiting as f64 / per_sec } else { f64::INFINITY };
+    let window = p.window.as_secs_f64();
+    if predicted <= window {
+        Decision::Accept
+    } else if predicted <= window * p.degrade_factor {
+        Decision::Degrade
+    } else {
+        // Come back when the excess over the degrade bound has drained; at least 1 s,
+        // at most the window (a stalled lane is not predicted to ever drain).
+        let excess = predicted - window * p.degrade_factor;
+        let retry = if excess.is_finite() { excess.clamp(1.0, window.max(1.0)) } else { window.max(1.0) };
+        Decision::Refuse { retry_after: Duration::from_secs_f64(retry) }
+    }
+}
+
+/// Throughput of a work-queue stream from its metadata: reviews removed (done or
+/// dead-lettered) = last sequence - messages still there, over a sliding horizon of
+/// busy samples. Idle time (nothing waiting, nothing removed) is left out, so the rate
+/// reflects capacity, not demand.
+#[derive(Debug, Default, Clone)]
+struct LaneSample {
+    waiting: u64,
+    per_sec: Option<f64>,
+    /// (time, removed so far) while busy, oldest first, spanning at most `HORIZON`.
+    busy: VecDeque<(Instant, u64)>,
+    removed: u64,
+}
+
+/// Rates are measured over this much busy time.
+const HORIZON: Duration = Duration::from_secs(10);
+
+/// Keeps (waiting, throughput) per (region, lane) fresh.
+#[derive(Clone, Default)]
+pub struct Sampler {
+    lanes: Arc<Mutex<HashMap<(Region, Lane), LaneSample>>>,
+}
+
+impl Sampler {
+    pub fn get(&self, region: Region, lane: Lane) -> (u64, Option<f64>) {
+        let l = self.lanes.lock().expect("sampler lock");
+        l.get(&(region, lane)).map(|s| (s.waiting, s.per_sec)).unwrap_or((0, None))
+    }
+
+    fn record(&self, region: Region, lane: Lane, messages: u64, last_seq: u64, now: Instant) {
+        let mut l = self.lanes.lock().expect("sampler lock");
+        let s = l.entry((region, lane)).or_default();
+        let removed = last_seq.saturating_sub(messages);
+        let idle = messages == 0 && removed == s.removed;
+        s.waiting = messages;
+        s.removed = removed;
+        if idle {
+            // Keep the last busy rate; the next busy spell starts a new horizon.
+            s.busy.clear();
+            return;
+        }
+        s.busy.push_back((now, removed));
+        while s.busy.len() > 2 && s.busy.front().is_some_and(|(t, _)| now.duration_since(*t) > HORIZON) {
+            s.busy.pop_front();
+        }
+        let (t0, r0) = *s.busy.front().expect("just pushed");
+        let span = now.duration_since(t0);
+        if removed > r0 && !span.is_zero() {
+            s.per_sec = Some((removed - r0) as f64 / span.as_secs_f64());
+        } else if span >= HORIZON {
+            // Busy for a whole horizon without finishing anything: stalled.
+            s.per_sec = Some(0.0);
+        }
+    }
+
+    /// Samples every lane of `region` every `period` until `stop`.
+    pub async fn run(self, region: Region, js: jetstream::Context, period: Duration, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
+            for lane in Lane::ALL {
+                match js.get_stream(layout::lane_stream(region, lane)).await {
+                    Ok(mut s) => {
+                        if let Ok(info) = s.info().await {
+                            self.record(region, lane, info.state.messages, info.state.last_sequence, Instant::now());
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, region = %region, lane = lane.as_str(), "lane sample failed"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: LanePolicy = LanePolicy { window: Duration::from_secs(10), degrade_factor: 2.0, min_waiting: 4 };
+
+    #[test]
+    fn accept_degrade_refuse_by_predicted_age() {
+        assert_eq!(decide(0, Some(0.0), &P), Decision::Accept);
+        assert_eq!(decide(3, Some(0.0), &P), Decision::Accept, "few waiting");
+        assert_eq!(decide(500, None, &P), Decision::Accept, "no busy interval seen yet");
+        assert_eq!(decide(10, Some(1.0), &P), Decision::Accept, "10 s predicted");
+        assert_eq!(decide(15, Some(1.0), &P), Decision::Degrade, "15 s");
+        assert_eq!(decide(20, Some(1.0), &P), Decision::Degrade, "20 s");
+        assert_eq!(decide(25, Some(1.0), &P), Decision::Refuse { retry_after: Duration::from_secs(5) });
+        // A stalled lane (busy, nothing done) refuses, retrying after the window.
+        assert_eq!(decide(5, Some(0.0), &P), Decision::Refuse { retry_after: Duration::from_secs(10) });
+        // Retry delay bounded by the window.
+        assert_eq!(decide(10_000, Some(1.0), &P), Decision::Refuse { retry_after: Duration::from_secs(10) });
+    }
+
+    #[test]
+    fn throughput_from_removed_messages_over_busy_time() {
+        let s = Sampler::default();
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        s.record(Region::Us, Lane::Batch, 100, 100, at(0));
+        assert_eq!(s.get(Region::Us, Lane::Batch), (100, None), "unknown before anything finished");
+        s.record(Region::Us, Lane::Batch, 100, 100, at(1));
+        assert_eq!(s.get(Region::Us, Lane::Batch).1, None, "busy without finishing is not yet a stall");
+        // 20 removed in 2 s, 10 added.
+        s.record(Region::Us, Lane::Batch, 90, 110, at(2));
+        let (waiting, rate) = s.get(Region::Us, Lane::Batch);
+        assert_eq!(waiting, 90);
+        assert!((rate.unwrap() - 10.0).abs() < 1e-9, "{rate:?}");
+        // Drained, then idle for a minute: the rate is kept.
+        s.record(Region::Us, Lane::Batch, 0, 200, at(4));
+        let (_, drained) = s.get(Region::Us, Lane::Batch);
+        s.record(Region::Us, Lane::Batch, 0, 200, at(64));
+        assert_eq!(s.get(Region::Us, Lane::Batch), (0, drained));
+        // A new burst that finishes nothing for a whole horizon: stalled.
+        for t in 65..=76 {
+            s.record(Region::Us, Lane::Batch, 30, 230, at(t));
+        }
+        assert_eq!(s.get(Region::Us, Lane::Batch).1, Some(0.0));
+    }
+}
