@@ -8,7 +8,7 @@
 //!   scope's limit among the live replicas (rank-ordered, so the shares sum to the
 //!   limit), and within it an AIMD window that halves on a 429 and grows on success.
 //!
-//! The share and AIMD arithmetic are pure functions below, with unit tests.
+//! The share and window arithmetic are pure, with unit tests.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -52,29 +52,65 @@ pub fn share(limit: u32, live: &[String], me: &str) -> u32 {
     limit / n + u32::from(rank < limit % n)
 }
 
-/// Additive-increase, multiplicative-decrease window for one scope on one replica.
+/// The congestion window of one scope on one replica, like TCP's: slow start from one
+/// call (+1 per success) until the first 429; then one decrease per congestion event
+/// (429s of calls started before the last decrease are the same event): a failed probe
+/// falls back to the last level that held, real congestion halves the window. Above a
+/// level that held, it probes one call higher only after `probe_every` without a 429.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Aimd {
+pub struct Window {
     window: f64,
+    stable: f64,
+    slow_start: bool,
+    last_decrease_ms: u64,
+    last_probe_ms: u64,
+    probe_every_ms: u64,
 }
 
-impl Aimd {
-    pub fn new(start: u32) -> Self {
-        Aimd { window: f64::from(start.max(1)) }
+impl Window {
+    pub fn new(probe_every: Duration) -> Self {
+        Window {
+            window: 1.0,
+            stable: 0.0,
+            slow_start: true,
+            last_decrease_ms: 0,
+            last_probe_ms: 0,
+            probe_every_ms: probe_every.as_millis() as u64,
+        }
     }
 
     /// Calls this replica may have in flight, given its share.
     pub fn allowed(&self, share: u32) -> u32 {
-        (self.window.floor() as u32).min(share)
+        (self.window.floor().max(1.0) as u32).min(share)
     }
 
-    pub fn on_rate_limited(&mut self) {
-        self.window = (self.window / 2.0).max(1.0);
+    /// A 429 for a call that started at `started_ms`.
+    pub fn on_rate_limited(&mut self, now_ms: u64, started_ms: u64) {
+        if started_ms < self.last_decrease_ms {
+            return;
+        }
+        if !self.slow_start && self.window > self.stable && self.stable >= 1.0 {
+            self.window = self.stable;
+        } else {
+            self.window = (self.window / 2.0).floor().max(1.0);
+            self.stable = self.window;
+        }
+        self.slow_start = false;
+        self.last_decrease_ms = now_ms;
     }
 
-    /// One more call per window of successes, up to the share.
-    pub fn on_success(&mut self, share: u32) {
-        self.window = (self.window + 1.0 / self.window.max(1.0)).min(f64::from(share.max(1)));
+    pub fn on_success(&mut self, share: u32, now_ms: u64) {
+        let cap = f64::from(share.max(1));
+        if self.slow_start {
+            self.window = (self.window + 1.0).min(cap);
+        } else if now_ms.saturating_sub(self.last_decrease_ms) >= self.probe_every_ms
+            && now_ms.saturating_sub(self.last_probe_ms) >= self.probe_every_ms
+            && self.window < cap
+        {
+            self.stable = self.window;
+            self.window += 1.0;
+            self.last_probe_ms = now_ms;
+        }
     }
 }
 
@@ -94,7 +130,7 @@ struct State {
     /// Until this time the replica only heartbeats: others must see it before it takes
     /// a share (only when others exist at start).
     warm_until_ms: u64,
-    aimd: HashMap<String, Aimd>,
+    windows: HashMap<String, Window>,
     in_flight: HashMap<String, u32>,
 }
 
@@ -107,6 +143,7 @@ pub struct Quota {
     default_limit: u32,
     limits: Arc<HashMap<String, u32>>,
     heartbeat: Duration,
+    probe_every: Duration,
     state: Arc<Mutex<State>>,
     /// Woken whenever a pause, a share or an in-flight count changes.
     pub changed: Arc<Notify>,
@@ -140,6 +177,7 @@ impl Quota {
         default_limit: u32,
         limits: HashMap<String, u32>,
         heartbeat: Duration,
+        probe_every: Duration,
     ) -> Quota {
         let me = format!("{:016x}", rand::random::<u64>());
         Quota {
@@ -149,11 +187,12 @@ impl Quota {
             default_limit,
             limits: Arc::new(limits),
             heartbeat,
+            probe_every,
             state: Arc::new(Mutex::new(State {
                 paused_until_ms: HashMap::new(),
                 live: vec![me],
                 warm_until_ms: 0,
-                aimd: HashMap::new(),
+                windows: HashMap::new(),
                 in_flight: HashMap::new(),
             })),
             changed: Arc::new(Notify::new()),
@@ -267,7 +306,8 @@ impl Quota {
             return 0;
         }
         let my_share = share(limit, &st.live, &self.me);
-        st.aimd.entry(scope.token()).or_insert_with(|| Aimd::new(my_share)).allowed(my_share)
+        let probe_every = self.probe_every;
+        st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).allowed(my_share)
     }
 
     /// Whether a call in `scope` could start now (not paused, under the allowance).
@@ -293,7 +333,8 @@ impl Quota {
             return None;
         }
         let my_share = share(limit, &st.live, &self.me);
-        let allowed = st.aimd.entry(token.clone()).or_insert_with(|| Aimd::new(my_share)).allowed(my_share);
+        let probe_every = self.probe_every;
+        let allowed = st.windows.entry(token.clone()).or_insert_with(|| Window::new(probe_every)).allowed(my_share);
         let n = st.in_flight.entry(token.clone()).or_default();
         if *n >= allowed {
             return None;
@@ -302,17 +343,17 @@ impl Quota {
         Some(ScopeGuard { quota: self.clone(), token })
     }
 
-    /// Records a 429: pauses the scope for every replica (keeping a later pause), and
-    /// halves this replica's window.
-    pub async fn rate_limited(&self, scope: &Scope, pause: Duration) -> Result<(), async_nats::Error> {
-        let token = scope.token();
+    /// Records a 429 for a call started at `started_ms`: pauses the scope for every
+    /// replica (keeping a later pause), and narrows this replica's window.
+    pub async fn rate_limited(&self, scope: &Scope, pause: Duration, started_ms: u64) -> Result<(), async_nats::Error> {
+        let probe_every = self.probe_every;
         self.state
             .lock()
             .expect("quota lock")
-            .aimd
-            .entry(token.clone())
-            .or_insert_with(|| Aimd::new(1))
-            .on_rate_limited();
+            .windows
+            .entry(scope.token())
+            .or_insert_with(|| Window::new(probe_every))
+            .on_rate_limited(now_ms(), started_ms);
         self.pause(scope, pause).await
     }
 
@@ -349,7 +390,8 @@ impl Quota {
         let limit = self.limit(scope);
         let mut st = self.state.lock().expect("quota lock");
         let my_share = share(limit, &st.live, &self.me);
-        st.aimd.entry(scope.token()).or_insert_with(|| Aimd::new(my_share)).on_success(my_share);
+        let probe_every = self.probe_every;
+        st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).on_success(my_share, now_ms());
     }
 }
 
@@ -378,22 +420,43 @@ mod tests {
     }
 
     #[test]
-    fn aimd_halves_on_429_and_grows_back_to_the_share() {
-        let mut a = Aimd::new(8);
-        assert_eq!(a.allowed(8), 8);
-        a.on_rate_limited();
-        assert_eq!(a.allowed(8), 4);
-        a.on_rate_limited();
-        a.on_rate_limited();
-        a.on_rate_limited();
-        assert_eq!(a.allowed(8), 1, "never below one");
-        for _ in 0..200 {
-            a.on_success(8);
+    fn window_storm_trajectory() {
+        // Provider cap 2, calls of 3 s, this replica's share 8.
+        let mut w = Window::new(Duration::from_secs(60));
+        assert_eq!(w.allowed(8), 1, "slow start from one call");
+        w.on_success(8, 3_000);
+        assert_eq!(w.allowed(8), 2);
+        w.on_success(8, 6_000);
+        w.on_success(8, 6_000);
+        assert_eq!(w.allowed(8), 4);
+        // Two of the four calls are refused: one event, halved once.
+        w.on_rate_limited(6_010, 6_000);
+        w.on_rate_limited(6_011, 6_000);
+        assert_eq!(w.allowed(8), 2);
+        // No probing within the quiet interval.
+        for t in [9_000, 12_000, 30_000, 60_000] {
+            w.on_success(8, t);
+            assert_eq!(w.allowed(8), 2, "at {t}");
         }
-        assert_eq!(a.allowed(8), 8);
-        // The share bounds it, whatever the window.
-        assert_eq!(a.allowed(3), 3);
-        assert_eq!(a.allowed(0), 0);
+        // A probe after it; refused: back to the level that held, not lower.
+        w.on_success(8, 66_100);
+        assert_eq!(w.allowed(8), 3);
+        w.on_rate_limited(67_000, 66_200);
+        assert_eq!(w.allowed(8), 2);
+        // Real congestion below the stable level halves.
+        w.on_rate_limited(70_000, 69_000);
+        assert_eq!(w.allowed(8), 1);
+        assert_eq!(w.allowed(0), 0, "no share, no calls");
+    }
+
+    #[test]
+    fn window_grows_to_the_share_in_slow_start() {
+        let mut w = Window::new(Duration::from_secs(60));
+        for i in 0..20 {
+            w.on_success(5, i);
+        }
+        assert_eq!(w.allowed(5), 5);
+        assert_eq!(w.allowed(3), 3);
     }
 
     #[test]

@@ -92,8 +92,14 @@ pub async fn build_with_provider(
     if loops.is_empty() {
         tracing::warn!(region = %config.region, "no tenant of this region in the tenants file: nothing to serve");
     }
-    let quota =
-        Quota::new(conn.layout.quota.clone(), conn.client.clone(), config.scope_limit, limits, config.heartbeat);
+    let quota = Quota::new(
+        conn.layout.quota.clone(),
+        conn.client.clone(),
+        config.scope_limit,
+        limits,
+        config.heartbeat,
+        config.probe_every,
+    );
     let worker = Arc::new(Worker {
         region: config.region,
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),

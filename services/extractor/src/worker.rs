@@ -158,6 +158,7 @@ impl Worker {
             diff: &parsed,
             review_depth: review.review_depth,
         };
+        let call_started_ms = now_ms();
         let upstream = match self.call_with_lease(msg, &req, abort).await? {
             CallEnd::Answered(u) => u,
             CallEnd::Aborted => {
@@ -197,7 +198,7 @@ impl Worker {
                 // The whole scope waits, on every replica, for as long as this job does.
                 let delay = retry_after
                     .unwrap_or_else(|| self.backoff.delay(rec.attempts.congestion + 1, rand::random::<f64>()));
-                if let Err(e) = self.quota.rate_limited(scope, delay).await {
+                if let Err(e) = self.quota.rate_limited(scope, delay, call_started_ms).await {
                     tracing::warn!(error = %e, "recording the scope pause failed");
                 }
                 self.retry_or_terminate(msg, review, &rec, Budget::Congestion, Some(delay), status).await
