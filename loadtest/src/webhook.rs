@@ -15,6 +15,8 @@ use crate::http::HttpResponse;
 
 #[derive(Debug, Clone)]
 pub struct Received {
+    /// When the delivery arrived.
+    pub at: std::time::Instant,
     pub idempotency_key: Option<String>,
     pub signature: Option<String>,
     pub body: Bytes,
@@ -66,7 +68,8 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<HttpResponse, 
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let status = st.statuses.lock().expect("lock").pop_front().unwrap_or(200);
     if status == 200 {
-        st.received.lock().expect("lock").push(Received { idempotency_key, signature, body });
+        let at = std::time::Instant::now();
+        st.received.lock().expect("lock").push(Received { at, idempotency_key, signature, body });
     }
     Ok(Response::builder()
         .status(StatusCode::from_u16(status).unwrap_or(StatusCode::OK))

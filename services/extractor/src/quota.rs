@@ -52,8 +52,11 @@ pub fn share(limit: u32, live: &[String], me: &str) -> u32 {
     limit / n + u32::from(rank < limit % n)
 }
 
-/// The congestion window of one scope on one replica, like TCP's: slow start from one
-/// call (+1 per success) until the first 429; then one decrease per congestion event
+/// Calls a fresh scope starts with: TCP-like initial window.
+const INITIAL_WINDOW: f64 = 2.0;
+
+/// The congestion window of one scope on one replica, like TCP's: slow start from two
+/// calls (+1 per success) until the first 429; then one decrease per congestion event
 /// (429s of calls started before the last decrease are the same event): a failed probe
 /// falls back to the last level that held, real congestion halves the window. Above a
 /// level that held, it probes one call higher only after `probe_every` without a 429.
@@ -63,6 +66,8 @@ pub struct Window {
     stable: f64,
     slow_start: bool,
     last_decrease_ms: u64,
+    /// 429s until then belong to the last decrease's event (its pause).
+    event_until_ms: u64,
     last_probe_ms: u64,
     probe_every_ms: u64,
 }
@@ -70,10 +75,11 @@ pub struct Window {
 impl Window {
     pub fn new(probe_every: Duration) -> Self {
         Window {
-            window: 1.0,
+            window: INITIAL_WINDOW,
             stable: 0.0,
             slow_start: true,
             last_decrease_ms: 0,
+            event_until_ms: 0,
             last_probe_ms: 0,
             probe_every_ms: probe_every.as_millis() as u64,
         }
@@ -84,11 +90,14 @@ impl Window {
         (self.window.floor().max(1.0) as u32).min(share)
     }
 
-    /// A 429 for a call that started at `started_ms`.
-    pub fn on_rate_limited(&mut self, now_ms: u64, started_ms: u64) {
-        if started_ms < self.last_decrease_ms {
+    /// A 429 for a call that started at `started_ms`; the scope pauses for `pause`.
+    /// 429s of calls started before the last decrease, or arriving during its pause,
+    /// are the same congestion event.
+    pub fn on_rate_limited(&mut self, now_ms: u64, started_ms: u64, pause: Duration) {
+        if started_ms < self.last_decrease_ms || now_ms < self.event_until_ms {
             return;
         }
+        self.event_until_ms = now_ms + pause.as_millis() as u64;
         if !self.slow_start && self.window > self.stable && self.stable >= 1.0 {
             self.window = self.stable;
         } else {
@@ -353,7 +362,7 @@ impl Quota {
             .windows
             .entry(scope.token())
             .or_insert_with(|| Window::new(probe_every))
-            .on_rate_limited(now_ms(), started_ms);
+            .on_rate_limited(now_ms(), started_ms, pause);
         self.pause(scope, pause).await
     }
 
@@ -423,15 +432,17 @@ mod tests {
     fn window_storm_trajectory() {
         // Provider cap 2, calls of 3 s, this replica's share 8.
         let mut w = Window::new(Duration::from_secs(60));
-        assert_eq!(w.allowed(8), 1, "slow start from one call");
+        assert_eq!(w.allowed(8), 2, "slow start from two calls");
+        assert_eq!(w.allowed(1), 1, "never above the share");
         w.on_success(8, 3_000);
-        assert_eq!(w.allowed(8), 2);
-        w.on_success(8, 6_000);
-        w.on_success(8, 6_000);
+        w.on_success(8, 3_000);
         assert_eq!(w.allowed(8), 4);
-        // Two of the four calls are refused: one event, halved once.
-        w.on_rate_limited(6_010, 6_000);
-        w.on_rate_limited(6_011, 6_000);
+        // Two of the four calls are refused: one event, halved once, whether the second
+        // call started before the decrease or just after it (during the pause).
+        let pause = Duration::from_secs(2);
+        w.on_rate_limited(6_010, 6_000, pause);
+        w.on_rate_limited(6_011, 6_000, pause);
+        w.on_rate_limited(6_030, 6_015, pause);
         assert_eq!(w.allowed(8), 2);
         // No probing within the quiet interval.
         for t in [9_000, 12_000, 30_000, 60_000] {
@@ -441,10 +452,10 @@ mod tests {
         // A probe after it; refused: back to the level that held, not lower.
         w.on_success(8, 66_100);
         assert_eq!(w.allowed(8), 3);
-        w.on_rate_limited(67_000, 66_200);
+        w.on_rate_limited(67_000, 66_200, pause);
         assert_eq!(w.allowed(8), 2);
         // Real congestion below the stable level halves.
-        w.on_rate_limited(70_000, 69_000);
+        w.on_rate_limited(70_000, 69_000, pause);
         assert_eq!(w.allowed(8), 1);
         assert_eq!(w.allowed(0), 0, "no share, no calls");
     }

@@ -1,0 +1,390 @@
+//! A whole reviewlane deployment in one process, for tests and load scenarios: two regional nats-servers (real
+//! processes), per region a simulated provider, an extractor and a publisher, one
+//! ingress, and a real webhook receiver. Everything binds 127.0.0.1 port 0.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::simprovider::{SimConfig, SimProvider};
+use crate::webhook::WebhookReceiver;
+use reviewlane_extractor::config::{ExtractorConfig, ProviderConfig};
+use reviewlane_ingress::IngressConfig;
+use reviewlane_publisher::PublisherConfig;
+use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
+use reviewlane_shared::proto::{self, GetReviewRequest, SubmitReviewRequest, WatchReviewRequest};
+use reviewlane_shared::region::Region;
+use reviewlane_shared::tenants::{Tenants, hash_api_key};
+use reviewlane_shared::testing::NatsServer;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+pub const US_KEY: &str = "key-acme-us";
+pub const US2_KEY: &str = "key-beta-us";
+pub const EU_KEY: &str = "key-euro-eu";
+pub const US_SECRET: &str = "whsec-acme";
+pub const EU_SECRET: &str = "whsec-euro";
+
+pub struct RegionStack {
+    pub nats: NatsServer,
+    pub provider: SimProvider,
+}
+
+pub struct Stack {
+    pub us: RegionStack,
+    pub eu: RegionStack,
+    pub webhook: WebhookReceiver,
+    pub ingress: SocketAddr,
+    pub tenants: Arc<Tenants>,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<anyhow::Result<()>>>,
+    /// Per running extractor: region, its own stop, its task.
+    extractors: Vec<(Region, CancellationToken, JoinHandle<anyhow::Result<()>>)>,
+    opts: ExtractorKnobs,
+}
+
+#[derive(Clone, Copy)]
+struct ExtractorKnobs {
+    lease: Duration,
+    concurrency: usize,
+    scope_limit: u32,
+    heartbeat: Duration,
+    grace: Duration,
+}
+
+pub struct StackOptions {
+    pub us_provider: SimConfig,
+    pub eu_provider: SimConfig,
+    pub canaries: Vec<String>,
+    pub max_diff_bytes: usize,
+    pub extractor_concurrency: usize,
+    /// The extractor's lease (consumer ack wait).
+    pub lease: Duration,
+    /// Lane size, set on the servers before the services start.
+    pub lane_max_messages: Option<i64>,
+    /// Extractor replicas per region (0: start none).
+    pub extractors: usize,
+    /// Calls in flight per quota scope, summed over replicas.
+    pub scope_limit: u32,
+    pub heartbeat: Duration,
+    pub shutdown_grace: Duration,
+    /// Admission policy of the interactive lane, and the sampling period.
+    pub interactive_policy: Option<(reviewlane_ingress::admission::LanePolicy, Duration)>,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        StackOptions {
+            us_provider: SimConfig::default(),
+            eu_provider: SimConfig::default(),
+            canaries: Vec::new(),
+            max_diff_bytes: 1024 * 1024,
+            extractor_concurrency: 8,
+            lease: Duration::from_secs(5),
+            lane_max_messages: None,
+            extractors: 1,
+            scope_limit: 8,
+            heartbeat: Duration::from_millis(200),
+            shutdown_grace: Duration::from_secs(2),
+            interactive_policy: None,
+        }
+    }
+}
+
+pub fn tenants_toml(webhook_url: &str) -> String {
+    format!(
+        r#"
+[[tenants]]
+id = "acme"
+region = "us"
+api_key_sha256 = ["{us}"]
+sink = {{ kind = "webhook", url = "{url}", secret = "{us_secret}" }}
+
+[[tenants]]
+id = "beta"
+region = "us"
+api_key_sha256 = ["{us2}"]
+sink = {{ kind = "webhook", url = "{url}", secret = "{us_secret}" }}
+
+[[tenants]]
+id = "euro"
+region = "eu"
+api_key_sha256 = ["{eu}"]
+sink = {{ kind = "webhook", url = "{url}", secret = "{eu_secret}" }}
+"#,
+        us = hash_api_key(US_KEY),
+        us2 = hash_api_key(US2_KEY),
+        eu = hash_api_key(EU_KEY),
+        url = webhook_url,
+        us_secret = US_SECRET,
+        eu_secret = EU_SECRET,
+    )
+}
+
+impl Stack {
+    pub async fn start() -> Stack {
+        Self::start_with(StackOptions::default()).await
+    }
+
+    pub async fn start_with(opts: StackOptions) -> Stack {
+        init_test_log();
+        let webhook = WebhookReceiver::start().await;
+        let tenants = Arc::new(Tenants::parse(&tenants_toml(&webhook.url())).expect("test tenants parse"));
+        let us = RegionStack {
+            nats: NatsServer::start_provisioned(Region::Us).await,
+            provider: SimProvider::start_with(opts.us_provider, opts.canaries.clone()).await,
+        };
+        let eu = RegionStack {
+            nats: NatsServer::start_provisioned(Region::Eu).await,
+            provider: SimProvider::start_with(opts.eu_provider, opts.canaries.clone()).await,
+        };
+        if let Some(max) = opts.lane_max_messages {
+            for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
+                let js = async_nats::jetstream::new(async_nats::connect(rs.nats.url()).await.expect("connect"));
+                let cfg = reviewlane_shared::layout::LayoutConfig { lane_max_messages: max, ..Default::default() };
+                reviewlane_shared::layout::ensure(&js, region, &cfg).await.expect("layout");
+            }
+        }
+        let stop = CancellationToken::new();
+        let mut tasks = Vec::new();
+        for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
+            let mut pc = PublisherConfig::new(region, rs.nats.url(), tenants.clone());
+            pc.delivery_backoff_base = Duration::from_millis(100);
+            pc.delivery_backoff_cap = Duration::from_secs(1);
+            pc.shutdown_grace = Duration::from_secs(2);
+            let p = reviewlane_publisher::build(pc).await.expect("publisher builds");
+            let s = stop.clone();
+            tasks.push(tokio::spawn(p.run_until_stopped(async move { s.cancelled().await })));
+        }
+        let knobs = ExtractorKnobs {
+            lease: opts.lease,
+            concurrency: opts.extractor_concurrency,
+            scope_limit: opts.scope_limit,
+            heartbeat: opts.heartbeat,
+            grace: opts.shutdown_grace,
+        };
+        let ingress = reviewlane_ingress::build(IngressConfig {
+            grpc_addr: "127.0.0.1:0".parse().expect("addr"),
+            tenants: tenants.clone(),
+            nats_urls: [(Region::Us, us.nats.url().to_string()), (Region::Eu, eu.nats.url().to_string())].into(),
+            max_diff_bytes: opts.max_diff_bytes,
+            shutdown_grace: Duration::from_secs(2),
+            log_json: false,
+            interactive: opts.interactive_policy.map(|p| p.0).unwrap_or(IngressConfig::default_policies().0),
+            batch: IngressConfig::default_policies().1,
+            admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
+        })
+        .await
+        .expect("ingress builds");
+        let addr = ingress.local_addr();
+        let s = stop.clone();
+        tasks.push(tokio::spawn(ingress.run_until_stopped(async move { s.cancelled().await })));
+        let mut stack =
+            Stack { us, eu, webhook, ingress: addr, tenants, stop, tasks, extractors: Vec::new(), opts: knobs };
+        for _ in 0..opts.extractors {
+            stack.start_extractor(Region::Us).await;
+            stack.start_extractor(Region::Eu).await;
+        }
+        stack
+    }
+
+    fn region(&self, r: Region) -> &RegionStack {
+        match r {
+            Region::Us => &self.us,
+            Region::Eu => &self.eu,
+        }
+    }
+
+    /// The configuration of the next extractor replica of `region`; each replica calls
+    /// the provider with its own key (`sk-replica-<n>`), so the provider can tell them
+    /// apart.
+    pub fn extractor_config(&self, region: Region) -> ExtractorConfig {
+        let n = self.extractors.iter().filter(|(r, _, _)| *r == region).count();
+        let rs = self.region(region);
+        let mut xc = ExtractorConfig::new(
+            region,
+            rs.nats.url(),
+            self.tenants.clone(),
+            ProviderConfig::OpenAi {
+                base_url: rs.provider.base_url(),
+                model: "sim".into(),
+                api_key: Some(format!("sk-replica-{n}").into()),
+                endpoint_region: region,
+            },
+        );
+        xc.lease = self.opts.lease;
+        xc.concurrency = self.opts.concurrency;
+        xc.scope_limit = self.opts.scope_limit;
+        xc.heartbeat = self.opts.heartbeat;
+        xc.backoff.base = Duration::from_millis(200);
+        xc.backoff.cap = Duration::from_secs(2);
+        xc.shutdown_grace = self.opts.grace;
+        xc
+    }
+
+    /// Starts one more extractor replica for `region`.
+    pub async fn start_extractor(&mut self, region: Region) {
+        let xc = self.extractor_config(region);
+        let x = reviewlane_extractor::build(xc).await.expect("extractor builds");
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let task = tokio::spawn(x.run_until_stopped(async move { s.cancelled().await }));
+        self.extractors.push((region, stop, task));
+    }
+
+    /// Stops every extractor of `region` as SIGTERM would, and waits for them.
+    pub async fn stop_extractors(&mut self, region: Region) {
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.extractors).into_iter().partition(|(r, _, _)| *r == region);
+        self.extractors = rest;
+        for (_, stop, task) in mine {
+            stop.cancel();
+            task.await.expect("extractor task").expect("extractor stops cleanly");
+        }
+    }
+
+    pub async fn client(&self) -> ReviewServiceClient<Channel> {
+        ReviewServiceClient::connect(format!("http://{}", self.ingress)).await.expect("connect to ingress")
+    }
+
+    /// Stops every service and waits for each to finish draining.
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
+        for (_, stop, task) in std::mem::take(&mut self.extractors) {
+            stop.cancel();
+            task.await.expect("extractor task").expect("extractor stops cleanly");
+        }
+        for t in std::mem::take(&mut self.tasks) {
+            t.await.expect("service task").expect("service stops cleanly");
+        }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        for (_, stop, _) in &self.extractors {
+            stop.cancel();
+        }
+    }
+}
+
+pub fn authed<T>(key: &str, msg: T) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    req.metadata_mut().insert("authorization", format!("Bearer {key}").parse().expect("ascii"));
+    req
+}
+
+pub fn submit_req(key: &str, idem: &str, diff: &str) -> tonic::Request<SubmitReviewRequest> {
+    authed(
+        key,
+        SubmitReviewRequest {
+            idempotency_key: idem.to_string(),
+            lane: proto::Lane::Interactive as i32,
+            diff: diff.to_string(),
+            schema_version: "findings.v1".into(),
+            metadata: Some(proto::ReviewMetadata {
+                repository: "example/repo".into(),
+                base_revision: "aaaa".into(),
+                head_revision: "bbbb".into(),
+            }),
+        },
+    )
+}
+
+/// Submits a review to the batch lane.
+pub async fn submit_batch(
+    client: &mut ReviewServiceClient<Channel>,
+    key: &str,
+    idem: &str,
+    diff: &str,
+) -> proto::Review {
+    let mut req = submit_req(key, idem, diff);
+    req.get_mut().lane = proto::Lane::Batch as i32;
+    client.submit_review(req).await.expect("submit accepted").into_inner().review.expect("review set")
+}
+
+/// Submits a review that must be accepted; returns its first view.
+pub async fn submit(client: &mut ReviewServiceClient<Channel>, key: &str, idem: &str, diff: &str) -> proto::Review {
+    client
+        .submit_review(submit_req(key, idem, diff))
+        .await
+        .expect("submit accepted")
+        .into_inner()
+        .review
+        .expect("review set")
+}
+
+/// Watches a job until a final state (bounded), returning the last view.
+pub async fn wait_final(client: &mut ReviewServiceClient<Channel>, key: &str, job_id: &str) -> proto::Review {
+    let watch = async {
+        let mut stream = client
+            .watch_review(authed(key, WatchReviewRequest { job_id: job_id.to_string() }))
+            .await
+            .expect("watch starts")
+            .into_inner();
+        let mut last = None;
+        while let Some(msg) = stream.message().await.expect("watch message") {
+            last = msg.review;
+        }
+        last.expect("watch yields at least one state")
+    };
+    match tokio::time::timeout(Duration::from_secs(30), watch).await {
+        Ok(r) => r,
+        Err(_) => {
+            let now = get(client, key, job_id).await;
+            panic!("job {job_id} did not reach a final state within 30 s; now: {now:?}")
+        }
+    }
+}
+
+pub async fn get(
+    client: &mut ReviewServiceClient<Channel>,
+    key: &str,
+    job_id: &str,
+) -> Result<proto::Review, tonic::Status> {
+    client
+        .get_review(authed(key, GetReviewRequest { job_id: job_id.to_string() }))
+        .await
+        .map(|r| r.into_inner().review.expect("review set"))
+}
+
+/// Every message on one stream of a region's server, as (subject, headers, payload).
+pub async fn stream_messages(url: &str, stream: &str) -> Vec<(String, async_nats::HeaderMap, bytes::Bytes)> {
+    let js = async_nats::jetstream::new(async_nats::connect(url).await.expect("connect"));
+    let mut s = js.get_stream(stream).await.expect("stream exists");
+    let state = s.info().await.expect("stream info").state.clone();
+    let mut out = Vec::new();
+    for seq in state.first_sequence..=state.last_sequence {
+        if let Ok(m) = s.get_raw_message(seq).await {
+            out.push((m.subject.to_string(), m.headers, m.payload));
+        }
+    }
+    out
+}
+
+/// Polls `cond` every 50 ms for at most `limit`.
+pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cond()
+}
+
+pub fn init_test_log() {
+    if std::env::var_os("TEST_LOG").is_some() {
+        reviewlane_shared::telemetry::init(false);
+    }
+}
+
+/// A small diff with problems the built-in analyzer and the simulated provider find.
+pub fn sample_diff(marker: &str) -> String {
+    format!(
+        "diff --git a/src/handler.rs b/src/handler.rs\nindex 1111111..2222222 100644\n--- a/src/handler.rs\n+++ b/src/handler.rs\n@@ -1,3 +1,5 @@\n fn handle(req: Request) -> Response {{\n+    let user = lookup(req.id).unwrap(); // {marker}\n+    // TODO: check permissions\n     respond(user)\n }}\n"
+    )
+}
