@@ -73,6 +73,13 @@ async fn a_429_without_hint_backs_off_within_bounds_and_quota_exhaustion_is_term
     let last = wait_final(&mut client, EU_KEY, &job.job_id).await;
     assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "insufficient_quota"));
     assert_eq!(stack.eu.provider.stats().calls_by_job[&job.job_id], 1);
+    // The scope's circuit is open: the next jobs end the same way without a call.
+    for i in 0..2 {
+        let next = submit(&mut client, EU_KEY, &format!("no-money-{i}"), &sample_diff(&format!("q{i}"))).await;
+        let last = wait_final(&mut client, EU_KEY, &next.job_id).await;
+        assert_eq!(last.terminal_reason, "insufficient_quota");
+    }
+    assert_eq!(stack.eu.provider.stats().total_calls, 1, "no call while the circuit is open");
     stack.shutdown().await;
 }
 

@@ -8,6 +8,7 @@
 //! | `REVIEWLANE_MODEL_CLASS` | the model | model class of the quota scope (provider, model class, tenant, region) |
 //! | `REVIEWLANE_SCOPE_LIMIT` | `8` | calls in flight per scope, summed over replicas (a tenant may set `scope_limit`) |
 //! | `REVIEWLANE_HEARTBEAT_MS` | `1000` | replica heartbeat in `QUOTA_<R>` |
+//! | `REVIEWLANE_QUOTA_CIRCUIT_SECS` | `600` | after `insufficient_quota`, the scope's jobs end at once for this long |
 //! | `REVIEWLANE_PROBE_EVERY_SECS` | `60` | a scope's window probes one call higher after this long without a 429 |
 //! | `REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS` | `5` | batch stops pulling while interactive work waited longer |
 //! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin` or `openai` (any OpenAI-compatible API) |
@@ -67,6 +68,8 @@ pub struct ExtractorConfig {
     pub scope_limit: u32,
     /// Replica heartbeat period in `QUOTA_<R>`.
     pub heartbeat: Duration,
+    /// How long an `insufficient_quota` answer keeps a scope's circuit open.
+    pub circuit_open_for: Duration,
     /// How long a scope's window holds before it probes one call higher.
     pub probe_every: Duration,
     /// Batch stops pulling while interactive work has waited longer than this.
@@ -98,6 +101,7 @@ impl ExtractorConfig {
             scope_limit: 8,
             heartbeat: Duration::from_secs(1),
             probe_every: Duration::from_secs(60),
+            circuit_open_for: Duration::from_secs(600),
             interactive_wait_limit: Duration::from_secs(5),
             concurrency: 8,
             lease: Duration::from_secs(30),
@@ -160,6 +164,7 @@ impl ExtractorConfig {
         let scope_limit: u32 = r.or("REVIEWLANE_SCOPE_LIMIT", d.scope_limit, "a count");
         let heartbeat_ms: u64 = r.or("REVIEWLANE_HEARTBEAT_MS", 1000, "milliseconds");
         let probe_every: u64 = r.or("REVIEWLANE_PROBE_EVERY_SECS", 60, "whole seconds");
+        let circuit: u64 = r.or("REVIEWLANE_QUOTA_CIRCUIT_SECS", 600, "whole seconds");
         let wait_limit: u64 = r.or("REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS", 5, "whole seconds");
         if heartbeat_ms == 0 {
             r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
@@ -198,6 +203,7 @@ impl ExtractorConfig {
             scope_limit,
             heartbeat: Duration::from_millis(heartbeat_ms),
             probe_every: Duration::from_secs(probe_every),
+            circuit_open_for: Duration::from_secs(circuit),
             interactive_wait_limit: Duration::from_secs(wait_limit),
             concurrency,
             lease: Duration::from_secs(lease),

@@ -4,6 +4,8 @@
 //! - `pause.<provider>.<class>.<tenant>` = `{"until_ms": …}`: written on a 429 with a
 //!   compare-and-set that keeps the later time; every replica follows the key's subject
 //!   and makes no call to the scope before then.
+//! - `circuit.<provider>.<class>.<tenant>` = `{"until_ms": …}`: opened by a 429
+//!   `insufficient_quota`; until then the scope's jobs end at once with that reason.
 //! - `replica.<id>` = `{"at_ms": …}`: heartbeats. Each replica takes its share of a
 //!   scope's limit among the live replicas (rank-ordered, so the shares sum to the
 //!   limit), and within it an AIMD window that halves on a 429 and grows on success.
@@ -135,6 +137,8 @@ struct Heartbeat {
 
 struct State {
     paused_until_ms: HashMap<String, u64>,
+    /// Open circuits (provider account out of quota): jobs end without a call.
+    circuit_until_ms: HashMap<String, u64>,
     live: Vec<String>,
     /// Until this time the replica only heartbeats: others must see it before it takes
     /// a share (only when others exist at start).
@@ -176,6 +180,7 @@ impl Drop for ScopeGuard {
 }
 
 const PAUSE_PREFIX: &str = "pause.";
+const CIRCUIT_PREFIX: &str = "circuit.";
 const REPLICA_PREFIX: &str = "replica.";
 
 impl Quota {
@@ -199,6 +204,7 @@ impl Quota {
             probe_every,
             state: Arc::new(Mutex::new(State {
                 paused_until_ms: HashMap::new(),
+                circuit_until_ms: HashMap::new(),
                 live: vec![me],
                 warm_until_ms: 0,
                 windows: HashMap::new(),
@@ -216,6 +222,7 @@ impl Quota {
     pub async fn start(&self, stop: CancellationToken) -> Result<(), async_nats::Error> {
         // Follow pauses first, then read what is there: nothing falls in between.
         let mut pauses = self.client.subscribe(format!("{}{PAUSE_PREFIX}>", self.kv.prefix)).await?;
+        let mut circuits = self.client.subscribe(format!("{}{CIRCUIT_PREFIX}>", self.kv.prefix)).await?;
         self.beat().await?;
         let others = self.refresh_live().await?;
         if others > 0 {
@@ -228,15 +235,25 @@ impl Quota {
             {
                 self.note_pause(token, &v);
             }
+            if let Some(token) = key.strip_prefix(CIRCUIT_PREFIX)
+                && let Ok(Some(v)) = self.kv.get(&key).await
+            {
+                self.note_circuit(token, &v);
+            }
         }
         let q = self.clone();
         let prefix_len = self.kv.prefix.len() + PAUSE_PREFIX.len();
+        let circuit_prefix_len = self.kv.prefix.len() + CIRCUIT_PREFIX.len();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(q.heartbeat);
             loop {
                 tokio::select! {
                     m = pauses.next() => match m {
                         Some(m) => if let Some(token) = m.subject.get(prefix_len..) { q.note_pause(token, &m.payload) },
+                        None => return,
+                    },
+                    m = circuits.next() => match m {
+                        Some(m) => if let Some(token) = m.subject.get(circuit_prefix_len..) { q.note_circuit(token, &m.payload) },
                         None => return,
                     },
                     _ = tick.tick() => {
@@ -260,6 +277,29 @@ impl Quota {
         *e = (*e).max(p.until_ms);
         drop(st);
         self.changed.notify_waiters();
+    }
+
+    fn note_circuit(&self, token: &str, value: &[u8]) {
+        let Ok(p) = serde_json::from_slice::<Pause>(value) else { return };
+        let mut st = self.state.lock().expect("quota lock");
+        let e = st.circuit_until_ms.entry(token.to_string()).or_default();
+        *e = (*e).max(p.until_ms);
+    }
+
+    /// Whether the scope's circuit is open (its provider account is out of quota).
+    pub fn circuit_open(&self, scope: &Scope) -> bool {
+        let st = self.state.lock().expect("quota lock");
+        st.circuit_until_ms.get(&scope.token()).is_some_and(|&until| until > now_ms())
+    }
+
+    /// Opens the scope's circuit for `open_for` on every replica: until then its jobs end
+    /// `insufficient_quota` without a call. After it, one call probes the account again.
+    pub async fn open_circuit(&self, scope: &Scope, open_for: Duration) -> Result<(), async_nats::Error> {
+        let token = scope.token();
+        let value = serde_json::to_vec(&Pause { until_ms: now_ms() + open_for.as_millis() as u64 })?;
+        self.kv.put(format!("{CIRCUIT_PREFIX}{token}"), value.clone().into()).await?;
+        self.note_circuit(&token, &value);
+        Ok(())
     }
 
     async fn beat(&self) -> Result<(), async_nats::Error> {

@@ -106,6 +106,7 @@ pub async fn build_with_provider(
         layout: conn.layout,
         provider,
         quota: quota.clone(),
+        circuit_open_for: config.circuit_open_for,
         budgets: config.budgets,
         backoff: config.backoff,
         lease: config.lease,

@@ -47,6 +47,8 @@ pub struct Worker {
     pub jobs: JobStore,
     pub provider: Arc<dyn Provider>,
     pub quota: Quota,
+    /// How long an `insufficient_quota` answer closes a scope to calls.
+    pub circuit_open_for: Duration,
     pub budgets: Budgets,
     pub backoff: Backoff,
     pub lease: Duration,
@@ -132,6 +134,10 @@ impl Worker {
             _ => {}
         }
 
+        // The provider account is out of money: end the job without paying for a call.
+        if self.quota.circuit_open(scope) {
+            return self.terminate(msg, review, TerminalReason::InsufficientQuota, None).await;
+        }
         let leased =
             self.jobs.apply(id, &Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 }).await;
         let rec = match leased {
@@ -207,7 +213,10 @@ impl Worker {
                 self.retry_or_terminate(msg, review, &rec, Budget::Transient, None, status).await
             }
             UpstreamOutcome::QuotaExhausted => {
-                tracing::error!("provider account out of quota");
+                tracing::error!("provider account out of quota; circuit open for the scope");
+                if let Err(e) = self.quota.open_circuit(scope, self.circuit_open_for).await {
+                    tracing::warn!(error = %e, "recording the open circuit failed");
+                }
                 self.terminate(msg, review, TerminalReason::InsufficientQuota, status).await
             }
             UpstreamOutcome::Permanent { status: code } => {
