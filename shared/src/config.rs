@@ -99,6 +99,18 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Loads and validates the tenants file named by `key`, recording its problems.
+    pub fn tenants(&mut self, key: &str) -> Option<crate::tenants::Tenants> {
+        let path: std::path::PathBuf = self.required(key, "path to the tenants TOML file")?;
+        match crate::tenants::Tenants::load(&path) {
+            Ok(t) => Some(t),
+            Err(errs) => {
+                self.errors.extend(errs);
+                None
+            }
+        }
+    }
+
     /// Records a problem found by a cross-field check.
     pub fn error(&mut self, msg: impl Into<String>) {
         self.errors.push(msg.into());

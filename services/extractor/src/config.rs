@@ -27,7 +27,6 @@
 use std::time::Duration;
 
 use reviewlane_shared::Region;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use reviewlane_shared::config::{ConfigErrors, Env, Reader};
@@ -118,15 +117,7 @@ impl ExtractorConfig {
         let mut r = Reader::new(env);
         let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
         let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
-        let tenants_file: Option<PathBuf> = r.required("REVIEWLANE_TENANTS_FILE", "path to the tenants TOML file");
-        let tenants = match tenants_file.map(|p| Tenants::load(&p)) {
-            Some(Ok(t)) => Some(t),
-            Some(Err(errs)) => {
-                errs.into_iter().for_each(|e| r.error(e));
-                None
-            }
-            None => None,
-        };
+        let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let provider = match r.raw("REVIEWLANE_PROVIDER").as_deref().unwrap_or("builtin") {
             "builtin" => Some(ProviderConfig::Builtin),
             "openai" => {

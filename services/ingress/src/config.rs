@@ -15,7 +15,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,7 +62,7 @@ impl IngressConfig {
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
         let grpc_addr = r.or("REVIEWLANE_GRPC_ADDR", SocketAddr::from(([127, 0, 0, 1], 50051)), "host:port");
-        let tenants_file: Option<PathBuf> = r.required("REVIEWLANE_TENANTS_FILE", "path to the tenants TOML file");
+        let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let mut nats_urls = BTreeMap::new();
         for region in Region::ALL {
             if let Some(url) = r.raw(&format!("REVIEWLANE_NATS_URL_{}", region.upper())) {
@@ -92,14 +91,6 @@ impl IngressConfig {
             p.min_waiting = min_waiting;
         }
         let sample_ms: u64 = r.or("REVIEWLANE_ADMISSION_SAMPLE_MS", 1000, "milliseconds");
-        let tenants = match tenants_file.map(|p| Tenants::load(&p)) {
-            Some(Ok(t)) => Some(t),
-            Some(Err(errs)) => {
-                errs.into_iter().for_each(|e| r.error(e));
-                None
-            }
-            None => None,
-        };
         if let Some(t) = &tenants {
             for tenant in t.iter() {
                 if !nats_urls.contains_key(&tenant.region) && !nats_urls.is_empty() {
@@ -157,7 +148,7 @@ mod tests {
         assert_eq!(errs.0.len(), 2, "{errs}");
     }
 
-    fn tempfile_dir() -> PathBuf {
+    fn tempfile_dir() -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("reviewlane-ingress-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         d

@@ -11,7 +11,6 @@
 //! | `REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS` | `60` | longest wait between deliveries |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for deliveries in flight at SIGTERM |
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,15 +54,7 @@ impl PublisherConfig {
         let mut r = Reader::new(env);
         let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
         let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
-        let file: Option<PathBuf> = r.required("REVIEWLANE_TENANTS_FILE", "path to the tenants TOML file");
-        let tenants = match file.map(|p| Tenants::load(&p)) {
-            Some(Ok(t)) => Some(t),
-            Some(Err(errs)) => {
-                errs.into_iter().for_each(|e| r.error(e));
-                None
-            }
-            None => None,
-        };
+        let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let d = PublisherConfig::new(Region::Us, "", Arc::default());
         let concurrency: usize = r.or("REVIEWLANE_CONCURRENCY", d.concurrency, "a positive count");
         if concurrency == 0 {
