@@ -219,6 +219,7 @@ impl Stack {
         xc.heartbeat = self.opts.heartbeat;
         xc.backoff.base = Duration::from_millis(200);
         xc.backoff.cap = Duration::from_secs(2);
+        xc.batch_backoff = xc.backoff;
         xc.shutdown_grace = self.opts.grace;
         xc
     }

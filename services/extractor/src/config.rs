@@ -21,6 +21,7 @@
 //! | `REVIEWLANE_PROVIDER_TIMEOUT_SECS` | `120` | one provider call |
 //! | `REVIEWLANE_BUDGET_CONGESTION` / `_TRANSIENT` / `_SCHEMA` | `5` / `3` / `2` | retries per job and kind |
 //! | `REVIEWLANE_BACKOFF_BASE_MS` / `REVIEWLANE_BACKOFF_CAP_SECS` | `1000` / `60` | backoff without a hint |
+//! | `REVIEWLANE_BATCH_BACKOFF_BASE_MS` / `REVIEWLANE_BATCH_BACKOFF_CAP_SECS` | as above | the batch lane's own |
 //! | `REVIEWLANE_HINT_CEILING_SECS` | `300` | longest provider retry hint honoured |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
 
@@ -77,7 +78,10 @@ pub struct ExtractorConfig {
     pub lease: Duration,
     pub provider_timeout: Duration,
     pub budgets: Budgets,
+    /// Backoff without a provider hint, interactive lane.
     pub backoff: Backoff,
+    /// Backoff without a provider hint, batch lane.
+    pub batch_backoff: Backoff,
     /// Longest provider retry hint honoured; longer ones are cut to this and counted.
     pub hint_ceiling: Duration,
     pub shutdown_grace: Duration,
@@ -107,6 +111,7 @@ impl ExtractorConfig {
             provider_timeout: Duration::from_secs(120),
             budgets: Budgets::default(),
             backoff: Backoff::default(),
+            batch_backoff: Backoff::default(),
             hint_ceiling: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(20),
             log_json: false,
@@ -176,6 +181,8 @@ impl ExtractorConfig {
         };
         let base_ms: u64 = r.or("REVIEWLANE_BACKOFF_BASE_MS", 1000, "milliseconds");
         let cap_s: u64 = r.or("REVIEWLANE_BACKOFF_CAP_SECS", 60, "whole seconds");
+        let batch_base_ms: u64 = r.or("REVIEWLANE_BATCH_BACKOFF_BASE_MS", base_ms, "milliseconds");
+        let batch_cap_s: u64 = r.or("REVIEWLANE_BATCH_BACKOFF_CAP_SECS", cap_s, "whole seconds");
         let ceiling: u64 = r.or("REVIEWLANE_HINT_CEILING_SECS", 300, "whole seconds");
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
         let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
@@ -203,6 +210,11 @@ impl ExtractorConfig {
             backoff: Backoff {
                 base: Duration::from_millis(base_ms),
                 cap: Duration::from_secs(cap_s),
+                ..Backoff::default()
+            },
+            batch_backoff: Backoff {
+                base: Duration::from_millis(batch_base_ms),
+                cap: Duration::from_secs(batch_cap_s),
                 ..Backoff::default()
             },
             hint_ceiling: Duration::from_secs(ceiling),

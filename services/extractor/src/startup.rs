@@ -108,7 +108,7 @@ pub async fn build_with_provider(
         quota: quota.clone(),
         circuit_open_for: config.circuit_open_for,
         budgets: config.budgets,
-        backoff: config.backoff,
+        backoff: [config.backoff, config.batch_backoff],
         lease: config.lease,
         provider_timeout: config.provider_timeout,
     });

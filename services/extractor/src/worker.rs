@@ -50,7 +50,8 @@ pub struct Worker {
     /// How long an `insufficient_quota` answer closes a scope to calls.
     pub circuit_open_for: Duration,
     pub budgets: Budgets,
-    pub backoff: Backoff,
+    /// Backoff without a hint: interactive, batch.
+    pub backoff: [Backoff; 2],
     pub lease: Duration,
     pub provider_timeout: Duration,
 }
@@ -203,7 +204,7 @@ impl Worker {
                 }
                 // The whole scope waits, on every replica, for as long as this job does.
                 let delay = retry_after
-                    .unwrap_or_else(|| self.backoff.delay(rec.attempts.congestion + 1, rand::random::<f64>()));
+                    .unwrap_or_else(|| self.backoff(review).delay(rec.attempts.congestion + 1, rand::random::<f64>()));
                 if let Err(e) = self.quota.rate_limited(scope, delay, call_started_ms).await {
                     tracing::warn!(error = %e, "recording the scope pause failed");
                 }
@@ -224,6 +225,10 @@ impl Worker {
                 self.terminate(msg, review, TerminalReason::UpstreamRejected, status).await
             }
         }
+    }
+
+    fn backoff(&self, review: &ReviewMessage) -> &Backoff {
+        &self.backoff[usize::from(review.lane == reviewlane_shared::Lane::Batch)]
     }
 
     /// Runs the provider call, extending the lease with progress acks while it is alive,
@@ -357,7 +362,7 @@ impl Worker {
             };
             return self.terminate(msg, review, reason, status).await;
         }
-        let delay = hint.unwrap_or_else(|| self.backoff.delay(used + 1, rand::random::<f64>()));
+        let delay = hint.unwrap_or_else(|| self.backoff(review).delay(used + 1, rand::random::<f64>()));
         let event = Event::RetryScheduled {
             budget,
             next_eligible_at_ms: now_ms() + delay.as_millis() as u64,
