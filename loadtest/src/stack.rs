@@ -41,6 +41,8 @@ pub struct Stack {
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
     /// Per running extractor: region, its own stop, its task.
     extractors: Vec<(Region, CancellationToken, JoinHandle<anyhow::Result<()>>)>,
+    /// Admin (`/metrics`) address of each extractor started, by region.
+    pub extractor_admin: Vec<(Region, SocketAddr)>,
     opts: ExtractorKnobs,
 }
 
@@ -180,8 +182,18 @@ impl Stack {
         let addr = ingress.local_addr();
         let s = stop.clone();
         tasks.push(tokio::spawn(ingress.run_until_stopped(async move { s.cancelled().await })));
-        let mut stack =
-            Stack { us, eu, webhook, ingress: addr, tenants, stop, tasks, extractors: Vec::new(), opts: knobs };
+        let mut stack = Stack {
+            us,
+            eu,
+            webhook,
+            ingress: addr,
+            tenants,
+            stop,
+            tasks,
+            extractors: Vec::new(),
+            extractor_admin: Vec::new(),
+            opts: knobs,
+        };
         for _ in 0..opts.extractors {
             stack.start_extractor(Region::Us).await;
             stack.start_extractor(Region::Eu).await;
@@ -221,6 +233,7 @@ impl Stack {
         xc.backoff.cap = Duration::from_secs(2);
         xc.batch_backoff = xc.backoff;
         xc.shutdown_grace = self.opts.grace;
+        xc.admin_addr = "127.0.0.1:0".parse().expect("addr");
         xc
     }
 
@@ -228,6 +241,7 @@ impl Stack {
     pub async fn start_extractor(&mut self, region: Region) {
         let xc = self.extractor_config(region);
         let x = reviewlane_extractor::build(xc).await.expect("extractor builds");
+        self.extractor_admin.push((region, x.admin_addr()));
         let stop = CancellationToken::new();
         let s = stop.clone();
         let task = tokio::spawn(x.run_until_stopped(async move { s.cancelled().await }));
@@ -363,6 +377,18 @@ pub async fn stream_messages(url: &str, stream: &str) -> Vec<(String, async_nats
         }
     }
     out
+}
+
+/// GET a path from a local HTTP server (admin ports); the body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
 }
 
 /// Polls `cond` every 50 ms for at most `limit`.

@@ -3,6 +3,7 @@
 //! Pure cores (diff parsing, findings validation, the job state machine, job ids) have
 //! no I/O; `layout` is the one place that knows the NATS names of a region.
 
+pub mod admin;
 pub mod api;
 pub mod config;
 pub mod diff;

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use loadtest::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::proto::JobState;
+use reviewlane_shared::region::Region;
 
 use crate::harness::*;
 
@@ -80,6 +81,15 @@ async fn a_429_without_hint_backs_off_within_bounds_and_quota_exhaustion_is_term
         assert_eq!(last.terminal_reason, "insufficient_quota");
     }
     assert_eq!(stack.eu.provider.stats().total_calls, 1, "no call while the circuit is open");
+    // The alert's metric counts it, labelled by quota scope.
+    let eu_admin = stack.extractor_admin.iter().find(|(r, _)| *r == Region::Eu).unwrap().1;
+    let metrics = http_get(eu_admin, "/metrics").await;
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("reviewlane_upstream_responses_total{") && l.contains("outcome=\"insufficient_quota\""))
+        .unwrap_or_else(|| panic!("no insufficient_quota sample in:\n{metrics}"));
+    assert!(line.contains("tenant=\"euro\"") && line.contains("region=\"eu\"") && line.ends_with(" 1"), "{line}");
+    assert_eq!(http_get(eu_admin, "/healthz").await, "ok\n");
     stack.shutdown().await;
 }
 

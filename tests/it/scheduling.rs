@@ -186,6 +186,7 @@ async fn kill_9_mid_call_is_redelivered_after_the_lease_and_published_once() {
             .env_clear()
             .envs([
                 ("REVIEWLANE_REGION", "us".to_string()),
+                ("REVIEWLANE_ADMIN_ADDR", "127.0.0.1:0".into()),
                 ("REVIEWLANE_NATS_URL", stack.us.nats.url().to_string()),
                 ("REVIEWLANE_TENANTS_FILE", tenants.display().to_string()),
                 ("REVIEWLANE_PROVIDER", "openai".into()),

@@ -127,6 +127,7 @@ async fn main() -> anyhow::Result<()> {
     )?];
     for (region, server) in [("us", &us), ("eu", &eu)] {
         let env = [
+            ("REVIEWLANE_ADMIN_ADDR", format!("127.0.0.1:{}", free_port()?)),
             ("REVIEWLANE_REGION", region.to_string()),
             ("REVIEWLANE_NATS_URL", server.url().to_string()),
             ("REVIEWLANE_TENANTS_FILE", tf.clone()),

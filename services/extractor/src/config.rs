@@ -3,6 +3,7 @@
 //! | variable | default | meaning |
 //! | --- | --- | --- |
 //! | `REVIEWLANE_REGION` | required | `us` or `eu`: the only region this process touches |
+//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9464` | admin HTTP: `/metrics`, `/healthz` |
 //! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
 //! | `REVIEWLANE_TENANTS_FILE` | required | this region's tenants get a consumer per lane (weight, scope limit) |
 //! | `REVIEWLANE_MODEL_CLASS` | the model | model class of the quota scope (provider, model class, tenant, region) |
@@ -58,6 +59,8 @@ impl Default for Budgets {
 #[derive(Debug, Clone)]
 pub struct ExtractorConfig {
     pub region: Region,
+    /// Admin HTTP port: `/metrics`, `/healthz`.
+    pub admin_addr: std::net::SocketAddr,
     pub nats_url: String,
     /// Tenants: this region's get a consumer per lane, with their weight and scope limit.
     pub tenants: Arc<Tenants>,
@@ -97,6 +100,7 @@ impl ExtractorConfig {
         };
         ExtractorConfig {
             region,
+            admin_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9464)),
             nats_url: nats_url.into(),
             tenants,
             provider,
@@ -159,6 +163,7 @@ impl ExtractorConfig {
         let model_class: Option<String> = r.optional("REVIEWLANE_MODEL_CLASS", "a name");
         let scope_limit: u32 = r.or("REVIEWLANE_SCOPE_LIMIT", d.scope_limit, "a count");
         let heartbeat_ms: u64 = r.or("REVIEWLANE_HEARTBEAT_MS", 1000, "milliseconds");
+        let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", d.admin_addr, "host:port");
         let probe_every: u64 = r.or("REVIEWLANE_PROBE_EVERY_SECS", 60, "whole seconds");
         let circuit: u64 = r.or("REVIEWLANE_QUOTA_CIRCUIT_SECS", 600, "whole seconds");
         let wait_limit: u64 = r.or("REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS", 5, "whole seconds");
@@ -194,6 +199,7 @@ impl ExtractorConfig {
         });
         Ok(ExtractorConfig {
             region: region.expect("checked"),
+            admin_addr,
             nats_url: nats_url.expect("checked"),
             tenants: Arc::new(tenants.expect("checked")),
             provider,

@@ -3,6 +3,7 @@
 //! publishes the validated findings to `FINDINGS_<R>`.
 
 pub mod config;
+pub mod metrics;
 pub mod provider;
 pub mod quota;
 pub mod retry_hint;

@@ -7,6 +7,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use prometheus_client::registry::Registry;
+use reviewlane_shared::admin::Admin;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::region::Lane;
@@ -17,6 +19,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::config::{ExtractorConfig, ProviderConfig};
+use crate::metrics::Metrics;
 use crate::provider::Provider;
 use crate::provider::builtin::BuiltinAnalyzer;
 use crate::provider::openai::OpenAiProvider;
@@ -25,6 +28,8 @@ use crate::schedule::{Backlog, LaneLoop, Slots, serve};
 use crate::worker::Worker;
 
 pub struct App {
+    admin: Admin,
+    registry: Arc<Registry>,
     client: async_nats::Client,
     worker: Arc<Worker>,
     loops: Vec<(LaneLoop, u32)>,
@@ -92,6 +97,9 @@ pub async fn build_with_provider(
     if loops.is_empty() {
         tracing::warn!(region = %config.region, "no tenant of this region in the tenants file: nothing to serve");
     }
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry, config.region.as_str());
+    let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let quota = Quota::new(
         conn.layout.quota.clone(),
         conn.client.clone(),
@@ -106,18 +114,24 @@ pub async fn build_with_provider(
         layout: conn.layout,
         provider,
         quota: quota.clone(),
+        metrics,
         circuit_open_for: config.circuit_open_for,
         budgets: config.budgets,
         backoff: [config.backoff, config.batch_backoff],
         lease: config.lease,
         provider_timeout: config.provider_timeout,
     });
-    Ok(App { client: conn.client, worker, loops, quota, config })
+    Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, loops, quota, config })
 }
 
 impl App {
     pub fn worker(&self) -> Arc<Worker> {
         self.worker.clone()
+    }
+
+    /// Where `/metrics` and `/healthz` are served.
+    pub fn admin_addr(&self) -> std::net::SocketAddr {
+        self.admin.local_addr()
     }
 
     /// Serves until `shutdown` resolves; then stops pulling, gives calls in flight the
@@ -126,6 +140,7 @@ impl App {
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
         self.quota.start(stop.clone()).await.map_err(|e| anyhow::anyhow!(e))?;
+        let admin = tokio::spawn(self.admin.run(self.registry.clone(), stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
         let slots = Slots::new(self.config.concurrency, changed);
         let backlog = Backlog::default();
@@ -177,6 +192,7 @@ impl App {
             let _ = h.await;
         }
         let _ = monitor.await;
+        let _ = admin.await;
         tasks.close();
         if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {
             tracing::warn!("grace period over; handing back unfinished work");

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::instrument;
 
 use crate::config::Budgets;
+use crate::metrics::Metrics;
 use crate::provider::{Provider, ProviderRequest};
 use crate::quota::{Quota, Scope};
 use crate::schedule::Admitted;
@@ -47,6 +48,7 @@ pub struct Worker {
     pub jobs: JobStore,
     pub provider: Arc<dyn Provider>,
     pub quota: Quota,
+    pub metrics: Metrics,
     /// How long an `insufficient_quota` answer closes a scope to calls.
     pub circuit_open_for: Duration,
     pub budgets: Budgets,
@@ -181,6 +183,16 @@ impl Worker {
             }
         };
         let status = Some(upstream.status_class().to_string());
+        self.metrics.upstream(
+            scope,
+            match &upstream {
+                UpstreamOutcome::Ok { .. } => "ok",
+                UpstreamOutcome::RateLimited { .. } => "rate_limited",
+                UpstreamOutcome::QuotaExhausted => "insufficient_quota",
+                UpstreamOutcome::Transient { .. } => "transient",
+                UpstreamOutcome::Permanent { .. } => "rejected",
+            },
+        );
         tracing::info!(outcome = upstream.status_class(), attempt = rec.attempts.leases, "provider answered");
         match upstream {
             UpstreamOutcome::Ok { output, slow_down } => {
@@ -200,6 +212,7 @@ impl Worker {
             }
             UpstreamOutcome::RateLimited { retry_after, capped } => {
                 if capped {
+                    self.metrics.hint_capped();
                     tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
                 }
                 // The whole scope waits, on every replica, for as long as this job does.
