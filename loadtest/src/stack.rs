@@ -331,8 +331,18 @@ pub async fn submit(client: &mut ReviewServiceClient<Channel>, key: &str, idem: 
         .expect("review set")
 }
 
-/// Watches a job until a final state (bounded), returning the last view.
+/// Watches a job until a final state (at most 30 s), returning the last view.
 pub async fn wait_final(client: &mut ReviewServiceClient<Channel>, key: &str, job_id: &str) -> proto::Review {
+    wait_final_within(client, key, job_id, Duration::from_secs(30)).await
+}
+
+/// Watches a job until a final state (at most `limit`), returning the last view.
+pub async fn wait_final_within(
+    client: &mut ReviewServiceClient<Channel>,
+    key: &str,
+    job_id: &str,
+    limit: Duration,
+) -> proto::Review {
     let watch = async {
         let mut stream = client
             .watch_review(authed(key, WatchReviewRequest { job_id: job_id.to_string() }))
@@ -345,11 +355,11 @@ pub async fn wait_final(client: &mut ReviewServiceClient<Channel>, key: &str, jo
         }
         last.expect("watch yields at least one state")
     };
-    match tokio::time::timeout(Duration::from_secs(30), watch).await {
+    match tokio::time::timeout(limit, watch).await {
         Ok(r) => r,
         Err(_) => {
             let now = get(client, key, job_id).await;
-            panic!("job {job_id} did not reach a final state within 30 s; now: {now:?}")
+            panic!("job {job_id} did not reach a final state within {limit:?}; now: {now:?}")
         }
     }
 }

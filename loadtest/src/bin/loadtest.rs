@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use loadtest::simprovider::{OverCap, SimConfig};
-use loadtest::stack::{Stack, StackOptions, US_KEY, sample_diff, submit_req, wait_final};
+use loadtest::stack::{Stack, StackOptions, US_KEY, sample_diff, submit_req, wait_final_within};
 use reviewlane_shared::proto::JobState;
 
 #[tokio::main]
@@ -56,7 +56,10 @@ async fn storm() -> anyhow::Result<()> {
     }
     let mut completed = 0;
     for id in &ids {
-        if wait_final(&mut client, US_KEY, id).await.state == JobState::Published as i32 {
+        // Jobs finish in queue order over about a minute; watched one after another.
+        if wait_final_within(&mut client, US_KEY, id, Duration::from_secs(300)).await.state
+            == JobState::Published as i32
+        {
             completed += 1;
         }
     }

@@ -103,7 +103,7 @@ impl Window {
         if !self.slow_start && self.window > self.stable && self.stable >= 1.0 {
             self.window = self.stable;
         } else {
-            self.window = (self.window / 2.0).floor().max(1.0);
+            self.window = (self.window / 2.0).ceil().max(1.0);
             self.stable = self.window;
         }
         self.slow_start = false;
@@ -498,6 +498,16 @@ mod tests {
         w.on_rate_limited(70_000, 69_000, pause);
         assert_eq!(w.allowed(8), 1);
         assert_eq!(w.allowed(0), 0, "no share, no calls");
+    }
+
+    #[test]
+    fn halving_rounds_up() {
+        // One 429 while three calls were allowed: two held, so two, not one.
+        let mut w = Window::new(Duration::from_secs(60));
+        w.on_success(8, 1_000);
+        assert_eq!(w.allowed(8), 3);
+        w.on_rate_limited(1_010, 1_005, Duration::from_secs(2));
+        assert_eq!(w.allowed(8), 2);
     }
 
     #[test]
