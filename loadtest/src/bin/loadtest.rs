@@ -105,6 +105,9 @@ async fn storm() -> anyhow::Result<()> {
         for (a, b) in spans {
             println!("    call {:>6.1}s .. {:>6.1}s", a as f64 / 1000.0, b as f64 / 1000.0);
         }
+        let mut at: Vec<f64> = received.iter().map(|r| r.at.duration_since(started).as_secs_f64()).collect();
+        at.sort_by(f64::total_cmp);
+        println!("    deliveries at {:?}", at.iter().map(|t| (t * 10.0).round() / 10.0).collect::<Vec<_>>());
     }
     println!("  submit p50/p99       {:.2} / {:.2} ms", percentile(&submit_ms, 0.5), percentile(&submit_ms, 0.99));
     println!(
