@@ -45,10 +45,17 @@ pub struct JobChanges {
 
 impl JobChanges {
     /// Waits for the next change; `None` when the subscription ended.
+    ///
+    /// A signal can arrive before the stream has stored the update (subscribers are
+    /// served first), so a read right after it may still see the previous revision;
+    /// callers re-read on `RECHECK` too.
     pub async fn next(&mut self) -> Option<()> {
         futures::StreamExt::next(&mut self.sub).await.map(|_| ())
     }
 }
+
+/// How often a waiter re-reads a record even without a signal (see `JobChanges::next`).
+pub const RECHECK: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// How often `apply` re-reads after losing a compare-and-set before giving up.
 const CAS_TRIES: usize = 16;

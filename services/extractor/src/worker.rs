@@ -268,10 +268,16 @@ impl Worker {
                     }
                 }
                 Some(()) = changes.next() => {
-                    if let Some((rec, _)) = self.jobs.get(req.job_id).await?
-                        && rec.state == JobState::Terminal
-                    {
-                        return Ok(CallEnd::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled)));
+                    // The signal can precede the stored update: read again shortly if
+                    // the record has not moved yet.
+                    for _ in 0..3 {
+                        match self.jobs.get(req.job_id).await? {
+                            Some((rec, _)) if rec.state == JobState::Terminal => {
+                                return Ok(CallEnd::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled)));
+                            }
+                            Some((rec, _)) if rec.state != JobState::Running => break,
+                            _ => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+                        }
                     }
                 }
                 _ = abort.cancelled() => return Ok(CallEnd::Aborted),

@@ -345,6 +345,7 @@ impl ReviewService for ReviewApi {
                     loop {
                         tokio::select! {
                             c = changes.next() => if c.is_none() { return },
+                            _ = tokio::time::sleep(reviewlane_shared::job_store::RECHECK) => {}
                             _ = shutdown.cancelled() => {
                                 let _ = tx.send(Err(Status::unavailable("server shutting down; watch again"))).await;
                                 return;

@@ -221,8 +221,12 @@ impl Worker {
         let wait = async {
             loop {
                 let current = self.job_state(id).await?.ok_or(StoreError::NotFound)?;
-                if current != JobState::Running || changes.next().await.is_none() {
+                if current != JobState::Running {
                     return Ok(current);
+                }
+                tokio::select! {
+                    c = changes.next() => if c.is_none() { return Ok(current) },
+                    _ = tokio::time::sleep(reviewlane_shared::job_store::RECHECK) => {}
                 }
             }
         };
