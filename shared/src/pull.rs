@@ -1,4 +1,5 @@
-//! The pull loop both workers share.
+//! Pulling from JetStream: `pull` (one request, with backoff after failures), used by
+//! both workers, and `pull_loop`, the publisher's slot-bounded loop.
 //!
 //! No slot is held during a long-poll: several loops (one per lane) share the slots, and
 //! an idle lane must not park capacity another lane needs. A loop waits until a slot is
@@ -23,6 +24,33 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// Most messages asked for in one pull.
 const MAX_PULL: usize = 64;
 
+/// Asks `consumer` for up to `max` messages (waiting up to the pull expiry). After a
+/// failed request it backs off (100 ms doubling to 6.4 s, counted in `failures`).
+/// `None` when `stop` fired; `Some(None)` after a failure, to try again.
+pub async fn pull(
+    consumer: &PullConsumer,
+    max: usize,
+    failures: &mut u32,
+    stop: &CancellationToken,
+) -> Option<Option<async_nats::jetstream::consumer::pull::Batch>> {
+    let batch = tokio::select! {
+        b = consumer.batch().max_messages(max).expires(PULL_EXPIRES).messages() => b,
+        _ = stop.cancelled() => return None,
+    };
+    match batch {
+        Ok(b) => {
+            *failures = 0;
+            Some(Some(b))
+        }
+        Err(e) => {
+            *failures += 1;
+            tracing::warn!(error = %e, "pull failed");
+            let pause = Duration::from_millis(100 * 2u64.pow((*failures).min(6)));
+            tokio::select! { _ = tokio::time::sleep(pause) => Some(None), _ = stop.cancelled() => None }
+        }
+    }
+}
+
 /// Runs until `stop` fires. Each message is handed to `handle`, whose future runs on
 /// `tasks` holding one slot of `slots`.
 pub async fn pull_loop<F, Fut>(
@@ -43,20 +71,8 @@ pub async fn pull_loop<F, Fut>(
             _ = stop.cancelled() => return,
         }
         let want = slots.available_permits().clamp(1, MAX_PULL);
-        let batch = tokio::select! {
-            b = consumer.batch().max_messages(want).expires(PULL_EXPIRES).messages() => b,
-            _ = stop.cancelled() => return,
-        };
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(error = %e, "pull failed");
-                let pause = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
-                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = stop.cancelled() => return }
-            }
-        };
-        failures = 0;
+        let Some(batch) = pull(&consumer, want, &mut failures, &stop).await else { return };
+        let Some(mut batch) = batch else { continue };
         loop {
             let next = tokio::select! {
                 m = batch.next() => m,

@@ -22,10 +22,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::quota::{Quota, Scope, ScopeGuard};
+use reviewlane_shared::pull::pull;
 
-/// Longest a pull request waits on the server for a message.
-const PULL_EXPIRES: Duration = Duration::from_secs(5);
+use crate::quota::{Quota, Scope, ScopeGuard};
 
 struct SlotState {
     free: usize,
@@ -170,20 +169,8 @@ pub async fn serve<F, Fut>(
         if !wait_until(&changed, &stop, wait, pull_ok).await {
             return;
         }
-        let batch = tokio::select! {
-            b = l.consumer.batch().max_messages(1).expires(PULL_EXPIRES).messages() => b,
-            _ = stop.cancelled() => return,
-        };
-        let mut batch = match batch {
-            Ok(b) => b,
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(error = %e, "pull failed");
-                let pause = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
-                tokio::select! { _ = tokio::time::sleep(pause) => continue, _ = stop.cancelled() => return }
-            }
-        };
-        failures = 0;
+        let Some(batch) = pull(&l.consumer, 1, &mut failures, &stop).await else { return };
+        let Some(mut batch) = batch else { continue };
         let msg = tokio::select! {
             m = batch.next() => m,
             _ = stop.cancelled() => return,
