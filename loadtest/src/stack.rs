@@ -41,8 +41,10 @@ pub struct Stack {
     tasks: Vec<JoinHandle<anyhow::Result<()>>>,
     /// Per running extractor: region, its own stop, its task.
     extractors: Vec<(Region, CancellationToken, JoinHandle<anyhow::Result<()>>)>,
-    /// Admin (`/metrics`) address of each extractor started, by region.
+    /// Admin (`/metrics`, `/healthz`, `/readyz`) address of each extractor started.
     pub extractor_admin: Vec<(Region, SocketAddr)>,
+    pub publisher_admin: Vec<(Region, SocketAddr)>,
+    pub ingress_admin: SocketAddr,
     opts: ExtractorKnobs,
 }
 
@@ -150,12 +152,15 @@ impl Stack {
         }
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
+        let mut publisher_admin = Vec::new();
         for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
             let mut pc = PublisherConfig::new(region, rs.nats.url(), tenants.clone());
             pc.delivery_backoff_base = Duration::from_millis(100);
             pc.delivery_backoff_cap = Duration::from_secs(1);
             pc.shutdown_grace = Duration::from_secs(2);
+            pc.admin_addr = "127.0.0.1:0".parse().expect("addr");
             let p = reviewlane_publisher::build(pc).await.expect("publisher builds");
+            publisher_admin.push((region, p.admin_addr()));
             let s = stop.clone();
             tasks.push(tokio::spawn(p.run_until_stopped(async move { s.cancelled().await })));
         }
@@ -168,6 +173,7 @@ impl Stack {
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
+            admin_addr: "127.0.0.1:0".parse().expect("addr"),
             tenants: tenants.clone(),
             nats_urls: [(Region::Us, us.nats.url().to_string()), (Region::Eu, eu.nats.url().to_string())].into(),
             max_diff_bytes: opts.max_diff_bytes,
@@ -180,6 +186,7 @@ impl Stack {
         .await
         .expect("ingress builds");
         let addr = ingress.local_addr();
+        let ingress_admin = ingress.admin_addr();
         let s = stop.clone();
         tasks.push(tokio::spawn(ingress.run_until_stopped(async move { s.cancelled().await })));
         let mut stack = Stack {
@@ -192,6 +199,8 @@ impl Stack {
             tasks,
             extractors: Vec::new(),
             extractor_admin: Vec::new(),
+            publisher_admin,
+            ingress_admin,
             opts: knobs,
         };
         for _ in 0..opts.extractors {

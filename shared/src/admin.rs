@@ -1,10 +1,13 @@
 //! The admin HTTP port every service serves: `/metrics` (Prometheus text), `/healthz`
-//! (the process is alive). Metric labels are bounded sets (regions, lanes, tenants from
+//! (the process is alive), `/readyz` (it can do its work: NATS connected, its streams
+//! and buckets present — answered by the service's own check). Metric labels are bounded sets (regions, lanes, tenants from
 //! config, outcome classes); never content.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+
+use futures::future::BoxFuture;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -15,6 +18,29 @@ use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+/// The service's readiness check.
+pub type Ready = Arc<dyn Fn() -> BoxFuture<'static, bool> + Send + Sync>;
+
+/// Ready when `client` is connected and every stream named is present.
+pub fn nats_ready(client: async_nats::Client, streams: Vec<String>) -> Ready {
+    Arc::new(move || {
+        let client = client.clone();
+        let streams = streams.clone();
+        Box::pin(async move {
+            if client.connection_state() != async_nats::connection::State::Connected {
+                return false;
+            }
+            let js = async_nats::jetstream::new(client);
+            for s in &streams {
+                if !matches!(crate::layout::stream_exists(&js, s).await, Ok(true)) {
+                    return false;
+                }
+            }
+            true
+        })
+    })
+}
 
 /// A bound admin listener; `run` serves it until `stop`.
 pub struct Admin {
@@ -30,15 +56,16 @@ impl Admin {
         self.listener.local_addr().expect("bound listener has an address")
     }
 
-    pub async fn run(self, registry: Arc<Registry>, stop: CancellationToken) {
+    pub async fn run(self, registry: Arc<Registry>, ready: Ready, stop: CancellationToken) {
         loop {
             let (stream, _) = tokio::select! {
                 a = self.listener.accept() => match a { Ok(a) => a, Err(_) => continue },
                 _ = stop.cancelled() => return,
             };
             let registry = registry.clone();
+            let ready = ready.clone();
             tokio::spawn(async move {
-                let svc = service_fn(move |req| handle(registry.clone(), req));
+                let svc = service_fn(move |req| handle(registry.clone(), ready.clone(), req));
                 let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
             });
         }
@@ -47,6 +74,7 @@ impl Admin {
 
 async fn handle(
     registry: Arc<Registry>,
+    ready: Ready,
     req: Request<hyper::body::Incoming>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let (status, ctype, body) = match req.uri().path() {
@@ -58,6 +86,10 @@ async fn handle(
             }
         }
         "/healthz" => (StatusCode::OK, "text/plain", "ok\n".into()),
+        "/readyz" => match tokio::time::timeout(std::time::Duration::from_secs(2), ready()).await {
+            Ok(true) => (StatusCode::OK, "text/plain", "ready\n".into()),
+            _ => (StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n".into()),
+        },
         _ => (StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
     };
     Ok(Response::builder()

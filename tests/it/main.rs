@@ -1,6 +1,7 @@
 //! Integration tests across ingress, extractor and publisher on real nats-server
 //! processes, a real simulated provider and a real webhook receiver.
 
+mod admin;
 mod auth;
 mod harness;
 mod idempotency;

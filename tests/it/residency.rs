@@ -95,6 +95,7 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
     // An ingress whose US URL points at the EU server.
     let cfg = reviewlane_ingress::IngressConfig {
         grpc_addr: "127.0.0.1:0".parse().unwrap(),
+        admin_addr: "127.0.0.1:0".parse().unwrap(),
         tenants,
         nats_urls: [(Region::Us, eu.url().to_string())].into(),
         max_diff_bytes: 1024,

@@ -119,6 +119,7 @@ async fn main() -> anyhow::Result<()> {
         "ingress",
         &[
             ("REVIEWLANE_GRPC_ADDR", format!("127.0.0.1:{port}")),
+            ("REVIEWLANE_ADMIN_ADDR", "127.0.0.1:0".to_string()),
             ("REVIEWLANE_TENANTS_FILE", tf.clone()),
             ("REVIEWLANE_NATS_URL_US", us.url().to_string()),
             ("REVIEWLANE_NATS_URL_EU", eu.url().to_string()),
@@ -127,7 +128,8 @@ async fn main() -> anyhow::Result<()> {
     )?];
     for (region, server) in [("us", &us), ("eu", &eu)] {
         let env = [
-            ("REVIEWLANE_ADMIN_ADDR", format!("127.0.0.1:{}", free_port()?)),
+            // Admin ports on port 0: the demo does not read them.
+            ("REVIEWLANE_ADMIN_ADDR", "127.0.0.1:0".to_string()),
             ("REVIEWLANE_REGION", region.to_string()),
             ("REVIEWLANE_NATS_URL", server.url().to_string()),
             ("REVIEWLANE_TENANTS_FILE", tf.clone()),

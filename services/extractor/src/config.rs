@@ -3,7 +3,7 @@
 //! | variable | default | meaning |
 //! | --- | --- | --- |
 //! | `REVIEWLANE_REGION` | required | `us` or `eu`: the only region this process touches |
-//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9464` | admin HTTP: `/metrics`, `/healthz` |
+//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9465` | admin HTTP: `/metrics`, `/healthz`, `/readyz` |
 //! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
 //! | `REVIEWLANE_TENANTS_FILE` | required | this region's tenants get a consumer per lane (weight, scope limit) |
 //! | `REVIEWLANE_MODEL_CLASS` | the model | model class of the quota scope (provider, model class, tenant, region) |
@@ -100,7 +100,7 @@ impl ExtractorConfig {
         };
         ExtractorConfig {
             region,
-            admin_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9464)),
+            admin_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9465)),
             nats_url: nats_url.into(),
             tenants,
             provider,

@@ -140,7 +140,11 @@ impl App {
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
         self.quota.start(stop.clone()).await.map_err(|e| anyhow::anyhow!(e))?;
-        let admin = tokio::spawn(self.admin.run(self.registry.clone(), stop.clone()));
+        let mut streams: Vec<String> = Lane::ALL.iter().map(|l| layout::lane_stream(self.config.region, *l)).collect();
+        streams.push(layout::findings_stream(self.config.region));
+        streams.push(format!("KV_{}", layout::jobs_bucket(self.config.region)));
+        let ready = reviewlane_shared::admin::nats_ready(self.client.clone(), streams);
+        let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
         let slots = Slots::new(self.config.concurrency, changed);
         let backlog = Backlog::default();

@@ -3,6 +3,7 @@
 //! | variable | default | meaning |
 //! | --- | --- | --- |
 //! | `REVIEWLANE_GRPC_ADDR` | `127.0.0.1:50051` | gRPC listen address |
+//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9464` | admin HTTP: `/metrics`, `/healthz`, `/readyz` |
 //! | `REVIEWLANE_TENANTS_FILE` | required | tenants, key hashes, regions, limits |
 //! | `REVIEWLANE_NATS_URL_US` / `_EU` | at least one | each region's NATS |
 //! | `REVIEWLANE_MAX_DIFF_BYTES` | `1048576` | largest diff accepted (a tenant may set its own) |
@@ -28,6 +29,8 @@ use reviewlane_shared::tenants::Tenants;
 #[derive(Debug, Clone)]
 pub struct IngressConfig {
     pub grpc_addr: SocketAddr,
+    /// Admin HTTP: `/metrics`, `/healthz`, `/readyz`.
+    pub admin_addr: SocketAddr,
     pub tenants: Arc<Tenants>,
     pub nats_urls: BTreeMap<Region, String>,
     pub max_diff_bytes: usize,
@@ -62,6 +65,7 @@ impl IngressConfig {
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
         let grpc_addr = r.or("REVIEWLANE_GRPC_ADDR", SocketAddr::from(([127, 0, 0, 1], 50051)), "host:port");
+        let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", SocketAddr::from(([127, 0, 0, 1], 9464)), "host:port");
         let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let mut nats_urls = BTreeMap::new();
         for region in Region::ALL {
@@ -106,6 +110,7 @@ impl IngressConfig {
         r.finish()?;
         Ok(IngressConfig {
             grpc_addr,
+            admin_addr,
             tenants: Arc::new(tenants.expect("checked by finish")),
             nats_urls,
             max_diff_bytes,

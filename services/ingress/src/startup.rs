@@ -6,8 +6,13 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 
-use reviewlane_shared::layout::LayoutConfig;
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+use reviewlane_shared::admin::{Admin, Ready, nats_ready};
+use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::proto::review_service_server::ReviewServiceServer;
+use reviewlane_shared::region::Lane;
 use reviewlane_shared::startup::{StartError, connect_region};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -20,6 +25,7 @@ use crate::service::{RegionHandle, ReviewApi};
 
 pub struct App {
     listener: TcpListener,
+    admin: Admin,
     api: ReviewApi,
     config: IngressConfig,
     clients: Vec<async_nats::Client>,
@@ -43,6 +49,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
         clients.push(conn.client);
     }
     let listener = TcpListener::bind(config.grpc_addr).await.map_err(|e| StartError::Other(e.into()))?;
+    let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let shutdown = CancellationToken::new();
     let sampler = Sampler::default();
     for (region, handle) in &regions {
@@ -50,12 +57,17 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     }
     let api =
         ReviewApi::new(regions, config.max_diff_bytes, shutdown.clone(), sampler, config.interactive, config.batch);
-    Ok(App { listener, api, config, clients, shutdown })
+    Ok(App { listener, admin, api, config, clients, shutdown })
 }
 
 impl App {
     pub fn local_addr(&self) -> SocketAddr {
         self.listener.local_addr().expect("bound listener has an address")
+    }
+
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.local_addr()
     }
 
     /// Serves until `shutdown` resolves, then stops accepting, lets in-flight calls
@@ -67,6 +79,30 @@ impl App {
             .register_encoded_file_descriptor_set(reviewlane_shared::proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()?;
+        // Ready when every region's NATS is connected and its lanes exist.
+        let checks: Vec<Ready> = self
+            .config
+            .nats_urls
+            .keys()
+            .zip(&self.clients)
+            .map(|(region, client)| {
+                let lanes = Lane::ALL.iter().map(|l| layout::lane_stream(*region, *l)).collect();
+                nats_ready(client.clone(), lanes)
+            })
+            .collect();
+        let ready: Ready = Arc::new(move || {
+            let checks = checks.clone();
+            Box::pin(async move {
+                for c in &checks {
+                    if !c().await {
+                        return false;
+                    }
+                }
+                true
+            })
+        });
+        let admin_stop = self.shutdown.clone();
+        let admin = tokio::spawn(self.admin.run(Arc::new(Registry::default()), ready, admin_stop));
         let auth = Authenticator::new(self.config.tenants.clone());
         let service = ReviewServiceServer::with_interceptor(self.api, move |req| auth.intercept(req));
         tracing::info!(addr = %self.listener.local_addr()?, regions = self.clients.len(), "ingress serving");
@@ -92,6 +128,7 @@ impl App {
                 tracing::warn!("grace period over with calls still in flight");
             }
         }
+        let _ = admin.await;
         for c in self.clients {
             let _ = c.drain().await;
         }

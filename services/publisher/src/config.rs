@@ -3,6 +3,7 @@
 //! | variable | default | meaning |
 //! | --- | --- | --- |
 //! | `REVIEWLANE_REGION` | required | `us` or `eu` |
+//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9466` | admin HTTP: `/metrics`, `/healthz`, `/readyz` |
 //! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
 //! | `REVIEWLANE_TENANTS_FILE` | required | sinks and webhook secrets per tenant |
 //! | `REVIEWLANE_CONCURRENCY` | `16` | deliveries in flight |
@@ -21,6 +22,8 @@ use reviewlane_shared::tenants::Tenants;
 #[derive(Debug, Clone)]
 pub struct PublisherConfig {
     pub region: Region,
+    /// Admin HTTP: `/metrics`, `/healthz`, `/readyz`.
+    pub admin_addr: std::net::SocketAddr,
     pub nats_url: String,
     pub tenants: Arc<Tenants>,
     pub concurrency: usize,
@@ -37,6 +40,7 @@ impl PublisherConfig {
     pub fn new(region: Region, nats_url: impl Into<String>, tenants: Arc<Tenants>) -> Self {
         PublisherConfig {
             region,
+            admin_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9466)),
             nats_url: nats_url.into(),
             tenants,
             concurrency: 16,
@@ -56,6 +60,7 @@ impl PublisherConfig {
         let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
         let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let d = PublisherConfig::new(Region::Us, "", Arc::default());
+        let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", d.admin_addr, "host:port");
         let concurrency: usize = r.or("REVIEWLANE_CONCURRENCY", d.concurrency, "a positive count");
         if concurrency == 0 {
             r.error("REVIEWLANE_CONCURRENCY must be positive");
@@ -71,6 +76,7 @@ impl PublisherConfig {
         r.finish()?;
         Ok(PublisherConfig {
             region: region.expect("checked"),
+            admin_addr,
             nats_url: nats_url.expect("checked"),
             tenants: Arc::new(tenants.expect("checked")),
             concurrency,

@@ -4,6 +4,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use async_nats::jetstream::consumer::PullConsumer;
+use prometheus_client::registry::Registry;
+use reviewlane_shared::admin::{Admin, nats_ready};
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::pull::pull_loop;
@@ -20,6 +22,7 @@ use crate::worker::Worker;
 pub const CONSUMER_NAME: &str = "publisher";
 
 pub struct App {
+    admin: Admin,
     client: async_nats::Client,
     worker: Arc<Worker>,
     consumer: PullConsumer,
@@ -32,6 +35,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
     let consumer =
         durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, None, config.lease)
             .await?;
+    let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let worker = Arc::new(Worker {
         region: config.region,
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
@@ -42,7 +46,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         backoff_base: config.delivery_backoff_base,
         backoff_cap: config.delivery_backoff_cap,
     });
-    Ok(App { client: conn.client, worker, consumer, config })
+    Ok(App { admin, client: conn.client, worker, consumer, config })
 }
 
 impl App {
@@ -50,8 +54,21 @@ impl App {
         self.worker.clone()
     }
 
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    pub fn admin_addr(&self) -> std::net::SocketAddr {
+        self.admin.local_addr()
+    }
+
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let stop = CancellationToken::new();
+        let ready = nats_ready(
+            self.client.clone(),
+            vec![
+                layout::findings_stream(self.config.region),
+                format!("KV_{}", layout::published_bucket(self.config.region)),
+            ],
+        );
+        let admin = tokio::spawn(self.admin.run(Arc::new(Registry::default()), ready, stop.clone()));
         let tasks = TaskTracker::new();
         let slots = Arc::new(Semaphore::new(self.config.concurrency));
         let worker = self.worker.clone();
@@ -69,6 +86,7 @@ impl App {
         tracing::info!("shutting down: no new pulls");
         stop.cancel();
         let _ = pulling.await;
+        let _ = admin.await;
         tasks.close();
         if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {
             tracing::warn!("grace period over with deliveries in flight; they will be redelivered");
