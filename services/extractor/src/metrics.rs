@@ -1,9 +1,12 @@
 //! The extractor's metric families, registered in one place. Labels: region, provider,
 //! model class and tenant (from config) and closed outcome sets — never content.
 
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::quota::Scope;
@@ -23,8 +26,19 @@ pub struct RegionLabel {
     pub region: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LaneLabels {
+    pub region: String,
+    pub lane: String,
+}
+
 #[derive(Clone)]
 pub struct Metrics {
+    /// Age of the oldest review on the lane (waiting, being processed, or waiting out
+    /// a retry delay), from stream metadata.
+    pub queue_age: Family<LaneLabels, Gauge<f64, AtomicU64>>,
+    /// Reviews on the lane.
+    pub queue_depth: Family<LaneLabels, Gauge>,
     region: String,
     /// Provider answers by quota scope and outcome class.
     pub upstream: Family<ScopeOutcome, Counter>,
@@ -34,7 +48,19 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn register(registry: &mut Registry, region: &str) -> Metrics {
-        let m = Metrics { region: region.to_string(), upstream: Family::default(), hints_capped: Family::default() };
+        let m = Metrics {
+            queue_age: Family::default(),
+            queue_depth: Family::default(),
+            region: region.to_string(),
+            upstream: Family::default(),
+            hints_capped: Family::default(),
+        };
+        registry.register(
+            "reviewlane_queue_age_seconds",
+            "Age of the oldest review on the lane, including ones waiting out a retry delay",
+            m.queue_age.clone(),
+        );
+        registry.register("reviewlane_queue_depth", "Reviews on the lane", m.queue_depth.clone());
         registry.register(
             "reviewlane_upstream_responses",
             "Provider answers by quota scope and outcome class",
@@ -58,6 +84,12 @@ impl Metrics {
                 outcome: outcome.to_string(),
             })
             .inc();
+    }
+
+    pub fn lane(&self, lane: &str, age_secs: f64, depth: i64) {
+        let labels = LaneLabels { region: self.region.clone(), lane: lane.to_string() };
+        self.queue_age.get_or_create(&labels).set(age_secs);
+        self.queue_depth.get_or_create(&labels).set(depth);
     }
 
     pub fn hint_capped(&self) {

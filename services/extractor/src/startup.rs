@@ -157,6 +157,12 @@ impl App {
             self.config.interactive_wait_limit,
             stop.clone(),
         ));
+        let lanes = tokio::spawn(sample_lanes(
+            async_nats::jetstream::new(self.client.clone()),
+            self.config.region,
+            self.worker.metrics.clone(),
+            stop.clone(),
+        ));
         let mut handles = Vec::new();
         for (l, weight) in self.loops {
             let span = tracing::info_span!("lane", region = %self.config.region, lane = l.lane.as_str(), tenant = %l.scope.tenant);
@@ -196,6 +202,7 @@ impl App {
             let _ = h.await;
         }
         let _ = monitor.await;
+        let _ = lanes.await;
         let _ = admin.await;
         tasks.close();
         if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {
@@ -206,6 +213,33 @@ impl App {
         self.client.drain().await?;
         tracing::info!("extractor stopped");
         Ok(())
+    }
+}
+
+/// Queue age and depth of the region's lanes, from stream metadata (the oldest message
+/// of a work-queue stream is the oldest review not yet done), every second.
+async fn sample_lanes(
+    js: async_nats::jetstream::Context,
+    region: reviewlane_shared::Region,
+    metrics: crate::metrics::Metrics,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
+        for lane in Lane::ALL {
+            let Ok(mut stream) = js.get_stream(layout::lane_stream(region, lane)).await else { continue };
+            let Ok(info) = stream.info().await else { continue };
+            let state = &info.state;
+            let age = if state.messages == 0 {
+                0.0
+            } else {
+                let oldest = state.first_timestamp.unix_timestamp_nanos() as f64 / 1e9;
+                let now = reviewlane_shared::telemetry::now_ms() as f64 / 1000.0;
+                (now - oldest).max(0.0)
+            };
+            metrics.lane(lane.as_str(), age, state.messages as i64);
+        }
     }
 }
 
