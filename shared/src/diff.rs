@@ -79,10 +79,6 @@ impl Diff {
                 .flat_map(move |h| h.lines.iter().filter(|l| l.kind == LineKind::Added).map(move |l| (f, h, l)))
         })
     }
-
-    pub fn hunk_count(&self) -> usize {
-        self.files.iter().map(|f| f.hunks.len()).sum()
-    }
 }
 
 impl FileDiff {

@@ -1,12 +1,10 @@
 //! Pulling from JetStream: `pull` (one request, with backoff after failures), used by
-//! both workers, and `pull_loop`, the publisher's slot-bounded loop.
+//! both workers, and `pull_loop`, the publisher's loop.
 //!
-//! No slot is held during a long-poll: several loops (one per lane) share the slots, and
-//! an idle lane must not park capacity another lane needs. A loop waits until a slot is
-//! free, asks for at most as many messages as slots are free, and takes a slot per
-//! message as it arrives. A message that finds no free slot (another lane took it
-//! meanwhile) is handed back at once (nak without delay), so nothing sits leased
-//! without a worker.
+//! `pull_loop` holds no slot during a long-poll: it waits until a slot is free, asks
+//! for at most as many messages as slots are free, and takes a slot per message as it
+//! arrives. A message that finds no free slot is handed back at once (nak without
+//! delay), so nothing sits leased without a worker.
 
 use std::future::Future;
 use std::sync::Arc;

@@ -125,11 +125,7 @@ pub async fn build_with_provider(
 }
 
 impl App {
-    pub fn worker(&self) -> Arc<Worker> {
-        self.worker.clone()
-    }
-
-    /// Where `/metrics` and `/healthz` are served.
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
     pub fn admin_addr(&self) -> std::net::SocketAddr {
         self.admin.local_addr()
     }
@@ -252,7 +248,9 @@ async fn watch_interactive_backlog(
     stop: CancellationToken,
 ) {
     let mut waiting_since: Option<Instant> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    // One consumer-info request per interactive tenant a tick: a second is fine grain
+    // against a threshold of seconds.
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
         let mut pending = 0u64;

@@ -50,10 +50,6 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
 }
 
 impl App {
-    pub fn worker(&self) -> Arc<Worker> {
-        self.worker.clone()
-    }
-
     /// Where `/metrics`, `/healthz` and `/readyz` are served.
     pub fn admin_addr(&self) -> std::net::SocketAddr {
         self.admin.local_addr()
