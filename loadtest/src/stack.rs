@@ -178,7 +178,7 @@ impl Stack {
             nats_urls: [(Region::Us, us.nats.url().to_string()), (Region::Eu, eu.nats.url().to_string())].into(),
             max_diff_bytes: opts.max_diff_bytes,
             shutdown_grace: Duration::from_secs(2),
-            log_json: false,
+            telemetry: Default::default(),
             interactive: opts.interactive_policy.map(|p| p.0).unwrap_or(IngressConfig::default_policies().0),
             batch: IngressConfig::default_policies().1,
             admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
@@ -424,7 +424,7 @@ pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool
 
 pub fn init_test_log() {
     if std::env::var_os("TEST_LOG").is_some() {
-        reviewlane_shared::telemetry::init(false);
+        reviewlane_shared::testing::capture();
     }
 }
 

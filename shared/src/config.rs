@@ -111,6 +111,19 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Each lane's service window (its SLO for submit-to-published):
+    /// `REVIEWLANE_INTERACTIVE_WINDOW_SECS` (60) and `REVIEWLANE_BATCH_WINDOW_SECS`
+    /// (3600), indexed like `Lane::ALL`. Admission, the latency buckets and the
+    /// queue-age alerts all use these.
+    pub fn lane_windows(&mut self) -> [std::time::Duration; 2] {
+        let i: u64 = self.or("REVIEWLANE_INTERACTIVE_WINDOW_SECS", 60, "whole seconds");
+        let b: u64 = self.or("REVIEWLANE_BATCH_WINDOW_SECS", 3600, "whole seconds");
+        if i == 0 || b == 0 {
+            self.error("lane windows (REVIEWLANE_*_WINDOW_SECS) must be positive");
+        }
+        [std::time::Duration::from_secs(i), std::time::Duration::from_secs(b)]
+    }
+
     /// Records a problem found by a cross-field check.
     pub fn error(&mut self, msg: impl Into<String>) {
         self.errors.push(msg.into());

@@ -83,6 +83,15 @@ pub enum ReviewDepth {
     ChangedHunks,
 }
 
+impl ReviewDepth {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReviewDepth::Full => "full",
+            ReviewDepth::ChangedHunks => "changed_hunks",
+        }
+    }
+}
+
 /// Which retry budget an attempt spends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -10,6 +10,7 @@ pub mod diff;
 pub mod findings;
 pub mod job;
 pub mod job_id;
+pub mod job_metrics;
 pub mod job_store;
 pub mod layout;
 pub mod messages;

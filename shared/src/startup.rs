@@ -95,7 +95,7 @@ pub async fn connect_region(
 pub async fn run_service<C, A, B, R>(
     name: &str,
     config: Result<C, ConfigErrors>,
-    log_json: impl FnOnce(&C) -> bool,
+    telemetry: impl FnOnce(&C) -> crate::telemetry::TelemetryConfig,
     build: impl FnOnce(C) -> B,
     run: impl FnOnce(A, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> R,
 ) -> std::process::ExitCode
@@ -111,7 +111,7 @@ where
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
-    crate::telemetry::init(log_json(&config));
+    let telemetry = crate::telemetry::init(service_name(name), &telemetry(&config));
     let app = match build(config).await {
         Ok(app) => app,
         Err(e) => {
@@ -120,12 +120,24 @@ where
             return ExitCode::from(e.exit_code() as u8);
         }
     };
-    match run(app, Box::pin(shutdown_signal())).await {
+    let code = match run(app, Box::pin(shutdown_signal())).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "stopped with an error");
             ExitCode::FAILURE
         }
+    };
+    telemetry.shutdown();
+    code
+}
+
+/// The OpenTelemetry `service.name` of a binary.
+fn service_name(name: &str) -> &'static str {
+    match name {
+        "reviewlane-ingress" => "reviewlane-ingress",
+        "reviewlane-extractor" => "reviewlane-extractor",
+        "reviewlane-publisher" => "reviewlane-publisher",
+        _ => "reviewlane",
     }
 }
 

@@ -30,6 +30,16 @@ pub enum SinkConfig {
     File { path: PathBuf },
 }
 
+impl SinkConfig {
+    /// `webhook` or `file`: what a span may say about a sink (never its URL or path).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SinkConfig::Webhook { .. } => "webhook",
+            SinkConfig::File { .. } => "file",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tenant {

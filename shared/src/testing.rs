@@ -94,3 +94,53 @@ impl Drop for NatsServer {
         self.kill();
     }
 }
+
+/// Everything the process's telemetry emitted: JSON log lines and finished spans. One
+/// per test process (the subscriber is global); tests filter by job id.
+pub struct Captured {
+    logs: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    pub spans: opentelemetry_sdk::trace::InMemorySpanExporter,
+}
+
+impl Captured {
+    /// The JSON log lines written so far.
+    pub fn log_text(&self) -> String {
+        String::from_utf8_lossy(&self.logs.lock().expect("log buffer")).into_owned()
+    }
+}
+
+#[derive(Clone)]
+struct CaptureWriter(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for CaptureWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("log buffer").extend_from_slice(b);
+        if std::env::var_os("TEST_LOG").is_some() {
+            let _ = std::io::stderr().write_all(b);
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Installs (once) the services' subscriber with JSON logs into memory at debug level
+/// and spans into an in-memory exporter. Mirrored to stderr when `TEST_LOG` is set.
+pub fn capture() -> &'static Captured {
+    static CAPTURED: std::sync::OnceLock<Captured> = std::sync::OnceLock::new();
+    CAPTURED.get_or_init(|| {
+        let spans = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().with_simple_exporter(spans.clone()).build();
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let writer = CaptureWriter(logs.clone());
+        let filter = tracing_subscriber::EnvFilter::new(
+            "info,reviewlane_shared=debug,reviewlane_ingress=debug,reviewlane_extractor=debug,reviewlane_publisher=debug",
+        );
+        let sub = crate::telemetry::subscriber(filter, crate::telemetry::LogFormat::Json, move || writer.clone(), &provider);
+        let _ = tracing::subscriber::set_global_default(sub);
+        // The provider lives as long as the process: spans end into `spans`.
+        std::mem::forget(provider);
+        Captured { logs, spans }
+    })
+}

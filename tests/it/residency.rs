@@ -100,7 +100,7 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
         nats_urls: [(Region::Us, eu.url().to_string())].into(),
         max_diff_bytes: 1024,
         shutdown_grace: Duration::from_secs(1),
-        log_json: false,
+        telemetry: Default::default(),
         interactive: reviewlane_ingress::IngressConfig::default_policies().0,
         batch: reviewlane_ingress::IngressConfig::default_policies().1,
         admission_sample: Duration::from_secs(1),

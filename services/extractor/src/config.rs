@@ -88,7 +88,11 @@ pub struct ExtractorConfig {
     /// Longest provider retry hint honoured; longer ones are cut to this and counted.
     pub hint_ceiling: Duration,
     pub shutdown_grace: Duration,
-    pub log_json: bool,
+    /// Reuse validated results of identical reviews (`CACHE_<R>`).
+    pub result_cache: bool,
+    /// Each lane's service window, exported as `reviewlane_lane_slo_seconds`.
+    pub lane_windows: [Duration; 2],
+    pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
 }
 
 impl ExtractorConfig {
@@ -118,7 +122,9 @@ impl ExtractorConfig {
             batch_backoff: Backoff::default(),
             hint_ceiling: Duration::from_secs(300),
             shutdown_grace: Duration::from_secs(20),
-            log_json: false,
+            result_cache: true,
+            lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
+            telemetry: Default::default(),
         }
     }
 
@@ -190,7 +196,16 @@ impl ExtractorConfig {
         let batch_cap_s: u64 = r.or("REVIEWLANE_BATCH_BACKOFF_CAP_SECS", cap_s, "whole seconds");
         let ceiling: u64 = r.or("REVIEWLANE_HINT_CEILING_SECS", 300, "whole seconds");
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
-        let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
+        let result_cache = match r.raw("REVIEWLANE_RESULT_CACHE").as_deref() {
+            None | Some("on") => true,
+            Some("off") => false,
+            Some(_) => {
+                r.error("REVIEWLANE_RESULT_CACHE must be `on` or `off`");
+                true
+            }
+        };
+        let lane_windows = r.lane_windows();
+        let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         r.finish()?;
         let provider = provider.expect("checked");
         let model_class = model_class.unwrap_or_else(|| match &provider {
@@ -225,7 +240,9 @@ impl ExtractorConfig {
             },
             hint_ceiling: Duration::from_secs(ceiling),
             shutdown_grace: Duration::from_secs(grace),
-            log_json,
+            result_cache,
+            lane_windows,
+            telemetry,
         })
     }
 }

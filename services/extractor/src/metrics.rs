@@ -1,15 +1,30 @@
-//! The extractor's metric families, registered in one place. Labels: region, provider,
-//! model class and tenant (from config) and closed outcome sets — never content.
+//! The extractor's metric families, registered in one place. Labels: region, lane,
+//! provider, model class, tenant (from config), schema version (known versions only)
+//! and closed outcome/reason sets — never content.
 
 use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use reviewlane_shared::job::{Budget, TerminalReason};
+use reviewlane_shared::job_metrics::TerminalJobs;
+use reviewlane_shared::region::{Lane, Region};
 
 use crate::quota::Scope;
+use crate::upstream::Usage;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScopeLabels {
+    pub region: String,
+    pub provider: String,
+    pub model_class: String,
+    pub tenant: String,
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ScopeOutcome {
@@ -32,28 +47,94 @@ pub struct LaneLabels {
     pub lane: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabels {
+    pub region: String,
+    pub provider: String,
+    /// `2xx`, `4xx`, `429`, `5xx`, `timeout`, `connect`.
+    pub status_class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub region: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ValidationLabels {
+    pub region: String,
+    pub schema_version: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheLabels {
+    pub region: String,
+    /// `hit`, `miss`.
+    pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenLabels {
+    pub region: String,
+    pub tenant: String,
+    /// `in`, `out`.
+    pub direction: String,
+}
+
 #[derive(Clone)]
 pub struct Metrics {
+    region: Region,
     /// Age of the oldest review on the lane (waiting, being processed, or waiting out
     /// a retry delay), from stream metadata.
     pub queue_age: Family<LaneLabels, Gauge<f64, AtomicU64>>,
     /// Reviews on the lane.
     pub queue_depth: Family<LaneLabels, Gauge>,
-    region: String,
+    /// The lane's service window (SLO), for dashboards and alerts to compare against.
+    pub lane_slo: Family<LaneLabels, Gauge<f64, AtomicU64>>,
     /// Provider answers by quota scope and outcome class.
     pub upstream: Family<ScopeOutcome, Counter>,
+    pub upstream_duration: Family<StatusLabels, Histogram>,
+    /// Calls running and the calls this replica may run, by quota scope.
+    pub scope_in_flight: Family<ScopeLabels, Gauge>,
+    pub scope_limit: Family<ScopeLabels, Gauge>,
     /// Retry hints above the ceiling, rescheduled at the ceiling.
     pub hints_capped: Family<RegionLabel, Counter>,
+    pub retry_delay: Family<ReasonLabels, Histogram>,
+    pub attempts: Family<LaneLabels, Histogram>,
+    pub validation_failures: Family<ValidationLabels, Counter>,
+    pub quarantined: Family<ReasonLabels, Counter>,
+    pub findings: Family<RegionLabel, Counter>,
+    pub cache: Family<CacheLabels, Counter>,
+    pub tokens: Family<TokenLabels, Counter>,
+    pub terminal: TerminalJobs,
 }
 
 impl Metrics {
-    pub fn register(registry: &mut Registry, region: &str) -> Metrics {
+    pub fn register(registry: &mut Registry, region: Region) -> Metrics {
         let m = Metrics {
+            region,
             queue_age: Family::default(),
             queue_depth: Family::default(),
-            region: region.to_string(),
+            lane_slo: Family::default(),
             upstream: Family::default(),
+            upstream_duration: Family::new_with_constructor(|| {
+                Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0])
+            }),
+            scope_in_flight: Family::default(),
+            scope_limit: Family::default(),
             hints_capped: Family::default(),
+            retry_delay: Family::new_with_constructor(|| {
+                Histogram::new([0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0])
+            }),
+            attempts: Family::new_with_constructor(|| Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0])),
+            validation_failures: Family::default(),
+            quarantined: Family::default(),
+            findings: Family::default(),
+            cache: Family::default(),
+            tokens: Family::default(),
+            terminal: TerminalJobs::register(registry),
         };
         registry.register(
             "reviewlane_queue_age_seconds",
@@ -62,37 +143,163 @@ impl Metrics {
         );
         registry.register("reviewlane_queue_depth", "Reviews on the lane", m.queue_depth.clone());
         registry.register(
+            "reviewlane_lane_slo_seconds",
+            "The lane's service window: a review should be published within it",
+            m.lane_slo.clone(),
+        );
+        registry.register(
             "reviewlane_upstream_responses",
-            "Provider answers by quota scope and outcome class",
+            "Provider answers by quota scope and outcome class (rate_limited = 429)",
             m.upstream.clone(),
+        );
+        registry.register(
+            "reviewlane_upstream_request_duration_seconds",
+            "Provider call duration by status class",
+            m.upstream_duration.clone(),
+        );
+        registry.register(
+            "reviewlane_scope_in_flight",
+            "Provider calls running on this replica, by quota scope",
+            m.scope_in_flight.clone(),
+        );
+        registry.register(
+            "reviewlane_scope_limit",
+            "Provider calls this replica may run now (its share of the scope's window), by quota scope",
+            m.scope_limit.clone(),
         );
         registry.register(
             "reviewlane_retry_hints_capped",
             "Provider retry hints above the ceiling (rescheduled at the ceiling)",
             m.hints_capped.clone(),
         );
+        registry.register(
+            "reviewlane_retry_delay_seconds",
+            "Delay of each scheduled retry, by the budget it spends",
+            m.retry_delay.clone(),
+        );
+        registry.register(
+            "reviewlane_job_attempts",
+            "Provider calls per job that reached a result or ended",
+            m.attempts.clone(),
+        );
+        registry.register(
+            "reviewlane_validation_failures",
+            "Provider outputs that failed validation, by schema version and reason",
+            m.validation_failures.clone(),
+        );
+        registry.register(
+            "reviewlane_findings_quarantined",
+            "Findings withheld from delivery, by reason",
+            m.quarantined.clone(),
+        );
+        registry.register("reviewlane_findings", "Findings validated for delivery", m.findings.clone());
+        registry.register("reviewlane_result_cache", "Result cache look-ups by result", m.cache.clone());
+        registry.register("reviewlane_tokens", "Provider tokens by tenant and direction", m.tokens.clone());
         m
     }
 
-    pub fn upstream(&self, scope: &Scope, outcome: &str) {
+    fn scope_labels(&self, scope: &Scope) -> ScopeLabels {
+        ScopeLabels {
+            region: self.region.as_str().into(),
+            provider: scope.provider.clone(),
+            model_class: scope.model_class.clone(),
+            tenant: scope.tenant.clone(),
+        }
+    }
+
+    pub fn upstream(&self, scope: &Scope, outcome: &str, status_class: &str, took: Duration) {
         self.upstream
             .get_or_create(&ScopeOutcome {
-                region: self.region.clone(),
+                region: self.region.as_str().into(),
                 provider: scope.provider.clone(),
                 model_class: scope.model_class.clone(),
                 tenant: scope.tenant.clone(),
                 outcome: outcome.to_string(),
             })
             .inc();
+        self.upstream_duration
+            .get_or_create(&StatusLabels {
+                region: self.region.as_str().into(),
+                provider: scope.provider.clone(),
+                status_class: status_class.into(),
+            })
+            .observe(took.as_secs_f64());
     }
 
-    pub fn lane(&self, lane: &str, age_secs: f64, depth: i64) {
-        let labels = LaneLabels { region: self.region.clone(), lane: lane.to_string() };
+    pub fn scope(&self, scope: &Scope, in_flight: u32, limit: u32) {
+        let labels = self.scope_labels(scope);
+        self.scope_in_flight.get_or_create(&labels).set(in_flight as i64);
+        self.scope_limit.get_or_create(&labels).set(limit as i64);
+    }
+
+    fn lane_labels(&self, lane: Lane) -> LaneLabels {
+        LaneLabels { region: self.region.as_str().into(), lane: lane.as_str().into() }
+    }
+
+    pub fn lane(&self, lane: Lane, age_secs: f64, depth: i64) {
+        let labels = self.lane_labels(lane);
         self.queue_age.get_or_create(&labels).set(age_secs);
         self.queue_depth.get_or_create(&labels).set(depth);
     }
 
+    pub fn slo(&self, lane: Lane, window: Duration) {
+        self.lane_slo.get_or_create(&self.lane_labels(lane)).set(window.as_secs_f64());
+    }
+
     pub fn hint_capped(&self) {
-        self.hints_capped.get_or_create(&RegionLabel { region: self.region.clone() }).inc();
+        self.hints_capped.get_or_create(&RegionLabel { region: self.region.as_str().into() }).inc();
+    }
+
+    pub fn retry(&self, budget: Budget, delay: Duration) {
+        self.retry_delay
+            .get_or_create(&ReasonLabels { region: self.region.as_str().into(), reason: budget.as_str().into() })
+            .observe(delay.as_secs_f64());
+    }
+
+    /// A job reached a result or ended after `calls` provider calls.
+    pub fn finished(&self, lane: Lane, calls: u32, terminal: Option<TerminalReason>) {
+        self.attempts.get_or_create(&self.lane_labels(lane)).observe(calls as f64);
+        if let Some(reason) = terminal {
+            self.terminal.inc(self.region, lane, reason);
+        }
+    }
+
+    pub fn invalid_output(&self, schema_version: &str, reason: &str) {
+        // Only known versions reach the extractor (the ingress refuses others).
+        let schema_version =
+            if reviewlane_shared::findings::is_known_schema(schema_version) { schema_version } else { "unknown" };
+        self.validation_failures
+            .get_or_create(&ValidationLabels {
+                region: self.region.as_str().into(),
+                schema_version: schema_version.into(),
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    pub fn validated(&self, findings: usize, quarantined: impl Iterator<Item = &'static str>) {
+        self.findings.get_or_create(&RegionLabel { region: self.region.as_str().into() }).inc_by(findings as u64);
+        for reason in quarantined {
+            self.quarantined
+                .get_or_create(&ReasonLabels { region: self.region.as_str().into(), reason: reason.into() })
+                .inc();
+        }
+    }
+
+    pub fn cache(&self, hit: bool) {
+        let result = if hit { "hit" } else { "miss" };
+        self.cache.get_or_create(&CacheLabels { region: self.region.as_str().into(), result: result.into() }).inc();
+    }
+
+    pub fn tokens(&self, tenant: &str, usage: Usage) {
+        for (direction, n) in [("in", usage.input), ("out", usage.output)] {
+            self.tokens
+                .get_or_create(&TokenLabels {
+                    region: self.region.as_str().into(),
+                    tenant: tenant.into(),
+                    direction: direction.into(),
+                })
+                .inc_by(n);
+        }
     }
 }

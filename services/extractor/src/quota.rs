@@ -359,6 +359,11 @@ impl Quota {
         st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).allowed(my_share)
     }
 
+    /// Calls running in `scope` on this replica.
+    pub fn in_flight(&self, scope: &Scope) -> u32 {
+        self.state.lock().expect("quota lock").in_flight.get(&scope.token()).copied().unwrap_or(0)
+    }
+
     /// Whether a call in `scope` could start now (not paused, under the allowance).
     pub fn has_room(&self, scope: &Scope) -> bool {
         if self.paused_for(scope).is_some() {

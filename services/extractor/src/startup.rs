@@ -33,6 +33,8 @@ pub struct App {
     client: async_nats::Client,
     worker: Arc<Worker>,
     loops: Vec<(LaneLoop, u32)>,
+    /// One quota scope per tenant of the region.
+    scopes: Vec<Scope>,
     quota: Quota,
     config: ExtractorConfig,
 }
@@ -98,7 +100,10 @@ pub async fn build_with_provider(
         tracing::warn!(region = %config.region, "no tenant of this region in the tenants file: nothing to serve");
     }
     let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry, config.region.as_str());
+    let metrics = Metrics::register(&mut registry, config.region);
+    for (lane, window) in Lane::ALL.into_iter().zip(config.lane_windows) {
+        metrics.slo(lane, window);
+    }
     let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let quota = Quota::new(
         conn.layout.quota.clone(),
@@ -108,8 +113,10 @@ pub async fn build_with_provider(
         config.heartbeat,
         config.probe_every,
     );
+    let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
     let worker = Arc::new(Worker {
         region: config.region,
+        cache: config.result_cache.then(|| conn.layout.cache.clone()),
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
         layout: conn.layout,
         provider,
@@ -121,7 +128,7 @@ pub async fn build_with_provider(
         lease: config.lease,
         provider_timeout: config.provider_timeout,
     });
-    Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, loops, quota, config })
+    Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, loops, scopes, quota, config })
 }
 
 impl App {
@@ -153,10 +160,12 @@ impl App {
             self.config.interactive_wait_limit,
             stop.clone(),
         ));
-        let lanes = tokio::spawn(sample_lanes(
+        let lanes = tokio::spawn(sample(
             async_nats::jetstream::new(self.client.clone()),
             self.config.region,
             self.worker.metrics.clone(),
+            self.quota.clone(),
+            self.scopes.clone(),
             stop.clone(),
         ));
         let mut handles = Vec::new();
@@ -212,17 +221,23 @@ impl App {
     }
 }
 
-/// Queue age and depth of the region's lanes, from stream metadata (the oldest message
-/// of a work-queue stream is the oldest review not yet done), every second.
-async fn sample_lanes(
+/// Every second: queue age and depth of the region's lanes, from stream metadata (the
+/// oldest message of a work-queue stream is the oldest review not yet done), and each
+/// quota scope's calls in flight against this replica's current limit.
+async fn sample(
     js: async_nats::jetstream::Context,
     region: reviewlane_shared::Region,
     metrics: crate::metrics::Metrics,
+    quota: Quota,
+    scopes: Vec<Scope>,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
+        for scope in &scopes {
+            metrics.scope(scope, quota.in_flight(scope), quota.allowance(scope));
+        }
         for lane in Lane::ALL {
             let Ok(mut stream) = js.get_stream(layout::lane_stream(region, lane)).await else { continue };
             let Ok(info) = stream.info().await else { continue };
@@ -234,7 +249,7 @@ async fn sample_lanes(
                 let now = reviewlane_shared::telemetry::now_ms() as f64 / 1000.0;
                 (now - oldest).max(0.0)
             };
-            metrics.lane(lane.as_str(), age, state.messages as i64);
+            metrics.lane(lane, age, state.messages as i64);
         }
     }
 }

@@ -13,8 +13,8 @@ use crate::retry_hint::{headroom_pause, retry_hint};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamOutcome {
     /// 2xx with the model's output text; `slow_down` when a rate-limit dimension is
-    /// empty, so the scope pauses before a 429.
-    Ok { output: String, slow_down: Option<Duration> },
+    /// empty, so the scope pauses before a 429; the tokens billed, when reported.
+    Ok { output: String, slow_down: Option<Duration>, usage: Option<Usage> },
     /// 429 rate limit: retry after the provider's hint (cut to the ceiling, `capped`),
     /// else backoff.
     RateLimited { retry_after: Option<Duration>, capped: bool },
@@ -24,6 +24,13 @@ pub enum UpstreamOutcome {
     Transient { status_class: &'static str },
     /// Other 4xx (auth, bad request): never retried.
     Permanent { status: u16 },
+}
+
+/// Tokens a call consumed, as the provider reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub input: u64,
+    pub output: u64,
 }
 
 impl UpstreamOutcome {
@@ -45,6 +52,7 @@ pub fn classify(status: u16, headers: &HeaderMap, body: &[u8], now: SystemTime, 
         200..=299 => UpstreamOutcome::Ok {
             output: chat_output(body).unwrap_or_default(),
             slow_down: headroom_pause(headers, now, ceiling),
+            usage: usage(body),
         },
         429 if is_insufficient_quota(body) => UpstreamOutcome::QuotaExhausted,
         429 => {
@@ -61,6 +69,13 @@ pub fn classify(status: u16, headers: &HeaderMap, body: &[u8], now: SystemTime, 
 fn chat_output(body: &[u8]) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
     v["choices"][0]["message"]["content"].as_str().map(str::to_string)
+}
+
+/// `usage.prompt_tokens` / `usage.completion_tokens` of a chat completion.
+fn usage(body: &[u8]) -> Option<Usage> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let u = &v["usage"];
+    Some(Usage { input: u["prompt_tokens"].as_u64()?, output: u["completion_tokens"].as_u64()? })
 }
 
 fn is_insufficient_quota(body: &[u8]) -> bool {
@@ -120,8 +135,12 @@ mod tests {
     fn classifies_by_status() {
         let h = HeaderMap::new();
         let ok = br#"{"choices":[{"message":{"content":"{\"findings\":[]}"}}]}"#;
-        assert_eq!(classify(200, &h, ok), UpstreamOutcome::Ok { output: "{\"findings\":[]}".into(), slow_down: None });
-        assert_eq!(classify(200, &h, b"garbage"), UpstreamOutcome::Ok { output: String::new(), slow_down: None });
+        let out = |output: &str, usage| UpstreamOutcome::Ok { output: output.into(), slow_down: None, usage };
+        assert_eq!(classify(200, &h, ok), out("{\"findings\":[]}", None));
+        assert_eq!(classify(200, &h, b"garbage"), out("", None));
+        let billed =
+            br#"{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":120,"completion_tokens":7}}"#;
+        assert_eq!(classify(200, &h, billed), out("x", Some(Usage { input: 120, output: 7 })));
         assert_eq!(classify(429, &h, b"{}"), UpstreamOutcome::RateLimited { retry_after: None, capped: false });
         assert_eq!(
             classify(429, &headers(&[("retry-after", "2")]), b"{}"),

@@ -15,7 +15,8 @@ use reviewlane_shared::messages::{FindingsMessage, ReviewMessage};
 use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
 use tokio_util::sync::CancellationToken;
-use tracing::instrument;
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
 
 use crate::config::Budgets;
 use crate::metrics::Metrics;
@@ -56,6 +57,9 @@ pub struct Worker {
     pub backoff: [Backoff; 2],
     pub lease: Duration,
     pub provider_timeout: Duration,
+    /// `CACHE_<R>`: validated results by (tenant, diff, schema, depth, provider,
+    /// model, prompt version); `None` when the cache is off.
+    pub cache: Option<async_nats::jetstream::kv::Store>,
 }
 
 enum CallEnd {
@@ -73,8 +77,39 @@ impl Worker {
     /// Processes one admitted message (it holds a call slot and its scope's allowance
     /// until this returns). `abort` fires when the shutdown grace is over: a call still
     /// running is abandoned and the message handed back at once.
-    #[instrument(skip_all, fields(job_id = tracing::field::Empty, region = %self.region, provider = self.provider.name(), tenant = %admitted.scope.tenant))]
+    ///
+    /// Runs in a `process` span whose parent is the `enqueue` span of the ingress (the
+    /// message's `traceparent`), so each delivery of a job joins the job's trace.
     pub async fn process_one(&self, admitted: Admitted, abort: &CancellationToken) -> Outcome {
+        let delivered = admitted.msg.info().map(|i| i.delivered).unwrap_or(1);
+        let span = tracing::info_span!(
+            parent: None,
+            "process",
+            otel.name = "process review",
+            otel.kind = "consumer",
+            messaging.system = "nats",
+            messaging.operation.type = "process",
+            messaging.destination.name = %admitted.msg.subject,
+            messaging.nats.delivered = delivered,
+            job_id = Empty,
+            tenant = %admitted.scope.tenant,
+            region = %self.region,
+            lane = Empty,
+            schema_version = Empty,
+            review_depth = Empty,
+            provider = self.provider.name(),
+            outcome = Empty,
+        );
+        reviewlane_shared::telemetry::set_remote_parent(
+            &span,
+            reviewlane_shared::telemetry::parent_from_nats(admitted.msg.headers.as_ref()),
+        );
+        let outcome = self.process(admitted, abort).instrument(span.clone()).await;
+        span.record("outcome", outcome.as_str());
+        outcome
+    }
+
+    async fn process(&self, admitted: Admitted, abort: &CancellationToken) -> Outcome {
         let Admitted { msg, scope, slot: _slot, running: _running } = admitted;
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
             Ok(r) => r,
@@ -84,7 +119,11 @@ impl Worker {
                 return Outcome::Skipped;
             }
         };
-        tracing::Span::current().record("job_id", review.job_id.as_str());
+        Span::current()
+            .record("job_id", review.job_id.as_str())
+            .record("lane", review.lane.as_str())
+            .record("schema_version", review.schema_version.as_str())
+            .record("review_depth", review.review_depth.as_str());
         if review.region != self.region {
             // Cannot happen through our subjects; refuse rather than process.
             tracing::error!(message_region = %review.region, "message of another region on this lane");
@@ -137,10 +176,30 @@ impl Worker {
             _ => {}
         }
 
+        // The same review was answered before: no call, no cost.
+        let cache_key = self.cache_key(review, scope);
+        if let Some(hit) = self.cached(&cache_key).await {
+            let leased = Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 };
+            match self.jobs.apply(id, &leased).await {
+                Ok(rec) => {
+                    tracing::info!("result cache hit");
+                    let outcome = self.complete(msg, review, hit).await?;
+                    self.metrics.finished(review.lane, rec.attempts.leases.saturating_sub(1), None);
+                    return Ok(outcome);
+                }
+                Err(StoreError::Transition(..)) => {
+                    settle(msg, AckKind::Ack).await;
+                    return Ok(Outcome::Skipped);
+                }
+                Err(e) => return Err(e),
+            }
+        }
         // The provider account is out of money: end the job without paying for a call.
         if self.quota.circuit_open(scope) {
             return self.terminate(msg, review, TerminalReason::InsufficientQuota, None).await;
         }
+        // Time the job waited while eligible: since submit, or since its retry delay ended.
+        let eligible_at_ms = rec.next_eligible_at_ms.unwrap_or(rec.created_at_ms);
         let leased =
             self.jobs.apply(id, &Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 }).await;
         let rec = match leased {
@@ -168,7 +227,24 @@ impl Worker {
             review_depth: review.review_depth,
         };
         let call_started_ms = now_ms();
-        let upstream = match self.call_with_lease(msg, &req, abort).await? {
+        let attempt = tracing::info_span!(
+            "provider.attempt",
+            otel.kind = "client",
+            attempt = rec.attempts.leases,
+            provider = self.provider.name(),
+            model_class = %scope.model_class,
+            queue_wait_ms = call_started_ms.saturating_sub(eligible_at_ms),
+            outcome = Empty,
+            status_class = Empty,
+            budget = Empty,
+            budget_remaining = Empty,
+            duration_ms = Empty,
+        );
+        let started = std::time::Instant::now();
+        let call = self.call_with_lease(msg, &req, abort).instrument(attempt.clone()).await?;
+        let took = started.elapsed();
+        attempt.record("duration_ms", took.as_millis() as u64);
+        let upstream = match call {
             CallEnd::Answered(u) => u,
             CallEnd::Aborted => {
                 tracing::info!("shutdown grace over; handing the message back");
@@ -183,29 +259,72 @@ impl Worker {
             }
         };
         let status = Some(upstream.status_class().to_string());
-        self.metrics.upstream(
-            scope,
-            match &upstream {
-                UpstreamOutcome::Ok { .. } => "ok",
-                UpstreamOutcome::RateLimited { .. } => "rate_limited",
-                UpstreamOutcome::QuotaExhausted => "insufficient_quota",
-                UpstreamOutcome::Transient { .. } => "transient",
-                UpstreamOutcome::Permanent { .. } => "rejected",
-            },
-        );
-        tracing::info!(outcome = upstream.status_class(), attempt = rec.attempts.leases, "provider answered");
+        let outcome_class = match &upstream {
+            UpstreamOutcome::Ok { .. } => "ok",
+            UpstreamOutcome::RateLimited { .. } => "rate_limited",
+            UpstreamOutcome::QuotaExhausted => "insufficient_quota",
+            UpstreamOutcome::Transient { .. } => "transient",
+            UpstreamOutcome::Permanent { .. } => "rejected",
+        };
+        self.metrics.upstream(scope, outcome_class, upstream.status_class(), took);
+        attempt.record("outcome", outcome_class).record("status_class", upstream.status_class());
+        attempt.in_scope(|| {
+            tracing::info!(outcome = outcome_class, status_class = upstream.status_class(), "provider answered")
+        });
+        let budget_of = |b: Budget| (b, self.allowed(b).saturating_sub(rec.attempts.get(b) + 1));
+        let charged = match &upstream {
+            UpstreamOutcome::RateLimited { .. } => Some(budget_of(Budget::Congestion)),
+            UpstreamOutcome::Transient { .. } => Some(budget_of(Budget::Transient)),
+            _ => None,
+        };
+        if let Some((b, left)) = charged {
+            attempt.record("budget", b.as_str()).record("budget_remaining", left);
+        }
         match upstream {
-            UpstreamOutcome::Ok { output, slow_down } => {
+            UpstreamOutcome::Ok { output, slow_down, usage } => {
                 self.quota.succeeded(scope);
+                if let Some(u) = usage {
+                    self.metrics.tokens(&review.tenant, u);
+                }
                 if let Some(d) = slow_down
                     && let Err(e) = self.quota.pause(scope, d).await
                 {
                     tracing::warn!(error = %e, "recording a headroom pause failed");
                 }
-                match findings::validate(&review.schema_version, &output, &parsed) {
-                    Ok(validated) => self.complete(msg, review, validated).await,
+                let checked = {
+                    let span = tracing::info_span!(
+                        "validate",
+                        schema_version = %review.schema_version,
+                        result = Empty,
+                        findings = Empty,
+                        quarantined = Empty,
+                    );
+                    let _enter = span.enter();
+                    let checked = findings::validate(&review.schema_version, &output, &parsed);
+                    match &checked {
+                        Ok(v) => {
+                            span.record("result", "valid")
+                                .record("findings", v.findings.len())
+                                .record("quarantined", v.quarantined.len());
+                        }
+                        Err(invalid) => {
+                            span.record("result", invalid.as_str());
+                            tracing::warn!(reason = invalid.as_str(), "invalid provider output");
+                        }
+                    }
+                    checked
+                };
+                match checked {
+                    Ok(validated) => {
+                        self.store_in_cache(&cache_key, &validated).await;
+                        let outcome = self.complete(msg, review, validated).await?;
+                        self.metrics.finished(review.lane, rec.attempts.leases, None);
+                        Ok(outcome)
+                    }
                     Err(invalid) => {
-                        tracing::warn!(reason = invalid.as_str(), "invalid provider output");
+                        self.metrics.invalid_output(&review.schema_version, invalid.as_str());
+                        let (b, left) = budget_of(Budget::Schema);
+                        attempt.record("budget", b.as_str()).record("budget_remaining", left);
                         self.retry_or_terminate(msg, review, &rec, Budget::Schema, None, status).await
                     }
                 }
@@ -237,6 +356,50 @@ impl Worker {
                 tracing::warn!(status = code, "provider rejected the request");
                 self.terminate(msg, review, TerminalReason::UpstreamRejected, status).await
             }
+        }
+    }
+
+    fn allowed(&self, budget: Budget) -> u32 {
+        match budget {
+            Budget::Congestion => self.budgets.congestion,
+            Budget::Transient => self.budgets.transient,
+            Budget::Schema => self.budgets.schema,
+        }
+    }
+
+    /// Same tenant, diff, schema, depth, provider, model and prompt: same answer.
+    /// Per tenant, so no tenant can learn what another submitted.
+    fn cache_key(&self, review: &ReviewMessage, scope: &Scope) -> String {
+        reviewlane_shared::job_id::sha256_hex(&[
+            review.tenant.as_bytes(),
+            review.diff.as_bytes(),
+            review.schema_version.as_bytes(),
+            review.review_depth.as_str().as_bytes(),
+            scope.provider.as_bytes(),
+            scope.model_class.as_bytes(),
+            crate::provider::PROMPT_VERSION.as_bytes(),
+        ])
+    }
+
+    async fn cached(&self, key: &str) -> Option<Validated> {
+        let cache = self.cache.as_ref()?;
+        let hit = match cache.get(key).await {
+            Ok(Some(v)) => serde_json::from_slice::<Validated>(&v).ok(),
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "result cache read failed");
+                None
+            }
+        };
+        self.metrics.cache(hit.is_some());
+        hit
+    }
+
+    async fn store_in_cache(&self, key: &str, v: &Validated) {
+        let Some(cache) = &self.cache else { return };
+        let value = serde_json::to_vec(v).expect("validated findings serialize");
+        if let Err(e) = cache.put(key, value.into()).await {
+            tracing::warn!(error = %e, "result cache write failed");
         }
     }
 
@@ -295,6 +458,7 @@ impl Worker {
         for reason in v.quarantined.iter().map(|q| q.reason.as_str()) {
             tracing::info!(reason, "finding quarantined");
         }
+        self.metrics.validated(n, v.quarantined.iter().map(|q| q.reason.as_str()));
         let out = FindingsMessage {
             job_id: review.job_id.clone(),
             tenant: review.tenant.clone(),
@@ -308,16 +472,30 @@ impl Worker {
             submitted_at_ms: review.submitted_at_ms,
         };
         let payload = serde_json::to_vec(&out).expect("findings serialize");
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
         let subject = layout::findings_subject(review.region, &review.tenant, &review.job_id);
-        self.layout
-            .js
-            .publish_with_headers(subject, headers, payload.into())
-            .await
-            .map_err(|e| StoreError::Nats(e.into()))?
-            .await
-            .map_err(|e| StoreError::Nats(e.into()))?;
+        let span = tracing::info_span!(
+            "findings.publish",
+            otel.kind = "producer",
+            messaging.system = "nats",
+            messaging.operation.type = "publish",
+            messaging.destination.name = %subject,
+            findings = n,
+            quarantined = q,
+        );
+        async {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
+            reviewlane_shared::telemetry::inject_nats(&mut headers);
+            self.layout
+                .js
+                .publish_with_headers(subject, headers, payload.into())
+                .await
+                .map_err(|e| StoreError::Nats(e.into()))?
+                .await
+                .map_err(|e| StoreError::Nats(e.into()))
+        }
+        .instrument(span)
+        .await?;
         self.record_validated(msg, review, n, q).await?;
         tracing::info!(findings = n, quarantined = q, "validated");
         Ok(Outcome::Validated { findings: n, quarantined: q })
@@ -368,12 +546,7 @@ impl Worker {
         status: Option<String>,
     ) -> Result<Outcome, StoreError> {
         let used = rec.attempts.get(budget);
-        let allowed = match budget {
-            Budget::Congestion => self.budgets.congestion,
-            Budget::Transient => self.budgets.transient,
-            Budget::Schema => self.budgets.schema,
-        };
-        if used >= allowed {
+        if used >= self.allowed(budget) {
             let reason = match budget {
                 Budget::Congestion => TerminalReason::RateLimitBudgetExhausted,
                 Budget::Transient => TerminalReason::TransientBudgetExhausted,
@@ -402,6 +575,7 @@ impl Worker {
             delay_ms = delay.as_millis() as u64,
             "retry scheduled"
         );
+        self.metrics.retry(budget, delay);
         settle(msg, AckKind::Nak(Some(delay))).await;
         Ok(Outcome::RetryScheduled { budget, delay })
     }
@@ -414,7 +588,8 @@ impl Worker {
         status: Option<String>,
     ) -> Result<Outcome, StoreError> {
         match self.jobs.apply(&review.job_id, &Event::Terminate { reason, upstream_status: status }).await {
-            Ok(_) | Err(StoreError::Transition(..)) => {}
+            Ok(rec) => self.metrics.finished(review.lane, rec.attempts.leases, Some(reason)),
+            Err(StoreError::Transition(..)) => {}
             Err(e) => return Err(e),
         }
         self.dead_letter(msg, review, reason).await?;
@@ -443,6 +618,19 @@ impl Worker {
             .await
             .map_err(|e| StoreError::Nats(e.into()))?;
         Ok(())
+    }
+}
+
+impl Outcome {
+    /// The outcome's class, for the `process` span.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Validated { .. } => "validated",
+            Outcome::RetryScheduled { .. } => "retry_scheduled",
+            Outcome::Terminal(_) => "terminal",
+            Outcome::Skipped => "skipped",
+            Outcome::Released => "released",
+        }
     }
 }
 

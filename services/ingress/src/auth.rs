@@ -1,11 +1,11 @@
-//! Authentication: `authorization: Bearer <API key>` -> tenant. Runs as an interceptor
-//! in front of the review service only (health and reflection stay open), and puts the
-//! tenant into the request's extensions. The tenant never comes from a message body.
+//! Authentication: `authorization: Bearer <API key>` -> tenant. Every review-service
+//! handler starts with it (health and reflection stay open), so a refusal is counted
+//! and traced like any other outcome. The tenant never comes from a message body.
 
 use std::sync::Arc;
 
 use reviewlane_shared::tenants::{Tenant, Tenants};
-use tonic::{Request, Status};
+use tonic::Request;
 
 use crate::error::ApiError;
 
@@ -19,7 +19,7 @@ impl Authenticator {
         Authenticator { tenants }
     }
 
-    pub fn intercept(&self, mut req: Request<()>) -> Result<Request<()>, Status> {
+    pub fn tenant<T>(&self, req: &Request<T>) -> Result<Arc<Tenant>, ApiError> {
         let header = req.metadata().get("authorization").ok_or(ApiError::Unauthenticated("missing bearer API key"))?;
         let key = header
             .to_str()
@@ -29,12 +29,8 @@ impl Authenticator {
             .filter(|k| !k.is_empty())
             .ok_or(ApiError::Unauthenticated("malformed authorization header (expected `Bearer <key>`)"))?;
         let tenant = self.tenants.authenticate(key).ok_or(ApiError::Unauthenticated("unknown API key"))?;
-        req.extensions_mut().insert(tenant);
-        Ok(req)
+        let span = tracing::Span::current();
+        span.record("tenant", tenant.id.as_str()).record("region", tenant.region.as_str());
+        Ok(tenant)
     }
-}
-
-/// The authenticated tenant of a request that passed the interceptor.
-pub fn tenant<T>(req: &Request<T>) -> Result<Arc<Tenant>, ApiError> {
-    req.extensions().get::<Arc<Tenant>>().cloned().ok_or(ApiError::Unauthenticated("missing bearer API key"))
 }

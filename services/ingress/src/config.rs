@@ -9,6 +9,7 @@
 //! | `REVIEWLANE_MAX_DIFF_BYTES` | `1048576` | largest diff accepted (a tenant may set its own) |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
 //! | `REVIEWLANE_LOG_FORMAT` | `text` | `json` for one JSON object a line |
+//! | `OTEL_EXPORTER_OTLP_ENDPOINT` | unset | OTLP/gRPC collector for traces; no export when unset |
 //! | `REVIEWLANE_INTERACTIVE_WINDOW_SECS` / `REVIEWLANE_BATCH_WINDOW_SECS` | `60` / `3600` | admission window per lane |
 //! | `REVIEWLANE_DEGRADE_FACTOR` | `2` | predicted age up to window x this: accepted at depth `changed_hunks` |
 //! | `REVIEWLANE_ADMISSION_MIN_WAITING` | `16` | below this many waiting, accept without predicting |
@@ -35,7 +36,7 @@ pub struct IngressConfig {
     pub nats_urls: BTreeMap<Region, String>,
     pub max_diff_bytes: usize,
     pub shutdown_grace: Duration,
-    pub log_json: bool,
+    pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
     pub interactive: LanePolicy,
     pub batch: LanePolicy,
     /// How often lane metadata is sampled for admission.
@@ -81,10 +82,9 @@ impl IngressConfig {
             r.error("REVIEWLANE_MAX_DIFF_BYTES must be positive");
         }
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
-        let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
+        let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let (mut interactive, mut batch) = Self::default_policies();
-        interactive.window = Duration::from_secs(r.or("REVIEWLANE_INTERACTIVE_WINDOW_SECS", 60, "whole seconds"));
-        batch.window = Duration::from_secs(r.or("REVIEWLANE_BATCH_WINDOW_SECS", 3600, "whole seconds"));
+        [interactive.window, batch.window] = r.lane_windows();
         let factor: f64 = r.or("REVIEWLANE_DEGRADE_FACTOR", 2.0, "a number >= 1");
         if factor.is_nan() || factor < 1.0 {
             r.error("REVIEWLANE_DEGRADE_FACTOR must be at least 1");
@@ -115,7 +115,7 @@ impl IngressConfig {
             nats_urls,
             max_diff_bytes,
             shutdown_grace: Duration::from_secs(grace),
-            log_json,
+            telemetry,
             interactive,
             batch,
             admission_sample: Duration::from_millis(sample_ms.max(50)),

@@ -7,7 +7,7 @@ async fn main() -> std::process::ExitCode {
     run_service(
         "reviewlane-ingress",
         IngressConfig::from_env(&ProcessEnv),
-        |c| c.log_json,
+        |c| c.telemetry.clone(),
         build,
         |app, shutdown| app.run_until_stopped(shutdown),
     )

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures::Stream;
@@ -31,8 +31,9 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, instrument};
 
 use crate::admission::{Decision, LanePolicy, Sampler, decide};
-use crate::auth::tenant;
+use crate::auth::Authenticator;
 use crate::error::ApiError;
+use crate::rpc::Metrics;
 
 const MAX_IDEMPOTENCY_KEY: usize = 256;
 const MAX_METADATA_FIELD: usize = 1024;
@@ -54,6 +55,8 @@ pub struct ReviewApi {
     shutdown: CancellationToken,
     sampler: Sampler,
     policies: Arc<[LanePolicy; 2]>,
+    auth: Authenticator,
+    metrics: Metrics,
 }
 
 impl ReviewApi {
@@ -62,22 +65,32 @@ impl ReviewApi {
         max_diff_bytes: usize,
         shutdown: CancellationToken,
         sampler: Sampler,
-        interactive: LanePolicy,
-        batch: LanePolicy,
+        policies: [LanePolicy; 2],
+        auth: Authenticator,
+        metrics: Metrics,
     ) -> Self {
         ReviewApi {
             regions: Arc::new(regions),
             max_diff_bytes,
             shutdown,
             sampler,
-            policies: Arc::new([interactive, batch]),
+            policies: Arc::new(policies),
+            auth,
+            metrics,
         }
     }
 
     fn admission(&self, region: Region, lane: reviewlane_shared::Lane) -> Decision {
         let (waiting, per_sec) = self.sampler.get(region, lane);
         let policy = &self.policies[usize::from(lane == reviewlane_shared::Lane::Batch)];
-        decide(waiting, per_sec, policy)
+        let d = decide(waiting, per_sec, policy);
+        let name = match d {
+            Decision::Accept => "accept",
+            Decision::Degrade => "degrade",
+            Decision::Refuse { .. } => "refuse",
+        };
+        self.metrics.admission(region.as_str(), lane.as_str(), name);
+        d
     }
 
     fn region(&self, r: Region) -> Result<&RegionHandle, ApiError> {
@@ -88,6 +101,7 @@ impl ReviewApi {
 
     /// The job a tenant may see: its own, in its own region.
     async fn owned_job(&self, tenant: &Tenant, id: &str) -> Result<(&RegionHandle, JobRecord), ApiError> {
+        tracing::Span::current().record("job_id", span_id(id));
         let region = job_id::region_of(id).map_err(|e| ApiError::invalid("job_id", e.to_string()))?;
         if region != tenant.region {
             return Err(ApiError::NotFound);
@@ -99,7 +113,7 @@ impl ReviewApi {
         }
     }
 
-    #[instrument(skip_all, fields(tenant = %tenant.id, region = %tenant.region, job_id = tracing::field::Empty, lane = tracing::field::Empty))]
+    /// Runs inside the RPC span (see `rpc::span_for`), which it fills in.
     async fn submit(&self, tenant: &Tenant, req: SubmitReviewRequest) -> Result<proto::Review, ApiError> {
         let lane = api::lane_from_proto(req.lane).ok_or_else(|| ApiError::invalid("lane", "unknown lane"))?;
         let schema_version = if req.schema_version.is_empty() {
@@ -139,7 +153,10 @@ impl ReviewApi {
         let region = tenant.region;
         let handle = self.region(region)?;
         let id = job_id::derive(region, &tenant.id, &idempotency_key);
-        tracing::Span::current().record("job_id", id.as_str()).record("lane", lane.as_str());
+        let span = tracing::Span::current();
+        span.record("job_id", id.as_str())
+            .record("lane", lane.as_str())
+            .record("schema_version", schema_version.as_str());
         let request_digest = job_id::sha256_hex(&[
             lane.as_str().as_bytes(),
             schema_version.as_bytes(),
@@ -162,6 +179,7 @@ impl ReviewApi {
                 }
             },
         };
+        span.record("review_depth", depth.as_str());
         let now = now_ms();
         let record = JobRecord::accepted(
             id.clone(),
@@ -234,7 +252,16 @@ impl ReviewApi {
     }
 }
 
-#[instrument(skip_all, fields(job_id = %msg.job_id, messaging.system = "nats"))]
+#[instrument(skip_all, fields(
+    otel.kind = "producer",
+    job_id = %msg.job_id,
+    tenant = %msg.tenant,
+    region = %msg.region,
+    lane = msg.lane.as_str(),
+    messaging.system = "nats",
+    messaging.operation.type = "publish",
+    messaging.destination.name = %layout::lane_subject(msg.region, msg.lane, &msg.tenant),
+))]
 async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiError> {
     let payload = serde_json::to_vec(msg).map_err(|e| ApiError::Internal(e.into()))?;
     if payload.len() > handle.max_payload {
@@ -245,6 +272,7 @@ async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiEr
     }
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(async_nats::header::NATS_MESSAGE_ID, msg.job_id.as_str());
+    reviewlane_shared::telemetry::inject_nats(&mut headers);
     let subject = layout::lane_subject(msg.region, msg.lane, &msg.tenant);
     let ack = handle
         .layout
@@ -297,27 +325,49 @@ type WatchStream = Pin<Box<dyn Stream<Item = Result<WatchReviewResponse, Status>
 #[tonic::async_trait]
 impl ReviewService for ReviewApi {
     async fn submit_review(&self, req: Request<SubmitReviewRequest>) -> Result<Response<SubmitReviewResponse>, Status> {
-        let tenant = tenant(&req)?;
-        let review = self.submit(&tenant, req.into_inner()).await?;
-        Ok(Response::new(SubmitReviewResponse { review: Some(review) }))
+        let started = Instant::now();
+        let res = async {
+            let tenant = self.auth.tenant(&req)?;
+            let review = self.submit(&tenant, req.into_inner()).await?;
+            Ok(Response::new(SubmitReviewResponse { review: Some(review) }))
+        }
+        .await;
+        self.metrics.finish("SubmitReview", started, res)
     }
 
-    #[instrument(skip_all, fields(job_id = span_id(&req.get_ref().job_id)))]
     async fn get_review(&self, req: Request<GetReviewRequest>) -> Result<Response<GetReviewResponse>, Status> {
-        let tenant = tenant(&req)?;
-        let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
-        let review = self.view(handle, &rec).await?;
-        Ok(Response::new(GetReviewResponse { review: Some(review) }))
+        let started = Instant::now();
+        let res = async {
+            let tenant = self.auth.tenant(&req)?;
+            let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
+            let review = self.view(handle, &rec).await?;
+            Ok(Response::new(GetReviewResponse { review: Some(review) }))
+        }
+        .await;
+        self.metrics.finish("GetReview", started, res)
     }
 
     type WatchReviewStream = WatchStream;
 
-    #[instrument(skip_all, fields(job_id = span_id(&req.get_ref().job_id)))]
     async fn watch_review(
         &self,
         req: Request<WatchReviewRequest>,
     ) -> Result<Response<Self::WatchReviewStream>, Status> {
-        let tenant = tenant(&req)?;
+        let started = Instant::now();
+        let res = self.watch(req).await;
+        self.metrics.finish("WatchReview", started, res)
+    }
+
+    async fn cancel_review(&self, req: Request<CancelReviewRequest>) -> Result<Response<CancelReviewResponse>, Status> {
+        let started = Instant::now();
+        let res = self.cancel(req).await;
+        self.metrics.finish("CancelReview", started, res)
+    }
+}
+
+impl ReviewApi {
+    async fn watch(&self, req: Request<WatchReviewRequest>) -> Result<Response<WatchStream>, Status> {
+        let tenant = self.auth.tenant(&req)?;
         let id = req.into_inner().job_id;
         let (handle, _) = self.owned_job(&tenant, &id).await?;
         // Subscribe first, then read: no change can fall between the two.
@@ -371,15 +421,15 @@ impl ReviewService for ReviewApi {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
-    #[instrument(skip_all, fields(job_id = span_id(&req.get_ref().job_id)))]
-    async fn cancel_review(&self, req: Request<CancelReviewRequest>) -> Result<Response<CancelReviewResponse>, Status> {
-        let tenant = tenant(&req)?;
+    async fn cancel(&self, req: Request<CancelReviewRequest>) -> Result<Response<CancelReviewResponse>, Status> {
+        let tenant = self.auth.tenant(&req)?;
         let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
         let event =
             Event::Terminate { reason: reviewlane_shared::job::TerminalReason::Cancelled, upstream_status: None };
         let rec = match handle.jobs.apply(&rec.job_id, &event).await {
             Ok(r) => {
                 tracing::info!("review cancelled");
+                self.metrics.terminal.inc(r.region, r.lane, reviewlane_shared::job::TerminalReason::Cancelled);
                 r
             }
             Err(StoreError::Transition(_, current)) => *current,

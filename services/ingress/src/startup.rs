@@ -26,6 +26,7 @@ use crate::service::{RegionHandle, ReviewApi};
 pub struct App {
     listener: TcpListener,
     admin: Admin,
+    registry: Arc<Registry>,
     api: ReviewApi,
     config: IngressConfig,
     clients: Vec<async_nats::Client>,
@@ -55,9 +56,18 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     for (region, handle) in &regions {
         tokio::spawn(sampler.clone().run(*region, handle.layout.js.clone(), config.admission_sample, shutdown.clone()));
     }
-    let api =
-        ReviewApi::new(regions, config.max_diff_bytes, shutdown.clone(), sampler, config.interactive, config.batch);
-    Ok(App { listener, admin, api, config, clients, shutdown })
+    let mut registry = Registry::default();
+    let metrics = crate::rpc::Metrics::register(&mut registry);
+    let api = ReviewApi::new(
+        regions,
+        config.max_diff_bytes,
+        shutdown.clone(),
+        sampler,
+        [config.interactive, config.batch],
+        Authenticator::new(config.tenants.clone()),
+        metrics,
+    );
+    Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown })
 }
 
 impl App {
@@ -102,9 +112,8 @@ impl App {
             })
         });
         let admin_stop = self.shutdown.clone();
-        let admin = tokio::spawn(self.admin.run(Arc::new(Registry::default()), ready, admin_stop));
-        let auth = Authenticator::new(self.config.tenants.clone());
-        let service = ReviewServiceServer::with_interceptor(self.api, move |req| auth.intercept(req));
+        let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, admin_stop));
+        let service = ReviewServiceServer::new(self.api);
         tracing::info!(addr = %self.listener.local_addr()?, regions = self.clients.len(), "ingress serving");
 
         let token = self.shutdown.clone();
@@ -117,6 +126,7 @@ impl App {
             token.cancel();
         };
         let server = tonic::transport::Server::builder()
+            .trace_fn(crate::rpc::span_for)
             .add_service(health_service)
             .add_service(reflection)
             .add_service(service)

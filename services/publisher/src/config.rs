@@ -33,7 +33,9 @@ pub struct PublisherConfig {
     pub delivery_backoff_cap: Duration,
     pub lease: Duration,
     pub shutdown_grace: Duration,
-    pub log_json: bool,
+    /// Each lane's service window: bucket bounds of the submit-to-published histogram.
+    pub lane_windows: [Duration; 2],
+    pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
 }
 
 impl PublisherConfig {
@@ -50,7 +52,8 @@ impl PublisherConfig {
             delivery_backoff_cap: Duration::from_secs(60),
             lease: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(20),
-            log_json: false,
+            lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
+            telemetry: Default::default(),
         }
     }
 
@@ -72,7 +75,8 @@ impl PublisherConfig {
         }
         let cap: u64 = r.or("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", 60, "whole seconds");
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
-        let log_json = r.raw("REVIEWLANE_LOG_FORMAT").is_some_and(|v| v == "json");
+        let lane_windows = r.lane_windows();
+        let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         r.finish()?;
         Ok(PublisherConfig {
             region: region.expect("checked"),
@@ -84,7 +88,8 @@ impl PublisherConfig {
             delivery_attempts: attempts,
             delivery_backoff_cap: Duration::from_secs(cap),
             shutdown_grace: Duration::from_secs(grace),
-            log_json,
+            lane_windows,
+            telemetry,
             ..d
         })
     }

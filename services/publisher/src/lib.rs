@@ -2,6 +2,7 @@
 //! tenant's sink exactly once, deduplicating through KV `PUBLISHED_<R>`.
 
 pub mod config;
+pub mod metrics;
 pub mod sink;
 pub mod startup;
 pub mod worker;

@@ -27,6 +27,17 @@ pub enum SinkOutcome {
     Permanent(u16),
 }
 
+impl SinkOutcome {
+    /// Content-free class for spans and logs.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SinkOutcome::Delivered => "delivered",
+            SinkOutcome::Transient(class) => class,
+            SinkOutcome::Permanent(_) => "rejected",
+        }
+    }
+}
+
 /// `sha256=<hex>` over `body` with `secret`.
 pub fn sign(secret: &[u8], body: &[u8]) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any size");

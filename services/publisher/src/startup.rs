@@ -23,6 +23,7 @@ pub const CONSUMER_NAME: &str = "publisher";
 
 pub struct App {
     admin: Admin,
+    registry: Arc<Registry>,
     client: async_nats::Client,
     worker: Arc<Worker>,
     consumer: PullConsumer,
@@ -36,7 +37,10 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, None, config.lease)
             .await?;
     let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
+    let mut registry = Registry::default();
+    let metrics = crate::metrics::Metrics::register(&mut registry, config.region, config.lane_windows);
     let worker = Arc::new(Worker {
+        metrics,
         region: config.region,
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
         published: conn.layout.published.clone(),
@@ -46,7 +50,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         backoff_base: config.delivery_backoff_base,
         backoff_cap: config.delivery_backoff_cap,
     });
-    Ok(App { admin, client: conn.client, worker, consumer, config })
+    Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, consumer, config })
 }
 
 impl App {
@@ -64,7 +68,7 @@ impl App {
                 format!("KV_{}", layout::published_bucket(self.config.region)),
             ],
         );
-        let admin = tokio::spawn(self.admin.run(Arc::new(Registry::default()), ready, stop.clone()));
+        let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let tasks = TaskTracker::new();
         let slots = Arc::new(Semaphore::new(self.config.concurrency));
         let worker = self.worker.clone();

@@ -18,8 +18,10 @@ use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
 use reviewlane_shared::tenants::Tenants;
 use serde::{Deserialize, Serialize};
-use tracing::instrument;
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
 
+use crate::metrics::Metrics;
 use crate::sink::{SinkOutcome, Sinks};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +62,7 @@ pub struct Worker {
     pub delivery_attempts: u32,
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
+    pub metrics: Metrics,
 }
 
 /// How long to wait for the extractor's `validated` write that follows its publish.
@@ -67,14 +70,48 @@ const VALIDATED_WAIT: Duration = Duration::from_secs(5);
 const NOT_READY_RETRY: Duration = Duration::from_secs(2);
 
 impl Worker {
-    #[instrument(skip_all, fields(job_id = tracing::field::Empty, region = %self.region))]
+    /// Runs in a `publish` span whose parent is the extractor's `findings.publish` span
+    /// (the message's `traceparent`): the job's trace ends here.
     pub async fn process_one(&self, msg: jetstream::Message) -> Outcome {
+        let span = tracing::info_span!(
+            parent: None,
+            "publish",
+            otel.name = "publish findings",
+            otel.kind = "consumer",
+            messaging.system = "nats",
+            messaging.operation.type = "process",
+            messaging.destination.name = %msg.subject,
+            job_id = Empty,
+            tenant = Empty,
+            region = %self.region,
+            lane = Empty,
+            schema_version = Empty,
+            review_depth = Empty,
+            outcome = Empty,
+        );
+        reviewlane_shared::telemetry::set_remote_parent(
+            &span,
+            reviewlane_shared::telemetry::parent_from_nats(msg.headers.as_ref()),
+        );
+        let outcome = self.process(msg).instrument(span.clone()).await;
+        let name = outcome.as_str();
+        span.record("outcome", name);
+        self.metrics.outcome(name);
+        outcome
+    }
+
+    async fn process(&self, msg: jetstream::Message) -> Outcome {
         let Ok(findings) = serde_json::from_slice::<FindingsMessage>(&msg.payload) else {
             tracing::error!("undecodable findings message; terminating it");
             settle(&msg, AckKind::Term).await;
             return Outcome::Dropped;
         };
-        tracing::Span::current().record("job_id", findings.job_id.as_str());
+        Span::current()
+            .record("job_id", findings.job_id.as_str())
+            .record("tenant", findings.tenant.as_str())
+            .record("lane", findings.lane.as_str())
+            .record("schema_version", findings.schema_version.as_str())
+            .record("review_depth", findings.review_depth.as_str());
         match self.run(&msg, &findings).await {
             Ok(o) => o,
             Err(e) => {
@@ -148,7 +185,18 @@ impl Worker {
         let delivery = Delivery::from_findings(f);
         let body = serde_json::to_vec(&delivery).expect("delivery serializes");
         let outcome = match self.tenants.get(&f.tenant).and_then(|t| t.sink.clone()) {
-            Some(sink) => self.sinks.deliver(&sink, id, &body).await,
+            Some(sink) => {
+                let span = tracing::info_span!(
+                    "sink.deliver",
+                    otel.kind = "client",
+                    sink = sink.kind(),
+                    findings = f.findings.len(),
+                    result = Empty,
+                );
+                let outcome = self.sinks.deliver(&sink, id, &body).instrument(span.clone()).await;
+                span.record("result", outcome.as_str());
+                outcome
+            }
             // No sink: findings are read with GetReview/WatchReview.
             None => SinkOutcome::Delivered,
         };
@@ -163,6 +211,7 @@ impl Worker {
                 }
                 self.mark_job(id, &Event::Published).await?;
                 settle(msg, AckKind::Ack).await;
+                self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
                 tracing::info!(
                     outcome = "published",
                     findings = f.findings.len(),
@@ -174,7 +223,7 @@ impl Worker {
             SinkOutcome::Transient(class) => {
                 let delivered = msg.info().map(|i| i.delivered).unwrap_or(1).max(1) as u32;
                 if delivered >= self.delivery_attempts {
-                    return self.fail(msg, id, revision, TerminalReason::DeliveryBudgetExhausted).await;
+                    return self.fail(msg, f, revision, TerminalReason::DeliveryBudgetExhausted).await;
                 }
                 let exp = self.backoff_base.as_secs_f64() * 2f64.powi(delivered.min(30) as i32 - 1);
                 let delay =
@@ -186,12 +235,13 @@ impl Worker {
                     delay_ms = delay.as_millis() as u64,
                     "delivery failed; retry scheduled"
                 );
+                self.metrics.retry(delay);
                 settle(msg, AckKind::Nak(Some(delay))).await;
                 Ok(Outcome::RetryScheduled(delay))
             }
             SinkOutcome::Permanent(status) => {
                 tracing::warn!(status, "sink rejected the delivery");
-                self.fail(msg, id, revision, TerminalReason::DeliveryRejected).await
+                self.fail(msg, f, revision, TerminalReason::DeliveryRejected).await
             }
         }
     }
@@ -199,12 +249,14 @@ impl Worker {
     async fn fail(
         &self,
         msg: &jetstream::Message,
-        id: &str,
+        f: &FindingsMessage,
         revision: u64,
         reason: TerminalReason,
     ) -> Result<Outcome, StoreError> {
+        let id = f.job_id.as_str();
         let _ = self.published.update(id, encode(PublicationState::Failed), revision).await;
         self.mark_job(id, &Event::Terminate { reason, upstream_status: None }).await?;
+        self.metrics.failed(f.lane, reason);
         settle(msg, AckKind::Ack).await;
         tracing::warn!(outcome = "failed", reason = reason.as_str(), "delivery failed for good");
         Ok(Outcome::Failed(reason))
@@ -237,6 +289,20 @@ impl Worker {
         match self.jobs.apply(id, event).await {
             Ok(_) | Err(StoreError::Transition(..)) => Ok(()),
             Err(e) => Err(e),
+        }
+    }
+}
+
+impl Outcome {
+    /// The outcome's class, for the span and `reviewlane_publish_outcomes_total`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Published => "published",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Dropped => "dropped",
+            Outcome::RetryScheduled(_) => "retry_scheduled",
+            Outcome::Failed(_) => "failed",
+            Outcome::Released => "released",
         }
     }
 }

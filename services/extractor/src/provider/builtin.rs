@@ -279,7 +279,12 @@ impl Provider for BuiltinAnalyzer {
         let outcome = if req.region != self.region {
             UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }
         } else {
-            UpstreamOutcome::Ok { output: analyze_at(req.diff, req.review_depth).to_string(), slow_down: None }
+            UpstreamOutcome::Ok {
+                output: analyze_at(req.diff, req.review_depth).to_string(),
+                slow_down: None,
+                // No model, no tokens.
+                usage: None,
+            }
         };
         futures::future::ready(outcome).boxed()
     }

@@ -30,5 +30,9 @@ pub trait Provider: Send + Sync + 'static {
     fn review<'a>(&'a self, req: &'a ProviderRequest<'a>) -> BoxFuture<'a, UpstreamOutcome>;
 }
 
+/// Version of the instructions the adapters send; part of the result-cache key, so a
+/// changed prompt never serves answers to the old one. Bump it with any prompt change.
+pub const PROMPT_VERSION: &str = "prompt.v1";
+
 /// Status of a request the adapter refuses to send (another region's content).
 pub const REFUSED_OTHER_REGION: u16 = 421;
