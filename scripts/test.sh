@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite: installs nats-server 2.10+ if missing, checks formatting and
-# lints, then runs every unit and integration test (real nats-server processes on
-# free loopback ports; never 4222).
+# The whole test suite: installs nats-server 2.10+ and promtool if missing, checks
+# formatting and lints, checks and unit-tests the Prometheus alert rules, then runs
+# every unit and integration test (real nats-server processes on free loopback ports;
+# never 4222).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 nats_dir="$(bash scripts/install-deps.sh | tail -n1)"
@@ -10,5 +11,8 @@ echo "using $("$NATS_SERVER_BIN" --version)"
 if rustup component list --installed 2>/dev/null | grep -q '^rustfmt'; then
   cargo fmt --all --check
 fi
+promtool="$(bash scripts/install-promtool.sh | tail -n1)"
+"$promtool" check rules k8s/alerts/reviewlane-rules.yaml
+"$promtool" test rules k8s/alerts/reviewlane-rules.test.yaml
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked "$@"

@@ -103,3 +103,87 @@ async fn queue_age_rises_while_a_paused_scope_holds_work_and_falls_after_it_drai
     }
     stack.shutdown().await;
 }
+
+/// Metric names (`reviewlane_*`) the alert rules and the dashboard's queries use.
+fn referenced_metrics() -> std::collections::BTreeSet<String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let rules = std::fs::read_to_string(root.join("k8s/alerts/reviewlane-rules.yaml")).unwrap();
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("k8s/dashboards/reviewlane.json")).unwrap()).unwrap();
+    let mut texts = vec![rules];
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().into_iter().flatten() {
+            texts.push(t["expr"].as_str().unwrap().to_string());
+        }
+    }
+    for v in dashboard["templating"]["list"].as_array().unwrap() {
+        if let Some(q) = v["query"]["query"].as_str() {
+            texts.push(q.to_string());
+        }
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for text in texts {
+        let mut rest = text.as_str();
+        while let Some(i) = rest.find("reviewlane_") {
+            let tail = &rest[i..];
+            let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+            names.insert(tail[..end].to_string());
+            rest = &tail[end..];
+        }
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_the_alerts_and_dashboard_use_is_exposed_after_a_workload() {
+    use loadtest::simprovider::{Scripted, findings_for};
+    use reviewlane_shared::proto::JobState;
+
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    // A 429, then findings of which one names a file outside the diff (quarantined).
+    let diff = sample_diff("metrics-1");
+    stack.us.provider.script([
+        Scripted::Status {
+            status: 429,
+            headers: vec![("retry-after".into(), "1".into())],
+            body: r#"{"error":{"code":"rate_limit_exceeded"}}"#.into(),
+        },
+        Scripted::Output(findings_for(&diff, true).to_string()),
+    ]);
+    let job = submit(&mut client, US_KEY, "metrics-1", &diff).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
+    // The same review again: answered from the result cache, no call.
+    let calls = stack.us.provider.stats().total_calls;
+    let again = submit(&mut client, US_KEY, "metrics-1-again", &diff).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &again.job_id).await.state, JobState::Published as i32);
+    assert_eq!(stack.us.provider.stats().total_calls, calls, "a cache hit pays no call");
+    // Output that is never valid: terminal after the schema budget.
+    let garbage = Scripted::Output("not json".into());
+    stack.us.provider.script([garbage.clone(), garbage.clone(), garbage]);
+    let bad = submit(&mut client, US_KEY, "metrics-bad", &sample_diff("metrics-bad")).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &bad.job_id).await.terminal_reason, "invalid_output");
+
+    let mut admins = vec![stack.ingress_admin];
+    admins.extend(stack.extractor_admin.iter().map(|(_, a)| *a));
+    admins.extend(stack.publisher_admin.iter().map(|(_, a)| *a));
+    let names = referenced_metrics();
+    assert!(names.len() >= 15, "{names:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut pages = String::new();
+        for a in &admins {
+            pages.push_str(&http_get(*a, "/metrics").await);
+        }
+        let missing: Vec<&String> = names
+            .iter()
+            .filter(|n| !pages.lines().any(|l| l.starts_with(&format!("{n}{{")) || l.starts_with(&format!("{n} "))))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "referenced but never exposed: {missing:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stack.shutdown().await;
+}

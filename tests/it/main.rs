@@ -13,3 +13,4 @@ mod quarantine;
 mod rate_limits;
 mod residency;
 mod scheduling;
+mod telemetry;
