@@ -1,7 +1,12 @@
 //! Load-test and test support for reviewlane: the simulated provider, a webhook
-//! receiver, a whole in-process deployment (`stack`), and the load scenarios.
+//! receiver, a whole deployment in-process (`stack`) or as processes (`procs`), the
+//! load generator (`load`, `corpus`) and the load scenarios (`scenarios`).
 
+pub mod corpus;
 pub mod http;
+pub mod load;
+pub mod procs;
+pub mod scenarios;
 pub mod simprovider;
 pub mod stack;
 pub mod webhook;

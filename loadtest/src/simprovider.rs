@@ -109,6 +109,7 @@ struct State {
     in_flight: AtomicUsize,
     stats: Mutex<Stats>,
     script: Mutex<VecDeque<Scripted>>,
+    throttled: Mutex<Option<u64>>,
     started: Instant,
     canaries: Vec<String>,
 }
@@ -133,6 +134,7 @@ impl SimProvider {
             in_flight: AtomicUsize::new(0),
             stats: Mutex::new(Stats::default()),
             script: Mutex::new(VecDeque::new()),
+            throttled: Mutex::new(None),
             started: Instant::now(),
             canaries,
         });
@@ -152,6 +154,12 @@ impl SimProvider {
 
     pub fn stats(&self) -> Stats {
         self.state.stats.lock().expect("stats lock").clone()
+    }
+
+    /// While set, every call is answered 429 with `retry-after` of this many seconds (a
+    /// provider-wide burst of throttling).
+    pub fn set_throttled(&self, retry_after_secs: Option<u64>) {
+        *self.state.throttled.lock().expect("throttle lock") = retry_after_secs;
     }
 
     /// Queues scripted answers, used in order before the knobs apply.
@@ -223,6 +231,18 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
                 s.canaries_seen.push(c.clone());
             }
         }
+    }
+
+    let throttled = *st.throttled.lock().expect("throttle lock");
+    if let Some(secs) = throttled {
+        st.stats.lock().expect("stats lock").calls_429 += 1;
+        let body =
+            json!({"error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}});
+        return Ok(respond(
+            StatusCode::TOO_MANY_REQUESTS,
+            &[("retry-after".into(), secs.to_string())],
+            body.to_string(),
+        ));
     }
 
     // Admission at the cap.

@@ -210,7 +210,7 @@ impl Stack {
         stack
     }
 
-    fn region(&self, r: Region) -> &RegionStack {
+    pub fn region(&self, r: Region) -> &RegionStack {
         match r {
             Region::Us => &self.us,
             Region::Eu => &self.eu,

@@ -12,5 +12,6 @@ mod publish_once;
 mod quarantine;
 mod rate_limits;
 mod residency;
+mod scenarios;
 mod scheduling;
 mod telemetry;

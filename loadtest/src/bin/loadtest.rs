@@ -1,128 +1,73 @@
-//! `cargo run --release -p loadtest -- <scenario>`: runs a scenario against a whole
-//! in-process deployment (real nats-servers, simulated provider, webhook receiver),
-//! checks correctness, prints a table, and ends with one JSON line.
+//! `cargo run --release -p loadtest -- <scenario> [--jobs N] [--secs N] [--in-process]`
 //!
-//! Scenarios so far: `storm` — 40 jobs, provider cap 2 with 429 + `retry-after: 2` over
-//! the cap, 3 s per call, extractor concurrency configured at 8 (a misconfigured pool).
+//! Brings up what the scenario needs — two provisioned nats-servers, the simulated
+//! provider of each region with the scenario's knobs, a webhook receiver, and the
+//! ingress, extractors and publishers as real processes (built first if needed) —
+//! runs it, checks correctness, prints a table, writes each service's `/metrics` page
+//! to `target/loadtest/<scenario>.metrics.txt`, stops everything, and prints one JSON
+//! object as its last line. Exits 1 when correctness is violated.
+//!
+//! Scenarios: lab, storm, dup, overhead, flood, fairness, soak (see `scenarios.rs`
+//! and BENCHMARKS.md). `--in-process` runs the services inside this process instead
+//! (no RSS figures).
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::path::Path;
 
-use anyhow::bail;
-use loadtest::simprovider::{OverCap, SimConfig};
-use loadtest::stack::{Stack, StackOptions, US_KEY, sample_diff, submit_req, wait_final_within};
-use reviewlane_shared::proto::JobState;
+use anyhow::{Context, bail};
+use loadtest::procs::{ProcStack, ensure_built};
+use loadtest::scenarios::{self, Overrides, Scale, Scenario};
+use loadtest::stack::Stack;
+
+fn usage() -> String {
+    let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
+    format!("usage: loadtest <{}> [--jobs N] [--secs N] [--in-process]", names.join("|"))
+}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let scenario = std::env::args().nth(1).unwrap_or_default();
-    match scenario.as_str() {
-        "storm" => storm().await,
-        _ => bail!("usage: loadtest <scenario>; scenarios: storm"),
-    }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
-
-async fn storm() -> anyhow::Result<()> {
-    let (jobs, latency, cap, concurrency) = (40usize, Duration::from_secs(3), 2usize, 8usize);
-    let stack = Stack::start_with(StackOptions {
-        extractor_concurrency: concurrency,
-        scope_limit: concurrency as u32,
-        lease: Duration::from_secs(30),
-        us_provider: SimConfig {
-            latency,
-            concurrency_cap: Some(cap),
-            over_cap: OverCap::Reject { headers: vec![("retry-after".into(), "2".into())] },
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .await;
-    let mut client = stack.client().await;
-    let started = Instant::now();
-    let mut ids = Vec::new();
-    let mut submit_ms = Vec::new();
-    for i in 0..jobs {
-        let t = Instant::now();
-        let r = client.submit_review(submit_req(US_KEY, &format!("storm-{i}"), &sample_diff(&format!("s{i}")))).await?;
-        submit_ms.push(t.elapsed().as_secs_f64() * 1000.0);
-        ids.push(r.into_inner().review.expect("review").job_id);
-    }
-    let mut completed = 0;
-    for id in &ids {
-        // Jobs finish in queue order over about a minute; watched one after another.
-        if wait_final_within(&mut client, US_KEY, id, Duration::from_secs(300)).await.state
-            == JobState::Published as i32
-        {
-            completed += 1;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(scenario) = args.first().and_then(|a| Scenario::parse(a)) else { bail!(usage()) };
+    let mut over = Overrides::default();
+    let mut in_process = false;
+    let mut it = args.iter().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--jobs" => over.jobs = Some(it.next().context("--jobs N")?.parse()?),
+            "--secs" => over.duration = Some(std::time::Duration::from_secs(it.next().context("--secs N")?.parse()?)),
+            "--in-process" => in_process = true,
+            _ => bail!(usage()),
         }
     }
-    // Deliveries may trail the final state by a moment.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while stack.webhook.received().len() < completed && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let received = stack.webhook.received();
-    let makespan = received.iter().map(|r| r.at.duration_since(started)).max().unwrap_or_default().as_secs_f64();
-    let mut deliveries: BTreeMap<String, u32> = BTreeMap::new();
-    for r in &received {
-        *deliveries.entry(r.idempotency_key.clone().unwrap_or_default()).or_default() += 1;
-    }
-    let stats = stack.us.provider.stats();
-    let paid: u64 = stats.paid_by_job.values().sum();
-    let duplicate_paid = stats.paid_by_job.values().filter(|&&n| n > 1).count();
-    let duplicate_deliveries = deliveries.values().filter(|&&n| n > 1).count();
-    let lost = ids.iter().filter(|id| !deliveries.contains_key(*id)).count();
-    let physical = jobs as f64 * latency.as_secs_f64() / cap as f64;
-    submit_ms.sort_by(f64::total_cmp);
-
-    println!(
-        "scenario storm: {jobs} jobs, provider cap {cap} (429 + retry-after: 2 over it), {}s per call, extractor concurrency {concurrency}",
-        latency.as_secs()
-    );
-    println!("  completed            {completed}/{jobs}   lost {lost}");
-    println!(
-        "  makespan             {makespan:.1} s   (physical limit {physical:.0} s, ratio {:.3})",
-        makespan / physical
-    );
-    println!(
-        "  provider calls       {}   paid {paid}   429s {} ({:.1}% of calls)",
-        stats.total_calls,
-        stats.calls_429,
-        100.0 * stats.calls_429 as f64 / stats.total_calls.max(1) as f64
-    );
-    println!("  duplicates           paid calls {duplicate_paid}   deliveries {duplicate_deliveries}");
-    println!("  max concurrent calls {}", stats.max_concurrent);
-    if std::env::var_os("LOADTEST_TIMELINE").is_some() {
-        let mut spans = stats.call_spans_ms.clone();
-        spans.sort();
-        for (a, b) in spans {
-            println!("    call {:>6.1}s .. {:>6.1}s", a as f64 / 1000.0, b as f64 / 1000.0);
+    let opts = scenarios::options(scenario, Scale::Full);
+    let report = if in_process {
+        let stack = Stack::start_with(opts).await;
+        let report = scenarios::run(scenario, Scale::Full, over, &stack).await?;
+        stack.shutdown().await;
+        report
+    } else {
+        ensure_built()?;
+        let stack = ProcStack::start(opts).await?;
+        let report = scenarios::run(scenario, Scale::Full, over, &stack).await;
+        let mut pages = String::new();
+        for (name, addr) in &stack.admin {
+            pages.push_str(&format!("# ---- {name} ----\n{}", loadtest::stack::http_get(*addr, "/metrics").await));
         }
-        let mut at: Vec<f64> = received.iter().map(|r| r.at.duration_since(started).as_secs_f64()).collect();
-        at.sort_by(f64::total_cmp);
-        println!("    deliveries at {:?}", at.iter().map(|t| (t * 10.0).round() / 10.0).collect::<Vec<_>>());
-    }
-    println!("  submit p50/p99       {:.2} / {:.2} ms", percentile(&submit_ms, 0.5), percentile(&submit_ms, 0.99));
-    println!(
-        "{}",
-        serde_json::json!({
-            "scenario": "storm", "jobs": jobs, "completed": completed, "lost": lost,
-            "duplicate_paid_calls": duplicate_paid, "duplicate_deliveries": duplicate_deliveries,
-            "paid_calls": paid, "calls_429": stats.calls_429, "provider_calls": stats.total_calls,
-            "makespan_s": (makespan * 10.0).round() / 10.0, "physical_limit_s": physical,
-            "submit_p50_ms": percentile(&submit_ms, 0.5), "submit_p99_ms": percentile(&submit_ms, 0.99),
-        })
-    );
-    stack.shutdown().await;
-    if lost > 0 || duplicate_paid > 0 || duplicate_deliveries > 0 {
-        bail!("storm: correctness violated");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/loadtest");
+        std::fs::create_dir_all(&dir)?;
+        let file = dir.join(format!("{}.metrics.txt", scenario.name()));
+        std::fs::write(&file, pages)?;
+        let codes = stack.shutdown();
+        let unclean: Vec<_> = codes.iter().filter(|(_, c)| **c != Some(0)).collect();
+        if !unclean.is_empty() {
+            eprintln!("services that did not exit 0 on SIGTERM: {unclean:?}");
+        }
+        println!("  metrics pages: {}", file.display());
+        report?
+    };
+    scenarios::print_table(&report);
+    println!("{}", serde_json::to_string(&report)?);
+    if !report.correct() {
+        std::process::exit(1);
     }
     Ok(())
 }

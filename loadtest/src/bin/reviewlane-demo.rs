@@ -7,60 +7,15 @@
 //! Run through `scripts/demo.sh`, which installs nats-server and builds the binaries.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use loadtest::procs::Service;
 use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
 use reviewlane_shared::proto::{self, SubmitReviewRequest, WatchReviewRequest};
 use reviewlane_shared::tenants::hash_api_key;
 use reviewlane_shared::testing::NatsServer;
-
-/// A child process stopped (SIGTERM, then SIGKILL after 10 s) when dropped.
-struct Service {
-    name: String,
-    child: Child,
-}
-
-impl Service {
-    fn start(bin_dir: &Path, bin: &str, label: &str, env: &[(&str, String)], log: &Path) -> anyhow::Result<Service> {
-        let log_file = std::fs::File::create(log)?;
-        let child = Command::new(bin_dir.join(bin))
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
-            .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .with_context(|| format!("starting {bin} (run scripts/demo.sh to build it)"))?;
-        Ok(Service { name: label.to_string(), child })
-    }
-
-    /// SIGTERM, then wait up to 10 s; returns the exit code.
-    fn stop(&mut self) -> Option<i32> {
-        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return status.code();
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -76,7 +31,7 @@ struct Submission {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let bin_dir: PathBuf = std::env::current_exe()?.parent().context("binary dir")?.to_path_buf();
+    let bin_dir: PathBuf = loadtest::procs::bin_dir()?;
     // Kept on failure (logs); removed after a clean run.
     let work = tempfile::Builder::new().prefix("reviewlane-demo-").tempdir()?.keep();
     println!("reviewlane demo — working directory {}", work.as_path().display());
@@ -114,8 +69,7 @@ async fn main() -> anyhow::Result<()> {
     let port = free_port()?;
     let tf = tenants_file.display().to_string();
     let mut services = vec![Service::start(
-        &bin_dir,
-        "reviewlane-ingress",
+        &bin_dir.join("reviewlane-ingress"),
         "ingress",
         &[
             ("REVIEWLANE_GRPC_ADDR", format!("127.0.0.1:{port}")),
@@ -136,15 +90,13 @@ async fn main() -> anyhow::Result<()> {
             ("REVIEWLANE_PROVIDER", "builtin".to_string()),
         ];
         services.push(Service::start(
-            &bin_dir,
-            "reviewlane-extractor",
+            &bin_dir.join("reviewlane-extractor"),
             &format!("extractor-{region}"),
             &env,
             &work.as_path().join(format!("extractor-{region}.log")),
         )?);
         services.push(Service::start(
-            &bin_dir,
-            "reviewlane-publisher",
+            &bin_dir.join("reviewlane-publisher"),
             &format!("publisher-{region}"),
             &env,
             &work.as_path().join(format!("publisher-{region}.log")),

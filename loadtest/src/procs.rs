@@ -1,0 +1,263 @@
+//! The real service binaries as child processes: for the demo, and for the load
+//! scenarios, which report each service's resident memory (from `/proc`).
+//!
+//! A `Service` is stopped with SIGTERM (then SIGKILL after 10 s) by `stop`, and killed
+//! when dropped. `ProcStack` is the process twin of the in-process `stack::Stack`: two
+//! provisioned nats-servers, a simulated provider per region, a webhook receiver (both
+//! in this process), and the ingress, an extractor and a publisher per region as
+//! processes.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use reviewlane_shared::region::Region;
+use reviewlane_shared::testing::NatsServer;
+
+use crate::simprovider::SimProvider;
+use crate::stack::{RegionStack, StackOptions, tenants_toml};
+use crate::webhook::WebhookReceiver;
+
+/// A child process stopped (SIGTERM, then SIGKILL after 10 s) by `stop`, killed on drop.
+pub struct Service {
+    pub name: String,
+    child: Child,
+}
+
+impl Service {
+    pub fn start(bin: &Path, label: &str, env: &[(&str, String)], log: &Path) -> anyhow::Result<Service> {
+        let log_file = std::fs::File::create(log)?;
+        let child = Command::new(bin)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        Ok(Service { name: label.to_string(), child })
+    }
+
+    /// SIGTERM, then wait up to 10 s; returns the exit code (`None`: killed).
+    pub fn stop(&mut self) -> Option<i32> {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Resident memory now and at its peak (`VmRSS`, `VmHWM`), in MiB (Linux).
+    pub fn rss_mib(&self) -> Option<(f64, f64)> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<f64>().ok())
+                .map(|kib| kib / 1024.0)
+        };
+        Some((field("VmRSS:")?, field("VmHWM:")?))
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Where the service binaries are: next to the running binary (same profile).
+pub fn bin_dir() -> anyhow::Result<PathBuf> {
+    Ok(std::env::current_exe()?.parent().context("binary dir")?.to_path_buf())
+}
+
+/// Builds the service binaries in the running binary's profile (a no-op when they are
+/// up to date), so `cargo run --release -p loadtest -- <scenario>` is one command.
+pub fn ensure_built() -> anyhow::Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(&root).args(["build", "--quiet", "--bins"]);
+    for p in ["reviewlane-ingress", "reviewlane-extractor", "reviewlane-publisher", "reviewlane-shared"] {
+        cmd.args(["-p", p]);
+    }
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let status = cmd.status().context("running cargo build for the service binaries")?;
+    if !status.success() {
+        bail!("building the service binaries failed");
+    }
+    Ok(())
+}
+
+pub struct ProcStack {
+    pub us: RegionStack,
+    pub eu: RegionStack,
+    pub webhook: WebhookReceiver,
+    pub ingress: SocketAddr,
+    /// Ingress, then extractor and publisher of each region.
+    pub services: Vec<Service>,
+    /// Each service's admin address (`/metrics`, `/healthz`, `/readyz`).
+    pub admin: Vec<(String, SocketAddr)>,
+    work: tempfile::TempDir,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl ProcStack {
+    pub async fn start(opts: StackOptions) -> anyhow::Result<ProcStack> {
+        let bins = bin_dir()?;
+        let work = tempfile::Builder::new().prefix("reviewlane-load-").tempdir()?;
+        let webhook = WebhookReceiver::start().await;
+        let us = RegionStack {
+            nats: NatsServer::start_provisioned(Region::Us).await,
+            provider: SimProvider::start_with(opts.us_provider.clone(), opts.canaries.clone()).await,
+        };
+        let eu = RegionStack {
+            nats: NatsServer::start_provisioned(Region::Eu).await,
+            provider: SimProvider::start_with(opts.eu_provider.clone(), opts.canaries.clone()).await,
+        };
+        if let Some(max) = opts.lane_max_messages {
+            for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
+                let js = async_nats::jetstream::new(async_nats::connect(rs.nats.url()).await?);
+                let cfg = reviewlane_shared::layout::LayoutConfig { lane_max_messages: max, ..Default::default() };
+                reviewlane_shared::layout::ensure(&js, region, &cfg).await.map_err(|e| anyhow::anyhow!(e))?;
+            }
+        }
+        let tenants_file = work.path().join("tenants.toml");
+        std::fs::write(&tenants_file, tenants_toml(&webhook.url()))?;
+        let tf = tenants_file.display().to_string();
+        let port = free_port()?;
+        let log = |name: &str| work.path().join(format!("{name}.log"));
+        let mut admin = Vec::new();
+        let mut admin_addr = |name: &str| -> anyhow::Result<String> {
+            let addr: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+            admin.push((name.to_string(), addr));
+            Ok(addr.to_string())
+        };
+        let mut services = vec![Service::start(
+            &bins.join("reviewlane-ingress"),
+            "ingress",
+            &[
+                ("REVIEWLANE_GRPC_ADDR", format!("127.0.0.1:{port}")),
+                ("REVIEWLANE_ADMIN_ADDR", admin_addr("ingress")?),
+                ("REVIEWLANE_TENANTS_FILE", tf.clone()),
+                ("REVIEWLANE_NATS_URL_US", us.nats.url().into()),
+                ("REVIEWLANE_NATS_URL_EU", eu.nats.url().into()),
+                ("REVIEWLANE_MAX_DIFF_BYTES", opts.max_diff_bytes.to_string()),
+            ],
+            &log("ingress"),
+        )?];
+        for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
+            let r = region.as_str();
+            let common = [
+                ("REVIEWLANE_REGION", r.to_string()),
+                ("REVIEWLANE_NATS_URL", rs.nats.url().into()),
+                ("REVIEWLANE_TENANTS_FILE", tf.clone()),
+            ];
+            for n in 0..opts.extractors {
+                let name = format!("extractor-{r}{}", if n == 0 { String::new() } else { format!("-{n}") });
+                let mut env = common.to_vec();
+                env.push(("REVIEWLANE_ADMIN_ADDR", admin_addr(&name)?));
+                env.extend([
+                    ("REVIEWLANE_PROVIDER", "openai".into()),
+                    ("REVIEWLANE_OPENAI_BASE_URL", rs.provider.base_url()),
+                    ("REVIEWLANE_OPENAI_MODEL", "sim".into()),
+                    ("REVIEWLANE_OPENAI_API_KEY", "sk-load".into()),
+                    ("REVIEWLANE_PROVIDER_REGION", r.into()),
+                    ("REVIEWLANE_CONCURRENCY", opts.extractor_concurrency.to_string()),
+                    ("REVIEWLANE_SCOPE_LIMIT", opts.scope_limit.to_string()),
+                    ("REVIEWLANE_LEASE_SECS", opts.lease.as_secs().max(1).to_string()),
+                    ("REVIEWLANE_HEARTBEAT_MS", opts.heartbeat.as_millis().to_string()),
+                    ("REVIEWLANE_BACKOFF_BASE_MS", "200".into()),
+                    ("REVIEWLANE_BACKOFF_CAP_SECS", "2".into()),
+                    ("REVIEWLANE_SHUTDOWN_GRACE_SECS", opts.shutdown_grace.as_secs().max(1).to_string()),
+                ]);
+                services.push(Service::start(
+                    &bins.join("reviewlane-extractor"),
+                    &name,
+                    &env,
+                    &log(&format!("extractor-{r}-{n}")),
+                )?);
+            }
+            let mut env = common.to_vec();
+            env.push(("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", "1".into()));
+            env.push(("REVIEWLANE_ADMIN_ADDR", admin_addr(&format!("publisher-{r}"))?));
+            services.push(Service::start(
+                &bins.join("reviewlane-publisher"),
+                &format!("publisher-{r}"),
+                &env,
+                &log(&format!("publisher-{r}")),
+            )?);
+        }
+        let stack = ProcStack { us, eu, webhook, ingress: format!("127.0.0.1:{port}").parse()?, services, admin, work };
+        stack.wait_serving().await?;
+        Ok(stack)
+    }
+
+    /// Waits until the ingress answers gRPC (health) and the extractors' consumers exist.
+    async fn wait_serving(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let up = async {
+                let ch = tonic::transport::Channel::from_shared(format!("http://{}", self.ingress))?.connect().await?;
+                let mut health = tonic_health::pb::health_client::HealthClient::new(ch);
+                health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await?;
+                anyhow::Ok(())
+            };
+            if up.await.is_ok() && self.extractors_ready().await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("services did not come up in 30 s; logs in {}", self.work.path().display());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn extractors_ready(&self) -> bool {
+        for (region, rs) in [(Region::Us, &self.us), (Region::Eu, &self.eu)] {
+            let Ok(client) = async_nats::connect(rs.nats.url()).await else { return false };
+            let js = async_nats::jetstream::new(client);
+            let lane = reviewlane_shared::layout::lane_stream(region, reviewlane_shared::Lane::Interactive);
+            let Ok(mut stream) = js.get_stream(lane).await else { return false };
+            match stream.info().await {
+                Ok(info) if info.state.consumer_count > 0 => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// Resident memory of each service: (name, now MiB, peak MiB).
+    pub fn rss(&self) -> Vec<(String, f64, f64)> {
+        self.services.iter().filter_map(|s| s.rss_mib().map(|(now, peak)| (s.name.clone(), now, peak))).collect()
+    }
+
+    /// SIGTERM to every service (publishers and extractors first); their exit codes.
+    pub fn shutdown(mut self) -> BTreeMap<String, Option<i32>> {
+        let mut codes = BTreeMap::new();
+        for s in self.services.iter_mut().rev() {
+            codes.insert(s.name.clone(), s.stop());
+        }
+        codes
+    }
+}
