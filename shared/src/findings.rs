@@ -121,6 +121,12 @@ pub fn is_known_schema(version: &str) -> bool {
     schema(version).is_some()
 }
 
+/// Compiles the bundled schemas now, so no request waits for it (services call this
+/// at start).
+pub fn warm_up() {
+    let _ = registry();
+}
+
 pub fn known_schemas() -> Vec<&'static str> {
     registry().iter().map(|s| s.version).collect()
 }

@@ -22,7 +22,8 @@ pub enum StoreError {
 
 /// Result of `create`.
 pub enum Created {
-    New(JobRecord),
+    /// Created now, at this revision.
+    New(JobRecord, u64),
     /// A record already had this id; here it is, as stored.
     Exists(JobRecord),
 }
@@ -80,7 +81,7 @@ impl JobStore {
     pub async fn create(&self, rec: &JobRecord) -> Result<Created, StoreError> {
         let bytes = serde_json::to_vec(rec).expect("job record serializes");
         match self.kv.create(&rec.job_id, bytes.into()).await {
-            Ok(_) => Ok(Created::New(rec.clone())),
+            Ok(revision) => Ok(Created::New(rec.clone(), revision)),
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
                 let (existing, _) = self.get(&rec.job_id).await?.ok_or(StoreError::NotFound)?;
                 Ok(Created::Exists(existing))
@@ -103,8 +104,22 @@ impl JobStore {
     /// Applies `event` with compare-and-set, re-reading on conflict. A refused
     /// transition returns the current record with the reason.
     pub async fn apply(&self, job_id: &str, event: &Event) -> Result<JobRecord, StoreError> {
+        self.apply_from(job_id, None, event).await
+    }
+
+    /// As `apply`, starting from a record and revision the caller holds (saving a
+    /// read when nobody wrote in between).
+    pub async fn apply_from(
+        &self,
+        job_id: &str,
+        mut known: Option<(JobRecord, u64)>,
+        event: &Event,
+    ) -> Result<JobRecord, StoreError> {
         for _ in 0..CAS_TRIES {
-            let (rec, revision) = self.get(job_id).await?.ok_or(StoreError::NotFound)?;
+            let (rec, revision) = match known.take() {
+                Some(k) => k,
+                None => self.get(job_id).await?.ok_or(StoreError::NotFound)?,
+            };
             let next = match transition(&rec, event, now_ms()) {
                 Ok(n) => n,
                 Err(e) => return Err(StoreError::Transition(e, Box::new(rec))),

@@ -52,6 +52,7 @@ pub async fn build_with_provider(
     config: ExtractorConfig,
     provider: Option<Arc<dyn Provider>>,
 ) -> Result<App, StartError> {
+    reviewlane_shared::findings::warm_up();
     let provider: Arc<dyn Provider> = match (provider, &config.provider) {
         (Some(p), _) => p,
         (None, ProviderConfig::Builtin) => Arc::new(BuiltinAnalyzer::new(config.region)),

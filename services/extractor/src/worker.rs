@@ -148,7 +148,7 @@ impl Worker {
         abort: &CancellationToken,
     ) -> Result<Outcome, StoreError> {
         let id = review.job_id.as_str();
-        let Some((rec, _)) = self.jobs.get(id).await? else {
+        let Some((rec, revision)) = self.jobs.get(id).await? else {
             tracing::warn!("no job record for message; terminating it");
             settle(msg, AckKind::Term).await;
             return Ok(Outcome::Skipped);
@@ -200,8 +200,8 @@ impl Worker {
         }
         // Time the job waited while eligible: since submit, or since its retry delay ended.
         let eligible_at_ms = rec.next_eligible_at_ms.unwrap_or(rec.created_at_ms);
-        let leased =
-            self.jobs.apply(id, &Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 }).await;
+        let lease = Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 };
+        let leased = self.jobs.apply_from(id, Some((rec, revision)), &lease).await;
         let rec = match leased {
             Ok(r) => r,
             Err(StoreError::Transition(_, current)) => {

@@ -192,8 +192,8 @@ impl ReviewApi {
             depth,
             now,
         );
-        let (rec, created) = match handle.jobs.create(&record).await? {
-            Created::New(rec) => (rec, true),
+        let (rec, created, revision) = match handle.jobs.create(&record).await? {
+            Created::New(rec, revision) => (rec, true, Some(revision)),
             Created::Exists(existing) if existing.request_digest != record.request_digest => {
                 return Err(ApiError::AlreadyExists);
             }
@@ -204,7 +204,7 @@ impl ReviewApi {
                 tracing::debug!(state = existing.state.as_str(), "idempotent retry");
                 return Ok(api::review(&existing, &[]));
             }
-            Created::Exists(existing) => (existing, false),
+            Created::Exists(existing) => (existing, false, None),
         };
         let msg = ReviewMessage {
             job_id: id.clone(),
@@ -231,7 +231,8 @@ impl ReviewApi {
             }
             return Err(e);
         }
-        let rec = match handle.jobs.apply(&id, &Event::Enqueued).await {
+        let known = revision.map(|r| (rec, r));
+        let rec = match handle.jobs.apply_from(&id, known, &Event::Enqueued).await {
             Ok(r) => r,
             // A worker was quicker (accepted -> running) or the job was cancelled.
             Err(StoreError::Transition(_, current)) => *current,

@@ -15,7 +15,6 @@ use reviewlane_shared::proto::review_service_server::ReviewServiceServer;
 use reviewlane_shared::region::Lane;
 use reviewlane_shared::startup::{StartError, connect_region};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::Sampler;
@@ -34,6 +33,7 @@ pub struct App {
 }
 
 pub async fn build(config: IngressConfig) -> Result<App, StartError> {
+    reviewlane_shared::findings::warm_up();
     let mut regions = BTreeMap::new();
     let mut clients = Vec::new();
     for (region, url) in &config.nats_urls {
@@ -130,7 +130,11 @@ impl App {
             .add_service(health_service)
             .add_service(reflection)
             .add_service(service)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(self.listener), stopping);
+            // TCP_NODELAY: small gRPC answers must not wait for Nagle's algorithm (~40 ms).
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(self.listener).with_nodelay(Some(true)),
+                stopping,
+            );
         let token = self.shutdown.clone();
         tokio::select! {
             res = server => res?,
