@@ -93,7 +93,25 @@ pub fn ensure_built() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut cmd = Command::new(cargo);
     cmd.current_dir(&root).args(["build", "--quiet", "--bins"]);
-    for p in ["reviewlane-ingress", "reviewlane-extractor", "reviewlane-publisher", "reviewlane-shared"] {
+    // `cargo run` put this package's variables into our environment; build scripts that
+    // watch them (ring: `CARGO_MANIFEST_DIR`) would rebuild on every run.
+    for (k, _) in std::env::vars() {
+        let set_by_cargo_run = k.starts_with("CARGO_PKG_")
+            || matches!(
+                k.as_str(),
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+            );
+        if set_by_cargo_run {
+            cmd.env_remove(k);
+        }
+    }
+    // `loadtest` too: with it in the same build the shared crates get the features
+    // `cargo run -p loadtest` gives them, so neither build invalidates the other's.
+    for p in ["reviewlane-ingress", "reviewlane-extractor", "reviewlane-publisher", "reviewlane-shared", "loadtest"] {
         cmd.args(["-p", p]);
     }
     if !cfg!(debug_assertions) {

@@ -251,11 +251,24 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
         Scenario::Overhead => {
             let n = over.jobs.unwrap_or(if ci { 200 } else { 10_000 });
             let jobs = mixed(n, "overhead");
+            // First one at a time (the latency of a submit on a quiet system), then
+            // the rest 64 at a time (the throughput).
+            let probe = (n / 50).clamp(1, 200);
+            let pace = Pace { concurrency: 1, rate: None, timeout: Duration::from_secs(10) };
+            let mut sub = load::submit(&channel, &jobs, (0..probe).collect(), pace).await;
+            let lat: Vec<f64> = sub.iter().map(|x| x.submit_ms).collect();
+            extra.insert("one_at_a_time_submits".into(), json!(probe));
+            extra.insert("one_at_a_time_submit_p50_ms".into(), json!(round(percentile(&lat, 0.5), 2)));
+            extra.insert("one_at_a_time_submit_p99_ms".into(), json!(round(percentile(&lat, 0.99), 2)));
             let pace = Pace { concurrency: 64, rate: None, timeout: Duration::from_secs(10) };
             let t = Instant::now();
-            let sub = load::submit(&channel, &jobs, (0..n).collect(), pace).await;
+            let flood = load::submit(&channel, &jobs, (probe..n).collect(), pace).await;
             let submit_s = t.elapsed().as_secs_f64();
-            let accepted = sub.iter().filter(|x| x.sent == Sent::Accepted).count();
+            let flood_lat: Vec<f64> = flood.iter().map(|x| x.submit_ms).collect();
+            extra.insert("loaded_submit_p50_ms".into(), json!(round(percentile(&flood_lat, 0.5), 2)));
+            extra.insert("loaded_submit_p99_ms".into(), json!(round(percentile(&flood_lat, 0.99), 2)));
+            let accepted = flood.iter().filter(|x| x.sent == Sent::Accepted).count();
+            sub.extend(flood);
             extra.insert("submit_phase_s".into(), json!(round(submit_s, 2)));
             extra.insert("ingress_jobs_per_s".into(), json!(round(accepted as f64 / submit_s, 1)));
             (jobs, sub, None)
@@ -413,6 +426,9 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
         }
         Scenario::Overhead => {
             let raw = raw_jetstream_rate(d.nats_url(Region::Us), &jobs, if ci { 200 } else { 10_000 }, 64).await?;
+            // One at a time: the round trip a submit pays three times (record, lane, CAS).
+            let one = raw_jetstream_rate(d.nats_url(Region::Us), &jobs, if ci { 50 } else { 1_000 }, 1).await?;
+            extra.insert("raw_jetstream_one_at_a_time_ms".into(), json!(round(1000.0 / one, 3)));
             let ours = extra["ingress_jobs_per_s"].as_f64().unwrap_or(0.0);
             extra.insert("raw_jetstream_publishes_per_s".into(), json!(round(raw, 1)));
             extra.insert("ratio_to_raw_jetstream".into(), json!(round(ours / raw, 3)));
