@@ -58,10 +58,14 @@ pub fn share(limit: u32, live: &[String], me: &str) -> u32 {
 const INITIAL_WINDOW: f64 = 2.0;
 
 /// The congestion window of one scope on one replica, like TCP's: slow start from two
-/// calls (+1 per success) until the first 429; then one decrease per congestion event
-/// (429s of calls started before the last decrease are the same event): a failed probe
-/// falls back to the last level that held, real congestion halves the window. Above a
-/// level that held, it probes one call higher only after `probe_every` without a 429.
+/// calls (+1 per success) until the first 429; then one decrease per congestion event.
+/// An event is every 429 from its first until the next success (calls started before
+/// the decrease, the pause, a provider-wide burst). A failed probe falls back to the
+/// last level that held; congestion at or below it halves the window, which then
+/// regains that level by one call per window of successes (TCP's additive increase),
+/// unless congestion strikes again on the way, which lowers the level (the provider's
+/// capacity did drop). Above the level that held it probes one call higher only after
+/// `probe_every` without a 429.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Window {
     window: f64,
@@ -72,6 +76,11 @@ pub struct Window {
     event_until_ms: u64,
     last_probe_ms: u64,
     probe_every_ms: u64,
+    /// The last event has not seen a success yet: further 429s belong to it.
+    in_event: bool,
+    /// Successes since the window last changed level; a level that ran a window's worth
+    /// of calls without a 429 has held.
+    at_level: u32,
 }
 
 impl Window {
@@ -84,6 +93,8 @@ impl Window {
             event_until_ms: 0,
             last_probe_ms: 0,
             probe_every_ms: probe_every.as_millis() as u64,
+            in_event: false,
+            at_level: 0,
         }
     }
 
@@ -96,24 +107,51 @@ impl Window {
     /// 429s of calls started before the last decrease, or arriving during its pause,
     /// are the same congestion event.
     pub fn on_rate_limited(&mut self, now_ms: u64, started_ms: u64, pause: Duration) {
-        if started_ms < self.last_decrease_ms || now_ms < self.event_until_ms {
+        if self.in_event || started_ms < self.last_decrease_ms || now_ms < self.event_until_ms {
             return;
         }
         self.event_until_ms = now_ms + pause.as_millis() as u64;
-        if !self.slow_start && self.window > self.stable && self.stable >= 1.0 {
+        let halved = (self.window.floor() / 2.0).ceil().max(1.0);
+        if self.stable < 1.0 {
+            self.window = halved;
+            self.stable = halved;
+        } else if self.window.floor() > self.stable {
+            // A failed probe.
             self.window = self.stable;
+        } else if self.window.floor() < self.stable {
+            // Congestion again before the level that held was regained: it no longer holds.
+            self.window = halved;
+            self.stable = halved;
         } else {
-            self.window = (self.window / 2.0).ceil().max(1.0);
-            self.stable = self.window;
+            // Congestion at the level that held (a burst): halve, and regain it.
+            self.window = halved;
         }
         self.slow_start = false;
+        self.in_event = true;
+        self.at_level = 0;
         self.last_decrease_ms = now_ms;
     }
 
     pub fn on_success(&mut self, share: u32, now_ms: u64) {
         let cap = f64::from(share.max(1));
+        self.in_event = false;
+        let level = self.window.floor();
+        self.on_success_grow(cap, now_ms);
+        if self.window.floor() != level {
+            self.at_level = 0;
+        } else {
+            self.at_level += 1;
+            if f64::from(self.at_level) >= level && level > self.stable {
+                self.stable = level;
+            }
+        }
+    }
+
+    fn on_success_grow(&mut self, cap: f64, now_ms: u64) {
         if self.slow_start {
             self.window = (self.window + 1.0).min(cap);
+        } else if self.window < self.stable {
+            self.window = (self.window + 1.0 / self.window.max(1.0)).min(self.stable);
         } else if now_ms.saturating_sub(self.last_decrease_ms) >= self.probe_every_ms
             && now_ms.saturating_sub(self.last_probe_ms) >= self.probe_every_ms
             && self.window < cap
@@ -499,10 +537,65 @@ mod tests {
         assert_eq!(w.allowed(8), 3);
         w.on_rate_limited(67_000, 66_200, pause);
         assert_eq!(w.allowed(8), 2);
-        // Real congestion below the stable level halves.
+        // Congestion at the level that held halves (after a success ended the event)...
+        w.on_success(8, 68_000);
         w.on_rate_limited(70_000, 69_000, pause);
         assert_eq!(w.allowed(8), 1);
         assert_eq!(w.allowed(0), 0, "no share, no calls");
+        // ...and the level is regained one call per window of successes.
+        w.on_success(8, 73_000);
+        assert_eq!(w.allowed(8), 2);
+        w.on_success(8, 76_000);
+        assert_eq!(w.allowed(8), 2, "not above the level that held without a probe");
+    }
+
+    #[test]
+    fn periodic_provider_wide_bursts_do_not_ratchet_the_window_down() {
+        // 100 ms calls, share 16; every 60 s the provider refuses everything for 5 s.
+        let mut w = Window::new(Duration::from_secs(60));
+        let mut t = 0;
+        for _ in 0..40 {
+            t += 100;
+            w.on_success(16, t);
+        }
+        assert_eq!(w.allowed(16), 16);
+        for _burst in 0..5 {
+            t += 55_000;
+            // Every call of the burst is refused, retried each second: one event.
+            for k in 0..5 {
+                for c in 0..16 {
+                    w.on_rate_limited(t + k * 1_000 + c, t + k * 1_000, Duration::from_secs(1));
+                }
+            }
+            assert_eq!(w.allowed(16), 8, "one halving per burst");
+            t += 5_000;
+            // Within a couple of seconds of successes the level is back.
+            for _ in 0..120 {
+                t += 100 / 8;
+                w.on_success(16, t);
+            }
+            assert_eq!(w.allowed(16), 16);
+        }
+    }
+
+    #[test]
+    fn a_lasting_capacity_drop_lowers_the_level() {
+        // The provider goes from 16 calls to 4 for good.
+        let mut w = Window::new(Duration::from_secs(60));
+        for i in 0..40 {
+            w.on_success(16, i * 100);
+        }
+        let pause = Duration::from_secs(1);
+        w.on_rate_limited(10_000, 9_900, pause);
+        assert_eq!(w.allowed(16), 8);
+        w.on_success(16, 11_100);
+        // 8 is still too many: refused again before 16 was regained.
+        w.on_rate_limited(11_200, 11_150, pause);
+        assert_eq!(w.allowed(16), 4);
+        for i in 0..40 {
+            w.on_success(16, 12_000 + i * 100);
+        }
+        assert_eq!(w.allowed(16), 4, "holds at the new level, probing only every interval");
     }
 
     #[test]
