@@ -86,6 +86,24 @@ pub fn bin_dir() -> anyhow::Result<PathBuf> {
     Ok(std::env::current_exe()?.parent().context("binary dir")?.to_path_buf())
 }
 
+/// Installs nats-server 2.10+ into the checkout's `.tools/` when the machine has none
+/// (`scripts/install-deps.sh`; skipped when `NATS_SERVER_BIN` names one).
+pub fn ensure_nats_server() -> anyhow::Result<()> {
+    if std::env::var_os("NATS_SERVER_BIN").is_some() {
+        return Ok(());
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new("bash")
+        .arg(root.join("scripts/install-deps.sh"))
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running scripts/install-deps.sh")?;
+    if !out.status.success() {
+        bail!("scripts/install-deps.sh failed: no nats-server 2.10+");
+    }
+    Ok(())
+}
+
 /// Builds the service binaries in the running binary's profile (a no-op when they are
 /// up to date), so `cargo run --release -p loadtest -- <scenario>` is one command.
 pub fn ensure_built() -> anyhow::Result<()> {

@@ -38,6 +38,7 @@ async fn main() -> anyhow::Result<()> {
             _ => bail!(usage()),
         }
     }
+    loadtest::procs::ensure_nats_server()?;
     let opts = scenarios::options(scenario, Scale::Full);
     let report = if in_process {
         let stack = Stack::start_with(opts).await;

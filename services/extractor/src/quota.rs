@@ -78,6 +78,9 @@ pub struct Window {
     probe_every_ms: u64,
     /// The last event has not seen a success yet: further 429s belong to it.
     in_event: bool,
+    /// When the last event ended (its first success): 429s of calls started before
+    /// then still belong to it.
+    event_end_ms: u64,
     /// Successes since the window last changed level; a level that ran a window's worth
     /// of calls without a 429 has held.
     at_level: u32,
@@ -94,6 +97,7 @@ impl Window {
             last_probe_ms: 0,
             probe_every_ms: probe_every.as_millis() as u64,
             in_event: false,
+            event_end_ms: 0,
             at_level: 0,
         }
     }
@@ -107,7 +111,11 @@ impl Window {
     /// 429s of calls started before the last decrease, or arriving during its pause,
     /// are the same congestion event.
     pub fn on_rate_limited(&mut self, now_ms: u64, started_ms: u64, pause: Duration) {
-        if self.in_event || started_ms < self.last_decrease_ms || now_ms < self.event_until_ms {
+        if self.in_event
+            || started_ms < self.last_decrease_ms
+            || started_ms < self.event_end_ms
+            || now_ms < self.event_until_ms
+        {
             return;
         }
         self.event_until_ms = now_ms + pause.as_millis() as u64;
@@ -134,7 +142,10 @@ impl Window {
 
     pub fn on_success(&mut self, share: u32, now_ms: u64) {
         let cap = f64::from(share.max(1));
-        self.in_event = false;
+        if self.in_event {
+            self.in_event = false;
+            self.event_end_ms = now_ms;
+        }
         let level = self.window.floor();
         self.on_success_grow(cap, now_ms);
         if self.window.floor() != level {
@@ -569,6 +580,11 @@ mod tests {
             }
             assert_eq!(w.allowed(16), 8, "one halving per burst");
             t += 5_000;
+            // The first success ends the burst; a 429 of a call started before that,
+            // answered after it, still belongs to the burst.
+            w.on_success(16, t);
+            w.on_rate_limited(t + 50, t - 10, Duration::from_secs(1));
+            assert_eq!(w.allowed(16), 8);
             // Within a couple of seconds of successes the level is back.
             for _ in 0..120 {
                 t += 100 / 8;
