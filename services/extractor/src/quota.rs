@@ -141,6 +141,16 @@ impl Window {
     }
 
     pub fn on_success(&mut self, share: u32, now_ms: u64) {
+        self.on_call_success(share, now_ms, now_ms);
+    }
+
+    /// A success of a call started at `started_ms`. A call started before the last
+    /// decrease proves nothing about the level after it: it neither ends the event nor
+    /// grows the window (a burst starts while earlier calls are still answering 200).
+    pub fn on_call_success(&mut self, share: u32, now_ms: u64, started_ms: u64) {
+        if started_ms < self.last_decrease_ms {
+            return;
+        }
         let cap = f64::from(share.max(1));
         if self.in_event {
             self.in_event = false;
@@ -489,12 +499,17 @@ impl Quota {
         Ok(())
     }
 
-    pub fn succeeded(&self, scope: &Scope) {
+    /// A call of `scope` started at `started_ms` succeeded.
+    pub fn succeeded(&self, scope: &Scope, started_ms: u64) {
         let limit = self.limit(scope);
         let mut st = self.state.lock().expect("quota lock");
         let my_share = share(limit, &st.live, &self.me);
         let probe_every = self.probe_every;
-        st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).on_success(my_share, now_ms());
+        st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).on_call_success(
+            my_share,
+            now_ms(),
+            started_ms,
+        );
     }
 }
 
@@ -578,6 +593,10 @@ mod tests {
                     w.on_rate_limited(t + k * 1_000 + c, t + k * 1_000, Duration::from_secs(1));
                 }
             }
+            // Calls started before the burst still answer 200 during it: they do not
+            // end the burst, and the 429s after them are the same event.
+            w.on_call_success(16, t + 80, t - 20);
+            w.on_rate_limited(t + 1_200, t + 1_100, Duration::from_secs(1));
             assert_eq!(w.allowed(16), 8, "one halving per burst");
             t += 5_000;
             // The first success ends the burst; a 429 of a call started before that,

@@ -282,7 +282,7 @@ impl Worker {
         }
         match upstream {
             UpstreamOutcome::Ok { output, slow_down, usage } => {
-                self.quota.succeeded(scope);
+                self.quota.succeeded(scope, call_started_ms);
                 if let Some(u) = usage {
                     self.metrics.tokens(&review.tenant, u);
                 }
