@@ -154,7 +154,8 @@ pub struct ProcStack {
     work: tempfile::TempDir,
 }
 
-fn free_port() -> anyhow::Result<u16> {
+/// A free loopback port (for a child process to bind).
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -186,13 +186,6 @@ pub fn set_remote_parent(span: &tracing::Span, parent: opentelemetry::Context) {
     }
 }
 
-/// The trace id of the current span (hex), if tracing is on.
-pub fn current_trace_id() -> Option<String> {
-    let cx = tracing::Span::current().context();
-    let sc = cx.span().span_context().clone();
-    sc.is_valid().then(|| sc.trace_id().to_string())
-}
-
 // ---------------------------------------------------------------------------------
 // JSON log lines.
 

@@ -11,15 +11,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use loadtest::procs::Service;
+use loadtest::procs::{Service, free_port};
 use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
 use reviewlane_shared::proto::{self, SubmitReviewRequest, WatchReviewRequest};
 use reviewlane_shared::tenants::hash_api_key;
 use reviewlane_shared::testing::NatsServer;
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
 
 struct Submission {
     tenant: &'static str,

@@ -177,7 +177,7 @@ impl Worker {
         }
 
         // The same review was answered before: no call, no cost.
-        let cache_key = self.cache_key(review, scope);
+        let cache_key = self.cache_key(&rec.input_digest, review, scope);
         if let Some(hit) = self.cached(&cache_key).await {
             let leased = Event::Leased { lease_expires_at_ms: now_ms() + self.lease.as_millis() as u64 };
             match self.jobs.apply(id, &leased).await {
@@ -367,12 +367,13 @@ impl Worker {
         }
     }
 
-    /// Same tenant, diff, schema, depth, provider, model and prompt: same answer.
-    /// Per tenant, so no tenant can learn what another submitted.
-    fn cache_key(&self, review: &ReviewMessage, scope: &Scope) -> String {
+    /// Same tenant, diff (its digest, computed once by the ingress), schema, depth,
+    /// provider, model and prompt: same answer. Per tenant, so no tenant can learn what
+    /// another submitted.
+    fn cache_key(&self, input_digest: &str, review: &ReviewMessage, scope: &Scope) -> String {
         reviewlane_shared::job_id::sha256_hex(&[
             review.tenant.as_bytes(),
-            review.diff.as_bytes(),
+            input_digest.as_bytes(),
             review.schema_version.as_bytes(),
             review.review_depth.as_str().as_bytes(),
             scope.provider.as_bytes(),

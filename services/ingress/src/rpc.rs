@@ -27,11 +27,7 @@ pub fn span_for(req: &http::Request<()>) -> tracing::Span {
     if path.starts_with("/grpc.health.") {
         return tracing::Span::none();
     }
-    let method = path
-        .strip_prefix("/reviewlane.v1.ReviewService/")
-        .and_then(|m| METHODS.iter().find(|k| **k == m))
-        .copied()
-        .unwrap_or("unknown");
+    let method = method_of(path);
     let span = tracing::info_span!(
         parent: None,
         "rpc",
@@ -145,9 +141,12 @@ impl Metrics {
     }
 }
 
-/// The method an intercepted request is for (the interceptor sees no route).
+/// The review-service method a request path names; `unknown` for anything else.
 pub fn method_of(path: &str) -> &'static str {
-    path.rsplit('/').next().and_then(|m| METHODS.iter().find(|k| **k == m)).copied().unwrap_or("unknown")
+    path.strip_prefix("/reviewlane.v1.ReviewService/")
+        .and_then(|m| METHODS.iter().find(|k| **k == m))
+        .copied()
+        .unwrap_or("unknown")
 }
 
 fn code_name(code: tonic::Code) -> &'static str {
@@ -181,6 +180,7 @@ mod tests {
     fn span_names_and_metric_labels_come_from_a_closed_set() {
         assert_eq!(method_of("/reviewlane.v1.ReviewService/SubmitReview"), "SubmitReview");
         assert_eq!(method_of("/reviewlane.v1.ReviewService/anything-a-client-sends"), "unknown");
+        assert_eq!(method_of("/other.Service/SubmitReview"), "unknown");
         assert_eq!(code_name(tonic::Code::ResourceExhausted), "RESOURCE_EXHAUSTED");
     }
 }
