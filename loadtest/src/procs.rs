@@ -57,6 +57,19 @@ impl Service {
         }
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal by name (`STOP`, `CONT`, `KILL`, ...).
+    pub fn signal(&self, name: &str) -> anyhow::Result<()> {
+        let status = Command::new("kill").arg(format!("-{name}")).arg(self.child.id().to_string()).status()?;
+        if !status.success() {
+            bail!("kill -{name} {} failed", self.child.id());
+        }
+        Ok(())
+    }
+
     /// Resident memory now and at its peak (`VmRSS`, `VmHWM`), in MiB (Linux).
     pub fn rss_mib(&self) -> Option<(f64, f64)> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
@@ -81,9 +94,14 @@ impl Drop for Service {
     }
 }
 
-/// Where the service binaries are: next to the running binary (same profile).
+/// Where the service binaries are: next to the running binary (same profile), or one
+/// level up for a test binary (`target/<profile>/deps`).
 pub fn bin_dir() -> anyhow::Result<PathBuf> {
-    Ok(std::env::current_exe()?.parent().context("binary dir")?.to_path_buf())
+    let dir = std::env::current_exe()?.parent().context("binary dir")?.to_path_buf();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        return Ok(dir.parent().context("profile dir")?.to_path_buf());
+    }
+    Ok(dir)
 }
 
 /// Installs nats-server 2.10+ into the checkout's `.tools/` when the machine has none
@@ -218,7 +236,8 @@ impl ProcStack {
                     ("REVIEWLANE_PROVIDER", "openai".into()),
                     ("REVIEWLANE_OPENAI_BASE_URL", rs.provider.base_url()),
                     ("REVIEWLANE_OPENAI_MODEL", "sim".into()),
-                    ("REVIEWLANE_OPENAI_API_KEY", "sk-load".into()),
+                    // One key per replica, so the provider can tell the callers apart.
+                    ("REVIEWLANE_OPENAI_API_KEY", format!("sk-load-{n}")),
                     ("REVIEWLANE_PROVIDER_REGION", r.into()),
                     ("REVIEWLANE_CONCURRENCY", opts.extractor_concurrency.to_string()),
                     ("REVIEWLANE_SCOPE_LIMIT", opts.scope_limit.to_string()),
@@ -282,6 +301,16 @@ impl ProcStack {
             }
         }
         true
+    }
+
+    /// The service named `name` (`ingress`, `extractor-us`, `extractor-us-1`, ...).
+    pub fn service(&self, name: &str) -> Option<&Service> {
+        self.services.iter().find(|s| s.name == name)
+    }
+
+    /// Its admin address.
+    pub fn admin_of(&self, name: &str) -> Option<SocketAddr> {
+        self.admin.iter().find(|(n, _)| n == name).map(|(_, a)| *a)
     }
 
     /// Resident memory of each service: (name, now MiB, peak MiB).

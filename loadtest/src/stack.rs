@@ -48,13 +48,15 @@ pub struct Stack {
     opts: ExtractorKnobs,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct ExtractorKnobs {
     lease: Duration,
     concurrency: usize,
     scope_limit: u32,
     heartbeat: Duration,
     grace: Duration,
+    faults: reviewlane_shared::faults::Faults,
+    result_inline_max: Option<usize>,
 }
 
 pub struct StackOptions {
@@ -75,6 +77,10 @@ pub struct StackOptions {
     pub shutdown_grace: Duration,
     /// Admission policy of the interactive lane, and the sampling period.
     pub interactive_policy: Option<(reviewlane_ingress::admission::LanePolicy, Duration)>,
+    /// Fault hooks shared by the ingress and every extractor (armed by the test).
+    pub faults: reviewlane_shared::faults::Faults,
+    /// Results larger than this go to the object store (`None`: the server's limit).
+    pub result_inline_max: Option<usize>,
 }
 
 impl Default for StackOptions {
@@ -92,6 +98,8 @@ impl Default for StackOptions {
             heartbeat: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(2),
             interactive_policy: None,
+            faults: Default::default(),
+            result_inline_max: None,
         }
     }
 }
@@ -170,6 +178,8 @@ impl Stack {
             scope_limit: opts.scope_limit,
             heartbeat: opts.heartbeat,
             grace: opts.shutdown_grace,
+            faults: opts.faults.clone(),
+            result_inline_max: opts.result_inline_max,
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -182,6 +192,7 @@ impl Stack {
             interactive: opts.interactive_policy.map(|p| p.0).unwrap_or(IngressConfig::default_policies().0),
             batch: IngressConfig::default_policies().1,
             admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
+            faults: opts.faults.clone(),
         })
         .await
         .expect("ingress builds");
@@ -208,6 +219,11 @@ impl Stack {
             stack.start_extractor(Region::Eu).await;
         }
         stack
+    }
+
+    /// The fault hooks the ingress and the extractors check.
+    pub fn faults(&self) -> &reviewlane_shared::faults::Faults {
+        &self.opts.faults
     }
 
     pub fn region(&self, r: Region) -> &RegionStack {
@@ -242,6 +258,9 @@ impl Stack {
         xc.backoff.cap = Duration::from_secs(2);
         xc.batch_backoff = xc.backoff;
         xc.shutdown_grace = self.opts.grace;
+        xc.faults = self.opts.faults.clone();
+        xc.result_inline_max = self.opts.result_inline_max;
+        xc.store_retry.base = Duration::from_millis(20);
         xc.admin_addr = "127.0.0.1:0".parse().expect("addr");
         xc
     }

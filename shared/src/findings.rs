@@ -57,12 +57,41 @@ impl QuarantineReason {
     }
 }
 
-/// A finding kept back: the raw item as the provider sent it, and why.
+/// A finding kept back: the raw item as the provider sent it (or, over the configured
+/// bound, the start of its JSON text with the digest and length of the whole), and why.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Quarantined {
     pub index: usize,
     pub reason: QuarantineReason,
     pub raw: serde_json::Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncated: Option<TruncatedRaw>,
+}
+
+/// What a truncated raw item was.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TruncatedRaw {
+    /// sha256 of the item's whole JSON text.
+    pub sha256: String,
+    pub original_bytes: usize,
+}
+
+impl Quarantined {
+    /// Cuts `raw` to at most `max_bytes` of its JSON text (at a character boundary).
+    pub fn bounded(mut self, max_bytes: usize) -> Self {
+        let text = self.raw.to_string();
+        if text.len() <= max_bytes {
+            return self;
+        }
+        let mut end = max_bytes;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.truncated =
+            Some(TruncatedRaw { sha256: crate::job_id::sha256_hex(&[text.as_bytes()]), original_bytes: text.len() });
+        self.raw = serde_json::Value::String(text[..end].to_string());
+        self
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -172,7 +201,7 @@ pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, I
             }
         };
         if let Some(reason) = reason {
-            out.quarantined.push(Quarantined { index, reason, raw: raw.clone() });
+            out.quarantined.push(Quarantined { index, reason, raw: raw.clone(), truncated: None });
         }
     }
     Ok(out)
@@ -280,5 +309,19 @@ mod tests {
         assert!(!is_known_schema("findings.v2"));
         assert_eq!(known_schemas(), vec!["findings.v1"]);
         assert!(schema_document(LATEST_SCHEMA).is_some());
+    }
+
+    #[test]
+    fn quarantined_raw_items_are_cut_to_the_bound_with_digest_and_length() {
+        let raw = serde_json::json!({"message": "é".repeat(100)});
+        let q = Quarantined { index: 0, reason: QuarantineReason::Schema, raw: raw.clone(), truncated: None };
+        assert_eq!(q.clone().bounded(10_000), q, "small items stay whole");
+        let cut = q.bounded(51);
+        let text = raw.to_string();
+        let kept = cut.raw.as_str().unwrap();
+        assert!(kept.len() <= 51 && text.starts_with(kept), "{kept}");
+        let t = cut.truncated.unwrap();
+        assert_eq!(t.original_bytes, text.len());
+        assert_eq!(t.sha256, crate::job_id::sha256_hex(&[text.as_bytes()]));
     }
 }

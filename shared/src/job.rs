@@ -56,6 +56,11 @@ pub enum TerminalReason {
     DeliveryRejected,
     /// The tenant's sink kept failing transiently until the delivery budget ran out.
     DeliveryBudgetExhausted,
+    /// A paid answer could not be kept: the region's store kept failing until the store
+    /// budget ran out, or refused the write for good.
+    StoreBudgetExhausted,
+    /// The reconciler found the job with no message, no live lease and no kept result.
+    Lost,
 }
 
 impl TerminalReason {
@@ -71,6 +76,8 @@ impl TerminalReason {
             TerminalReason::InvalidInput => "invalid_input",
             TerminalReason::DeliveryRejected => "delivery_rejected",
             TerminalReason::DeliveryBudgetExhausted => "delivery_budget_exhausted",
+            TerminalReason::StoreBudgetExhausted => "store_budget_exhausted",
+            TerminalReason::Lost => "lost",
         }
     }
 }
@@ -116,7 +123,9 @@ pub struct Attempts {
     pub congestion: u32,
     pub transient: u32,
     pub schema: u32,
-    /// Leases taken (provider calls started or about to start).
+    /// Leases taken (provider calls started or about to start). Also the generation of
+    /// the newest lease: every write of a running job names it, so a holder whose lease
+    /// was taken over cannot overwrite the record (fencing).
     pub leases: u32,
 }
 
@@ -154,6 +163,9 @@ pub struct JobRecord {
     pub next_eligible_at_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_expires_at_ms: Option<u64>,
+    /// The replica that holds (or last held) the lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     /// Status class of the last upstream answer: `2xx`, `4xx`, `429`, `5xx`, `timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_upstream_status: Option<String>,
@@ -171,21 +183,25 @@ pub struct JobRecord {
     pub updated_at_ms: u64,
 }
 
-/// What happened to a job.
+/// What happened to a job. Events of a running job name the lease generation they
+/// come from (`generation`); the state machine refuses them once another lease exists.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// The review message is durably on its lane.
-    Enqueued,
-    /// A worker took the message; its lease ends at the given time.
-    Leased { lease_expires_at_ms: u64 },
+    /// A worker took the message; its lease (generation = leases + 1) ends at the given
+    /// time unless extended.
+    Leased { owner: String, lease_expires_at_ms: u64 },
+    /// The holder is alive: its lease ends later.
+    Extended { generation: u32, lease_expires_at_ms: u64 },
     /// The attempt failed in a retryable way; the message was handed back with a delay.
-    RetryScheduled { budget: Budget, next_eligible_at_ms: u64, upstream_status: Option<String> },
-    /// The output passed validation and the findings are on `FINDINGS_<R>`.
-    Validated { findings: u32, quarantined: u32 },
+    RetryScheduled { generation: u32, budget: Budget, next_eligible_at_ms: u64, upstream_status: Option<String> },
+    /// The output passed validation and the findings of this generation are kept on
+    /// `FINDINGS_<R>`.
+    Validated { generation: u32, findings: u32, quarantined: u32 },
     /// The findings were delivered.
     Published,
-    /// The job ends without a result.
-    Terminate { reason: TerminalReason, upstream_status: Option<String> },
+    /// The job ends without a result. `generation: Some(g)` when the lease holder ends
+    /// it (fenced like its other writes); `None` for cancel, reconciler, publisher.
+    Terminate { reason: TerminalReason, upstream_status: Option<String>, generation: Option<u32> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -194,11 +210,26 @@ pub enum TransitionError {
     AlreadyFinal(JobState),
     #[error("event not allowed in state {}", .0.as_str())]
     NotAllowed(JobState),
+    /// The writer's lease is not the newest: another replica took the job over.
+    #[error("lease generation {writer} is stale (newest is {newest})")]
+    Fenced { writer: u32, newest: u32 },
+    /// Another holder's lease is still live.
+    #[error("the job is leased until {until_ms}")]
+    LeaseHeld { until_ms: u64 },
+    /// The job waits out a retry delay.
+    #[error("the job is not eligible before {at_ms}")]
+    NotEligible { at_ms: u64 },
 }
 
 impl JobRecord {
+    /// The lease generation that owns the job (the newest lease taken).
+    pub fn generation(&self) -> u32 {
+        self.attempts.leases
+    }
+
+    /// A new record of a review whose message is already on its lane.
     #[allow(clippy::too_many_arguments)]
-    pub fn accepted(
+    pub fn waiting(
         job_id: String,
         tenant: String,
         region: Region,
@@ -214,11 +245,12 @@ impl JobRecord {
             tenant,
             region,
             lane,
-            state: JobState::Accepted,
+            state: JobState::Waiting,
             reason: None,
             attempts: Attempts::default(),
             next_eligible_at_ms: None,
             lease_expires_at_ms: None,
+            owner: None,
             last_upstream_status: None,
             schema_version,
             input_digest,
@@ -233,28 +265,52 @@ impl JobRecord {
 }
 
 /// The state machine:
-/// `accepted -> waiting -> running -> (retry_scheduled -> running)* -> validated -> published`,
-/// and `terminal(reason)` from any non-final state.
+/// `waiting -> running -> (retry_scheduled -> running)* -> validated -> published`,
+/// and `terminal(reason)` from any non-final state. (`accepted` is read from records
+/// written before the ingress stored the message first; it behaves as `waiting`.)
 ///
-/// `running -> running` is a new lease after the previous holder lost its lease
-/// (JetStream redelivers only after the ack wait ran out). `accepted -> running` happens
-/// when a worker is quicker than the ingress's own `accepted -> waiting` write.
+/// Leases fence: `running -> running` (a new lease) is allowed only once the previous
+/// lease has expired, and every later event of the running job must name the newest
+/// generation. A holder that was paused past its lease can neither overwrite the record
+/// nor have its result recorded.
 pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobRecord, TransitionError> {
     use JobState::*;
     if rec.state.is_final() {
         return Err(TransitionError::AlreadyFinal(rec.state));
     }
+    let fence = |writer: u32| {
+        if rec.state != Running {
+            Err(TransitionError::NotAllowed(rec.state))
+        } else if writer != rec.generation() {
+            Err(TransitionError::Fenced { writer, newest: rec.generation() })
+        } else {
+            Ok(())
+        }
+    };
     let mut next = rec.clone();
     next.updated_at_ms = now_ms;
     match (rec.state, event) {
-        (Accepted, Event::Enqueued) => next.state = Waiting,
-        (Accepted | Waiting | RetryScheduled | Running, Event::Leased { lease_expires_at_ms }) => {
+        (Accepted | Waiting | RetryScheduled | Running, Event::Leased { owner, lease_expires_at_ms }) => {
+            if rec.state == Running
+                && let Some(until_ms) = rec.lease_expires_at_ms.filter(|until| now_ms < *until)
+            {
+                return Err(TransitionError::LeaseHeld { until_ms });
+            }
+            if let Some(at_ms) = rec.next_eligible_at_ms.filter(|at| now_ms < *at) {
+                return Err(TransitionError::NotEligible { at_ms });
+            }
             next.state = Running;
             next.lease_expires_at_ms = Some(*lease_expires_at_ms);
+            next.owner = Some(owner.clone());
             next.next_eligible_at_ms = None;
             next.attempts.leases += 1;
         }
-        (Running, Event::RetryScheduled { budget, next_eligible_at_ms, upstream_status }) => {
+        (_, Event::Extended { generation, lease_expires_at_ms }) => {
+            fence(*generation)?;
+            next.lease_expires_at_ms = Some(*lease_expires_at_ms);
+        }
+        (_, Event::RetryScheduled { generation, budget, next_eligible_at_ms, upstream_status }) => {
+            fence(*generation)?;
             next.state = RetryScheduled;
             next.attempts.bump(*budget);
             next.next_eligible_at_ms = Some(*next_eligible_at_ms);
@@ -263,7 +319,8 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
                 next.last_upstream_status = upstream_status.clone();
             }
         }
-        (Running, Event::Validated { findings, quarantined }) => {
+        (_, Event::Validated { generation, findings, quarantined }) => {
+            fence(*generation)?;
             next.state = Validated;
             next.findings_count = *findings;
             next.quarantined_count = *quarantined;
@@ -271,7 +328,10 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             next.last_upstream_status = Some("2xx".into());
         }
         (Validated, Event::Published) => next.state = Published,
-        (_, Event::Terminate { reason, upstream_status }) => {
+        (_, Event::Terminate { reason, upstream_status, generation }) => {
+            if let Some(g) = generation {
+                fence(*g)?;
+            }
             next.state = Terminal;
             next.reason = Some(*reason);
             next.lease_expires_at_ms = None;
@@ -290,7 +350,7 @@ mod tests {
     use super::*;
 
     fn rec() -> JobRecord {
-        JobRecord::accepted(
+        JobRecord::waiting(
             "us_ab".into(),
             "t1".into(),
             Region::Us,
@@ -307,15 +367,26 @@ mod tests {
         transition(r, &e, 100).unwrap()
     }
 
+    fn lease(owner: &str, until: u64) -> Event {
+        Event::Leased { owner: owner.into(), lease_expires_at_ms: until }
+    }
+
+    fn retry(generation: u32, budget: Budget, at: u64) -> Event {
+        Event::RetryScheduled { generation, budget, next_eligible_at_ms: at, upstream_status: Some("429".into()) }
+    }
+
+    fn cancel() -> Event {
+        Event::Terminate { reason: TerminalReason::Cancelled, upstream_status: None, generation: None }
+    }
+
     #[test]
     fn happy_path() {
-        let r = apply(&rec(), Event::Enqueued);
+        let r = rec();
         assert_eq!(r.state, JobState::Waiting);
-        let r = apply(&r, Event::Leased { lease_expires_at_ms: 30_100 });
+        let r = apply(&r, lease("a", 30_100));
         assert_eq!(r.state, JobState::Running);
-        assert_eq!(r.lease_expires_at_ms, Some(30_100));
-        assert_eq!(r.attempts.leases, 1);
-        let r = apply(&r, Event::Validated { findings: 3, quarantined: 2 });
+        assert_eq!((r.lease_expires_at_ms, r.owner.as_deref(), r.generation()), (Some(30_100), Some("a"), 1));
+        let r = apply(&r, Event::Validated { generation: 1, findings: 3, quarantined: 2 });
         assert_eq!((r.state, r.findings_count, r.quarantined_count), (JobState::Validated, 3, 2));
         assert_eq!(r.lease_expires_at_ms, None);
         let r = apply(&r, Event::Published);
@@ -326,16 +397,13 @@ mod tests {
 
     #[test]
     fn retries_count_per_budget() {
-        let mut r = apply(&apply(&rec(), Event::Enqueued), Event::Leased { lease_expires_at_ms: 5 });
+        let mut r = apply(&rec(), lease("a", 5));
         for (budget, n) in [(Budget::Congestion, 2), (Budget::Transient, 1), (Budget::Schema, 1)] {
             for _ in 0..n {
-                r = apply(
-                    &r,
-                    Event::RetryScheduled { budget, next_eligible_at_ms: 9, upstream_status: Some("429".into()) },
-                );
+                r = apply(&r, retry(r.generation(), budget, 9));
                 assert_eq!(r.state, JobState::RetryScheduled);
                 assert_eq!(r.next_eligible_at_ms, Some(9));
-                r = apply(&r, Event::Leased { lease_expires_at_ms: 5 });
+                r = apply(&r, lease("a", 500));
                 assert_eq!(r.next_eligible_at_ms, None);
             }
         }
@@ -344,32 +412,61 @@ mod tests {
     }
 
     #[test]
-    fn worker_may_lease_before_ingress_marks_waiting_and_re_lease_after_lost_lease() {
-        let r = apply(&rec(), Event::Leased { lease_expires_at_ms: 5 });
-        assert_eq!(r.state, JobState::Running);
-        let r = apply(&r, Event::Leased { lease_expires_at_ms: 50 });
-        assert_eq!((r.state, r.lease_expires_at_ms, r.attempts.leases), (JobState::Running, Some(50), 2));
-        // The ingress' late `Enqueued` is refused and ignored by it.
-        assert_eq!(transition(&r, &Event::Enqueued, 1), Err(TransitionError::NotAllowed(JobState::Running)));
+    fn a_live_lease_cannot_be_taken_over_an_expired_one_can() {
+        let r = apply(&rec(), lease("a", 500));
+        assert_eq!(transition(&r, &lease("b", 900), 499), Err(TransitionError::LeaseHeld { until_ms: 500 }));
+        let r = transition(&r, &lease("b", 900), 500).unwrap();
+        assert_eq!((r.state, r.owner.as_deref(), r.generation()), (JobState::Running, Some("b"), 2));
+    }
+
+    #[test]
+    fn a_stale_holder_can_neither_record_nor_retry_nor_end_the_job() {
+        let a = apply(&rec(), lease("a", 50));
+        let b = apply(&a, lease("b", 500));
+        let stale = Event::Validated { generation: 1, findings: 1, quarantined: 0 };
+        assert_eq!(transition(&b, &stale, 100), Err(TransitionError::Fenced { writer: 1, newest: 2 }));
+        assert_eq!(
+            transition(&b, &retry(1, Budget::Transient, 9), 100),
+            Err(TransitionError::Fenced { writer: 1, newest: 2 })
+        );
+        let end =
+            Event::Terminate { reason: TerminalReason::UpstreamRejected, upstream_status: None, generation: Some(1) };
+        assert_eq!(transition(&b, &end, 100), Err(TransitionError::Fenced { writer: 1, newest: 2 }));
+        let extend = Event::Extended { generation: 1, lease_expires_at_ms: 900 };
+        assert_eq!(transition(&b, &extend, 100), Err(TransitionError::Fenced { writer: 1, newest: 2 }));
+        // The newest holder's writes go through.
+        let extended = apply(&b, Event::Extended { generation: 2, lease_expires_at_ms: 900 });
+        assert_eq!(extended.lease_expires_at_ms, Some(900));
+        let done = apply(&extended, Event::Validated { generation: 2, findings: 1, quarantined: 0 });
+        assert_eq!(done.state, JobState::Validated);
+        // Once validated, nothing of a lease holder applies any more.
+        assert_eq!(
+            transition(&done, &Event::Validated { generation: 2, findings: 1, quarantined: 0 }, 100),
+            Err(TransitionError::NotAllowed(JobState::Validated))
+        );
+    }
+
+    #[test]
+    fn a_job_waiting_out_a_retry_delay_is_not_leased_early() {
+        let r = apply(&apply(&rec(), lease("a", 5)), retry(1, Budget::Congestion, 1_000));
+        assert_eq!(transition(&r, &lease("a", 2_000), 999), Err(TransitionError::NotEligible { at_ms: 1_000 }));
+        assert_eq!(transition(&r, &lease("a", 2_000), 1_000).unwrap().state, JobState::Running);
     }
 
     #[test]
     fn terminal_from_every_non_final_state_and_nothing_after_final() {
-        let waiting = apply(&rec(), Event::Enqueued);
-        let running = apply(&waiting, Event::Leased { lease_expires_at_ms: 5 });
-        let validated = apply(&running, Event::Validated { findings: 0, quarantined: 0 });
-        for r in [rec(), waiting, running.clone(), validated.clone()] {
-            let t = apply(&r, Event::Terminate { reason: TerminalReason::Cancelled, upstream_status: None });
+        let waiting = rec();
+        let running = apply(&waiting, lease("a", 5));
+        let validated = apply(&running, Event::Validated { generation: 1, findings: 0, quarantined: 0 });
+        for r in [waiting, running.clone(), validated.clone()] {
+            let t = apply(&r, cancel());
             assert_eq!((t.state, t.reason), (JobState::Terminal, Some(TerminalReason::Cancelled)));
-            for e in [Event::Published, Event::Enqueued, Event::Leased { lease_expires_at_ms: 1 }] {
+            for e in [Event::Published, lease("a", 1)] {
                 assert_eq!(transition(&t, &e, 1), Err(TransitionError::AlreadyFinal(JobState::Terminal)));
             }
         }
         let published = apply(&validated, Event::Published);
-        assert_eq!(
-            transition(&published, &Event::Terminate { reason: TerminalReason::Cancelled, upstream_status: None }, 1),
-            Err(TransitionError::AlreadyFinal(JobState::Published))
-        );
+        assert_eq!(transition(&published, &cancel(), 1), Err(TransitionError::AlreadyFinal(JobState::Published)));
     }
 
     #[test]
@@ -377,10 +474,10 @@ mod tests {
         let r = rec();
         assert!(matches!(transition(&r, &Event::Published, 1), Err(TransitionError::NotAllowed(_))));
         assert!(matches!(
-            transition(&r, &Event::Validated { findings: 1, quarantined: 0 }, 1),
+            transition(&r, &Event::Validated { generation: 0, findings: 1, quarantined: 0 }, 1),
             Err(TransitionError::NotAllowed(_))
         ));
-        let running = apply(&r, Event::Leased { lease_expires_at_ms: 5 });
+        let running = apply(&r, lease("a", 5));
         assert!(matches!(transition(&running, &Event::Published, 1), Err(TransitionError::NotAllowed(_))));
     }
 

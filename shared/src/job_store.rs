@@ -3,22 +3,9 @@
 
 use async_nats::jetstream::kv;
 
-use crate::job::{Event, JobRecord, TransitionError, transition};
-use crate::telemetry::now_ms;
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("job not found")]
-    NotFound,
-    #[error("job record is unreadable")]
-    Corrupt,
-    #[error("{0}")]
-    Transition(TransitionError, Box<JobRecord>),
-    #[error("job record kept changing under compare-and-set")]
-    Contended,
-    #[error("NATS: {0}")]
-    Nats(#[from] async_nats::Error),
-}
+use crate::clock::SharedClock;
+use crate::job::{Event, JobRecord, transition};
+pub use crate::store::StoreError;
 
 /// Result of `create`.
 pub enum Created {
@@ -32,6 +19,7 @@ pub enum Created {
 pub struct JobStore {
     kv: kv::Store,
     client: async_nats::Client,
+    clock: SharedClock,
 }
 
 /// Signals that a job record may have changed; re-read it with `JobStore::get`.
@@ -63,13 +51,23 @@ const CAS_TRIES: usize = 16;
 
 impl JobStore {
     pub fn new(kv: kv::Store, client: async_nats::Client) -> Self {
-        JobStore { kv, client }
+        JobStore { kv, client, clock: crate::clock::system() }
+    }
+
+    /// The same store, stamping and judging leases with `clock`.
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
     }
 
     /// Subscribes to changes of one record. Read the record after this returns.
     pub async fn changes(&self, job_id: &str) -> Result<JobChanges, StoreError> {
         let subject = format!("{}{}", self.kv.prefix, job_id);
-        let sub = self.client.subscribe(subject).await.map_err(|e| StoreError::Nats(e.into()))?;
+        let sub = self.client.subscribe(subject).await.map_err(StoreError::other)?;
         Ok(JobChanges { sub })
     }
 
@@ -86,12 +84,12 @@ impl JobStore {
                 let (existing, _) = self.get(&rec.job_id).await?.ok_or(StoreError::NotFound)?;
                 Ok(Created::Exists(existing))
             }
-            Err(e) => Err(StoreError::Nats(e.into())),
+            Err(e) => Err(StoreError::kv_create(e)),
         }
     }
 
     pub async fn get(&self, job_id: &str) -> Result<Option<(JobRecord, u64)>, StoreError> {
-        let Some(entry) = self.kv.entry(job_id).await.map_err(|e| StoreError::Nats(e.into()))? else {
+        let Some(entry) = self.kv.entry(job_id).await.map_err(StoreError::kv_entry)? else {
             return Ok(None);
         };
         if entry.operation != kv::Operation::Put {
@@ -107,6 +105,22 @@ impl JobStore {
         self.apply_from(job_id, None, event).await
     }
 
+    /// One compare-and-set from exactly the record and revision the caller read:
+    /// `Conflict` if anything wrote in between (the caller's decision is then stale).
+    pub async fn apply_once(
+        &self,
+        job_id: &str,
+        read: (JobRecord, u64),
+        event: &Event,
+    ) -> Result<JobRecord, StoreError> {
+        let (rec, revision) = read;
+        let next =
+            transition(&rec, event, self.clock.now_ms()).map_err(|e| StoreError::Transition(e, Box::new(rec)))?;
+        let bytes = serde_json::to_vec(&next).expect("job record serializes");
+        self.kv.update(job_id, bytes.into(), revision).await.map_err(StoreError::kv_update)?;
+        Ok(next)
+    }
+
     /// As `apply`, starting from a record and revision the caller holds (saving a
     /// read when nobody wrote in between).
     pub async fn apply_from(
@@ -120,17 +134,19 @@ impl JobStore {
                 Some(k) => k,
                 None => self.get(job_id).await?.ok_or(StoreError::NotFound)?,
             };
-            let next = match transition(&rec, event, now_ms()) {
+            let next = match transition(&rec, event, self.clock.now_ms()) {
                 Ok(n) => n,
                 Err(e) => return Err(StoreError::Transition(e, Box::new(rec))),
             };
             let bytes = serde_json::to_vec(&next).expect("job record serializes");
             match self.kv.update(job_id, bytes.into(), revision).await {
                 Ok(_) => return Ok(next),
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
-                Err(e) => return Err(StoreError::Nats(e.into())),
+                Err(e) => match StoreError::kv_update(e) {
+                    StoreError::Conflict => continue,
+                    other => return Err(other),
+                },
             }
         }
-        Err(StoreError::Contended)
+        Err(StoreError::Conflict)
     }
 }

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, kv, object_store, stream};
 
 use crate::region::{Lane, Region};
 
@@ -17,17 +17,28 @@ pub const IDENTITY_KEY: &str = "identity";
 pub fn lane_stream(r: Region, lane: Lane) -> String {
     format!("REVIEWS_{}_{}", r.upper(), lane.upper())
 }
-/// `reviews.<r>.<lane>.<tenant>`
-pub fn lane_subject(r: Region, lane: Lane, tenant: &str) -> String {
-    format!("reviews.{}.{}.{}", r.as_str(), lane.as_str(), tenant)
+/// `reviews.<r>.<lane>.<tenant>.>`: one tenant's reviews on a lane (a consumer's filter).
+pub fn lane_filter(r: Region, lane: Lane, tenant: &str) -> String {
+    format!("reviews.{}.{}.{}.>", r.as_str(), lane.as_str(), tenant)
+}
+/// `reviews.<r>.<lane>.<tenant>.<job id>`: one subject per job, so the reconciler can
+/// tell with one look-up whether a job still has its message on the lane.
+pub fn lane_subject(r: Region, lane: Lane, tenant: &str, job_id: &str) -> String {
+    format!("reviews.{}.{}.{}.{}", r.as_str(), lane.as_str(), tenant, job_id)
 }
 pub fn findings_stream(r: Region) -> String {
     format!("FINDINGS_{}", r.upper())
 }
-/// `findings.<r>.<tenant>.<job id>`: one subject per job, so `GetReview` can read a
-/// job's findings with a last-message-by-subject look-up.
-pub fn findings_subject(r: Region, tenant: &str, job_id: &str) -> String {
-    format!("findings.{}.{}.{}", r.as_str(), tenant, job_id)
+/// `findings.<r>.<tenant>.<job id>.<generation>`: one subject per lease generation of a
+/// job, so readers take exactly the result the job record validated (a holder that lost
+/// its lease may still have written one for its own, stale generation).
+pub fn findings_subject(r: Region, tenant: &str, job_id: &str, generation: u32) -> String {
+    format!("findings.{}.{}.{}.{}", r.as_str(), tenant, job_id, generation)
+}
+/// Object store of results too large for one message: `FINDINGS_<R>` (stream
+/// `OBJ_FINDINGS_<R>`), object name `<job id>.<generation>`.
+pub fn findings_objects(r: Region) -> String {
+    format!("FINDINGS_{}", r.upper())
 }
 pub fn deadletter_stream(r: Region) -> String {
     format!("DEADLETTER_{}", r.upper())
@@ -86,6 +97,8 @@ pub struct RegionLayout {
     pub published: kv::Store,
     pub quota: kv::Store,
     pub cache: kv::Store,
+    /// Results too large for one message.
+    pub objects: object_store::ObjectStore,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -228,7 +241,18 @@ pub async fn ensure(
     let published = get_or_create_kv(js, kv_cfg(published_bucket(region), 1, Duration::ZERO)).await?;
     let quota = get_or_create_kv(js, kv_cfg(quota_bucket(region), 1, Duration::ZERO)).await?;
     let cache = get_or_create_kv(js, kv_cfg(cache_bucket(region), 1, cfg.cache_max_age)).await?;
-    Ok(RegionLayout { region, js: js.clone(), jobs, published, quota, cache })
+    let objects = if stream_exists(js, &format!("OBJ_{}", findings_objects(region))).await? {
+        js.get_object_store(findings_objects(region)).await?
+    } else {
+        js.create_object_store(object_store::Config {
+            bucket: findings_objects(region),
+            max_age: cfg.findings_max_age,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await?
+    };
+    Ok(RegionLayout { region, js: js.clone(), jobs, published, quota, cache, objects })
 }
 
 #[cfg(test)]
@@ -238,8 +262,9 @@ mod tests {
     #[test]
     fn names_follow_the_design() {
         assert_eq!(lane_stream(Region::Eu, Lane::Interactive), "REVIEWS_EU_INTERACTIVE");
-        assert_eq!(lane_subject(Region::Us, Lane::Batch, "acme"), "reviews.us.batch.acme");
-        assert_eq!(findings_subject(Region::Eu, "t", "eu_1"), "findings.eu.t.eu_1");
+        assert_eq!(lane_filter(Region::Us, Lane::Batch, "acme"), "reviews.us.batch.acme.>");
+        assert_eq!(lane_subject(Region::Us, Lane::Batch, "acme", "us_1"), "reviews.us.batch.acme.us_1");
+        assert_eq!(findings_subject(Region::Eu, "t", "eu_1", 2), "findings.eu.t.eu_1.2");
         assert_eq!(jobs_bucket(Region::Us), "JOBS_US");
         assert_eq!(region_bucket(Region::Eu), "REGION_EU");
     }

@@ -5,8 +5,10 @@
 
 pub mod admin;
 pub mod api;
+pub mod clock;
 pub mod config;
 pub mod diff;
+pub mod faults;
 pub mod findings;
 pub mod job;
 pub mod job_id;
@@ -16,7 +18,9 @@ pub mod layout;
 pub mod messages;
 pub mod pull;
 pub mod region;
+pub mod results;
 pub mod startup;
+pub mod store;
 pub mod telemetry;
 pub mod tenants;
 #[cfg(feature = "testing")]

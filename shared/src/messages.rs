@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::findings::{Finding, Quarantined};
-use crate::job::ReviewDepth;
+use crate::job::{JobRecord, ReviewDepth};
 use crate::region::{Lane, Region};
 
 /// Repository and revisions the review is about. Content: never logged.
@@ -17,7 +17,9 @@ pub struct ReviewMetadata {
     pub head_revision: String,
 }
 
-/// A review on `REVIEWS_<R>_<LANE>`.
+/// A review on `REVIEWS_<R>_<LANE>`. It is stored before its job record, and carries
+/// everything the record holds, so a job whose ingress died between the two writes is
+/// still served: the extractor creates the record from the message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReviewMessage {
     pub job_id: String,
@@ -29,13 +31,44 @@ pub struct ReviewMessage {
     pub metadata: ReviewMetadata,
     pub diff: String,
     pub submitted_at_ms: u64,
+    /// sha256 of the diff.
+    #[serde(default)]
+    pub input_digest: String,
+    /// sha256 over everything the request asked for (see `JobRecord::request_digest`).
+    #[serde(default)]
+    pub request_digest: String,
+}
+
+impl ReviewMessage {
+    /// The job record this message stands for, as the ingress creates it.
+    pub fn record(&self) -> JobRecord {
+        JobRecord::waiting(
+            self.job_id.clone(),
+            self.tenant.clone(),
+            self.region,
+            self.lane,
+            self.schema_version.clone(),
+            self.input_digest.clone(),
+            self.request_digest.clone(),
+            self.review_depth,
+            self.submitted_at_ms,
+        )
+    }
 }
 
 /// A validated result on `FINDINGS_<R>`: the findings to deliver and the quarantined
-/// ones, which stay in the region and are never delivered.
+/// ones, which stay in the region and are never delivered. One per lease generation;
+/// only the generation the job record validated is ever delivered.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FindingsMessage {
     pub job_id: String,
+    #[serde(default)]
+    pub generation: u32,
+    /// Set on the message when the result was too large for one message: the name of
+    /// the object in the region's `FINDINGS_<R>` object store that holds it whole (then
+    /// `findings` and `quarantined` are empty here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_as: Option<String>,
     pub tenant: String,
     pub region: Region,
     pub lane: Lane,

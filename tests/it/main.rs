@@ -3,6 +3,8 @@
 
 mod admin;
 mod auth;
+mod faults;
+mod fencing;
 mod harness;
 mod idempotency;
 mod invalid_argument;

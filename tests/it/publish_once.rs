@@ -19,7 +19,7 @@ async fn the_same_findings_message_twice_is_delivered_once() {
     // Nats-Msg-Id): the publisher must deliver nothing new.
     let js = jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
     let stream = js.get_stream(layout::findings_stream(Region::Us)).await.unwrap();
-    let subject = layout::findings_subject(Region::Us, "acme", &job.job_id);
+    let subject = layout::findings_subject(Region::Us, "acme", &job.job_id, 1);
     let original = stream.get_last_raw_message_by_subject(&subject).await.unwrap();
     js.publish(subject.clone(), original.payload.clone()).await.unwrap().await.unwrap();
 

@@ -105,9 +105,10 @@ async fn one_trace_follows_a_job_through_ingress_extractor_and_publisher() {
             ("review_depth", "full"),
         ],
     );
+    let lane_subject = format!("reviews.us.interactive.acme.{id}");
     expect(
         "enqueue",
-        &[("messaging.system", "nats"), ("messaging.destination.name", "reviews.us.interactive.acme"), ("job_id", id)],
+        &[("messaging.system", "nats"), ("messaging.destination.name", lane_subject.as_str()), ("job_id", id)],
     );
     expect("process review", &job_attrs);
     expect(

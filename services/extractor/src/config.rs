@@ -25,6 +25,13 @@
 //! | `REVIEWLANE_BATCH_BACKOFF_BASE_MS` / `REVIEWLANE_BATCH_BACKOFF_CAP_SECS` | as above | the batch lane's own |
 //! | `REVIEWLANE_HINT_CEILING_SECS` | `300` | longest provider retry hint honoured |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
+//! | `REVIEWLANE_STORE_RETRIES` | `5` | tries of one store write after a paid answer (never the call) |
+//! | `REVIEWLANE_STORE_BACKOFF_BASE_MS` / `REVIEWLANE_STORE_BACKOFF_CAP_MS` | `100` / `2000` | backoff between those tries |
+//! | `REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES` | `4194304` | provider response body read at most; a longer answer is invalid output |
+//! | `REVIEWLANE_RESULT_INLINE_MAX_BYTES` | the server's message limit | results larger than this go whole to the `FINDINGS_<R>` object store |
+//! | `REVIEWLANE_QUARANTINE_RAW_MAX_BYTES` | `4096` | raw item kept with a quarantined finding; longer ones are cut (digest and length kept) |
+//! | `REVIEWLANE_RECONCILE_EVERY_SECS` | `30` | how often the reconciler looks for stranded jobs |
+//! | `REVIEWLANE_RECONCILE_GRACE_SECS` | `120` | how long a job may go without a message or live lease before it counts as stranded |
 
 use std::time::Duration;
 
@@ -53,6 +60,42 @@ pub struct Budgets {
 impl Default for Budgets {
     fn default() -> Self {
         Budgets { congestion: 5, transient: 3, schema: 2 }
+    }
+}
+
+/// Retries of one store write once an answer is paid for: a few, quickly, with the
+/// lease kept alive; the provider is never called again for an answer already received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreRetry {
+    /// Tries in all (the first included).
+    pub tries: u32,
+    pub base: Duration,
+    pub cap: Duration,
+}
+
+impl Default for StoreRetry {
+    fn default() -> Self {
+        StoreRetry { tries: 5, base: Duration::from_millis(100), cap: Duration::from_secs(2) }
+    }
+}
+
+impl StoreRetry {
+    /// Delay after failed try `attempt` (1-based): base doubling, capped.
+    pub fn delay(&self, attempt: u32) -> Duration {
+        self.base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20)).min(self.cap)
+    }
+}
+
+/// When the reconciler runs and whom it considers stranded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReconcileConfig {
+    pub every: Duration,
+    pub grace: Duration,
+}
+
+impl Default for ReconcileConfig {
+    fn default() -> Self {
+        ReconcileConfig { every: Duration::from_secs(30), grace: Duration::from_secs(120) }
     }
 }
 
@@ -92,7 +135,15 @@ pub struct ExtractorConfig {
     pub result_cache: bool,
     /// Each lane's service window, exported as `reviewlane_lane_slo_seconds`.
     pub lane_windows: [Duration; 2],
+    pub store_retry: StoreRetry,
+    pub quarantine_raw_max: usize,
+    pub max_response_bytes: usize,
+    /// Results larger than this go to the object store (`None`: the server's limit).
+    pub result_inline_max: Option<usize>,
+    pub reconcile: ReconcileConfig,
     pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
+    /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
+    pub faults: reviewlane_shared::faults::Faults,
 }
 
 impl ExtractorConfig {
@@ -124,7 +175,13 @@ impl ExtractorConfig {
             shutdown_grace: Duration::from_secs(20),
             result_cache: true,
             lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
+            store_retry: StoreRetry::default(),
+            quarantine_raw_max: 4096,
+            max_response_bytes: 4 * 1024 * 1024,
+            result_inline_max: None,
+            reconcile: ReconcileConfig::default(),
             telemetry: Default::default(),
+            faults: Default::default(),
         }
     }
 
@@ -204,6 +261,24 @@ impl ExtractorConfig {
                 true
             }
         };
+        let store_retry = StoreRetry {
+            tries: r.or("REVIEWLANE_STORE_RETRIES", d.store_retry.tries, "a count"),
+            base: Duration::from_millis(r.or("REVIEWLANE_STORE_BACKOFF_BASE_MS", 100, "milliseconds")),
+            cap: Duration::from_millis(r.or("REVIEWLANE_STORE_BACKOFF_CAP_MS", 2000, "milliseconds")),
+        };
+        if store_retry.tries == 0 {
+            r.error("REVIEWLANE_STORE_RETRIES must be positive");
+        }
+        let quarantine_raw_max: usize = r.or("REVIEWLANE_QUARANTINE_RAW_MAX_BYTES", 4096, "bytes");
+        let max_response_bytes: usize = r.or("REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES", d.max_response_bytes, "bytes");
+        let result_inline_max: Option<usize> = r.optional("REVIEWLANE_RESULT_INLINE_MAX_BYTES", "bytes");
+        let reconcile = ReconcileConfig {
+            every: Duration::from_secs(r.or("REVIEWLANE_RECONCILE_EVERY_SECS", 30, "whole seconds")),
+            grace: Duration::from_secs(r.or("REVIEWLANE_RECONCILE_GRACE_SECS", 120, "whole seconds")),
+        };
+        if reconcile.every.is_zero() {
+            r.error("REVIEWLANE_RECONCILE_EVERY_SECS must be positive");
+        }
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         r.finish()?;
@@ -242,7 +317,13 @@ impl ExtractorConfig {
             shutdown_grace: Duration::from_secs(grace),
             result_cache,
             lane_windows,
+            store_retry,
+            quarantine_raw_max,
+            max_response_bytes,
+            result_inline_max,
+            reconcile,
             telemetry,
+            faults: Default::default(),
         })
     }
 }
@@ -284,6 +365,13 @@ mod tests {
         assert_eq!(errs.0.len(), 1, "{errs}");
         assert!(errs.0[0].contains("`us`") && errs.0[0].contains("`eu`"));
         assert!(!errs.to_string().contains("sk-secret-value"));
+    }
+
+    #[test]
+    fn store_retry_doubles_up_to_its_cap() {
+        let r = StoreRetry { tries: 5, base: Duration::from_millis(100), cap: Duration::from_millis(500) };
+        let delays: Vec<_> = (1..=5).map(|n| r.delay(n).as_millis()).collect();
+        assert_eq!(delays, [100, 200, 400, 500, 500]);
     }
 
     #[test]

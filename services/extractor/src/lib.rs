@@ -6,6 +6,7 @@ pub mod config;
 pub mod metrics;
 pub mod provider;
 pub mod quota;
+pub mod reconcile;
 pub mod retry_hint;
 pub mod schedule;
 pub mod startup;

@@ -109,6 +109,17 @@ pub struct Metrics {
     pub cache: Family<CacheLabels, Counter>,
     pub tokens: Family<TokenLabels, Counter>,
     pub terminal: TerminalJobs,
+    /// Answers of a holder whose lease had been taken over: discarded, never recorded.
+    pub stale_results: Family<RegionLabel, Counter>,
+    /// Store writes retried after a paid answer, by what failed (`timeout`, ...).
+    pub store_retries: Family<ReasonLabels, Counter>,
+    /// Results kept, by where (`inline`, `object`).
+    pub kept: Family<ReasonLabels, Counter>,
+    /// Jobs the reconciler found stranded, by what it did (`resumed`, `ended`).
+    pub reconciled: Family<ReasonLabels, Counter>,
+    /// Jobs not final, past their deadline, with no message and no live lease, at the
+    /// reconciler's last pass (before it acted on them).
+    pub stuck: Family<RegionLabel, Gauge>,
 }
 
 impl Metrics {
@@ -135,7 +146,33 @@ impl Metrics {
             cache: Family::default(),
             tokens: Family::default(),
             terminal: TerminalJobs::register(registry),
+            stale_results: Family::default(),
+            store_retries: Family::default(),
+            kept: Family::default(),
+            reconciled: Family::default(),
+            stuck: Family::default(),
         };
+        registry.register(
+            "reviewlane_stale_results",
+            "Provider answers discarded because their holder's lease had been taken over",
+            m.stale_results.clone(),
+        );
+        registry.register(
+            "reviewlane_store_retries",
+            "Store writes retried after a paid answer (never the provider call), by failure kind",
+            m.store_retries.clone(),
+        );
+        registry.register("reviewlane_results_kept", "Results kept, by where (inline, object)", m.kept.clone());
+        registry.register(
+            "reviewlane_reconciled_jobs",
+            "Stranded jobs the reconciler resumed or ended, by action",
+            m.reconciled.clone(),
+        );
+        registry.register(
+            "reviewlane_stuck_jobs",
+            "Jobs not final, past their deadline, with neither a message on the lane nor a live lease",
+            m.stuck.clone(),
+        );
         registry.register(
             "reviewlane_queue_age_seconds",
             "Age of the oldest review on the lane, including ones waiting out a retry delay",
@@ -205,6 +242,34 @@ impl Metrics {
             model_class: scope.model_class.clone(),
             tenant: scope.tenant.clone(),
         }
+    }
+
+    fn reason(&self, reason: &str) -> ReasonLabels {
+        ReasonLabels { region: self.region.as_str().into(), reason: reason.into() }
+    }
+
+    pub fn stale_result(&self) {
+        self.stale_results.get_or_create(&RegionLabel { region: self.region.as_str().into() }).inc();
+    }
+
+    pub fn store_retry(&self, kind: &str) {
+        self.store_retries.get_or_create(&self.reason(kind)).inc();
+    }
+
+    pub fn kept(&self, kept: reviewlane_shared::results::Kept) {
+        let at = match kept {
+            reviewlane_shared::results::Kept::Inline => "inline",
+            reviewlane_shared::results::Kept::Object => "object",
+        };
+        self.kept.get_or_create(&self.reason(at)).inc();
+    }
+
+    pub fn reconciled(&self, action: &str) {
+        self.reconciled.get_or_create(&self.reason(action)).inc();
+    }
+
+    pub fn stuck(&self, n: usize) {
+        self.stuck.get_or_create(&RegionLabel { region: self.region.as_str().into() }).set(n as i64);
     }
 
     pub fn upstream(&self, scope: &Scope, outcome: &str, status_class: &str, took: Duration) {

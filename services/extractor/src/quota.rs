@@ -273,6 +273,11 @@ impl Quota {
         }
     }
 
+    /// This replica's id (its heartbeat key, and the owner it writes into leases).
+    pub fn replica_id(&self) -> &str {
+        &self.me
+    }
+
     fn limit(&self, scope: &Scope) -> u32 {
         self.limits.get(&scope.tenant).copied().unwrap_or(self.default_limit)
     }

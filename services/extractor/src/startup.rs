@@ -12,6 +12,7 @@ use reviewlane_shared::admin::Admin;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::region::Lane;
+use reviewlane_shared::results::{Results, message_max};
 use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -63,6 +64,7 @@ pub async fn build_with_provider(
             *endpoint_region,
             config.provider_timeout,
             config.hint_ceiling,
+            config.max_response_bytes,
         )),
     };
     if provider.region() != config.region {
@@ -90,7 +92,7 @@ pub async fn build_with_provider(
                 &conn.layout.js,
                 &layout::lane_stream(config.region, lane),
                 &consumer_name(lane, &tenant.id),
-                Some(layout::lane_subject(config.region, lane, &tenant.id)),
+                Some(layout::lane_filter(config.region, lane, &tenant.id)),
                 config.lease,
             )
             .await?;
@@ -115,11 +117,20 @@ pub async fn build_with_provider(
         config.probe_every,
     );
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
+    let clock = reviewlane_shared::clock::system();
     let worker = Arc::new(Worker {
         region: config.region,
         cache: config.result_cache.then(|| conn.layout.cache.clone()),
-        jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
+        jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
+        results: Results::new(
+            conn.layout.clone(),
+            config.result_inline_max.unwrap_or_else(|| message_max(&conn.client, &LayoutConfig::default())),
+        ),
         layout: conn.layout,
+        store_retry: config.store_retry,
+        quarantine_raw_max: config.quarantine_raw_max,
+        clock,
+        faults: config.faults.clone(),
         provider,
         quota: quota.clone(),
         metrics,
@@ -161,6 +172,19 @@ impl App {
             self.config.interactive_wait_limit,
             stop.clone(),
         ));
+        let reconciler = crate::reconcile::Reconciler {
+            layout: self.worker.layout.clone(),
+            jobs: self.worker.jobs.clone(),
+            results: self.worker.results.clone(),
+            clock: self.worker.clock.clone(),
+            grace: self.config.reconcile.grace,
+            metrics: self.worker.metrics.clone(),
+        };
+        let reconciling = tokio::spawn(
+            reconciler
+                .run(self.config.reconcile.every, stop.clone())
+                .instrument(tracing::info_span!("reconcile", region = %self.config.region)),
+        );
         let lanes = tokio::spawn(sample(
             async_nats::jetstream::new(self.client.clone()),
             self.config.region,
@@ -209,6 +233,7 @@ impl App {
         }
         let _ = monitor.await;
         let _ = lanes.await;
+        let _ = reconciling.await;
         let _ = admin.await;
         tasks.close();
         if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {

@@ -41,6 +41,8 @@ pub struct IngressConfig {
     pub batch: LanePolicy,
     /// How often lane metadata is sampled for admission.
     pub admission_sample: Duration,
+    /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
+    pub faults: reviewlane_shared::faults::Faults,
 }
 
 impl IngressConfig {
@@ -109,6 +111,7 @@ impl IngressConfig {
         }
         r.finish()?;
         Ok(IngressConfig {
+            faults: Default::default(),
             grpc_addr,
             admin_addr,
             tenants: Arc::new(tenants.expect("checked by finish")),

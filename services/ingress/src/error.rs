@@ -36,7 +36,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::NotFound => ApiError::NotFound,
-            StoreError::Nats(n) => ApiError::Unavailable(anyhow::anyhow!(n)),
+            e if e.is_retryable() => ApiError::Unavailable(anyhow::anyhow!(e)),
             other => ApiError::Internal(anyhow::anyhow!(other)),
         }
     }

@@ -11,12 +11,13 @@ use async_nats::jetstream;
 use futures::Stream;
 use reviewlane_shared::api;
 use reviewlane_shared::diff;
+use reviewlane_shared::faults::{Faults, point};
 use reviewlane_shared::findings::{self, Finding};
 use reviewlane_shared::job::{Event, JobRecord, JobState, ReviewDepth};
 use reviewlane_shared::job_id;
 use reviewlane_shared::job_store::{Created, JobStore, StoreError};
 use reviewlane_shared::layout::{self, RegionLayout};
-use reviewlane_shared::messages::{FindingsMessage, ReviewMessage, ReviewMetadata};
+use reviewlane_shared::messages::{ReviewMessage, ReviewMetadata};
 use reviewlane_shared::proto::{
     self, CancelReviewRequest, CancelReviewResponse, GetReviewRequest, GetReviewResponse, SubmitReviewRequest,
     SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
@@ -45,6 +46,7 @@ const LANE_FULL_RETRY: Duration = Duration::from_secs(5);
 pub struct RegionHandle {
     pub layout: RegionLayout,
     pub jobs: JobStore,
+    pub results: reviewlane_shared::results::Results,
     pub max_payload: usize,
 }
 
@@ -57,6 +59,7 @@ pub struct ReviewApi {
     policies: Arc<[LanePolicy; 2]>,
     auth: Authenticator,
     metrics: Metrics,
+    faults: Faults,
 }
 
 impl ReviewApi {
@@ -68,6 +71,7 @@ impl ReviewApi {
         policies: [LanePolicy; 2],
         auth: Authenticator,
         metrics: Metrics,
+        faults: Faults,
     ) -> Self {
         ReviewApi {
             regions: Arc::new(regions),
@@ -77,6 +81,7 @@ impl ReviewApi {
             policies: Arc::new(policies),
             auth,
             metrics,
+            faults,
         }
     }
 
@@ -180,63 +185,38 @@ impl ReviewApi {
             },
         };
         span.record("review_depth", depth.as_str());
-        let now = now_ms();
-        let record = JobRecord::accepted(
-            id.clone(),
-            tenant.id.clone(),
-            region,
-            lane,
-            schema_version.clone(),
-            job_id::sha256_hex(&[req.diff.as_bytes()]),
-            request_digest,
-            depth,
-            now,
-        );
-        let (rec, created, revision) = match handle.jobs.create(&record).await? {
-            Created::New(rec, revision) => (rec, true, Some(revision)),
-            Created::Exists(existing) if existing.request_digest != record.request_digest => {
-                return Err(ApiError::AlreadyExists);
-            }
-            // A retry of a request we already hold. If the first attempt stopped before
-            // its message was on the lane, finish the enqueue now; the lane drops a
-            // duplicate through Nats-Msg-Id and the extractor through the job state.
-            Created::Exists(existing) if existing.state != JobState::Accepted => {
-                tracing::debug!(state = existing.state.as_str(), "idempotent retry");
-                return Ok(api::review(&existing, &[]));
-            }
-            Created::Exists(existing) => (existing, false, None),
-        };
+        // The message first, then the record: a crash between the two leaves a message
+        // that carries the whole record (the extractor creates it), never a record whose
+        // content is gone. A same-key retry publishes again (the lane drops the copy by
+        // `Nats-Msg-Id` = job id; a later copy finds the job's state and is dropped).
         let msg = ReviewMessage {
             job_id: id.clone(),
             tenant: tenant.id.clone(),
             region,
             lane,
             schema_version,
-            review_depth: rec.review_depth,
+            review_depth: depth,
             metadata: ReviewMetadata {
                 repository: metadata.repository,
                 base_revision: metadata.base_revision,
                 head_revision: metadata.head_revision,
             },
+            input_digest: job_id::sha256_hex(&[req.diff.as_bytes()]),
             diff: req.diff,
-            submitted_at_ms: rec.created_at_ms,
+            submitted_at_ms: now_ms(),
+            request_digest,
         };
-        if let Err(e) = enqueue(handle, &msg).await {
-            // A refused request leaves nothing behind; a retry with the same key starts over.
-            if created
-                && matches!(e, ApiError::ResourceExhausted { .. } | ApiError::InvalidArgument { .. })
-                && let Err(d) = handle.jobs.kv().delete(&id).await
-            {
-                tracing::warn!(error = %d, "could not remove the record of a refused review");
+        enqueue(handle, &msg).await?;
+        self.faults.check(point::INGRESS_BEFORE_RECORD)?;
+        let rec = match handle.jobs.create(&msg.record()).await? {
+            Created::New(rec, _) => rec,
+            // A retry of a request we hold, or a worker that created the record from the
+            // message first: the job as it stands.
+            Created::Exists(existing) if existing.request_digest == msg.request_digest => {
+                tracing::debug!(state = existing.state.as_str(), "idempotent retry");
+                existing
             }
-            return Err(e);
-        }
-        let known = revision.map(|r| (rec, r));
-        let rec = match handle.jobs.apply_from(&id, known, &Event::Enqueued).await {
-            Ok(r) => r,
-            // A worker was quicker (accepted -> running) or the job was cancelled.
-            Err(StoreError::Transition(_, current)) => *current,
-            Err(e) => return Err(e.into()),
+            Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
         tracing::info!(state = rec.state.as_str(), "review accepted");
         Ok(api::review(&rec, &[]))
@@ -245,7 +225,7 @@ impl ReviewApi {
     /// The API view with findings for a validated or published job.
     async fn view(&self, handle: &RegionHandle, rec: &JobRecord) -> Result<proto::Review, ApiError> {
         let findings = if matches!(rec.state, JobState::Validated | JobState::Published) {
-            read_findings(&handle.layout, rec).await?
+            read_findings(handle, rec).await?
         } else {
             Vec::new()
         };
@@ -261,9 +241,10 @@ impl ReviewApi {
     lane = msg.lane.as_str(),
     messaging.system = "nats",
     messaging.operation.type = "publish",
-    messaging.destination.name = %layout::lane_subject(msg.region, msg.lane, &msg.tenant),
+    messaging.destination.name = %layout::lane_subject(msg.region, msg.lane, &msg.tenant, &msg.job_id),
 ))]
 async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiError> {
+    let subject = layout::lane_subject(msg.region, msg.lane, &msg.tenant, &msg.job_id);
     let payload = serde_json::to_vec(msg).map_err(|e| ApiError::Internal(e.into()))?;
     if payload.len() > handle.max_payload {
         return Err(ApiError::invalid(
@@ -274,7 +255,6 @@ async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiEr
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(async_nats::header::NATS_MESSAGE_ID, msg.job_id.as_str());
     reviewlane_shared::telemetry::inject_nats(&mut headers);
-    let subject = layout::lane_subject(msg.region, msg.lane, &msg.tenant);
     let ack = handle
         .layout
         .js
@@ -299,21 +279,10 @@ fn is_stream_full(e: &jetstream::context::PublishError) -> bool {
     })
 }
 
-async fn read_findings(layout: &RegionLayout, rec: &JobRecord) -> Result<Vec<Finding>, ApiError> {
-    let stream = layout
-        .js
-        .get_stream_no_info(layout::findings_stream(rec.region))
-        .await
-        .map_err(|e| ApiError::Unavailable(e.into()))?;
-    let subject = layout::findings_subject(rec.region, &rec.tenant, &rec.job_id);
-    match stream.get_last_raw_message_by_subject(&subject).await {
-        Ok(m) => {
-            let msg: FindingsMessage = serde_json::from_slice(&m.payload).map_err(|e| ApiError::Internal(e.into()))?;
-            Ok(msg.findings)
-        }
-        Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(Vec::new()),
-        Err(e) => Err(ApiError::Unavailable(e.into())),
-    }
+async fn read_findings(handle: &RegionHandle, rec: &JobRecord) -> Result<Vec<Finding>, ApiError> {
+    // The result of the generation the record validated, never a stale holder's.
+    let kept = handle.results.read(&rec.tenant, &rec.job_id, rec.generation()).await?;
+    Ok(kept.map(|m| m.findings).unwrap_or_default())
 }
 
 /// A client-supplied id goes into a span only when it has the shape of a job id.
@@ -425,8 +394,11 @@ impl ReviewApi {
     async fn cancel(&self, req: Request<CancelReviewRequest>) -> Result<Response<CancelReviewResponse>, Status> {
         let tenant = self.auth.tenant(&req)?;
         let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
-        let event =
-            Event::Terminate { reason: reviewlane_shared::job::TerminalReason::Cancelled, upstream_status: None };
+        let event = Event::Terminate {
+            reason: reviewlane_shared::job::TerminalReason::Cancelled,
+            upstream_status: None,
+            generation: None,
+        };
         let rec = match handle.jobs.apply(&rec.job_id, &event).await {
             Ok(r) => {
                 tracing::info!("review cancelled");

@@ -43,6 +43,10 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
             *region,
             RegionHandle {
                 jobs: reviewlane_shared::job_store::JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
+                results: reviewlane_shared::results::Results::new(
+                    conn.layout.clone(),
+                    reviewlane_shared::results::message_max(&conn.client, &LayoutConfig::default()),
+                ),
                 layout: conn.layout,
                 max_payload,
             },
@@ -66,6 +70,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
         [config.interactive, config.batch],
         Authenticator::new(config.tenants.clone()),
         metrics,
+        config.faults.clone(),
     );
     Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown })
 }

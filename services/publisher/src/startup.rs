@@ -43,6 +43,10 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         metrics,
         region: config.region,
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
+        results: reviewlane_shared::results::Results::new(
+            conn.layout.clone(),
+            reviewlane_shared::results::message_max(&conn.client, &LayoutConfig::default()),
+        ),
         published: conn.layout.published.clone(),
         tenants: config.tenants.clone(),
         sinks: Sinks::new(config.sink_timeout),

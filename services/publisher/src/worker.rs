@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, kv};
-use reviewlane_shared::job::{Event, JobState, TerminalReason};
+use reviewlane_shared::job::{Event, JobRecord, JobState, TerminalReason};
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::messages::{Delivery, FindingsMessage};
 use reviewlane_shared::region::Region;
@@ -46,6 +46,9 @@ pub enum Outcome {
     Duplicate,
     /// The job ended (cancelled) before delivery: nothing delivered.
     Dropped,
+    /// A result of a lease generation the job record did not validate (its holder lost
+    /// the lease): never delivered.
+    Stale,
     /// Delivery failed for now; the message comes back after the delay.
     RetryScheduled(Duration),
     Failed(TerminalReason),
@@ -63,6 +66,7 @@ pub struct Worker {
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
     pub metrics: Metrics,
+    pub results: reviewlane_shared::results::Results,
 }
 
 /// How long to wait for the extractor's `validated` write that follows its publish.
@@ -101,10 +105,18 @@ impl Worker {
     }
 
     async fn process(&self, msg: jetstream::Message) -> Outcome {
-        let Ok(findings) = serde_json::from_slice::<FindingsMessage>(&msg.payload) else {
-            tracing::error!("undecodable findings message; terminating it");
-            settle(&msg, AckKind::Term).await;
-            return Outcome::Dropped;
+        let findings = match self.results.resolve(&msg.payload).await {
+            Ok(f) => f,
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(error = %e, kind = e.kind(), "reading the result failed; handing the message back");
+                settle(&msg, AckKind::Nak(Some(NOT_READY_RETRY))).await;
+                return Outcome::Released;
+            }
+            Err(e) => {
+                tracing::error!(kind = e.kind(), "unreadable findings message; terminating it");
+                settle(&msg, AckKind::Term).await;
+                return Outcome::Dropped;
+            }
         };
         Span::current()
             .record("job_id", findings.job_id.as_str())
@@ -124,17 +136,27 @@ impl Worker {
 
     async fn run(&self, msg: &jetstream::Message, f: &FindingsMessage) -> Result<Outcome, StoreError> {
         let id = f.job_id.as_str();
-        let state = match self.job_state(id).await? {
-            Some(JobState::Validated) => JobState::Validated,
-            Some(JobState::Running) => self.await_validated(id).await?,
-            Some(s) => s,
+        let rec = match self.jobs.get(id).await? {
+            Some((rec, _)) if rec.state == JobState::Running && rec.generation() == f.generation => {
+                self.await_validated(id).await?
+            }
+            Some((rec, _)) => rec,
             None => {
                 tracing::warn!("no job record for findings; terminating the message");
                 settle(msg, AckKind::Term).await;
                 return Ok(Outcome::Dropped);
             }
         };
-        match state {
+        if rec.generation() != f.generation {
+            tracing::info!(
+                generation = f.generation,
+                newest = rec.generation(),
+                "result of a lease that was taken over; not delivered"
+            );
+            settle(msg, AckKind::Ack).await;
+            return Ok(Outcome::Stale);
+        }
+        match rec.state {
             JobState::Validated => {}
             JobState::Published => {
                 tracing::info!(outcome = "duplicate", "already published");
@@ -156,12 +178,8 @@ impl Worker {
         let revision = match self.published.create(id, encode(PublicationState::Publishing)).await {
             Ok(rev) => rev,
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                let entry = self
-                    .published
-                    .entry(id)
-                    .await
-                    .map_err(|e| StoreError::Nats(e.into()))?
-                    .ok_or(StoreError::NotFound)?;
+                let entry =
+                    self.published.entry(id).await.map_err(StoreError::kv_entry)?.ok_or(StoreError::NotFound)?;
                 let p: Publication = serde_json::from_slice(&entry.value).map_err(|_| StoreError::Corrupt)?;
                 match p.state {
                     PublicationState::Published => {
@@ -179,7 +197,7 @@ impl Worker {
                     PublicationState::Publishing => entry.revision,
                 }
             }
-            Err(e) => return Err(StoreError::Nats(e.into())),
+            Err(e) => return Err(StoreError::kv_create(e)),
         };
 
         let delivery = Delivery::from_findings(f);
@@ -207,7 +225,7 @@ impl Worker {
                     Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                         tracing::info!("publication record changed concurrently");
                     }
-                    Err(e) => return Err(StoreError::Nats(e.into())),
+                    Err(e) => return Err(StoreError::kv_update(e)),
                 }
                 self.mark_job(id, &Event::Published).await?;
                 settle(msg, AckKind::Ack).await;
@@ -255,25 +273,21 @@ impl Worker {
     ) -> Result<Outcome, StoreError> {
         let id = f.job_id.as_str();
         let _ = self.published.update(id, encode(PublicationState::Failed), revision).await;
-        self.mark_job(id, &Event::Terminate { reason, upstream_status: None }).await?;
+        self.mark_job(id, &Event::Terminate { reason, upstream_status: None, generation: None }).await?;
         self.metrics.failed(f.lane, reason);
         settle(msg, AckKind::Ack).await;
         tracing::warn!(outcome = "failed", reason = reason.as_str(), "delivery failed for good");
         Ok(Outcome::Failed(reason))
     }
 
-    async fn job_state(&self, id: &str) -> Result<Option<JobState>, StoreError> {
-        Ok(self.jobs.get(id).await?.map(|(r, _)| r.state))
-    }
-
-    /// The extractor publishes findings, then records `validated`: wait briefly for that
-    /// write instead of bouncing the message.
-    async fn await_validated(&self, id: &str) -> Result<JobState, StoreError> {
+    /// The extractor keeps findings, then records `validated`: wait briefly for that
+    /// write instead of bouncing the message. The record as it stands at the end.
+    async fn await_validated(&self, id: &str) -> Result<JobRecord, StoreError> {
         let mut changes = self.jobs.changes(id).await?;
         let wait = async {
             loop {
-                let current = self.job_state(id).await?.ok_or(StoreError::NotFound)?;
-                if current != JobState::Running {
+                let (current, _) = self.jobs.get(id).await?.ok_or(StoreError::NotFound)?;
+                if current.state != JobState::Running {
                     return Ok(current);
                 }
                 tokio::select! {
@@ -282,7 +296,10 @@ impl Worker {
                 }
             }
         };
-        tokio::time::timeout(VALIDATED_WAIT, wait).await.unwrap_or(Ok(JobState::Running))
+        match tokio::time::timeout(VALIDATED_WAIT, wait).await {
+            Ok(done) => done,
+            Err(_) => Ok(self.jobs.get(id).await?.ok_or(StoreError::NotFound)?.0),
+        }
     }
 
     async fn mark_job(&self, id: &str, event: &Event) -> Result<(), StoreError> {
@@ -300,6 +317,7 @@ impl Outcome {
             Outcome::Published => "published",
             Outcome::Duplicate => "duplicate",
             Outcome::Dropped => "dropped",
+            Outcome::Stale => "stale",
             Outcome::RetryScheduled(_) => "retry_scheduled",
             Outcome::Failed(_) => "failed",
             Outcome::Released => "released",

@@ -35,6 +35,8 @@ pub struct OpenAiProvider {
     api_key: Option<SecretString>,
     region: Region,
     hint_ceiling: Duration,
+    /// Largest response body read; a longer one is cut there.
+    max_response_bytes: usize,
 }
 
 impl OpenAiProvider {
@@ -45,6 +47,7 @@ impl OpenAiProvider {
         region: Region,
         timeout: Duration,
         hint_ceiling: Duration,
+        max_response_bytes: usize,
     ) -> Self {
         let http = reqwest::Client::builder()
             .timeout(timeout)
@@ -59,6 +62,7 @@ impl OpenAiProvider {
             api_key,
             region,
             hint_ceiling,
+            max_response_bytes,
         }
     }
 
@@ -99,12 +103,36 @@ impl OpenAiProvider {
         };
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
-        match resp.bytes().await {
-            Ok(body) => classify(status, &headers, &body, std::time::SystemTime::now(), self.hint_ceiling),
+        match read_capped(resp, self.max_response_bytes).await {
+            Ok((body, false)) => classify(status, &headers, &body, std::time::SystemTime::now(), self.hint_ceiling),
+            // An answer over the cap is unusable as output: the schema path decides (a
+            // retry within its budget), never an unbounded read. Errors are classified
+            // from their headers and the start of their body.
+            Ok((_, true)) if (200..300).contains(&status) => {
+                tracing::warn!(
+                    cap = self.max_response_bytes,
+                    "provider answer over the size cap; treated as invalid output"
+                );
+                UpstreamOutcome::Ok { output: String::new(), slow_down: None, usage: None }
+            }
+            Ok((body, true)) => classify(status, &headers, &body, std::time::SystemTime::now(), self.hint_ceiling),
             Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },
             Err(_) => UpstreamOutcome::Transient { status_class: "reset" },
         }
     }
+}
+
+/// Reads at most `cap` bytes of the body; `true` when there was more.
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>, bool), reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > cap {
+            body.extend_from_slice(&chunk[..cap - body.len()]);
+            return Ok((body, true));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((body, false))
 }
 
 impl Provider for OpenAiProvider {

@@ -1,0 +1,168 @@
+//! Step 2, call: one provider call (or a cached result instead of one), with the lease
+//! kept alive while it runs — progress acks on the message and a fenced extension of
+//! the record's lease — and watched: a cancelled job or a lease taken over ends the
+//! wait for the answer.
+
+use std::time::Instant;
+
+use async_nats::jetstream::AckKind;
+use reviewlane_shared::findings::Validated;
+use reviewlane_shared::job::{Event, JobState, TerminalReason, TransitionError};
+use reviewlane_shared::job_store::StoreError;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+use super::{Job, Lease, Worker};
+use crate::provider::ProviderRequest;
+use crate::upstream::UpstreamOutcome;
+
+/// How a call ended.
+pub enum Answer {
+    Upstream {
+        outcome: UpstreamOutcome,
+        /// When the call started (for the scope's congestion window).
+        started_ms: u64,
+    },
+    /// The same review was answered before: no call, no cost.
+    Cached(Validated),
+    /// Shutdown grace over.
+    Aborted,
+    /// Another holder took the lease over while this one waited (it was paused or cut
+    /// off): its answer must not be recorded.
+    LostLease,
+    /// The job ended (cancelled) while the call ran.
+    Ended(TerminalReason),
+}
+
+impl Worker {
+    pub(super) async fn call(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        abort: &CancellationToken,
+    ) -> Result<Answer, StoreError> {
+        let diff = job.diff.as_ref().expect("trip checked the diff");
+        let req = ProviderRequest {
+            job_id: job.id(),
+            region: job.review.region,
+            schema_version: &job.review.schema_version,
+            diff_text: &job.review.diff,
+            diff,
+            review_depth: job.review.review_depth,
+        };
+        let started_ms = self.clock.now_ms();
+        // Time the job waited while eligible: since submit, or since its retry delay ended.
+        let eligible_at_ms = lease.rec.next_eligible_at_ms.unwrap_or(lease.rec.created_at_ms);
+        let attempt = tracing::info_span!(
+            "provider.attempt",
+            otel.kind = "client",
+            attempt = lease.generation,
+            provider = self.provider.name(),
+            model_class = %job.scope.model_class,
+            queue_wait_ms = started_ms.saturating_sub(eligible_at_ms),
+            outcome = Empty,
+            status_class = Empty,
+            budget = Empty,
+            budget_remaining = Empty,
+            duration_ms = Empty,
+        );
+        let started = Instant::now();
+        let answer = self.call_with_lease(job, lease, &req, abort).instrument(attempt.clone()).await?;
+        let took = started.elapsed();
+        attempt.record("duration_ms", took.as_millis() as u64);
+        let Some(upstream) = answer else {
+            return Ok(Answer::Aborted);
+        };
+        let upstream = match upstream {
+            Ok(u) => u,
+            Err(other) => return Ok(other),
+        };
+        let outcome_class = match &upstream {
+            UpstreamOutcome::Ok { .. } => "ok",
+            UpstreamOutcome::RateLimited { .. } => "rate_limited",
+            UpstreamOutcome::QuotaExhausted => "insufficient_quota",
+            UpstreamOutcome::Transient { .. } => "transient",
+            UpstreamOutcome::Permanent { .. } => "rejected",
+        };
+        self.metrics.upstream(job.scope, outcome_class, upstream.status_class(), took);
+        attempt.record("outcome", outcome_class).record("status_class", upstream.status_class());
+        let charged = match &upstream {
+            UpstreamOutcome::RateLimited { .. } => Some(reviewlane_shared::job::Budget::Congestion),
+            UpstreamOutcome::Transient { .. } => Some(reviewlane_shared::job::Budget::Transient),
+            _ => None,
+        };
+        if let Some(b) = charged {
+            let left = self.allowed(b).saturating_sub(lease.rec.attempts.get(b) + 1);
+            attempt.record("budget", b.as_str()).record("budget_remaining", left);
+        }
+        attempt.in_scope(|| {
+            tracing::info!(outcome = outcome_class, status_class = upstream.status_class(), "provider answered")
+        });
+        Ok(Answer::Upstream { outcome: upstream, started_ms })
+    }
+
+    /// Runs the call; `None` when `abort` fired, `Some(Err(answer))` when the job ended
+    /// or the lease was lost meanwhile.
+    async fn call_with_lease(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        req: &ProviderRequest<'_>,
+        abort: &CancellationToken,
+    ) -> Result<Option<Result<UpstreamOutcome, Answer>>, StoreError> {
+        let mut changes = self.jobs.changes(job.id()).await?;
+        let call = tokio::time::timeout(self.provider_timeout, self.provider.review(req));
+        tokio::pin!(call);
+        let mut heartbeat = tokio::time::interval(self.lease / 3);
+        heartbeat.tick().await; // the first tick is immediate
+        loop {
+            tokio::select! {
+                res = &mut call => {
+                    return Ok(Some(Ok(res.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" }))));
+                }
+                _ = heartbeat.tick() => {
+                    if let Some(end) = self.extend(job, lease).await {
+                        return Ok(Some(Err(end)));
+                    }
+                }
+                Some(()) = changes.next() => {
+                    if let Some((rec, _)) = self.jobs.get(job.id()).await?
+                        && rec.state == JobState::Terminal
+                    {
+                        return Ok(Some(Err(Answer::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled)))));
+                    }
+                }
+                _ = abort.cancelled() => return Ok(None),
+            }
+        }
+    }
+
+    /// Extends the lease on the message and in the record. An answer when the job ended
+    /// or another holder has the lease.
+    async fn extend(&self, job: &Job<'_>, lease: &Lease) -> Option<Answer> {
+        if let Err(e) = job.msg.ack_with(AckKind::Progress).await {
+            tracing::warn!(error = %e, "progress ack failed");
+        }
+        let event = Event::Extended {
+            generation: lease.generation,
+            lease_expires_at_ms: self.clock.now_ms() + self.lease.as_millis() as u64,
+        };
+        match self.jobs.apply(job.id(), &event).await {
+            Ok(_) => None,
+            Err(StoreError::Transition(TransitionError::Fenced { .. }, _)) => {
+                tracing::warn!(generation = lease.generation, "lease taken over by another holder");
+                Some(Answer::LostLease)
+            }
+            Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
+                Some(Answer::Ended(current.reason.unwrap_or(TerminalReason::Cancelled)))
+            }
+            Err(StoreError::Transition(..)) => Some(Answer::LostLease),
+            Err(e) => {
+                // The next tick tries again; the lease outlives two missed extensions.
+                tracing::warn!(error = %e, kind = e.kind(), "extending the lease failed");
+                None
+            }
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! Step 3, keep: validate a 200's output (pure), then store the result before anything
+//! else can fail. From here on a store failure retries the store — with backoff and its
+//! own small budget — never the provider call; a result that cannot be kept ends the job
+//! with `store_budget_exhausted`.
+
+use std::future::Future;
+
+use async_nats::jetstream::AckKind;
+use reviewlane_shared::faults::point;
+use reviewlane_shared::findings::{self, Validated};
+use reviewlane_shared::job::{Budget, TerminalReason};
+use reviewlane_shared::job_store::StoreError;
+use reviewlane_shared::messages::FindingsMessage;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+use super::settle::Decision;
+use super::{Job, Lease, Worker};
+
+impl Worker {
+    /// JSON, JSON Schema, then the diff: `Err` when the whole output is unusable.
+    pub(super) fn validate(&self, job: &Job<'_>, lease: &Lease, output: &str) -> Result<Validated, ()> {
+        let diff = job.diff.as_ref().expect("trip checked the diff");
+        let span = tracing::info_span!(
+            "validate",
+            schema_version = %job.review.schema_version,
+            result = Empty,
+            findings = Empty,
+            quarantined = Empty,
+        );
+        let _enter = span.enter();
+        match findings::validate(&job.review.schema_version, output, diff) {
+            Ok(v) => {
+                span.record("result", "valid")
+                    .record("findings", v.findings.len())
+                    .record("quarantined", v.quarantined.len());
+                Ok(v)
+            }
+            Err(invalid) => {
+                span.record("result", invalid.as_str());
+                tracing::warn!(reason = invalid.as_str(), "invalid provider output");
+                self.metrics.invalid_output(&job.review.schema_version, invalid.as_str());
+                let left = self.allowed(Budget::Schema).saturating_sub(lease.rec.attempts.schema + 1);
+                tracing::info!(budget = "schema", budget_remaining = left, "schema retry budget");
+                Err(())
+            }
+        }
+    }
+
+    /// Stores the validated result of this lease's generation.
+    pub(super) async fn keep(&self, job: &Job<'_>, lease: &Lease, v: Validated) -> Decision {
+        let (n, q) = (v.findings.len(), v.quarantined.len());
+        for reason in v.quarantined.iter().map(|q| q.reason.as_str()) {
+            tracing::info!(reason, "finding quarantined");
+        }
+        let review = job.review;
+        let result = FindingsMessage {
+            job_id: review.job_id.clone(),
+            generation: lease.generation,
+            stored_as: None,
+            tenant: review.tenant.clone(),
+            region: review.region,
+            lane: review.lane,
+            schema_version: review.schema_version.clone(),
+            review_depth: review.review_depth,
+            metadata: review.metadata.clone(),
+            findings: v.findings.clone(),
+            quarantined: v.quarantined.iter().cloned().map(|q| q.bounded(self.quarantine_raw_max)).collect(),
+            submitted_at_ms: review.submitted_at_ms,
+        };
+        let span = tracing::info_span!(
+            "findings.publish",
+            otel.kind = "producer",
+            messaging.system = "nats",
+            messaging.operation.type = "publish",
+            messaging.destination.name = %reviewlane_shared::layout::findings_stream(review.region),
+            findings = n,
+            quarantined = q,
+            stored = Empty,
+        );
+        let kept = async {
+            let mut trace = async_nats::HeaderMap::new();
+            reviewlane_shared::telemetry::inject_nats(&mut trace);
+            self.with_store_retry(job, "keep", || async {
+                self.faults.check(point::EXTRACTOR_KEEP)?;
+                self.results.keep(&result, &trace).await
+            })
+            .await
+        }
+        .instrument(span.clone())
+        .await;
+        match kept {
+            Ok(at) => {
+                span.record("stored", if at == reviewlane_shared::results::Kept::Inline { "inline" } else { "object" });
+                self.metrics.kept(at);
+                self.metrics.validated(n, v.quarantined.iter().map(|q| q.reason.as_str()));
+                self.store_in_cache(job, &v).await;
+                Decision::Validated { findings: n, quarantined: q }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, kind = e.kind(), "a paid answer could not be kept");
+                Decision::Terminal { reason: TerminalReason::StoreBudgetExhausted, status: Some("2xx".into()) }
+            }
+        }
+    }
+
+    /// Runs a store write, retrying retryable failures with backoff up to the store
+    /// budget. The lease is kept alive meanwhile (progress acks): the answer exists only
+    /// in this worker until the write succeeds, and the budget is seconds, not minutes.
+    pub(super) async fn with_store_retry<T, F, Fut>(
+        &self,
+        job: &Job<'_>,
+        what: &'static str,
+        mut write: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let mut attempt = 1;
+        loop {
+            match write().await {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_retryable() && attempt < self.store_retry.tries => {
+                    let delay = self.store_retry.delay(attempt);
+                    tracing::warn!(
+                        what,
+                        kind = e.kind(),
+                        attempt,
+                        delay_ms = delay.as_millis() as u64,
+                        "store write failed; retrying the write"
+                    );
+                    self.metrics.store_retry(e.kind());
+                    let _ = job.msg.ack_with(AckKind::Progress).await;
+                    tokio::time::sleep(delay).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}

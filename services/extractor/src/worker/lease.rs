@@ -1,0 +1,105 @@
+//! Step 1, lease: read the job (creating its record from the message when the ingress
+//! died between its two writes), find whether it needs anything, and take a lease whose
+//! generation every later write names.
+//!
+//! A job whose previous holder died after keeping its answer is finished from that
+//! answer, without a call. A live lease of another holder, or a retry delay not yet
+//! over, hands the message back until then: no second call while one may be running.
+
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use reviewlane_shared::job::{Event, JobState, TerminalReason, TransitionError};
+use reviewlane_shared::job_store::{Created, StoreError};
+
+use super::settle::{self, Decision, Outcome};
+use super::{Job, Lease, Worker};
+
+pub enum Leased {
+    Held(Lease),
+    /// Nothing to call: the message is settled (or deliberately left alone).
+    Settled(Outcome),
+}
+
+/// Margin added when handing a message back until another holder's lease ends.
+const LEASE_MARGIN: Duration = Duration::from_millis(250);
+
+impl Worker {
+    pub(super) async fn lease(&self, job: &Job<'_>) -> Result<Leased, StoreError> {
+        let id = job.id();
+        let (rec, revision) = match self.jobs.get(id).await? {
+            Some(found) => found,
+            // The message is durable before its record: finish what the ingress began.
+            None => match self.jobs.create(&job.review.record()).await? {
+                Created::New(rec, revision) => {
+                    tracing::info!("job record created from its lane message");
+                    (rec, revision)
+                }
+                Created::Exists(_) => self.jobs.get(id).await?.ok_or(StoreError::NotFound)?,
+            },
+        };
+        if !job.review.request_digest.is_empty() && rec.request_digest != job.review.request_digest {
+            // A concurrent submit with the same key but other content lost the race for
+            // the record: its message is not this job's.
+            tracing::warn!("lane message does not match its job record; dropping the message");
+            settle::ack(job.msg, AckKind::Term).await;
+            return Ok(Leased::Settled(Outcome::Skipped));
+        }
+        let now = self.clock.now_ms();
+        match rec.state {
+            JobState::Terminal | JobState::Published | JobState::Validated => {
+                return self.settled(job, rec.state, rec.reason).await;
+            }
+            // The holder's lease is over: it may have kept its answer before it died.
+            JobState::Running if rec.lease_expires_at_ms.is_none_or(|until| now >= until) => {
+                let generation = rec.generation();
+                if let Some(kept) = self.results.read(&rec.tenant, id, generation).await? {
+                    tracing::info!(generation, "finishing from the answer a previous holder kept");
+                    let decision =
+                        Decision::Validated { findings: kept.findings.len(), quarantined: kept.quarantined.len() };
+                    let lease = Lease { generation, rec };
+                    return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
+                }
+            }
+            _ => {}
+        }
+        // The provider account is out of money: end the job without paying for a call.
+        if self.quota.circuit_open(job.scope) {
+            let decision = Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: None };
+            return Ok(Leased::Settled(self.settle(job, None, decision).await?));
+        }
+        let event = Event::Leased {
+            owner: self.quota.replica_id().to_string(),
+            lease_expires_at_ms: now + self.lease.as_millis() as u64,
+        };
+        match self.jobs.apply_from(id, Some((rec, revision)), &event).await {
+            Ok(rec) => Ok(Leased::Held(Lease { generation: rec.generation(), rec })),
+            Err(StoreError::Transition(TransitionError::LeaseHeld { until_ms: at }, _))
+            | Err(StoreError::Transition(TransitionError::NotEligible { at_ms: at }, _)) => {
+                let wait = Duration::from_millis(at.saturating_sub(self.clock.now_ms())) + LEASE_MARGIN;
+                tracing::debug!(wait_ms = wait.as_millis() as u64, "job held or not yet eligible; handed back");
+                settle::ack(job.msg, AckKind::Nak(Some(wait))).await;
+                Ok(Leased::Settled(Outcome::Deferred(wait)))
+            }
+            Err(StoreError::Transition(_, current)) => {
+                tracing::info!(state = current.state.as_str(), "job moved on before lease");
+                self.settled(job, current.state, current.reason).await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The job needs nothing more from this message.
+    async fn settled(
+        &self,
+        job: &Job<'_>,
+        state: JobState,
+        reason: Option<TerminalReason>,
+    ) -> Result<Leased, StoreError> {
+        if state == JobState::Terminal {
+            self.dead_letter(job, reason.unwrap_or(TerminalReason::Cancelled)).await?;
+        }
+        settle::ack(job.msg, AckKind::Ack).await;
+        Ok(Leased::Settled(Outcome::Skipped))
+    }
+}

@@ -1,0 +1,254 @@
+//! The extractor's unit of work: one lane message -> at most one paid answer, kept
+//! before anything else can fail -> one decision, recorded by a fenced compare-and-set
+//! before the message is settled. No worker sleeps holding a lease waiting for the
+//! provider: a retry is a nak with a delay.
+//!
+//! A job's trip reads top to bottom as named steps, each in its own file:
+//! `lease` (take the job, or find it needs nothing), `call` (the provider, with the
+//! lease kept alive and watched), `keep` (validate, then store the answer before any
+//! other write), `settle` (the one place that records a decision and settles the
+//! message).
+
+mod call;
+mod keep;
+mod lease;
+mod settle;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use reviewlane_shared::clock::SharedClock;
+use reviewlane_shared::diff::{self, Diff};
+use reviewlane_shared::faults::Faults;
+use reviewlane_shared::job::{Budget, JobRecord, TerminalReason};
+use reviewlane_shared::job_store::{JobStore, StoreError};
+use reviewlane_shared::layout::RegionLayout;
+use reviewlane_shared::messages::ReviewMessage;
+use reviewlane_shared::region::Region;
+use reviewlane_shared::results::Results;
+use tokio_util::sync::CancellationToken;
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
+
+use crate::config::{Budgets, StoreRetry};
+use crate::metrics::Metrics;
+use crate::provider::Provider;
+use crate::quota::{Quota, Scope};
+use crate::schedule::Admitted;
+use crate::upstream::{Backoff, UpstreamOutcome};
+
+pub use call::Answer;
+pub use settle::{Decision, Outcome};
+
+pub struct Worker {
+    pub region: Region,
+    pub layout: RegionLayout,
+    pub jobs: JobStore,
+    pub results: Results,
+    pub provider: Arc<dyn Provider>,
+    pub quota: Quota,
+    pub metrics: Metrics,
+    /// How long an `insufficient_quota` answer closes a scope to calls.
+    pub circuit_open_for: Duration,
+    pub budgets: Budgets,
+    /// Backoff without a hint: interactive, batch.
+    pub backoff: [Backoff; 2],
+    pub lease: Duration,
+    pub provider_timeout: Duration,
+    /// Retries of a store write once an answer is paid for.
+    pub store_retry: StoreRetry,
+    /// Largest raw item kept with a quarantined finding (its JSON text).
+    pub quarantine_raw_max: usize,
+    /// `CACHE_<R>`: validated results by (tenant, diff, schema, depth, provider,
+    /// model, prompt version); `None` when the cache is off.
+    pub cache: Option<async_nats::jetstream::kv::Store>,
+    /// Lease times and eligibility.
+    pub clock: SharedClock,
+    pub faults: Faults,
+}
+
+/// One delivery of a review being worked on.
+pub struct Job<'a> {
+    pub msg: &'a jetstream::Message,
+    pub review: &'a ReviewMessage,
+    pub scope: &'a Scope,
+    /// The diff, parsed once; `None` when it cannot be read back (never expected: the
+    /// ingress validated it).
+    pub diff: Option<Diff>,
+}
+
+impl Job<'_> {
+    pub fn id(&self) -> &str {
+        &self.review.job_id
+    }
+}
+
+/// A lease this worker holds: the generation its writes name, and the record as leased.
+pub struct Lease {
+    pub generation: u32,
+    pub rec: JobRecord,
+}
+
+/// Retry after our own infrastructure failed (NATS), not the provider.
+const INFRA_RETRY: Duration = Duration::from_secs(1);
+
+impl Worker {
+    /// Processes one admitted message (it holds a call slot and its scope's allowance
+    /// until this returns). `abort` fires when the shutdown grace is over: a call still
+    /// running is abandoned and the message handed back at once.
+    ///
+    /// Runs in a `process` span whose parent is the `enqueue` span of the ingress (the
+    /// message's `traceparent`), so each delivery of a job joins the job's trace.
+    pub async fn process_one(&self, admitted: Admitted, abort: &CancellationToken) -> Outcome {
+        let delivered = admitted.msg.info().map(|i| i.delivered).unwrap_or(1);
+        let span = tracing::info_span!(
+            parent: None,
+            "process",
+            otel.name = "process review",
+            otel.kind = "consumer",
+            messaging.system = "nats",
+            messaging.operation.type = "process",
+            messaging.destination.name = %admitted.msg.subject,
+            messaging.nats.delivered = delivered,
+            job_id = Empty,
+            tenant = %admitted.scope.tenant,
+            region = %self.region,
+            lane = Empty,
+            schema_version = Empty,
+            review_depth = Empty,
+            provider = self.provider.name(),
+            outcome = Empty,
+        );
+        reviewlane_shared::telemetry::set_remote_parent(
+            &span,
+            reviewlane_shared::telemetry::parent_from_nats(admitted.msg.headers.as_ref()),
+        );
+        let outcome = self.process(admitted, abort).instrument(span.clone()).await;
+        span.record("outcome", outcome.as_str());
+        outcome
+    }
+
+    async fn process(&self, admitted: Admitted, abort: &CancellationToken) -> Outcome {
+        let Admitted { msg, scope, slot: _slot, running: _running } = admitted;
+        let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::error!("undecodable review message; terminating it");
+                settle::ack(&msg, AckKind::Term).await;
+                return Outcome::Skipped;
+            }
+        };
+        Span::current()
+            .record("job_id", review.job_id.as_str())
+            .record("lane", review.lane.as_str())
+            .record("schema_version", review.schema_version.as_str())
+            .record("review_depth", review.review_depth.as_str());
+        if review.region != self.region {
+            // Cannot happen through our subjects; refuse rather than process.
+            tracing::error!(message_region = %review.region, "message of another region on this lane");
+            settle::ack(&msg, AckKind::Term).await;
+            return Outcome::Skipped;
+        }
+        let job = Job { msg: &msg, review: &review, scope: &scope, diff: diff::parse(&review.diff).ok() };
+        match self.trip(&job, abort).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                tracing::warn!(error = %e, kind = e.kind(), "store error; handing the message back");
+                settle::ack(&msg, AckKind::Nak(Some(INFRA_RETRY))).await;
+                Outcome::Released
+            }
+        }
+    }
+
+    /// lease -> call (or the result cache) -> keep -> settle.
+    async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<Outcome, StoreError> {
+        let lease = match self.lease(job).await? {
+            lease::Leased::Held(lease) => lease,
+            lease::Leased::Settled(outcome) => return Ok(outcome),
+        };
+        if job.diff.is_none() {
+            let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
+            return self.settle(job, Some(&lease), decision).await;
+        }
+        let answer = match self.cached(job).await {
+            Some(hit) => Answer::Cached(hit),
+            None => self.call(job, &lease, abort).await?,
+        };
+        let decision = self.decide(job, &lease, answer).await;
+        self.settle(job, Some(&lease), decision).await
+    }
+
+    /// What an answer means for the job. A usable answer is validated and kept here,
+    /// before any other write.
+    async fn decide(&self, job: &Job<'_>, lease: &Lease, answer: Answer) -> Decision {
+        let (upstream, started_ms) = match answer {
+            Answer::Cached(hit) => {
+                tracing::info!("result cache hit");
+                return self.keep(job, lease, hit).await;
+            }
+            Answer::Upstream { outcome, started_ms } => (outcome, started_ms),
+            Answer::Aborted => return Decision::Release(None),
+            Answer::LostLease => return Decision::Stale,
+            Answer::Ended(reason) => return Decision::Ended(reason),
+        };
+        let status = Some(upstream.status_class().to_string());
+        match upstream {
+            UpstreamOutcome::Ok { output, slow_down, usage } => {
+                let decision = match self.validate(job, lease, &output) {
+                    Ok(validated) => self.keep(job, lease, validated).await,
+                    Err(()) => Decision::Retry { budget: Budget::Schema, hint: None, status },
+                };
+                // Kept (or ended): now the shared scope state may learn from the answer.
+                self.quota.succeeded(job.scope, started_ms);
+                if let Some(u) = usage {
+                    self.metrics.tokens(&job.review.tenant, u);
+                }
+                if let Some(d) = slow_down
+                    && let Err(e) = self.quota.pause(job.scope, d).await
+                {
+                    tracing::warn!(error = %e, "recording a headroom pause failed");
+                }
+                decision
+            }
+            UpstreamOutcome::RateLimited { retry_after, capped } => {
+                if capped {
+                    self.metrics.hint_capped();
+                    tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
+                }
+                // The whole scope waits, on every replica, for as long as this job does.
+                let delay = retry_after.unwrap_or_else(|| {
+                    self.backoff(job.review).delay(lease.rec.attempts.congestion + 1, rand::random::<f64>())
+                });
+                if let Err(e) = self.quota.rate_limited(job.scope, delay, started_ms).await {
+                    tracing::warn!(error = %e, "recording the scope pause failed");
+                }
+                Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status }
+            }
+            UpstreamOutcome::Transient { .. } => Decision::Retry { budget: Budget::Transient, hint: None, status },
+            UpstreamOutcome::QuotaExhausted => {
+                tracing::error!("provider account out of quota; circuit open for the scope");
+                if let Err(e) = self.quota.open_circuit(job.scope, self.circuit_open_for).await {
+                    tracing::warn!(error = %e, "recording the open circuit failed");
+                }
+                Decision::Terminal { reason: TerminalReason::InsufficientQuota, status }
+            }
+            UpstreamOutcome::Permanent { status: code } => {
+                tracing::warn!(status = code, "provider rejected the request");
+                Decision::Terminal { reason: TerminalReason::UpstreamRejected, status }
+            }
+        }
+    }
+
+    fn allowed(&self, budget: Budget) -> u32 {
+        match budget {
+            Budget::Congestion => self.budgets.congestion,
+            Budget::Transient => self.budgets.transient,
+            Budget::Schema => self.budgets.schema,
+        }
+    }
+
+    fn backoff(&self, review: &ReviewMessage) -> &Backoff {
+        &self.backoff[usize::from(review.lane == reviewlane_shared::Lane::Batch)]
+    }
+}

@@ -1,0 +1,260 @@
+//! Step 4, settle: the one place that records a decision in the job record — a
+//! compare-and-set fenced by the lease's generation — and then settles the message.
+//! A holder whose lease was taken over records nothing and leaves the message alone
+//! (the new holder owns it); its discarded answer is counted.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use reviewlane_shared::faults::point;
+use reviewlane_shared::findings::Validated;
+use reviewlane_shared::job::{Budget, Event, JobState, TerminalReason, TransitionError};
+use reviewlane_shared::job_store::StoreError;
+use reviewlane_shared::layout;
+
+use super::{Job, Lease, Worker};
+
+/// What the trip decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// The result of the lease's generation is kept: record `validated`.
+    Validated {
+        findings: usize,
+        quarantined: usize,
+    },
+    /// Spend one unit of `budget` and try again after the hint (else backoff).
+    Retry {
+        budget: Budget,
+        hint: Option<Duration>,
+        status: Option<String>,
+    },
+    Terminal {
+        reason: TerminalReason,
+        status: Option<String>,
+    },
+    /// Hand the message back (`None`: at once, for shutdown), recording nothing.
+    Release(Option<Duration>),
+    /// The lease was taken over: record nothing, settle nothing.
+    Stale,
+    /// The job ended while the call ran: move the message to the dead letters.
+    Ended(TerminalReason),
+}
+
+/// How the worker settled one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Validated {
+        findings: usize,
+        quarantined: usize,
+    },
+    RetryScheduled {
+        budget: Budget,
+        delay: Duration,
+    },
+    Terminal(TerminalReason),
+    /// Nothing to do: the job is final or its result is already recorded.
+    Skipped,
+    /// Handed back until another holder's lease or a retry delay is over.
+    Deferred(Duration),
+    /// The answer came after the lease was taken over: discarded.
+    Stale,
+    /// Handed back without delay (shutdown) or after an infrastructure error.
+    Released,
+}
+
+impl Outcome {
+    /// The outcome's class, for the `process` span.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Validated { .. } => "validated",
+            Outcome::RetryScheduled { .. } => "retry_scheduled",
+            Outcome::Terminal(_) => "terminal",
+            Outcome::Skipped => "skipped",
+            Outcome::Deferred(_) => "deferred",
+            Outcome::Stale => "stale",
+            Outcome::Released => "released",
+        }
+    }
+}
+
+impl Worker {
+    /// Records `decision` for the lease (`None`: the job was never leased) and settles
+    /// the message.
+    pub(super) async fn settle(
+        &self,
+        job: &Job<'_>,
+        lease: Option<&Lease>,
+        decision: Decision,
+    ) -> Result<Outcome, StoreError> {
+        let generation = lease.map(|l| l.generation);
+        let (event, outcome, kind) = match decision {
+            Decision::Stale => {
+                self.metrics.stale_result();
+                tracing::warn!(generation, "answer arrived after the lease was taken over; discarded");
+                return Ok(Outcome::Stale);
+            }
+            Decision::Release(delay) => {
+                ack(job.msg, AckKind::Nak(delay)).await;
+                return Ok(Outcome::Released);
+            }
+            Decision::Ended(reason) => {
+                tracing::info!(reason = reason.as_str(), "job ended during the provider call; call abandoned");
+                self.dead_letter(job, reason).await?;
+                ack(job.msg, AckKind::Ack).await;
+                return Ok(Outcome::Terminal(reason));
+            }
+            Decision::Validated { findings, quarantined } => (
+                Event::Validated {
+                    generation: generation.expect("a validated result has a lease"),
+                    findings: findings as u32,
+                    quarantined: quarantined as u32,
+                },
+                Outcome::Validated { findings, quarantined },
+                AckKind::Ack,
+            ),
+            Decision::Retry { budget, hint, status } => {
+                let lease = lease.expect("a retry follows a call");
+                let used = lease.rec.attempts.get(budget);
+                if used >= self.allowed(budget) {
+                    let reason = match budget {
+                        Budget::Congestion => TerminalReason::RateLimitBudgetExhausted,
+                        Budget::Transient => TerminalReason::TransientBudgetExhausted,
+                        Budget::Schema => TerminalReason::InvalidOutput,
+                    };
+                    return Box::pin(self.settle(job, Some(lease), Decision::Terminal { reason, status })).await;
+                }
+                let delay = hint.unwrap_or_else(|| self.backoff(job.review).delay(used + 1, rand::random::<f64>()));
+                let event = Event::RetryScheduled {
+                    generation: lease.generation,
+                    budget,
+                    next_eligible_at_ms: self.clock.now_ms() + delay.as_millis() as u64,
+                    upstream_status: status,
+                };
+                (event, Outcome::RetryScheduled { budget, delay }, AckKind::Nak(Some(delay)))
+            }
+            Decision::Terminal { reason, status } => (
+                Event::Terminate { reason, upstream_status: status, generation },
+                Outcome::Terminal(reason),
+                AckKind::Ack,
+            ),
+        };
+        let validated = matches!(event, Event::Validated { .. });
+        let applied = self
+            .with_store_retry(job, "record", || async {
+                if validated {
+                    self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
+                }
+                self.jobs.apply(job.id(), &event).await
+            })
+            .await;
+        match applied {
+            Ok(rec) => {
+                let calls = rec.attempts.leases;
+                match &outcome {
+                    Outcome::Validated { findings, quarantined } => {
+                        self.metrics.finished(job.review.lane, calls, None);
+                        tracing::info!(findings, quarantined, "validated");
+                    }
+                    Outcome::RetryScheduled { budget, delay } => {
+                        self.metrics.retry(*budget, *delay);
+                        tracing::info!(
+                            budget = budget.as_str(),
+                            attempt = rec.attempts.get(*budget),
+                            delay_ms = delay.as_millis() as u64,
+                            "retry scheduled"
+                        );
+                    }
+                    Outcome::Terminal(reason) => {
+                        self.metrics.finished(job.review.lane, calls, Some(*reason));
+                        self.dead_letter(job, *reason).await?;
+                        tracing::warn!(reason = reason.as_str(), "job terminal");
+                    }
+                    _ => {}
+                }
+                ack(job.msg, kind).await;
+                Ok(outcome)
+            }
+            Err(StoreError::Transition(TransitionError::Fenced { .. }, _)) => {
+                Box::pin(self.settle(job, lease, Decision::Stale)).await
+            }
+            // Ended meanwhile (cancelled): what the record says stands.
+            Err(StoreError::Transition(_, current)) => {
+                tracing::info!(state = current.state.as_str(), "job moved on before the decision was recorded");
+                if current.state == JobState::Terminal {
+                    self.dead_letter(job, current.reason.unwrap_or(TerminalReason::Cancelled)).await?;
+                }
+                ack(job.msg, AckKind::Ack).await;
+                Ok(Outcome::Skipped)
+            }
+            // A kept result survives this: the next delivery finishes from it.
+            Err(e) if validated => {
+                tracing::warn!(error = %e, kind = e.kind(), "recording validated failed; the kept result is resumed later");
+                ack(job.msg, AckKind::Nak(Some(self.store_retry.cap))).await;
+                Ok(Outcome::Released)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Moves the review to `DEADLETTER_<R>` (same region, same access policy as the
+    /// diff) so it leaves the lane and stops skewing its queue age.
+    pub(super) async fn dead_letter(&self, job: &Job<'_>, reason: TerminalReason) -> Result<(), StoreError> {
+        let review = job.review;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
+        headers.insert("Reviewlane-Reason", reason.as_str());
+        let subject = layout::deadletter_subject(review.region, &review.tenant, &review.job_id);
+        self.layout
+            .js
+            .publish_with_headers(subject, headers, job.msg.payload.clone())
+            .await
+            .map_err(StoreError::publish)?
+            .await
+            .map_err(StoreError::publish)?;
+        Ok(())
+    }
+
+    /// Same tenant, diff (its digest, computed once by the ingress), schema, depth,
+    /// provider, model and prompt: same answer. Per tenant, so no tenant can learn what
+    /// another submitted.
+    fn cache_key(&self, job: &Job<'_>) -> String {
+        let review = job.review;
+        reviewlane_shared::job_id::sha256_hex(&[
+            review.tenant.as_bytes(),
+            review.input_digest.as_bytes(),
+            review.schema_version.as_bytes(),
+            review.review_depth.as_str().as_bytes(),
+            job.scope.provider.as_bytes(),
+            job.scope.model_class.as_bytes(),
+            crate::provider::PROMPT_VERSION.as_bytes(),
+        ])
+    }
+
+    pub(super) async fn cached(&self, job: &Job<'_>) -> Option<Validated> {
+        let cache = self.cache.as_ref()?;
+        let hit = match cache.get(self.cache_key(job)).await {
+            Ok(Some(v)) => serde_json::from_slice::<Validated>(&v).ok(),
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "result cache read failed");
+                None
+            }
+        };
+        self.metrics.cache(hit.is_some());
+        hit
+    }
+
+    pub(super) async fn store_in_cache(&self, job: &Job<'_>, v: &Validated) {
+        let Some(cache) = &self.cache else { return };
+        let value = serde_json::to_vec(v).expect("validated findings serialize");
+        if let Err(e) = cache.put(self.cache_key(job), value.into()).await {
+            tracing::warn!(error = %e, "result cache write failed");
+        }
+    }
+}
+
+pub(super) async fn ack(msg: &jetstream::Message, kind: AckKind) {
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(error = %e, "settling the message failed; it will be redelivered after its lease");
+    }
+}

@@ -1,0 +1,72 @@
+//! Fault hooks for tests: make the write at a named point fail, as a store outage
+//! would. Compiled in only with the `fault-hooks` feature, which release builds do not
+//! enable; without it `check` is a no-op the compiler removes.
+
+use crate::store::StoreError;
+
+/// The points services check before the write they name.
+pub mod point {
+    /// Ingress: after the lane message is stored, before the job record is created.
+    pub const INGRESS_BEFORE_RECORD: &str = "ingress.before_record";
+    /// Extractor: keeping a paid answer on `FINDINGS_<R>`.
+    pub const EXTRACTOR_KEEP: &str = "extractor.keep";
+    /// Extractor: recording `validated` after the answer is kept.
+    pub const EXTRACTOR_RECORD_VALIDATED: &str = "extractor.record_validated";
+}
+
+#[derive(Clone, Default)]
+pub struct Faults {
+    #[cfg(feature = "fault-hooks")]
+    armed: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, u32>>>,
+}
+
+impl Faults {
+    /// Fails (as `Unavailable`) when a fault is armed at `point`, consuming one.
+    #[inline(always)]
+    pub fn check(&self, point: &'static str) -> Result<(), StoreError> {
+        #[cfg(feature = "fault-hooks")]
+        {
+            let mut armed = self.armed.lock().expect("faults");
+            if let Some(n) = armed.get_mut(point).filter(|n| **n > 0) {
+                *n -= 1;
+                return Err(StoreError::Unavailable(format!("injected fault at {point}").into()));
+            }
+        }
+        let _ = point;
+        Ok(())
+    }
+
+    /// Makes the next `times` writes at `point` fail.
+    #[cfg(feature = "fault-hooks")]
+    pub fn fail(&self, point: &'static str, times: u32) {
+        self.armed.lock().expect("faults").insert(point, times);
+    }
+
+    /// How many armed failures at `point` have not fired yet.
+    #[cfg(feature = "fault-hooks")]
+    pub fn pending(&self, point: &'static str) -> u32 {
+        self.armed.lock().expect("faults").get(point).copied().unwrap_or(0)
+    }
+}
+
+impl std::fmt::Debug for Faults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Faults")
+    }
+}
+
+#[cfg(all(test, feature = "fault-hooks"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_armed_point_fails_as_often_as_armed_then_passes() {
+        let f = Faults::default();
+        assert!(f.check(point::EXTRACTOR_KEEP).is_ok());
+        f.fail(point::EXTRACTOR_KEEP, 2);
+        assert!(f.check(point::EXTRACTOR_KEEP).unwrap_err().is_retryable());
+        assert!(f.check(point::INGRESS_BEFORE_RECORD).is_ok());
+        assert!(f.check(point::EXTRACTOR_KEEP).is_err());
+        assert!(f.check(point::EXTRACTOR_KEEP).is_ok());
+    }
+}

@@ -1,0 +1,107 @@
+//! Kept results: the validated result of one lease generation of a job, on
+//! `FINDINGS_<R>` (subject per generation, `Nats-Msg-Id` = `<job id>.<generation>`).
+//! A result too large for one message goes whole into the region's `FINDINGS_<R>`
+//! object store, and the stream carries a small message naming it. Every size is
+//! checked before the write, so no write is retried that can never fit.
+
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+
+use crate::layout::{self, RegionLayout};
+use crate::messages::FindingsMessage;
+use crate::store::StoreError;
+
+/// Room left in a message for headers (ids, trace context).
+const HEADER_ROOM: usize = 1024;
+
+#[derive(Clone)]
+pub struct Results {
+    layout: RegionLayout,
+    /// Largest result written inline; larger ones go to the object store.
+    inline_max: usize,
+}
+
+/// Where a kept result went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    Inline,
+    Object,
+}
+
+impl Results {
+    /// `message_max`: the smaller of the server's `max_payload` and the stream's
+    /// maximum message size.
+    pub fn new(layout: RegionLayout, message_max: usize) -> Self {
+        Results { layout, inline_max: message_max.saturating_sub(HEADER_ROOM) }
+    }
+
+    pub fn inline_max(&self) -> usize {
+        self.inline_max
+    }
+
+    /// Keeps `result` (idempotent per job and generation: a repeat is deduplicated by the
+    /// stream, or overwrites the same object).
+    pub async fn keep(&self, result: &FindingsMessage, trace: &async_nats::HeaderMap) -> Result<Kept, StoreError> {
+        let body = serde_json::to_vec(result).expect("findings serialize");
+        let id = format!("{}.{}", result.job_id, result.generation);
+        let (payload, kept) = if body.len() <= self.inline_max {
+            (body, Kept::Inline)
+        } else {
+            self.layout.objects.put(id.as_str(), &mut body.as_slice()).await.map_err(StoreError::object_put)?;
+            let pointer = FindingsMessage {
+                findings: Vec::new(),
+                quarantined: Vec::new(),
+                stored_as: Some(id.clone()),
+                ..result.clone()
+            };
+            (serde_json::to_vec(&pointer).expect("findings serialize"), Kept::Object)
+        };
+        let mut headers = trace.clone();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+        let subject = layout::findings_subject(result.region, &result.tenant, &result.job_id, result.generation);
+        self.layout
+            .js
+            .publish_with_headers(subject, headers, payload.into())
+            .await
+            .map_err(StoreError::publish)?
+            .await
+            .map_err(StoreError::publish)?;
+        Ok(kept)
+    }
+
+    /// The kept result of one generation of a job, if any.
+    pub async fn read(
+        &self,
+        tenant: &str,
+        job_id: &str,
+        generation: u32,
+    ) -> Result<Option<FindingsMessage>, StoreError> {
+        let stream = self
+            .layout
+            .js
+            .get_stream_no_info(layout::findings_stream(self.layout.region))
+            .await
+            .map_err(StoreError::other)?;
+        let subject = layout::findings_subject(self.layout.region, tenant, job_id, generation);
+        match stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => Ok(Some(self.resolve(&m.payload).await?)),
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(StoreError::other(e)),
+        }
+    }
+
+    /// A `FINDINGS_<R>` payload as the whole result (fetching it from the object store
+    /// when the message only names it).
+    pub async fn resolve(&self, payload: &[u8]) -> Result<FindingsMessage, StoreError> {
+        let msg: FindingsMessage = serde_json::from_slice(payload).map_err(|_| StoreError::Corrupt)?;
+        let Some(name) = msg.stored_as.as_deref() else { return Ok(msg) };
+        let mut object = self.layout.objects.get(name).await.map_err(StoreError::object_get)?;
+        let mut body = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut object, &mut body).await.map_err(StoreError::other)?;
+        serde_json::from_slice(&body).map_err(|_| StoreError::Corrupt)
+    }
+}
+
+/// The largest message the server and the region's streams accept.
+pub fn message_max(client: &async_nats::Client, cfg: &layout::LayoutConfig) -> usize {
+    client.server_info().max_payload.min(cfg.max_message_bytes.max(0) as usize)
+}

@@ -1,0 +1,187 @@
+//! Promises under store faults and crashes between two writes: a paid answer is kept
+//! and never paid again, a result too large for one message is still delivered, a
+//! crash between the ingress's two writes loses no job, and the reconciler re-drives or
+//! ends what nothing drives any more.
+
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use reviewlane_extractor::metrics::Metrics;
+use reviewlane_extractor::reconcile::{Pass, Reconciler};
+use reviewlane_shared::clock::ManualClock;
+use reviewlane_shared::faults::point;
+use reviewlane_shared::job::{Event, JobRecord, ReviewDepth, TerminalReason};
+use reviewlane_shared::job_store::JobStore;
+use reviewlane_shared::layout::{self, LayoutConfig};
+use reviewlane_shared::messages::{FindingsMessage, ReviewMetadata};
+use reviewlane_shared::proto::JobState;
+use reviewlane_shared::region::{Lane, Region};
+use reviewlane_shared::results::Results;
+use reviewlane_shared::{job_id, telemetry};
+
+use crate::harness::*;
+
+fn metric(page: &str, name: &str) -> f64 {
+    page.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paid_answer_survives_store_failures_without_a_second_call() {
+    let stack = Stack::start().await;
+    let faults = stack.faults();
+    faults.fail(point::EXTRACTOR_KEEP, 2);
+    faults.fail(point::EXTRACTOR_RECORD_VALIDATED, 2);
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "keep-1", &sample_diff("keep")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32);
+    assert!(!last.findings.is_empty());
+    // Both writes failed twice and were retried; the provider was paid once.
+    assert_eq!((faults.pending(point::EXTRACTOR_KEEP), faults.pending(point::EXTRACTOR_RECORD_VALIDATED)), (0, 0));
+    assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&1));
+    assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&job.job_id).len() == 1).await);
+    let page = http_get(stack.extractor_admin[0].1, "/metrics").await;
+    assert_eq!(metric(&page, "reviewlane_store_retries_total"), 4.0, "{page}");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_cannot_be_kept_ends_the_job_after_one_call() {
+    let stack = Stack::start().await;
+    stack.faults().fail(point::EXTRACTOR_KEEP, 1_000);
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "keep-never", &sample_diff("never")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "store_budget_exhausted"));
+    assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&1), "never called again");
+    assert!(stack.webhook.for_job(&job.job_id).is_empty());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_larger_than_one_message_goes_to_the_object_store_and_is_delivered() {
+    let stack = Stack::start_with(StackOptions { result_inline_max: Some(64), ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let job = submit(&mut client, EU_KEY, "big-1", &sample_diff("big")).await;
+    let last = wait_final(&mut client, EU_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32);
+    assert!(!last.findings.is_empty(), "GetReview reads the result from the object store");
+    assert_eq!(stack.eu.provider.stats().calls_by_job.get(&job.job_id), Some(&1));
+    assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&job.job_id).len() == 1).await);
+    let delivered: serde_json::Value = serde_json::from_slice(&stack.webhook.for_job(&job.job_id)[0].body).unwrap();
+    assert_eq!(delivered["findings"].as_array().map(|f| f.len()), Some(last.findings.len()));
+    // The stream carries only a pointer to the object.
+    let kept = stream_messages(stack.eu.nats.url(), &layout::findings_stream(Region::Eu)).await;
+    let (_, _, payload) = kept.iter().find(|(s, _, _)| s.contains(&job.job_id)).expect("kept message");
+    let pointer: FindingsMessage = serde_json::from_slice(payload).unwrap();
+    assert!(pointer.stored_as.is_some() && pointer.findings.is_empty(), "{pointer:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_ingress_writes_loses_no_job_with_or_without_a_retry() {
+    let stack = Stack::start().await;
+    stack.faults().fail(point::INGRESS_BEFORE_RECORD, 2);
+    let mut client = stack.client().await;
+    let diff = sample_diff("between");
+    for key in ["between-retried", "between-abandoned"] {
+        let err = client.submit_review(submit_req(US_KEY, key, &diff)).await.expect_err("write fails");
+        assert_eq!(err.code(), tonic::Code::Unavailable);
+    }
+    // (a) The caller retries with the same key: the job goes on.
+    let retried = submit(&mut client, US_KEY, "between-retried", &diff).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &retried.job_id).await.state, JobState::Published as i32);
+    // (b) Nobody retries: the message on the lane carries the job, the extractor
+    // records it, and it is published all the same.
+    let abandoned = job_id::derive(Region::Us, "acme", "between-abandoned");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match get(&mut client, US_KEY, &abandoned).await {
+            Ok(r) if r.state == JobState::Published as i32 => break,
+            _ => assert!(tokio::time::Instant::now() < deadline, "abandoned job not published in 30 s"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stats = stack.us.provider.stats();
+    assert_eq!(stats.calls_by_job.get(&retried.job_id), Some(&1));
+    assert_eq!(stats.calls_by_job.get(&abandoned), Some(&1));
+    assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&abandoned).len() == 1).await);
+    stack.shutdown().await;
+}
+
+/// A region's store and a reconciler on it, driven by a test clock.
+async fn reconciler(stack: &Stack, clock: std::sync::Arc<ManualClock>) -> (Reconciler, JobStore) {
+    let client = async_nats::connect(stack.us.nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let layout = layout::ensure(&js, Region::Us, &LayoutConfig::default()).await.unwrap();
+    let jobs = JobStore::new(layout.jobs.clone(), client.clone()).with_clock(clock.clone());
+    let results = Results::new(layout.clone(), 1024 * 1024);
+    let metrics = Metrics::register(&mut Registry::default(), Region::Us);
+    let r = Reconciler { layout, jobs: jobs.clone(), results, clock, grace: Duration::from_secs(60), metrics };
+    (r, jobs)
+}
+
+fn record(key: &str, now: u64) -> JobRecord {
+    JobRecord::waiting(
+        job_id::derive(Region::Us, "acme", key),
+        "acme".into(),
+        Region::Us,
+        Lane::Interactive,
+        "findings.v1".into(),
+        "d".into(),
+        "r".into(),
+        ReviewDepth::Full,
+        now,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_ends_a_job_nothing_drives_and_resumes_one_whose_answer_was_kept() {
+    // No extractor: nothing but the reconciler moves these records.
+    let stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
+    let now = telemetry::now_ms();
+    let clock = ManualClock::at(now);
+    let (reconciler, jobs) = reconciler(&stack, clock.clone()).await;
+
+    // A job whose lane message is gone: nothing can re-drive it.
+    let lost = record("lost", now);
+    jobs.create(&lost).await.unwrap();
+    // A job whose holder kept its answer and died before recording it.
+    let kept = record("kept", now);
+    jobs.create(&kept).await.unwrap();
+    let leased = jobs
+        .apply(&kept.job_id, &Event::Leased { owner: "dead".into(), lease_expires_at_ms: now + 5_000 })
+        .await
+        .unwrap();
+    let result = FindingsMessage {
+        job_id: kept.job_id.clone(),
+        generation: leased.generation(),
+        stored_as: None,
+        tenant: "acme".into(),
+        region: Region::Us,
+        lane: Lane::Interactive,
+        schema_version: "findings.v1".into(),
+        review_depth: ReviewDepth::Full,
+        metadata: ReviewMetadata::default(),
+        findings: Vec::new(),
+        quarantined: Vec::new(),
+        submitted_at_ms: now,
+    };
+    reconciler.results.keep(&result, &async_nats::HeaderMap::new()).await.unwrap();
+    // A job still on its lane is left to the lane, however old.
+    let mut client = stack.client().await;
+    let queued = submit(&mut client, US_KEY, "queued", &sample_diff("queued")).await;
+
+    assert_eq!(reconciler.pass().await.unwrap(), Pass::default(), "nothing is overdue yet");
+    clock.advance(Duration::from_secs(120));
+    assert_eq!(reconciler.pass().await.unwrap(), Pass { stranded: 2, resumed: 1, ended: 1 });
+
+    let (lost_now, _) = jobs.get(&lost.job_id).await.unwrap().unwrap();
+    assert_eq!(lost_now.reason, Some(TerminalReason::Lost));
+    assert_eq!(wait_final(&mut client, US_KEY, &kept.job_id).await.state, JobState::Published as i32);
+    assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&kept.job_id).len() == 1).await);
+    assert_eq!(get(&mut client, US_KEY, &queued.job_id).await.unwrap().state, JobState::Waiting as i32);
+    // A second pass finds nothing more to do.
+    assert_eq!(reconciler.pass().await.unwrap(), Pass::default());
+    stack.shutdown().await;
+}
