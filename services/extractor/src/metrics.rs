@@ -163,6 +163,11 @@ impl Metrics {
             m.store_retries.clone(),
         );
         registry.register("reviewlane_results_kept", "Results kept, by where (inline, object)", m.kept.clone());
+        // Exposed at zero from the start, so alerts see the series before the first event.
+        for action in ["resumed", "ended"] {
+            let _ = m.reconciled.get_or_create(&m.reason(action));
+        }
+        m.stuck(0);
         registry.register(
             "reviewlane_reconciled_jobs",
             "Stranded jobs the reconciler resumed or ended, by action",
