@@ -71,7 +71,6 @@ impl ReviewApi {
         policies: [LanePolicy; 2],
         auth: Authenticator,
         metrics: Metrics,
-        faults: Faults,
     ) -> Self {
         ReviewApi {
             regions: Arc::new(regions),
@@ -81,8 +80,14 @@ impl ReviewApi {
             policies: Arc::new(policies),
             auth,
             metrics,
-            faults,
+            faults: Faults::default(),
         }
+    }
+
+    /// The same API checking `faults` (tests; no-ops unless built with `fault-hooks`).
+    pub fn with_faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
     }
 
     fn admission(&self, region: Region, lane: reviewlane_shared::Lane) -> Decision {

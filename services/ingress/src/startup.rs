@@ -70,8 +70,8 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
         [config.interactive, config.batch],
         Authenticator::new(config.tenants.clone()),
         metrics,
-        config.faults.clone(),
-    );
+    )
+    .with_faults(config.faults.clone());
     Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown })
 }
 

@@ -16,7 +16,7 @@ use super::settle::{self, Decision, Outcome};
 use super::{Job, Lease, Worker};
 
 pub enum Leased {
-    Held(Lease),
+    Held(Box<Lease>),
     /// Nothing to call: the message is settled (or deliberately left alone).
     Settled(Outcome),
 }
@@ -73,7 +73,7 @@ impl Worker {
             lease_expires_at_ms: now + self.lease.as_millis() as u64,
         };
         match self.jobs.apply_from(id, Some((rec, revision)), &event).await {
-            Ok(rec) => Ok(Leased::Held(Lease { generation: rec.generation(), rec })),
+            Ok(rec) => Ok(Leased::Held(Box::new(Lease { generation: rec.generation(), rec }))),
             Err(StoreError::Transition(TransitionError::LeaseHeld { until_ms: at }, _))
             | Err(StoreError::Transition(TransitionError::NotEligible { at_ms: at }, _)) => {
                 let wait = Duration::from_millis(at.saturating_sub(self.clock.now_ms())) + LEASE_MARGIN;
