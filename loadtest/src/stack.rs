@@ -429,6 +429,11 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> String {
     out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
 }
 
+/// The sum of a metric's samples on a Prometheus text page (every label set of `name`).
+pub fn metric_sum(page: &str, name: &str) -> f64 {
+    page.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
 /// Polls `cond` every 50 ms for at most `limit`.
 pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + limit;

@@ -21,10 +21,6 @@ use reviewlane_shared::{job_id, telemetry};
 
 use crate::harness::*;
 
-fn metric(page: &str, name: &str) -> f64 {
-    page.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paid_answer_survives_store_failures_without_a_second_call() {
     let stack = Stack::start().await;
@@ -41,7 +37,7 @@ async fn a_paid_answer_survives_store_failures_without_a_second_call() {
     assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&1));
     assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&job.job_id).len() == 1).await);
     let page = http_get(stack.extractor_admin[0].1, "/metrics").await;
-    assert_eq!(metric(&page, "reviewlane_store_retries_total"), 4.0, "{page}");
+    assert_eq!(metric_sum(&page, "reviewlane_store_retries_total"), 4.0, "{page}");
     stack.shutdown().await;
 }
 

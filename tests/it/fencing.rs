@@ -14,10 +14,6 @@ use reviewlane_shared::region::Region;
 
 use crate::harness::*;
 
-fn metric(page: &str, name: &str) -> f64 {
-    page.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_paused_past_its_lease_cannot_record_or_publish_its_late_answer() {
     ensure_nats_server().expect("nats-server");
@@ -56,14 +52,14 @@ async fn a_holder_paused_past_its_lease_cannot_record_or_publish_its_late_answer
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
         let page = http_get(admin, "/metrics").await;
-        if metric(&page, "reviewlane_stale_results_total") >= 1.0 {
+        if metric_sum(&page, "reviewlane_stale_results_total") >= 1.0 {
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "late answer not counted as stale:\n{page}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let other_page = http_get(stack.admin_of(other).unwrap(), "/metrics").await;
-    assert_eq!(metric(&other_page, "reviewlane_stale_results_total"), 0.0);
+    assert_eq!(metric_sum(&other_page, "reviewlane_stale_results_total"), 0.0);
 
     // One publication; the record names the second holder's lease as its only owner.
     assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1, "the late answer was delivered");
