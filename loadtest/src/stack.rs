@@ -23,6 +23,8 @@ use tonic::transport::Channel;
 pub const US_KEY: &str = "key-acme-us";
 pub const US2_KEY: &str = "key-beta-us";
 pub const EU_KEY: &str = "key-euro-eu";
+/// Tenant `gamma` (us), whose loopback webhook is refused: no `allow_private_webhook`.
+pub const STRICT_KEY: &str = "key-gamma-us";
 pub const US_SECRET: &str = "whsec-acme";
 pub const EU_SECRET: &str = "whsec-euro";
 
@@ -112,22 +114,33 @@ id = "acme"
 region = "us"
 api_key_sha256 = ["{us}"]
 sink = {{ kind = "webhook", url = "{url}", secret = "{us_secret}" }}
+allow_private_webhook = true
 
 [[tenants]]
 id = "beta"
 region = "us"
 api_key_sha256 = ["{us2}"]
 sink = {{ kind = "webhook", url = "{url}", secret = "{us_secret}" }}
+allow_private_webhook = true
 
 [[tenants]]
 id = "euro"
 region = "eu"
 api_key_sha256 = ["{eu}"]
 sink = {{ kind = "webhook", url = "{url}", secret = "{eu_secret}" }}
+allow_private_webhook = true
+
+# Not allowed to deliver to a private address: its loopback webhook is refused.
+[[tenants]]
+id = "gamma"
+region = "us"
+api_key_sha256 = ["{strict}"]
+sink = {{ kind = "webhook", url = "{url}", secret = "{us_secret}" }}
 "#,
         us = hash_api_key(US_KEY),
         us2 = hash_api_key(US2_KEY),
         eu = hash_api_key(EU_KEY),
+        strict = hash_api_key(STRICT_KEY),
         url = webhook_url,
         us_secret = US_SECRET,
         eu_secret = EU_SECRET,

@@ -166,6 +166,9 @@ pub struct JobRecord {
     /// The replica that holds (or last held) the lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// When a publisher claimed the delivery: from then on a cancel no longer applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery_started_at_ms: Option<u64>,
     /// Status class of the last upstream answer: `2xx`, `4xx`, `429`, `5xx`, `timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_upstream_status: Option<String>,
@@ -197,8 +200,13 @@ pub enum Event {
     /// The output passed validation and the findings of this generation are kept on
     /// `FINDINGS_<R>`.
     Validated { generation: u32, findings: u32, quarantined: u32 },
+    /// A publisher claimed the delivery of the validated result.
+    Delivering,
     /// The findings were delivered.
     Published,
+    /// The caller cancels: the job ends `cancelled` unless its delivery has started
+    /// (then it is delivered, and the cancel answers the state as it stands).
+    Cancel,
     /// The job ends without a result. `generation: Some(g)` when the lease holder ends
     /// it (fenced like its other writes); `None` for cancel, reconciler, publisher.
     Terminate { reason: TerminalReason, upstream_status: Option<String>, generation: Option<u32> },
@@ -219,6 +227,9 @@ pub enum TransitionError {
     /// The job waits out a retry delay.
     #[error("the job is not eligible before {at_ms}")]
     NotEligible { at_ms: u64 },
+    /// Its delivery has started: too late to cancel.
+    #[error("the job's delivery has started")]
+    Delivering,
 }
 
 impl JobRecord {
@@ -251,6 +262,7 @@ impl JobRecord {
             next_eligible_at_ms: None,
             lease_expires_at_ms: None,
             owner: None,
+            delivery_started_at_ms: None,
             last_upstream_status: None,
             schema_version,
             input_digest,
@@ -327,7 +339,19 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             next.lease_expires_at_ms = None;
             next.last_upstream_status = Some("2xx".into());
         }
+        (Validated, Event::Delivering) => {
+            next.delivery_started_at_ms.get_or_insert(now_ms);
+        }
         (Validated, Event::Published) => next.state = Published,
+        (Validated, Event::Cancel) if rec.delivery_started_at_ms.is_some() => {
+            return Err(TransitionError::Delivering);
+        }
+        (_, Event::Cancel) => {
+            next.state = Terminal;
+            next.reason = Some(TerminalReason::Cancelled);
+            next.lease_expires_at_ms = None;
+            next.next_eligible_at_ms = None;
+        }
         (_, Event::Terminate { reason, upstream_status, generation }) => {
             if let Some(g) = generation {
                 fence(*g)?;
@@ -467,6 +491,26 @@ mod tests {
         }
         let published = apply(&validated, Event::Published);
         assert_eq!(transition(&published, &cancel(), 1), Err(TransitionError::AlreadyFinal(JobState::Published)));
+    }
+
+    #[test]
+    fn a_cancel_ends_the_job_until_its_delivery_has_started() {
+        let validated =
+            apply(&apply(&rec(), lease("a", 5)), Event::Validated { generation: 1, findings: 1, quarantined: 0 });
+        let cancelled = apply(&validated, Event::Cancel);
+        assert_eq!((cancelled.state, cancelled.reason), (JobState::Terminal, Some(TerminalReason::Cancelled)));
+        let delivering = apply(&validated, Event::Delivering);
+        assert_eq!((delivering.state, delivering.delivery_started_at_ms), (JobState::Validated, Some(100)));
+        assert_eq!(transition(&delivering, &Event::Cancel, 200), Err(TransitionError::Delivering));
+        // A second claim (a take-over) keeps the first start time.
+        assert_eq!(transition(&delivering, &Event::Delivering, 300).unwrap().delivery_started_at_ms, Some(100));
+        // The publisher's own failure still ends it.
+        let failed =
+            Event::Terminate { reason: TerminalReason::DeliveryRejected, upstream_status: None, generation: None };
+        assert_eq!(apply(&delivering, failed).state, JobState::Terminal);
+        assert_eq!(apply(&delivering, Event::Published).state, JobState::Published);
+        // Before validation a cancel always applies.
+        assert_eq!(apply(&rec(), Event::Cancel).state, JobState::Terminal);
     }
 
     #[test]

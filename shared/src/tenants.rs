@@ -10,7 +10,8 @@
 //! sink = { kind = "webhook", url = "https://...", secret = "..." }
 //! weight = 1                    # optional: share against other tenants of a lane
 //! scope_limit = 4               # optional: provider calls in flight, all replicas
-//! # or: sink = { kind = "file", path = "/var/lib/reviewlane/acme.jsonl" }
+//! # or: sink = { kind = "file", dir = "/var/lib/reviewlane/acme" }   # one <job id>.json per job
+//! allow_private_webhook = false # optional: let the webhook point at loopback/private addresses
 //! ```
 
 use std::collections::HashMap;
@@ -26,8 +27,14 @@ use crate::region::Region;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum SinkConfig {
-    Webhook { url: String, secret: SecretString },
-    File { path: PathBuf },
+    Webhook {
+        url: String,
+        secret: SecretString,
+    },
+    /// One file per job, `<dir>/<job id>.json`, written atomically.
+    File {
+        dir: PathBuf,
+    },
 }
 
 impl SinkConfig {
@@ -58,6 +65,10 @@ pub struct Tenant {
     /// default from the extractor's configuration.
     #[serde(default)]
     pub scope_limit: Option<u32>,
+    /// Whether the webhook may point at loopback, private, link-local or metadata
+    /// addresses (local stacks, in-cluster receivers). Off: such targets are refused.
+    #[serde(default)]
+    pub allow_private_webhook: bool,
 }
 
 fn default_weight() -> u32 {
@@ -164,7 +175,7 @@ mod tests {
     fn authenticates_by_hash() {
         let h = hash_api_key("k1");
         let t = Tenants::parse(&format!(
-            "[[tenants]]\nid = \"acme\"\nregion = \"eu\"\napi_key_sha256 = [\"{h}\"]\nsink = {{ kind = \"file\", path = \"/tmp/x\" }}\n"
+            "[[tenants]]\nid = \"acme\"\nregion = \"eu\"\napi_key_sha256 = [\"{h}\"]\nsink = {{ kind = \"file\", dir = \"/tmp/x\" }}\n"
         ))
         .unwrap();
         let acme = t.authenticate("k1").unwrap();

@@ -10,13 +10,12 @@ use reviewlane_extractor::metrics::Metrics;
 use reviewlane_extractor::reconcile::{Pass, Reconciler};
 use reviewlane_shared::clock::ManualClock;
 use reviewlane_shared::faults::point;
-use reviewlane_shared::job::{Event, JobRecord, ReviewDepth, TerminalReason};
+use reviewlane_shared::job::{Event, TerminalReason};
 use reviewlane_shared::job_store::JobStore;
-use reviewlane_shared::layout::{self, LayoutConfig};
-use reviewlane_shared::messages::{FindingsMessage, ReviewMetadata};
+use reviewlane_shared::layout;
+use reviewlane_shared::messages::FindingsMessage;
 use reviewlane_shared::proto::JobState;
-use reviewlane_shared::region::{Lane, Region};
-use reviewlane_shared::results::Results;
+use reviewlane_shared::region::Region;
 use reviewlane_shared::{job_id, telemetry};
 
 use crate::harness::*;
@@ -105,30 +104,20 @@ async fn a_crash_between_the_ingress_writes_loses_no_job_with_or_without_a_retry
     stack.shutdown().await;
 }
 
-/// A region's store and a reconciler on it, driven by a test clock.
+/// A reconciler on the US region's stores, driven by a test clock.
 async fn reconciler(stack: &Stack, clock: std::sync::Arc<ManualClock>) -> (Reconciler, JobStore) {
-    let client = async_nats::connect(stack.us.nats.url()).await.unwrap();
-    let js = async_nats::jetstream::new(client.clone());
-    let layout = layout::ensure(&js, Region::Us, &LayoutConfig::default()).await.unwrap();
-    let jobs = JobStore::new(layout.jobs.clone(), client.clone()).with_clock(clock.clone());
-    let results = Results::new(layout.clone(), 1024 * 1024);
+    let s = crate::manual::stores(stack.us.nats.url(), Region::Us, clock.clone()).await;
     let metrics = Metrics::register(&mut Registry::default(), Region::Us);
-    let r = Reconciler { layout, jobs: jobs.clone(), results, clock, grace: Duration::from_secs(60), metrics };
+    let jobs = s.jobs.clone();
+    let r = Reconciler {
+        layout: s.layout,
+        jobs: s.jobs,
+        results: s.results,
+        clock,
+        grace: Duration::from_secs(60),
+        metrics,
+    };
     (r, jobs)
-}
-
-fn record(key: &str, now: u64) -> JobRecord {
-    JobRecord::waiting(
-        job_id::derive(Region::Us, "acme", key),
-        "acme".into(),
-        Region::Us,
-        Lane::Interactive,
-        "findings.v1".into(),
-        "d".into(),
-        "r".into(),
-        ReviewDepth::Full,
-        now,
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,29 +129,16 @@ async fn the_reconciler_ends_a_job_nothing_drives_and_resumes_one_whose_answer_w
     let (reconciler, jobs) = reconciler(&stack, clock.clone()).await;
 
     // A job whose lane message is gone: nothing can re-drive it.
-    let lost = record("lost", now);
+    let lost = crate::manual::record("lost", now);
     jobs.create(&lost).await.unwrap();
     // A job whose holder kept its answer and died before recording it.
-    let kept = record("kept", now);
+    let kept = crate::manual::record("kept", now);
     jobs.create(&kept).await.unwrap();
     let leased = jobs
         .apply(&kept.job_id, &Event::Leased { owner: "dead".into(), lease_expires_at_ms: now + 5_000 })
         .await
         .unwrap();
-    let result = FindingsMessage {
-        job_id: kept.job_id.clone(),
-        generation: leased.generation(),
-        stored_as: None,
-        tenant: "acme".into(),
-        region: Region::Us,
-        lane: Lane::Interactive,
-        schema_version: "findings.v1".into(),
-        review_depth: ReviewDepth::Full,
-        metadata: ReviewMetadata::default(),
-        findings: Vec::new(),
-        quarantined: Vec::new(),
-        submitted_at_ms: now,
-    };
+    let result = crate::manual::result(&kept, leased.generation());
     reconciler.results.keep(&result, &async_nats::HeaderMap::new()).await.unwrap();
     // A job still on its lane is left to the lane, however old.
     let mut client = stack.client().await;

@@ -3,12 +3,14 @@
 
 mod admin;
 mod auth;
+mod delivery;
 mod faults;
 mod fencing;
 mod harness;
 mod idempotency;
 mod invalid_argument;
 mod lifecycle;
+mod manual;
 mod pipeline;
 mod publish_once;
 mod quarantine;

@@ -33,13 +33,20 @@ async fn submit_delivers_findings_once_signed_and_get_shows_published() {
 
     // The signature verifies with the tenant's secret and fails with another.
     let d = &got[0];
-    let sig = d.signature.as_deref().expect("signature header").strip_prefix("sha256=").unwrap();
+    // Signed over a timestamp and the body: a receiver can reject late replays.
+    let sig = d.signature.as_deref().expect("signature header");
+    let (t, v1) = sig.split_once(',').unwrap();
+    let t: u64 = t.strip_prefix("t=").unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(now.abs_diff(t) < 60, "timestamp is the delivery time");
+    let v1 = hex::decode(v1.strip_prefix("v1=").unwrap()).unwrap();
+    let signed = [format!("{t}.").as_bytes(), &d.body[..]].concat();
     let mut mac = Hmac::<Sha256>::new_from_slice(US_SECRET.as_bytes()).unwrap();
-    mac.update(&d.body);
-    mac.verify_slice(&hex::decode(sig).unwrap()).expect("signature verifies");
+    mac.update(&signed);
+    mac.verify_slice(&v1).expect("signature verifies");
     let mut wrong = Hmac::<Sha256>::new_from_slice(EU_SECRET.as_bytes()).unwrap();
-    wrong.update(&d.body);
-    assert!(wrong.verify_slice(&hex::decode(sig).unwrap()).is_err());
+    wrong.update(&signed);
+    assert!(wrong.verify_slice(&v1).is_err());
 
     let delivery: Delivery = serde_json::from_slice(&d.body).unwrap();
     assert_eq!(delivery.job_id, review.job_id);

@@ -52,11 +52,11 @@ async fn main() -> anyhow::Result<()> {
     let mut tenants = String::new();
     for s in &submissions {
         tenants.push_str(&format!(
-            "[[tenants]]\nid = \"{}\"\nregion = \"{}\"\napi_key_sha256 = [\"{}\"]\nsink = {{ kind = \"file\", path = \"{}\" }}\n\n",
+            "[[tenants]]\nid = \"{}\"\nregion = \"{}\"\napi_key_sha256 = [\"{}\"]\nsink = {{ kind = \"file\", dir = \"{}\" }}\n\n",
             s.tenant,
             s.region,
             hash_api_key(&s.key),
-            work.as_path().join(format!("{}-findings.jsonl", s.tenant)).display()
+            work.as_path().join(format!("{}-findings", s.tenant)).display()
         ));
     }
     let tenants_file = work.as_path().join("tenants.toml");
@@ -159,9 +159,9 @@ async fn main() -> anyhow::Result<()> {
     }
     println!();
     for s in &submissions {
-        let path = work.as_path().join(format!("{}-findings.jsonl", s.tenant));
-        let lines = std::fs::read_to_string(&path).map(|t| t.lines().count()).unwrap_or(0);
-        println!("  file sink of `{}`: {} delivery line(s) in {}", s.tenant, lines, path.display());
+        let path = work.as_path().join(format!("{}-findings", s.tenant));
+        let files = std::fs::read_dir(&path).map(|d| d.count()).unwrap_or(0);
+        println!("  file sink of `{}`: {} delivery file(s) in {}", s.tenant, files, path.display());
     }
 
     println!();

@@ -399,12 +399,7 @@ impl ReviewApi {
     async fn cancel(&self, req: Request<CancelReviewRequest>) -> Result<Response<CancelReviewResponse>, Status> {
         let tenant = self.auth.tenant(&req)?;
         let (handle, rec) = self.owned_job(&tenant, &req.get_ref().job_id).await?;
-        let event = Event::Terminate {
-            reason: reviewlane_shared::job::TerminalReason::Cancelled,
-            upstream_status: None,
-            generation: None,
-        };
-        let rec = match handle.jobs.apply(&rec.job_id, &event).await {
+        let rec = match handle.jobs.apply(&rec.job_id, &Event::Cancel).await {
             Ok(r) => {
                 tracing::info!("review cancelled");
                 self.metrics.terminal.inc(r.region, r.lane, reviewlane_shared::job::TerminalReason::Cancelled);

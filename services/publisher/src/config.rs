@@ -10,6 +10,7 @@
 //! | `REVIEWLANE_SINK_TIMEOUT_SECS` | `10` | one webhook request |
 //! | `REVIEWLANE_DELIVERY_ATTEMPTS` | `8` | deliveries tried before a job fails |
 //! | `REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS` | `60` | longest wait between deliveries |
+//! | `REVIEWLANE_PUBLISH_LEASE_SECS` | `30` | the consumer's ack wait and a delivery claim's expiry: a publisher that dies after claiming is taken over this long after its claim; must exceed the sink timeout |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for deliveries in flight at SIGTERM |
 
 use std::sync::Arc;
@@ -75,6 +76,12 @@ impl PublisherConfig {
         }
         let cap: u64 = r.or("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", 60, "whole seconds");
         let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
+        let lease: u64 = r.or("REVIEWLANE_PUBLISH_LEASE_SECS", d.lease.as_secs(), "whole seconds");
+        if lease <= timeout {
+            r.error(
+                "REVIEWLANE_PUBLISH_LEASE_SECS must exceed REVIEWLANE_SINK_TIMEOUT_SECS (a claim must outlive its delivery)",
+            );
+        }
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         r.finish()?;
@@ -88,6 +95,7 @@ impl PublisherConfig {
             delivery_attempts: attempts,
             delivery_backoff_cap: Duration::from_secs(cap),
             shutdown_grace: Duration::from_secs(grace),
+            lease: Duration::from_secs(lease),
             lane_windows,
             telemetry,
             ..d

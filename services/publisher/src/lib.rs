@@ -1,10 +1,12 @@
 //! reviewlane publisher, one per region: delivers each job's validated findings to the
 //! tenant's sink exactly once, deduplicating through KV `PUBLISHED_<R>`.
 
+pub mod claim;
 pub mod config;
 pub mod metrics;
 pub mod sink;
 pub mod startup;
+pub mod target;
 pub mod worker;
 
 pub use config::PublisherConfig;

@@ -1,30 +1,44 @@
-//! Sinks: where a tenant's findings are delivered. Webhook (signed, idempotent by job
-//! id) and file (JSON lines, for the local stack).
+//! Sinks: where a tenant's findings are delivered.
+//!
+//! - Webhook: POST, signed over a timestamp and the body, idempotent by job id
+//!   (`Idempotency-Key`). Redirects are never followed (a 3xx is a failed delivery),
+//!   targets on loopback, private, link-local or metadata addresses are refused unless
+//!   the tenant allows them (`target`), and at most `RESPONSE_CAP` bytes of an answer
+//!   are read.
+//! - File: one file per job, `<dir>/<job id>.json`, written to a temporary file, synced
+//!   and renamed into place: a reader never sees half a delivery, and a repeat of the
+//!   same job replaces the file with the same content.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hmac::{Hmac, Mac};
 use reviewlane_shared::tenants::SinkConfig;
 use secrecy::ExposeSecret;
 use sha2::Sha256;
-use tokio::io::AsyncWriteExt;
-use tokio::sync::Mutex;
 
-/// Header carrying `sha256=<hex HMAC-SHA256 of the body with the tenant's secret>`.
+use crate::target;
+
+/// Header carrying `t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`.
 pub const SIGNATURE_HEADER: &str = "x-reviewlane-signature";
 /// Header carrying the job id: receivers drop repeats by it.
 pub const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+/// How old a signature's timestamp a receiver should accept (documented for receivers;
+/// our own deliveries are signed when sent).
+pub const SIGNATURE_TOLERANCE: Duration = Duration::from_secs(300);
+/// Most of a webhook's answer that is read (the status decides; the body is drained
+/// only so the connection can be reused).
+const RESPONSE_CAP: usize = 64 * 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SinkOutcome {
     Delivered,
-    /// Worth another try later: 408, 429, 5xx, timeout, connection error, I/O error.
+    /// Worth another try later: 408, 425, 429, 5xx, timeout, connection error, I/O error.
     Transient(&'static str),
-    /// The receiver refused it for good (other 4xx).
+    /// The receiver refused it for good (3xx: redirects are not followed; other 4xx).
     Permanent(u16),
+    /// We refused to send it: the target is not allowed for this tenant.
+    Refused(&'static str),
 }
 
 impl SinkOutcome {
@@ -34,15 +48,41 @@ impl SinkOutcome {
             SinkOutcome::Delivered => "delivered",
             SinkOutcome::Transient(class) => class,
             SinkOutcome::Permanent(_) => "rejected",
+            SinkOutcome::Refused(why) => why,
         }
     }
 }
 
-/// `sha256=<hex>` over `body` with `secret`.
-pub fn sign(secret: &[u8], body: &[u8]) -> String {
+/// `t=<unix>,v1=<hex>`: HMAC-SHA256 over `"<unix>." + body` with `secret`.
+pub fn sign(secret: &[u8], unix: u64, body: &[u8]) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any size");
+    mac.update(unix.to_string().as_bytes());
+    mac.update(b".");
     mac.update(body);
-    format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+    format!("t={unix},v1={}", hex::encode(mac.finalize().into_bytes()))
+}
+
+/// Checks a signature header as a receiver should: the MAC over the timestamp and body,
+/// and the timestamp within `tolerance` of `now_unix`.
+pub fn verify(secret: &[u8], header: &str, body: &[u8], now_unix: u64, tolerance: Duration) -> bool {
+    let mut t = None;
+    let mut v1 = None;
+    for part in header.split(',') {
+        match part.split_once('=') {
+            Some(("t", v)) => t = v.parse::<u64>().ok(),
+            Some(("v1", v)) => v1 = hex::decode(v).ok(),
+            _ => {}
+        }
+    }
+    let (Some(t), Some(v1)) = (t, v1) else { return false };
+    if now_unix.abs_diff(t) > tolerance.as_secs() {
+        return false;
+    }
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any size");
+    mac.update(t.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    mac.verify_slice(&v1).is_ok()
 }
 
 pub fn classify_status(status: u16) -> SinkOutcome {
@@ -55,55 +95,83 @@ pub fn classify_status(status: u16) -> SinkOutcome {
 }
 
 pub struct Sinks {
-    http: reqwest::Client,
-    files: Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>,
+    /// For tenants without `allow_private_webhook`: resolves to public addresses only.
+    public: reqwest::Client,
+    /// For tenants that allow private targets (local stacks, in-cluster receivers).
+    any: reqwest::Client,
 }
 
 impl Sinks {
     pub fn new(timeout: Duration) -> Self {
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(Duration::from_secs(5))
-            .build()
-            .expect("reqwest client builds");
-        Sinks { http, files: Mutex::new(HashMap::new()) }
+        let client = |public_only: bool| {
+            let b = reqwest::Client::builder()
+                .timeout(timeout)
+                .connect_timeout(Duration::from_secs(5))
+                .redirect(reqwest::redirect::Policy::none());
+            let b = if public_only { b.dns_resolver(target::resolver()) } else { b };
+            b.build().expect("reqwest client builds")
+        };
+        Sinks { public: client(true), any: client(false) }
     }
 
     /// Delivers one serialized `Delivery` body for `job_id`.
-    pub async fn deliver(&self, sink: &SinkConfig, job_id: &str, body: &[u8]) -> SinkOutcome {
+    pub async fn deliver(&self, sink: &SinkConfig, allow_private: bool, job_id: &str, body: &[u8]) -> SinkOutcome {
         match sink {
             SinkConfig::Webhook { url, secret } => {
-                let res = self
-                    .http
+                let Ok(url) = reqwest::Url::parse(url) else { return SinkOutcome::Refused("invalid_url") };
+                if !allow_private && !target::allowed(&url).await {
+                    return SinkOutcome::Refused("forbidden_target");
+                }
+                let http = if allow_private { &self.any } else { &self.public };
+                let unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+                let res = http
                     .post(url)
                     .header("content-type", "application/json")
                     .header(IDEMPOTENCY_HEADER, job_id)
-                    .header(SIGNATURE_HEADER, sign(secret.expose_secret().as_bytes(), body))
+                    .header(SIGNATURE_HEADER, sign(secret.expose_secret().as_bytes(), unix, body))
                     .body(body.to_vec())
                     .send()
                     .await;
                 match res {
-                    Ok(r) => classify_status(r.status().as_u16()),
+                    Ok(mut r) => {
+                        let outcome = classify_status(r.status().as_u16());
+                        let mut read = 0;
+                        while read < RESPONSE_CAP
+                            && let Ok(Some(chunk)) = r.chunk().await
+                        {
+                            read += chunk.len();
+                        }
+                        outcome
+                    }
                     Err(e) if e.is_timeout() => SinkOutcome::Transient("timeout"),
                     Err(_) => SinkOutcome::Transient("connect"),
                 }
             }
-            SinkConfig::File { path } => match self.append(path, body).await {
+            SinkConfig::File { dir } => match write_atomically(dir, job_id, body).await {
                 Ok(()) => SinkOutcome::Delivered,
                 Err(_) => SinkOutcome::Transient("io"),
             },
         }
     }
+}
 
-    async fn append(&self, path: &Path, body: &[u8]) -> std::io::Result<()> {
-        let lock = self.files.lock().await.entry(path.to_path_buf()).or_default().clone();
-        let _guard = lock.lock().await;
-        let mut f = tokio::fs::OpenOptions::new().create(true).append(true).open(path).await?;
-        let mut line = body.to_vec();
-        line.push(b'\n');
-        f.write_all(&line).await?;
-        f.flush().await
-    }
+/// `<dir>/<job id>.json` via a temporary file, fsync, rename and a sync of the folder.
+async fn write_atomically(dir: &Path, job_id: &str, body: &[u8]) -> std::io::Result<()> {
+    let dir = dir.to_path_buf();
+    let name = format!("{job_id}.json");
+    let body = body.to_vec();
+    tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        std::fs::create_dir_all(&dir)?;
+        let mut tmp = tempfile::NamedTempFile::new_in(&dir)?;
+        tmp.write_all(&body)?;
+        tmp.write_all(b"\n")?;
+        tmp.as_file().sync_all()?;
+        tmp.persist(dir.join(&name)).map_err(|e| e.error)?;
+        std::fs::File::open(&dir)?.sync_all()
+    })
+    .await
+    .map_err(std::io::Error::other)?
 }
 
 #[cfg(test)]
@@ -111,12 +179,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn signature_is_hmac_sha256_hex() {
-        // RFC 4231 test case 2.
-        assert_eq!(
-            sign(b"Jefe", b"what do ya want for nothing?"),
-            "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
-        );
+    fn signature_covers_timestamp_and_body_and_expires() {
+        let header = sign(b"whsec", 1_700_000_000, b"{\"a\":1}");
+        assert!(header.starts_with("t=1700000000,v1="));
+        assert!(verify(b"whsec", &header, b"{\"a\":1}", 1_700_000_100, SIGNATURE_TOLERANCE));
+        assert!(!verify(b"whsec", &header, b"{\"a\":2}", 1_700_000_100, SIGNATURE_TOLERANCE), "body changed");
+        assert!(!verify(b"other", &header, b"{\"a\":1}", 1_700_000_100, SIGNATURE_TOLERANCE), "other secret");
+        assert!(!verify(b"whsec", &header, b"{\"a\":1}", 1_700_000_301, SIGNATURE_TOLERANCE), "replayed late");
+        let moved = header.replace("t=1700000000", "t=1700000200");
+        assert!(!verify(b"whsec", &moved, b"{\"a\":1}", 1_700_000_200, SIGNATURE_TOLERANCE), "timestamp swapped");
     }
 
     #[test]
@@ -124,20 +195,32 @@ mod tests {
         assert_eq!(classify_status(204), SinkOutcome::Delivered);
         assert_eq!(classify_status(503), SinkOutcome::Transient("5xx"));
         assert_eq!(classify_status(429), SinkOutcome::Transient("4xx_retryable"));
+        assert_eq!(classify_status(302), SinkOutcome::Permanent(302));
         assert_eq!(classify_status(400), SinkOutcome::Permanent(400));
         assert_eq!(classify_status(410), SinkOutcome::Permanent(410));
     }
 
     #[tokio::test]
-    async fn file_sink_appends_lines() {
-        let dir = std::env::temp_dir().join(format!("reviewlane-sink-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("out.jsonl");
-        let _ = std::fs::remove_file(&path);
+    async fn file_sink_writes_one_whole_file_per_job_and_a_repeat_replaces_it() {
+        let dir = tempfile::tempdir().unwrap();
         let sinks = Sinks::new(Duration::from_secs(1));
-        let sink = SinkConfig::File { path: path.clone() };
-        assert_eq!(sinks.deliver(&sink, "j1", b"{\"a\":1}").await, SinkOutcome::Delivered);
-        assert_eq!(sinks.deliver(&sink, "j2", b"{\"a\":2}").await, SinkOutcome::Delivered);
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"a\":1}\n{\"a\":2}\n");
+        let sink = SinkConfig::File { dir: dir.path().join("acme") };
+        assert_eq!(sinks.deliver(&sink, false, "us_1", b"{\"a\":1}").await, SinkOutcome::Delivered);
+        assert_eq!(sinks.deliver(&sink, false, "us_2", b"{\"a\":2}").await, SinkOutcome::Delivered);
+        assert_eq!(sinks.deliver(&sink, false, "us_1", b"{\"a\":1}").await, SinkOutcome::Delivered);
+        let mut names: Vec<_> =
+            std::fs::read_dir(dir.path().join("acme")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        assert_eq!(names, ["us_1.json", "us_2.json"], "no temporary file left behind");
+        assert_eq!(std::fs::read_to_string(dir.path().join("acme/us_1.json")).unwrap(), "{\"a\":1}\n");
+    }
+
+    #[tokio::test]
+    async fn a_private_target_is_refused_before_anything_is_sent_unless_allowed() {
+        // Port 9 on loopback: nothing listens; a refusal must come before any attempt.
+        let sinks = Sinks::new(Duration::from_secs(1));
+        let sink = SinkConfig::Webhook { url: "http://127.0.0.1:9/hook".into(), secret: "s".to_string().into() };
+        assert_eq!(sinks.deliver(&sink, false, "us_1", b"{}").await, SinkOutcome::Refused("forbidden_target"));
+        assert_eq!(sinks.deliver(&sink, true, "us_1", b"{}").await, SinkOutcome::Transient("connect"));
     }
 }

@@ -47,7 +47,12 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
             conn.layout.clone(),
             reviewlane_shared::results::message_max(&conn.client, &LayoutConfig::default()),
         ),
-        published: conn.layout.published.clone(),
+        claims: crate::claim::Claims {
+            kv: conn.layout.published.clone(),
+            me: format!("{:016x}", rand::random::<u64>()),
+            lease_ms: config.lease.as_millis() as u64,
+            clock: reviewlane_shared::clock::system(),
+        },
         tenants: config.tenants.clone(),
         sinks: Sinks::new(config.sink_timeout),
         delivery_attempts: config.delivery_attempts,

@@ -1,43 +1,30 @@
 //! The publisher's unit of work: one `FINDINGS_<R>` message -> at most one delivery.
 //!
-//! Publish-once: the first attempt for a job creates its record in `PUBLISHED_<R>`
-//! (`publishing`; KV `create`, so one creator wins); a delivered job moves it to
-//! `published` by compare-and-set, then the job record to `published`. A later copy of
-//! the same message finds `published` and delivers nothing. Deliveries carry the job id
-//! (`Idempotency-Key`) for the rare repeat after a crash between delivery and record.
-//! A failed delivery is a nak with a delay: nobody sleeps holding a lease.
+//! Publish-once: a delivery is claimed in `PUBLISHED_<R>` (`claim`: one owner, an
+//! expiry, an attempt count), then marked on the job record (`Delivering`: from here a
+//! cancel no longer applies), delivered, and the claim and the job move to
+//! `published`. A later copy of the message finds `published` and delivers nothing; a
+//! result of a lease generation the job did not validate is never delivered.
+//! Deliveries carry the job id (`Idempotency-Key`) for the rare repeat after a crash
+//! between delivery and record. A failed delivery is a nak with a delay: nobody sleeps
+//! holding a lease.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind, kv};
-use reviewlane_shared::job::{Event, JobRecord, JobState, TerminalReason};
+use async_nats::jetstream::{self, AckKind};
+use reviewlane_shared::job::{Event, JobRecord, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::messages::{Delivery, FindingsMessage};
 use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
 use reviewlane_shared::tenants::Tenants;
-use serde::{Deserialize, Serialize};
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
+use crate::claim::{Claim, Claimed, Claims, PublicationState};
 use crate::metrics::Metrics;
 use crate::sink::{SinkOutcome, Sinks};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PublicationState {
-    Publishing,
-    Published,
-    Failed,
-}
-
-/// A record in `PUBLISHED_<R>`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Publication {
-    pub state: PublicationState,
-    pub at_ms: u64,
-}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -49,6 +36,8 @@ pub enum Outcome {
     /// A result of a lease generation the job record did not validate (its holder lost
     /// the lease): never delivered.
     Stale,
+    /// Another publisher's claim is live: handed back until it expires.
+    Deferred(Duration),
     /// Delivery failed for now; the message comes back after the delay.
     RetryScheduled(Duration),
     Failed(TerminalReason),
@@ -59,7 +48,7 @@ pub enum Outcome {
 pub struct Worker {
     pub region: Region,
     pub jobs: JobStore,
-    pub published: kv::Store,
+    pub claims: Claims,
     pub tenants: Arc<Tenants>,
     pub sinks: Sinks,
     pub delivery_attempts: u32,
@@ -69,9 +58,11 @@ pub struct Worker {
     pub results: reviewlane_shared::results::Results,
 }
 
-/// How long to wait for the extractor's `validated` write that follows its publish.
+/// How long to wait for the extractor's `validated` write that follows its keep.
 const VALIDATED_WAIT: Duration = Duration::from_secs(5);
 const NOT_READY_RETRY: Duration = Duration::from_secs(2);
+/// Added when handing a message back until another publisher's claim expires.
+const CLAIM_MARGIN: Duration = Duration::from_millis(250);
 
 impl Worker {
     /// Runs in a `publish` span whose parent is the extractor's `findings.publish` span
@@ -174,44 +165,61 @@ impl Worker {
             }
         }
 
-        // Claim the publication, or find who did.
-        let revision = match self.published.create(id, encode(PublicationState::Publishing)).await {
-            Ok(rev) => rev,
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                let entry =
-                    self.published.entry(id).await.map_err(StoreError::kv_entry)?.ok_or(StoreError::NotFound)?;
-                let p: Publication = serde_json::from_slice(&entry.value).map_err(|_| StoreError::Corrupt)?;
-                match p.state {
-                    PublicationState::Published => {
-                        // Delivered before; the job record may lag behind a crash.
-                        self.mark_job(id, &Event::Published).await?;
-                        tracing::info!(outcome = "duplicate", "already published");
-                        settle(msg, AckKind::Ack).await;
-                        return Ok(Outcome::Duplicate);
-                    }
-                    PublicationState::Failed => {
-                        settle(msg, AckKind::Ack).await;
-                        return Ok(Outcome::Dropped);
-                    }
-                    // An earlier attempt failed or died mid-way: deliver again.
-                    PublicationState::Publishing => entry.revision,
-                }
+        let claim = match self.claims.claim(id).await? {
+            Claimed::Mine(claim) => claim,
+            Claimed::Busy { until_ms } => {
+                let wait = Duration::from_millis(until_ms.saturating_sub(self.claims.clock.now_ms())) + CLAIM_MARGIN;
+                tracing::info!(wait_ms = wait.as_millis() as u64, "another publisher holds the delivery");
+                settle(msg, AckKind::Nak(Some(wait))).await;
+                return Ok(Outcome::Deferred(wait));
             }
-            Err(e) => return Err(StoreError::kv_create(e)),
+            Claimed::Published => {
+                // Delivered before; the job record may lag behind a crash.
+                self.mark_job(id, &Event::Published).await?;
+                tracing::info!(outcome = "duplicate", "already published");
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Duplicate);
+            }
+            Claimed::Failed => {
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Dropped);
+            }
         };
+        if claim.attempt > self.delivery_attempts {
+            return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
+        }
+        // From here a cancel no longer applies; one that came first wins.
+        match self.jobs.apply(id, &Event::Delivering).await {
+            Ok(_) => {}
+            Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
+                self.claims.settle(id, &claim, PublicationState::Failed).await?;
+                tracing::info!(outcome = "dropped", "job ended before delivery");
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Dropped);
+            }
+            Err(StoreError::Transition(TransitionError::AlreadyFinal(JobState::Published), _)) => {
+                self.claims.settle(id, &claim, PublicationState::Published).await?;
+                settle(msg, AckKind::Ack).await;
+                return Ok(Outcome::Duplicate);
+            }
+            Err(e) => return Err(e),
+        }
 
+        let tenant = self.tenants.get(&f.tenant);
         let delivery = Delivery::from_findings(f);
         let body = serde_json::to_vec(&delivery).expect("delivery serializes");
-        let outcome = match self.tenants.get(&f.tenant).and_then(|t| t.sink.clone()) {
+        let outcome = match tenant.as_ref().and_then(|t| t.sink.clone()) {
             Some(sink) => {
+                let allow_private = tenant.as_ref().is_some_and(|t| t.allow_private_webhook);
                 let span = tracing::info_span!(
                     "sink.deliver",
                     otel.kind = "client",
                     sink = sink.kind(),
                     findings = f.findings.len(),
+                    attempt = claim.attempt,
                     result = Empty,
                 );
-                let outcome = self.sinks.deliver(&sink, id, &body).instrument(span.clone()).await;
+                let outcome = self.sinks.deliver(&sink, allow_private, id, &body).instrument(span.clone()).await;
                 span.record("result", outcome.as_str());
                 outcome
             }
@@ -220,13 +228,7 @@ impl Worker {
         };
         match outcome {
             SinkOutcome::Delivered => {
-                match self.published.update(id, encode(PublicationState::Published), revision).await {
-                    Ok(_) => {}
-                    Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                        tracing::info!("publication record changed concurrently");
-                    }
-                    Err(e) => return Err(StoreError::kv_update(e)),
-                }
+                self.claims.settle(id, &claim, PublicationState::Published).await?;
                 self.mark_job(id, &Event::Published).await?;
                 settle(msg, AckKind::Ack).await;
                 self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
@@ -239,40 +241,48 @@ impl Worker {
                 Ok(Outcome::Published)
             }
             SinkOutcome::Transient(class) => {
-                let delivered = msg.info().map(|i| i.delivered).unwrap_or(1).max(1) as u32;
-                if delivered >= self.delivery_attempts {
-                    return self.fail(msg, f, revision, TerminalReason::DeliveryBudgetExhausted).await;
+                if claim.attempt >= self.delivery_attempts {
+                    return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
                 }
-                let exp = self.backoff_base.as_secs_f64() * 2f64.powi(delivered.min(30) as i32 - 1);
-                let delay =
-                    Duration::from_secs_f64(exp.min(self.backoff_cap.as_secs_f64()) * (0.5 + rand::random::<f64>()))
-                        .min(self.backoff_cap);
+                let delay = self.backoff(claim.attempt);
                 tracing::warn!(
                     status_class = class,
-                    attempt = delivered,
+                    attempt = claim.attempt,
                     delay_ms = delay.as_millis() as u64,
                     "delivery failed; retry scheduled"
                 );
+                self.claims.settle(id, &claim, PublicationState::Publishing).await?;
                 self.metrics.retry(delay);
                 settle(msg, AckKind::Nak(Some(delay))).await;
                 Ok(Outcome::RetryScheduled(delay))
             }
             SinkOutcome::Permanent(status) => {
-                tracing::warn!(status, "sink rejected the delivery");
-                self.fail(msg, f, revision, TerminalReason::DeliveryRejected).await
+                tracing::warn!(status, "sink refused the delivery");
+                self.fail(msg, f, &claim, TerminalReason::DeliveryRejected).await
+            }
+            SinkOutcome::Refused(why) => {
+                tracing::warn!(why, "delivery target not allowed for this tenant");
+                self.fail(msg, f, &claim, TerminalReason::DeliveryRejected).await
             }
         }
+    }
+
+    /// Capped exponential backoff with jitter after failed attempt `attempt` (1-based).
+    fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self.backoff_base.as_secs_f64() * 2f64.powi(attempt.min(30) as i32 - 1);
+        Duration::from_secs_f64(exp.min(self.backoff_cap.as_secs_f64()) * (0.5 + rand::random::<f64>()))
+            .min(self.backoff_cap)
     }
 
     async fn fail(
         &self,
         msg: &jetstream::Message,
         f: &FindingsMessage,
-        revision: u64,
+        claim: &Claim,
         reason: TerminalReason,
     ) -> Result<Outcome, StoreError> {
         let id = f.job_id.as_str();
-        let _ = self.published.update(id, encode(PublicationState::Failed), revision).await;
+        self.claims.settle(id, claim, PublicationState::Failed).await?;
         self.mark_job(id, &Event::Terminate { reason, upstream_status: None, generation: None }).await?;
         self.metrics.failed(f.lane, reason);
         settle(msg, AckKind::Ack).await;
@@ -318,15 +328,12 @@ impl Outcome {
             Outcome::Duplicate => "duplicate",
             Outcome::Dropped => "dropped",
             Outcome::Stale => "stale",
+            Outcome::Deferred(_) => "deferred",
             Outcome::RetryScheduled(_) => "retry_scheduled",
             Outcome::Failed(_) => "failed",
             Outcome::Released => "released",
         }
     }
-}
-
-fn encode(state: PublicationState) -> bytes::Bytes {
-    serde_json::to_vec(&Publication { state, at_ms: now_ms() }).expect("publication serializes").into()
 }
 
 async fn settle(msg: &jetstream::Message, kind: AckKind) {

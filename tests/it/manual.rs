@@ -1,0 +1,60 @@
+//! Jobs written by hand into a region's stores, for tests that need a job in a state
+//! the pipeline passes through too quickly to catch (validated and not yet delivered,
+//! running with a dead holder).
+
+use reviewlane_shared::clock::SharedClock;
+use reviewlane_shared::job::{JobRecord, ReviewDepth};
+use reviewlane_shared::job_id;
+use reviewlane_shared::job_store::JobStore;
+use reviewlane_shared::layout::{self, LayoutConfig, RegionLayout};
+use reviewlane_shared::messages::{FindingsMessage, ReviewMetadata};
+use reviewlane_shared::region::{Lane, Region};
+use reviewlane_shared::results::Results;
+
+pub struct RegionStores {
+    pub layout: RegionLayout,
+    pub jobs: JobStore,
+    pub results: Results,
+}
+
+pub async fn stores(url: &str, region: Region, clock: SharedClock) -> RegionStores {
+    let client = async_nats::connect(url).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let layout = layout::ensure(&js, region, &LayoutConfig::default()).await.unwrap();
+    let jobs = JobStore::new(layout.jobs.clone(), client).with_clock(clock);
+    let results = Results::new(layout.clone(), 1024 * 1024);
+    RegionStores { layout, jobs, results }
+}
+
+/// A `waiting` record of tenant `acme` (us) under idempotency key `key`.
+pub fn record(key: &str, now_ms: u64) -> JobRecord {
+    JobRecord::waiting(
+        job_id::derive(Region::Us, "acme", key),
+        "acme".into(),
+        Region::Us,
+        Lane::Interactive,
+        "findings.v1".into(),
+        "d".into(),
+        "r".into(),
+        ReviewDepth::Full,
+        now_ms,
+    )
+}
+
+/// A result with no findings for `rec` at `generation`.
+pub fn result(rec: &JobRecord, generation: u32) -> FindingsMessage {
+    FindingsMessage {
+        job_id: rec.job_id.clone(),
+        generation,
+        stored_as: None,
+        tenant: rec.tenant.clone(),
+        region: rec.region,
+        lane: rec.lane,
+        schema_version: rec.schema_version.clone(),
+        review_depth: rec.review_depth,
+        metadata: ReviewMetadata::default(),
+        findings: Vec::new(),
+        quarantined: Vec::new(),
+        submitted_at_ms: rec.created_at_ms,
+    }
+}
