@@ -167,3 +167,75 @@ async fn three_replicas_never_exceed_the_scope_limit() {
     assert_eq!(stats.max_concurrent, 2, "and the limit was used");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_pause_and_an_open_circuit_end_when_the_clock_passes_them() {
+    use reviewlane_extractor::quota::{Quota, Scope};
+    use reviewlane_shared::clock::ManualClock;
+    let nats = reviewlane_shared::testing::NatsServer::start_provisioned(reviewlane_shared::Region::Us).await;
+    let s = crate::manual::stores(nats.url(), reviewlane_shared::Region::Us, reviewlane_shared::clock::system()).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let clock = ManualClock::at(1_000_000);
+    let quota = Quota::new(
+        s.layout.quota.clone(),
+        client,
+        4,
+        Default::default(),
+        Duration::from_secs(1),
+        Duration::from_secs(60),
+        clock.clone(),
+    );
+    let scope = Scope { provider: "openai".into(), model_class: "m".into(), tenant: "acme".into() };
+    quota.pause(&scope, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(quota.paused_for(&scope), Some(Duration::from_secs(30)));
+    clock.advance(Duration::from_secs(29));
+    assert_eq!(quota.paused_for(&scope), Some(Duration::from_secs(1)));
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(quota.paused_for(&scope), None, "the pause ends on the clock, not on a timer");
+
+    quota.open_circuit(&scope, Duration::from_secs(600)).await.unwrap();
+    assert!(quota.circuit_open(&scope));
+    clock.advance(Duration::from_secs(600));
+    assert!(!quota.circuit_open(&scope));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_answer_over_the_size_cap_is_never_read_whole() {
+    use reviewlane_extractor::provider::openai::OpenAiProvider;
+    use reviewlane_extractor::provider::{Provider, ProviderRequest};
+    use reviewlane_extractor::upstream::UpstreamOutcome;
+    let sim = loadtest::simprovider::SimProvider::start_with(SimConfig::default(), Vec::new()).await;
+    let provider = OpenAiProvider::new(
+        &sim.base_url(),
+        "sim".into(),
+        None,
+        Region::Us,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+        4096,
+    );
+    let text = sample_diff("cap");
+    let diff = reviewlane_shared::diff::parse(&text).unwrap();
+    let req = ProviderRequest {
+        job_id: "us_00000000000000000000000000000000",
+        region: Region::Us,
+        schema_version: "findings.v1",
+        diff_text: &text,
+        diff: &diff,
+        review_depth: Default::default(),
+    };
+    let small = r#"{"findings":[]}"#.to_string();
+    sim.script([
+        Scripted::Output(small.clone()),
+        Scripted::Output(format!("{{\"findings\":[],\"pad\":\"{}\"}}", "x".repeat(64 * 1024))),
+    ]);
+    match provider.review(&req).await {
+        UpstreamOutcome::Ok { output, .. } => assert_eq!(output, small),
+        other => panic!("{other:?}"),
+    }
+    // Over the cap: an unusable answer (the schema path decides), never a 64 KiB read.
+    match provider.review(&req).await {
+        UpstreamOutcome::Ok { output, .. } => assert!(output.is_empty(), "{} bytes kept", output.len()),
+        other => panic!("{other:?}"),
+    }
+}

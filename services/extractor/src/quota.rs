@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
-use reviewlane_shared::telemetry::now_ms;
+use reviewlane_shared::clock::SharedClock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -219,6 +219,8 @@ pub struct Quota {
     state: Arc<Mutex<State>>,
     /// Woken whenever a pause, a share or an in-flight count changes.
     pub changed: Arc<Notify>,
+    /// Pause times, heartbeats and windows are judged on this clock.
+    clock: SharedClock,
 }
 
 /// A running call in a scope; ends it when dropped.
@@ -251,6 +253,7 @@ impl Quota {
         limits: HashMap<String, u32>,
         heartbeat: Duration,
         probe_every: Duration,
+        clock: SharedClock,
     ) -> Quota {
         let me = format!("{:016x}", rand::random::<u64>());
         Quota {
@@ -270,7 +273,12 @@ impl Quota {
                 in_flight: HashMap::new(),
             })),
             changed: Arc::new(Notify::new()),
+            clock,
         }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
     }
 
     /// This replica's id (its heartbeat key, and the owner it writes into leases).
@@ -290,7 +298,8 @@ impl Quota {
         self.beat().await?;
         let others = self.refresh_live().await?;
         if others > 0 {
-            self.state.lock().expect("quota lock").warm_until_ms = now_ms() + 2 * self.heartbeat.as_millis() as u64;
+            self.state.lock().expect("quota lock").warm_until_ms =
+                self.now_ms() + 2 * self.heartbeat.as_millis() as u64;
         }
         let mut keys = self.kv.keys().await?;
         while let Some(Ok(key)) = keys.next().await {
@@ -353,21 +362,21 @@ impl Quota {
     /// Whether the scope's circuit is open (its provider account is out of quota).
     pub fn circuit_open(&self, scope: &Scope) -> bool {
         let st = self.state.lock().expect("quota lock");
-        st.circuit_until_ms.get(&scope.token()).is_some_and(|&until| until > now_ms())
+        st.circuit_until_ms.get(&scope.token()).is_some_and(|&until| until > self.now_ms())
     }
 
     /// Opens the scope's circuit for `open_for` on every replica: until then its jobs end
     /// `insufficient_quota` without a call. After it, one call probes the account again.
     pub async fn open_circuit(&self, scope: &Scope, open_for: Duration) -> Result<(), async_nats::Error> {
         let token = scope.token();
-        let value = serde_json::to_vec(&Pause { until_ms: now_ms() + open_for.as_millis() as u64 })?;
+        let value = serde_json::to_vec(&Pause { until_ms: self.now_ms() + open_for.as_millis() as u64 })?;
         self.kv.put(format!("{CIRCUIT_PREFIX}{token}"), value.clone().into()).await?;
         self.note_circuit(&token, &value);
         Ok(())
     }
 
     async fn beat(&self) -> Result<(), async_nats::Error> {
-        let v = serde_json::to_vec(&Heartbeat { at_ms: now_ms() })?;
+        let v = serde_json::to_vec(&Heartbeat { at_ms: self.now_ms() })?;
         self.kv.put(format!("{REPLICA_PREFIX}{}", self.me), v.into()).await?;
         Ok(())
     }
@@ -375,7 +384,7 @@ impl Quota {
     /// Re-reads the live replicas; returns how many others there are.
     async fn refresh_live(&self) -> Result<usize, async_nats::Error> {
         let stale_after = 3 * self.heartbeat.as_millis() as u64;
-        let now = now_ms();
+        let now = self.now_ms();
         let mut live = Vec::new();
         let mut keys = self.kv.keys().await?;
         while let Some(Ok(key)) = keys.next().await {
@@ -407,7 +416,7 @@ impl Quota {
     /// How long the scope is still paused, if it is.
     pub fn paused_for(&self, scope: &Scope) -> Option<Duration> {
         let until = *self.state.lock().expect("quota lock").paused_until_ms.get(&scope.token())?;
-        let now = now_ms();
+        let now = self.now_ms();
         (until > now).then(|| Duration::from_millis(until - now))
     }
 
@@ -415,7 +424,7 @@ impl Quota {
     pub fn allowance(&self, scope: &Scope) -> u32 {
         let limit = self.limit(scope);
         let mut st = self.state.lock().expect("quota lock");
-        if now_ms() < st.warm_until_ms {
+        if self.now_ms() < st.warm_until_ms {
             return 0;
         }
         let my_share = share(limit, &st.live, &self.me);
@@ -447,7 +456,7 @@ impl Quota {
         let token = scope.token();
         let limit = self.limit(scope);
         let mut st = self.state.lock().expect("quota lock");
-        if now_ms() < st.warm_until_ms {
+        if self.now_ms() < st.warm_until_ms {
             return None;
         }
         let my_share = share(limit, &st.live, &self.me);
@@ -471,14 +480,14 @@ impl Quota {
             .windows
             .entry(scope.token())
             .or_insert_with(|| Window::new(probe_every))
-            .on_rate_limited(now_ms(), started_ms, pause);
+            .on_rate_limited(self.now_ms(), started_ms, pause);
         self.pause(scope, pause).await
     }
 
     /// Pauses the scope for `pause` from now, unless a later pause is already recorded.
     pub async fn pause(&self, scope: &Scope, pause: Duration) -> Result<(), async_nats::Error> {
         let token = scope.token();
-        let until_ms = now_ms() + pause.as_millis() as u64;
+        let until_ms = self.now_ms() + pause.as_millis() as u64;
         let key = format!("{PAUSE_PREFIX}{token}");
         let value: bytes::Bytes = serde_json::to_vec(&Pause { until_ms })?.into();
         for _ in 0..8 {
@@ -512,7 +521,7 @@ impl Quota {
         let probe_every = self.probe_every;
         st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).on_call_success(
             my_share,
-            now_ms(),
+            self.now_ms(),
             started_ms,
         );
     }

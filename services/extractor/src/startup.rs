@@ -108,6 +108,7 @@ pub async fn build_with_provider(
         metrics.slo(lane, window);
     }
     let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
+    let clock = reviewlane_shared::clock::system();
     let quota = Quota::new(
         conn.layout.quota.clone(),
         conn.client.clone(),
@@ -115,9 +116,9 @@ pub async fn build_with_provider(
         limits,
         config.heartbeat,
         config.probe_every,
+        clock.clone(),
     );
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
-    let clock = reviewlane_shared::clock::system();
     let worker = Arc::new(Worker {
         region: config.region,
         cache: config.result_cache.then(|| conn.layout.cache.clone()),
