@@ -2,6 +2,7 @@
 //! receiver, a whole deployment in-process (`stack`) or as processes (`procs`), the
 //! load generator (`load`, `corpus`) and the load scenarios (`scenarios`).
 
+pub mod chaos;
 pub mod corpus;
 pub mod http;
 pub mod load;

@@ -99,7 +99,13 @@ pub async fn connect(addr: SocketAddr) -> anyhow::Result<Channel> {
     Ok(Channel::from_shared(format!("http://{addr}"))?.connect().await?)
 }
 
-fn request(job: &Job) -> tonic::Request<SubmitReviewRequest> {
+/// A channel that connects on first use and again after the server restarts.
+pub fn connect_lazy(addr: SocketAddr) -> anyhow::Result<Channel> {
+    Ok(Channel::from_shared(format!("http://{addr}"))?.connect_timeout(Duration::from_secs(2)).connect_lazy())
+}
+
+/// The submit of `job`, authenticated as its tenant.
+pub fn request(job: &Job) -> tonic::Request<SubmitReviewRequest> {
     authed(
         job.tenant.key(),
         SubmitReviewRequest {

@@ -25,19 +25,26 @@ use crate::webhook::WebhookReceiver;
 pub struct Service {
     pub name: String,
     child: Child,
+    /// How it was started, to start it again after a kill.
+    bin: PathBuf,
+    env: Vec<(String, String)>,
+    log: PathBuf,
 }
 
 impl Service {
     pub fn start(bin: &Path, label: &str, env: &[(&str, String)], log: &Path) -> anyhow::Result<Service> {
-        let log_file = std::fs::File::create(log)?;
-        let child = Command::new(bin)
-            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
-            .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        Ok(Service { name: label.to_string(), child })
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        let child = spawn(bin, &env, std::fs::File::create(log)?)?;
+        Ok(Service { name: label.to_string(), child, bin: bin.to_path_buf(), env, log: log.to_path_buf() })
+    }
+
+    /// `kill -9`, then the same process started again (its log continues).
+    pub fn kill_and_restart(&mut self) -> anyhow::Result<()> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::OpenOptions::new().append(true).open(&self.log)?;
+        self.child = spawn(&self.bin, &self.env, log)?;
+        Ok(())
     }
 
     /// SIGTERM, then wait up to 10 s; returns the exit code (`None`: killed).
@@ -83,6 +90,16 @@ impl Service {
         };
         Some((field("VmRSS:")?, field("VmHWM:")?))
     }
+}
+
+fn spawn(bin: &Path, env: &[(String, String)], log: std::fs::File) -> anyhow::Result<Child> {
+    Command::new(bin)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))
 }
 
 impl Drop for Service {
@@ -256,6 +273,8 @@ impl ProcStack {
             }
             let mut env = common.to_vec();
             env.push(("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", "1".into()));
+            env.push(("REVIEWLANE_PUBLISH_LEASE_SECS", opts.publish_lease.as_secs().max(2).to_string()));
+            env.push(("REVIEWLANE_SINK_TIMEOUT_SECS", (opts.publish_lease.as_secs().max(2) - 1).min(10).to_string()));
             env.push(("REVIEWLANE_ADMIN_ADDR", admin_addr(&format!("publisher-{r}"))?));
             services.push(Service::start(
                 &bins.join("reviewlane-publisher"),
@@ -306,6 +325,15 @@ impl ProcStack {
     /// The service named `name` (`ingress`, `extractor-us`, `extractor-us-1`, ...).
     pub fn service(&self, name: &str) -> Option<&Service> {
         self.services.iter().find(|s| s.name == name)
+    }
+
+    pub fn service_mut(&mut self, name: &str) -> Option<&mut Service> {
+        self.services.iter_mut().find(|s| s.name == name)
+    }
+
+    /// Where the services' logs are.
+    pub fn log_dir(&self) -> &Path {
+        self.work.path()
     }
 
     /// Its admin address.

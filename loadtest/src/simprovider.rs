@@ -89,9 +89,21 @@ pub struct Stats {
     pub call_times_by_key: BTreeMap<String, Vec<u64>>,
     /// Calls in flight when each call started, and its start time: (start_ms, end_ms).
     pub call_spans_ms: Vec<(u64, u64)>,
+    /// Every paid answer: job id, bearer key (one per extractor replica), and when it was
+    /// sent (ms since the Unix epoch) — to tell a repeat caused by a fault on the
+    /// caller from one that should not have happened.
+    pub paid_calls: Vec<PaidCall>,
     /// Shape of the last request, without content: model, response_format type and
     /// json_schema strictness, whether a bearer key came.
     pub last_request: Option<RequestShape>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct PaidCall {
+    pub job: String,
+    pub key: String,
+    pub started_unix_ms: u64,
+    pub answered_unix_ms: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
@@ -267,6 +279,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     }
     let scripted = st.script.lock().expect("script lock").pop_front();
     let began = st.started.elapsed().as_millis() as u64;
+    let started_unix_ms = reviewlane_shared::telemetry::now_ms();
     tokio::time::sleep(st.config.latency).await;
     st.in_flight.fetch_sub(1, Ordering::SeqCst);
     st.stats.lock().expect("stats lock").call_spans_ms.push((began, st.started.elapsed().as_millis() as u64));
@@ -302,7 +315,16 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             }
         }
     };
-    *st.stats.lock().expect("stats lock").paid_by_job.entry(job).or_default() += 1;
+    {
+        let mut s = st.stats.lock().expect("stats lock");
+        *s.paid_by_job.entry(job.clone()).or_default() += 1;
+        s.paid_calls.push(PaidCall {
+            job,
+            key: key.unwrap_or_default(),
+            started_unix_ms,
+            answered_unix_ms: reviewlane_shared::telemetry::now_ms(),
+        });
+    }
     Ok(respond(StatusCode::OK, &[], chat_completion(&output)))
 }
 

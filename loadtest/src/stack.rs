@@ -83,6 +83,8 @@ pub struct StackOptions {
     pub faults: reviewlane_shared::faults::Faults,
     /// Results larger than this go to the object store (`None`: the server's limit).
     pub result_inline_max: Option<usize>,
+    /// The publisher's lease: its ack wait and a delivery claim's expiry.
+    pub publish_lease: Duration,
 }
 
 impl Default for StackOptions {
@@ -102,6 +104,7 @@ impl Default for StackOptions {
             interactive_policy: None,
             faults: Default::default(),
             result_inline_max: None,
+            publish_lease: Duration::from_secs(30),
         }
     }
 }
@@ -179,6 +182,7 @@ impl Stack {
             pc.delivery_backoff_base = Duration::from_millis(100);
             pc.delivery_backoff_cap = Duration::from_secs(1);
             pc.shutdown_grace = Duration::from_secs(2);
+            pc.lease = opts.publish_lease;
             pc.admin_addr = "127.0.0.1:0".parse().expect("addr");
             let p = reviewlane_publisher::build(pc).await.expect("publisher builds");
             publisher_admin.push((region, p.admin_addr()));

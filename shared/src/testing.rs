@@ -31,40 +31,57 @@ impl NatsServer {
     /// Starts a server; panics (it is a test helper) if it does not come up in 10 s.
     pub fn start() -> NatsServer {
         let store = tempfile::tempdir().expect("temp dir");
-        let conf = store.path().join("nats.conf");
-        // max_payload: a 1 MiB diff plus its JSON envelope exceeds the 1 MiB default.
-        std::fs::write(
-            &conf,
-            format!(
-                "listen: 127.0.0.1:-1\nmax_payload: 8MB\nports_file_dir: \"{dir}\"\njetstream {{ store_dir: \"{dir}/js\" }}\n",
-                dir = store.path().display()
-            ),
-        )
-        .expect("write nats.conf");
-        let child = Command::new(nats_server_bin())
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(if std::env::var_os("TEST_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start nats-server ({}): {e}; run scripts/install-deps.sh", nats_server_bin().display())
-            });
-        let ports = store.path().join(format!("nats-server_{}.ports", child.id()));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let url = loop {
-            if let Ok(text) = std::fs::read_to_string(&ports)
-                && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
-                && let Some(u) = v["nats"][0].as_str()
-            {
-                break u.to_string();
-            }
-            assert!(Instant::now() < deadline, "nats-server did not report its port in 10 s");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let (child, url) = launch(store.path(), "-1");
         NatsServer { child, url, store }
     }
 
+    /// Kills the server (SIGKILL) and starts it again on the same port with the same
+    /// store, as a crashed server comes back; clients reconnect by themselves.
+    pub fn restart(&mut self) {
+        self.kill();
+        let port = self.url.rsplit(':').next().expect("url has a port").to_string();
+        let (child, url) = launch(self.store.path(), &port);
+        self.child = child;
+        self.url = url;
+    }
+}
+
+fn launch(dir: &Path, port: &str) -> (Child, String) {
+    let conf = dir.join("nats.conf");
+    // max_payload: a 1 MiB diff plus its JSON envelope exceeds the 1 MiB default.
+    std::fs::write(
+        &conf,
+        format!(
+            "listen: 127.0.0.1:{port}\nmax_payload: 8MB\nports_file_dir: \"{dir}\"\njetstream {{ store_dir: \"{dir}/js\" }}\n",
+            dir = dir.display()
+        ),
+    )
+    .expect("write nats.conf");
+    let child = Command::new(nats_server_bin())
+        .arg("-c")
+        .arg(&conf)
+        .stdout(Stdio::null())
+        .stderr(if std::env::var_os("TEST_LOG").is_some() { Stdio::inherit() } else { Stdio::null() })
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot start nats-server ({}): {e}; run scripts/install-deps.sh", nats_server_bin().display())
+        });
+    let ports = dir.join(format!("nats-server_{}.ports", child.id()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let url = loop {
+        if let Ok(text) = std::fs::read_to_string(&ports)
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
+            && let Some(u) = v["nats"][0].as_str()
+        {
+            break u.to_string();
+        }
+        assert!(Instant::now() < deadline, "nats-server did not report its port in 10 s");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (child, url)
+}
+
+impl NatsServer {
     pub fn url(&self) -> &str {
         &self.url
     }

@@ -3,6 +3,7 @@
 
 mod admin;
 mod auth;
+mod chaos;
 mod delivery;
 mod faults;
 mod fencing;

@@ -20,12 +20,39 @@ use loadtest::stack::Stack;
 
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
-    format!("usage: loadtest <{}> [--jobs N] [--secs N] [--in-process]", names.join("|"))
+    format!("usage: loadtest <{}|chaos> [--jobs N] [--secs N] [--in-process]", names.join("|"))
+}
+
+/// `chaos`: the services as processes, killed, frozen and restarted under load.
+async fn chaos(jobs: Option<usize>) -> anyhow::Result<()> {
+    let mut cfg = loadtest::chaos::ChaosConfig::full();
+    cfg.jobs = jobs.unwrap_or(cfg.jobs);
+    loadtest::procs::ensure_nats_server()?;
+    ensure_built()?;
+    let mut stack = ProcStack::start(cfg.options()).await?;
+    let report = loadtest::chaos::run(&mut stack, &cfg).await;
+    println!("  service logs: {}", stack.log_dir().display());
+    let _ = stack.shutdown();
+    let report = report?;
+    loadtest::chaos::print(&report);
+    println!("{}", serde_json::to_string(&report)?);
+    if !report.correct() {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("chaos") {
+        let jobs = match args.get(1..).unwrap_or_default() {
+            [] => None,
+            [flag, n] if flag == "--jobs" => Some(n.parse()?),
+            _ => bail!(usage()),
+        };
+        return chaos(jobs).await;
+    }
     let Some(scenario) = args.first().and_then(|a| Scenario::parse(a)) else { bail!(usage()) };
     let mut over = Overrides::default();
     let mut in_process = false;

@@ -25,7 +25,7 @@
 //! | `REVIEWLANE_BATCH_BACKOFF_BASE_MS` / `REVIEWLANE_BATCH_BACKOFF_CAP_SECS` | as above | the batch lane's own |
 //! | `REVIEWLANE_HINT_CEILING_SECS` | `300` | longest provider retry hint honoured |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
-//! | `REVIEWLANE_STORE_RETRIES` | `5` | tries of one store write after a paid answer (never the call) |
+//! | `REVIEWLANE_STORE_RETRIES` | `8` | tries of one store write after a paid answer (never the call) |
 //! | `REVIEWLANE_STORE_BACKOFF_BASE_MS` / `REVIEWLANE_STORE_BACKOFF_CAP_MS` | `100` / `2000` | backoff between those tries |
 //! | `REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES` | `4194304` | provider response body read at most; a longer answer is invalid output |
 //! | `REVIEWLANE_RESULT_INLINE_MAX_BYTES` | the server's message limit | results larger than this go whole to the `FINDINGS_<R>` object store |
@@ -75,7 +75,7 @@ pub struct StoreRetry {
 
 impl Default for StoreRetry {
     fn default() -> Self {
-        StoreRetry { tries: 5, base: Duration::from_millis(100), cap: Duration::from_secs(2) }
+        StoreRetry { tries: 8, base: Duration::from_millis(100), cap: Duration::from_secs(2) }
     }
 }
 
