@@ -59,7 +59,8 @@ pub enum Planned {
 }
 
 impl ChaosConfig {
-    /// The scenario of record: 1,000 jobs at 25/s, a kill every 3 s.
+    /// The scenario of record: 1,000 jobs at 25/s, a fault every 3 s: each kind of
+    /// service killed at least once, then kills at random while submits go on.
     pub fn full() -> Self {
         ChaosConfig {
             jobs: 1_000,
@@ -69,11 +70,13 @@ impl ChaosConfig {
             provider_latency: Duration::from_millis(200),
             drain_limit: Duration::from_secs(180),
             plan: vec![
-                Planned::KillAny,
-                Planned::KillAny,
+                Planned::Kill("extractor-us-1"),
+                Planned::Kill("publisher-us"),
                 Planned::Freeze("extractor-us"),
-                Planned::KillAny,
+                Planned::Kill("ingress"),
                 Planned::RestartNats,
+                Planned::Kill("publisher-eu"),
+                Planned::Kill("extractor-eu"),
             ],
         }
     }
@@ -139,6 +142,8 @@ pub struct ChaosReport {
     pub repaid_after_caller_fault: usize,
     pub duplicate_deliveries: u64,
     pub submit_retries: usize,
+    /// Submits never accepted, by the last status (or `timeout`).
+    pub not_accepted: BTreeMap<String, usize>,
     pub faults: Vec<Fault>,
     pub drain_after_last_fault_s: f64,
     pub run_s: f64,
@@ -146,7 +151,7 @@ pub struct ChaosReport {
 
 impl ChaosReport {
     pub fn correct(&self) -> bool {
-        self.lost == 0 && self.stranded == 0 && self.paid_twice == 0
+        self.accepted == self.jobs && self.lost == 0 && self.stranded == 0 && self.paid_twice == 0
     }
 }
 
@@ -190,7 +195,7 @@ async fn submit_all(channel: tonic::transport::Channel, jobs: Arc<Vec<Job>>, rat
             let job = &jobs[i];
             let started = Instant::now();
             let mut retries = 0;
-            let deadline = started + Duration::from_secs(60);
+            let deadline = started + Duration::from_secs(120);
             loop {
                 let mut client = ReviewServiceClient::new(channel.clone());
                 let req = load::request(job);
@@ -210,9 +215,16 @@ async fn submit_all(channel: tonic::transport::Channel, jobs: Arc<Vec<Job>>, rat
                         let sent = Sent::Timeout;
                         return (Submitted { job: i, job_id: job.job_id(), started, submit_ms: 0.0, sent }, retries);
                     }
-                    _ => {
+                    other => {
                         retries += 1;
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        // A refusal names its retry delay (`RetryInfo`); an outage does not.
+                        let wait = match other {
+                            Ok(Err(status)) => {
+                                tonic_types::StatusExt::get_details_retry_info(&status).and_then(|r| r.retry_delay)
+                            }
+                            _ => None,
+                        };
+                        tokio::time::sleep(wait.unwrap_or(Duration::from_millis(200))).await;
                     }
                 }
             }
@@ -228,8 +240,17 @@ async fn submit_all(channel: tonic::transport::Channel, jobs: Arc<Vec<Job>>, rat
     (out, retries)
 }
 
+/// Worth sending again with the same key: the server was away, or refused for now
+/// (`RESOURCE_EXHAUSTED`, after its retry delay).
 fn retryable(code: tonic::Code) -> bool {
-    matches!(code, tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::Internal)
+    matches!(
+        code,
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled
+            | tonic::Code::Internal
+            | tonic::Code::ResourceExhausted
+    )
 }
 
 /// Causes the planned faults, then random kill -9s while `submitting` holds.
@@ -298,7 +319,8 @@ pub async fn run(stack: &mut ProcStack, cfg: &ChaosConfig) -> anyhow::Result<Cha
     let ((submitted, submit_retries), faults) = tokio::join!(load, drive(stack, cfg, &done_rx));
     let last_fault = Instant::now();
 
-    let finals = load::follow(&channel, &jobs, &submitted, cfg.drain_limit).await;
+    let accepted_only: Vec<Submitted> = submitted.iter().filter(|s| s.sent == Sent::Accepted).cloned().collect();
+    let finals = load::follow(&channel, &jobs, &accepted_only, cfg.drain_limit).await;
     let drained = Instant::now();
     // Deliveries may trail the final state by a moment.
     let published = finals.values().filter(|f| f.state == JobState::Published).count();
@@ -306,7 +328,15 @@ pub async fn run(stack: &mut ProcStack, cfg: &ChaosConfig) -> anyhow::Result<Cha
     while load::deliveries(&stack.webhook).len() < published && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let accepted: Vec<&Submitted> = submitted.iter().filter(|s| s.sent == Sent::Accepted).collect();
+    let accepted: Vec<&Submitted> = accepted_only.iter().collect();
+    let mut not_accepted = BTreeMap::new();
+    for s in &submitted {
+        match s.sent {
+            Sent::Accepted => {}
+            Sent::Timeout => *not_accepted.entry("timeout".to_string()).or_default() += 1,
+            Sent::Refused(code) => *not_accepted.entry(format!("{code:?}")).or_default() += 1,
+        }
+    }
     let stranded = accepted.iter().filter(|s| !finals.contains_key(&s.job_id)).count();
     let lost = accepted.iter().filter(|s| finals.get(&s.job_id).is_none_or(|f| f.state != JobState::Published)).count();
     let mut terminal = BTreeMap::new();
@@ -356,6 +386,7 @@ pub async fn run(stack: &mut ProcStack, cfg: &ChaosConfig) -> anyhow::Result<Cha
         repaid_after_caller_fault: excused,
         duplicate_deliveries,
         submit_retries,
+        not_accepted,
         faults,
         drain_after_last_fault_s: (drain * 10.0).round() / 10.0,
         run_s: (start.elapsed().as_secs_f64() * 10.0).round() / 10.0,
@@ -364,8 +395,12 @@ pub async fn run(stack: &mut ProcStack, cfg: &ChaosConfig) -> anyhow::Result<Cha
 
 pub fn print(r: &ChaosReport) {
     println!(
-        "chaos: {} jobs, {} accepted ({} submit retries), run {:.1} s",
-        r.jobs, r.accepted, r.submit_retries, r.run_s
+        "chaos: {} jobs, {} accepted ({} submits sent again; never accepted: {}), run {:.1} s",
+        r.jobs,
+        r.accepted,
+        r.submit_retries,
+        json!(r.not_accepted),
+        r.run_s
     );
     let kinds = r.faults.iter().fold(BTreeMap::<&str, usize>::new(), |mut m, f| {
         *m.entry(f.kind).or_default() += 1;

@@ -336,6 +336,11 @@ impl ProcStack {
         self.work.path()
     }
 
+    /// Leaves the logs (and the tenants file) in place after the stack is gone.
+    pub fn keep_logs(&mut self) {
+        self.work.disable_cleanup(true);
+    }
+
     /// Its admin address.
     pub fn admin_of(&self, name: &str) -> Option<SocketAddr> {
         self.admin.iter().find(|(n, _)| n == name).map(|(_, a)| *a)

@@ -409,6 +409,17 @@ pub async fn wait_final_within(
     }
 }
 
+/// Cancels a job; the view the cancel answers with.
+pub async fn cancel(client: &mut ReviewServiceClient<Channel>, key: &str, job_id: &str) -> proto::Review {
+    client
+        .cancel_review(authed(key, proto::CancelReviewRequest { job_id: job_id.to_string() }))
+        .await
+        .expect("cancel answered")
+        .into_inner()
+        .review
+        .expect("review set")
+}
+
 pub async fn get(
     client: &mut ReviewServiceClient<Channel>,
     key: &str,

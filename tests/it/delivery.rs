@@ -6,8 +6,7 @@ use std::time::{Duration, Instant};
 
 use reviewlane_publisher::claim::{Publication, PublicationState};
 use reviewlane_shared::clock;
-use reviewlane_shared::job::Event;
-use reviewlane_shared::proto::{CancelReviewRequest, JobState};
+use reviewlane_shared::proto::JobState;
 use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
 
@@ -62,15 +61,7 @@ async fn a_publisher_that_died_after_claiming_is_taken_over_once_its_claim_expir
     let stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
     let s = manual::stores(stack.us.nats.url(), Region::Us, clock::system()).await;
     let now = now_ms();
-    let rec = manual::record("claimed", now);
-    s.jobs.create(&rec).await.unwrap();
-    let leased = s
-        .jobs
-        .apply(&rec.job_id, &Event::Leased { owner: "x".into(), lease_expires_at_ms: now + 60_000 })
-        .await
-        .unwrap();
-    let g = leased.generation();
-    s.jobs.apply(&rec.job_id, &Event::Validated { generation: g, findings: 0, quarantined: 0 }).await.unwrap();
+    let (rec, g) = manual::validated(&s, "claimed", now).await;
     let dead = Publication {
         state: PublicationState::Publishing,
         at_ms: now,
@@ -102,24 +93,10 @@ async fn a_cancel_before_the_delivery_is_claimed_wins() {
     let stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
     let s = manual::stores(stack.us.nats.url(), Region::Us, clock::system()).await;
     let now = now_ms();
-    let rec = manual::record("cancel-first", now);
-    s.jobs.create(&rec).await.unwrap();
-    let leased = s
-        .jobs
-        .apply(&rec.job_id, &Event::Leased { owner: "x".into(), lease_expires_at_ms: now + 60_000 })
-        .await
-        .unwrap();
-    let g = leased.generation();
-    s.jobs.apply(&rec.job_id, &Event::Validated { generation: g, findings: 0, quarantined: 0 }).await.unwrap();
+    let (rec, g) = manual::validated(&s, "cancel-first", now).await;
 
     let mut client = stack.client().await;
-    let cancelled = client
-        .cancel_review(authed(US_KEY, CancelReviewRequest { job_id: rec.job_id.clone() }))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let cancelled = cancel(&mut client, US_KEY, &rec.job_id).await;
     assert_eq!((cancelled.state, cancelled.terminal_reason.as_str()), (JobState::Terminal as i32, "cancelled"));
     // The result reaches the publisher only now: it delivers nothing.
     s.results.keep(&manual::result(&rec, g), &async_nats::HeaderMap::new()).await.unwrap();
@@ -150,13 +127,7 @@ async fn a_cancel_after_the_delivery_is_claimed_is_too_late_and_the_job_is_publi
     let mut client = stack.client().await;
     let job = submit(&mut client, US_KEY, "cancel-late", &sample_diff("late")).await;
     tokio::time::timeout(Duration::from_secs(15), arrived.notified()).await.expect("delivery in flight");
-    let answer = client
-        .cancel_review(authed(US_KEY, CancelReviewRequest { job_id: job.job_id.clone() }))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let answer = cancel(&mut client, US_KEY, &job.job_id).await;
     assert_eq!(answer.state, JobState::Validated as i32, "the cancel answers the state as it stands");
     assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
     assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1);

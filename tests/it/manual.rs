@@ -3,7 +3,7 @@
 //! running with a dead holder).
 
 use reviewlane_shared::clock::SharedClock;
-use reviewlane_shared::job::{JobRecord, ReviewDepth};
+use reviewlane_shared::job::{Event, JobRecord, ReviewDepth};
 use reviewlane_shared::job_id;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig, RegionLayout};
@@ -57,4 +57,15 @@ pub fn result(rec: &JobRecord, generation: u32) -> FindingsMessage {
         quarantined: Vec::new(),
         submitted_at_ms: rec.created_at_ms,
     }
+}
+
+/// A job of `acme` under `key`, recorded `validated` at its first lease (generation 1),
+/// with no result kept yet.
+pub async fn validated(s: &RegionStores, key: &str, now_ms: u64) -> (JobRecord, u32) {
+    let rec = record(key, now_ms);
+    s.jobs.create(&rec).await.unwrap();
+    let lease = Event::Leased { owner: "test".into(), lease_expires_at_ms: now_ms + 60_000 };
+    let generation = s.jobs.apply(&rec.job_id, &lease).await.unwrap().generation();
+    s.jobs.apply(&rec.job_id, &Event::Validated { generation, findings: 0, quarantined: 0 }).await.unwrap();
+    (rec, generation)
 }

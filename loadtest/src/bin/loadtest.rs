@@ -31,6 +31,7 @@ async fn chaos(jobs: Option<usize>) -> anyhow::Result<()> {
     ensure_built()?;
     let mut stack = ProcStack::start(cfg.options()).await?;
     let report = loadtest::chaos::run(&mut stack, &cfg).await;
+    stack.keep_logs();
     println!("  service logs: {}", stack.log_dir().display());
     let _ = stack.shutdown();
     let report = report?;
