@@ -57,23 +57,27 @@ impl Worker {
                     tracing::info!(generation, "finishing from the answer a previous holder kept");
                     let decision =
                         Decision::Validated { findings: kept.findings.len(), quarantined: kept.quarantined.len() };
-                    let lease = Lease { generation, rec };
+                    let lease = Lease::new(rec);
                     return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
                 }
             }
             _ => {}
-        }
-        // The provider account is out of money: end the job without paying for a call.
-        if self.quota.circuit_open(job.scope) {
-            let decision = Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: None };
-            return Ok(Leased::Settled(self.settle(job, None, decision).await?));
         }
         let event = Event::Leased {
             owner: self.quota.replica_id().to_string(),
             lease_expires_at_ms: now + self.lease.as_millis() as u64,
         };
         match self.jobs.apply_from(id, Some((rec, revision)), &event).await {
-            Ok(rec) => Ok(Leased::Held(Box::new(Lease { generation: rec.generation(), rec }))),
+            Ok(rec) => {
+                let lease = Lease::new(rec);
+                // The provider account is out of money: end the job without paying for a
+                // call (under the lease, so no other holder's job is ended).
+                if self.quota.circuit_open(job.scope) {
+                    let decision = Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: None };
+                    return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
+                }
+                Ok(Leased::Held(Box::new(lease)))
+            }
             Err(StoreError::Transition(TransitionError::LeaseHeld { until_ms: at }, _))
             | Err(StoreError::Transition(TransitionError::NotEligible { at_ms: at }, _)) => {
                 let wait = Duration::from_millis(at.saturating_sub(self.clock.now_ms())) + LEASE_MARGIN;

@@ -88,6 +88,22 @@ impl Job<'_> {
 pub struct Lease {
     pub generation: u32,
     pub rec: JobRecord,
+    /// Whether this lease made a provider call (a cache hit, an open circuit or a
+    /// resumed answer do not).
+    pub called: std::sync::atomic::AtomicBool,
+}
+
+impl Lease {
+    pub fn new(rec: JobRecord) -> Self {
+        Lease { generation: rec.generation(), rec, called: Default::default() }
+    }
+
+    /// Provider calls the job has made, this lease's included: one per retry spent, and
+    /// this one if it called.
+    pub fn calls(&self, rec: &JobRecord) -> u32 {
+        let a = rec.attempts;
+        a.congestion + a.transient + a.schema + u32::from(self.called.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 /// Retry after our own infrastructure failed (NATS), not the provider.

@@ -94,6 +94,15 @@ impl Worker {
                 return Ok(Outcome::Stale);
             }
             Decision::Release(delay) => {
+                // Give the lease up in the record too, so the next holder need not wait
+                // for it to run out (best effort: it runs out anyway).
+                if let Some(lease) = lease {
+                    let now =
+                        Event::Extended { generation: lease.generation, lease_expires_at_ms: self.clock.now_ms() };
+                    if let Err(e) = self.jobs.apply(job.id(), &now).await {
+                        tracing::debug!(kind = e.kind(), "releasing the lease in the record failed");
+                    }
+                }
                 ack(job.msg, AckKind::Nak(delay)).await;
                 return Ok(Outcome::Released);
             }
@@ -149,7 +158,7 @@ impl Worker {
             .await;
         match applied {
             Ok(rec) => {
-                let calls = rec.attempts.leases;
+                let calls = lease.map_or(0, |l| l.calls(&rec));
                 match &outcome {
                     Outcome::Validated { findings, quarantined } => {
                         self.metrics.finished(job.review.lane, calls, None);
