@@ -112,7 +112,7 @@ impl ChaosConfig {
             us_provider: sim.clone(),
             eu_provider: sim,
             extractor_concurrency: 8,
-            scope_limit: 8,
+            key_limit: 8,
             publish_lease: self.lease,
             ..Default::default()
         }

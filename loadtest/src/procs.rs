@@ -257,7 +257,7 @@ impl ProcStack {
                     ("REVIEWLANE_OPENAI_API_KEY", format!("sk-load-{n}")),
                     ("REVIEWLANE_PROVIDER_REGION", r.into()),
                     ("REVIEWLANE_CONCURRENCY", opts.extractor_concurrency.to_string()),
-                    ("REVIEWLANE_SCOPE_LIMIT", opts.scope_limit.to_string()),
+                    ("REVIEWLANE_KEY_LIMIT", opts.key_limit.to_string()),
                     ("REVIEWLANE_LEASE_SECS", opts.lease.as_secs().max(1).to_string()),
                     ("REVIEWLANE_HEARTBEAT_MS", opts.heartbeat.as_millis().to_string()),
                     ("REVIEWLANE_BACKOFF_BASE_MS", "200".into()),
@@ -317,6 +317,12 @@ impl ProcStack {
             match stream.info().await {
                 Ok(info) if info.state.consumer_count > 0 => {}
                 _ => return false,
+            }
+        }
+        // Each extractor is ready once it has warmed up (the others have seen it).
+        for (name, addr) in &self.admin {
+            if name.starts_with("extractor") && !crate::stack::http_status_ok(*addr, "/readyz").await {
+                return false;
             }
         }
         true

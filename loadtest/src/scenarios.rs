@@ -182,7 +182,7 @@ pub fn options(s: Scenario, scale: Scale) -> StackOptions {
     o.us_provider = provider.clone();
     o.eu_provider = provider;
     o.extractor_concurrency = concurrency;
-    o.scope_limit = concurrency as u32;
+    o.key_limit = concurrency as u32;
     if s == Scenario::Flood {
         // The lane bounds (10k) hold the flood.
         o.lane_max_messages = Some(20_000);

@@ -54,7 +54,7 @@ pub struct Stack {
 struct ExtractorKnobs {
     lease: Duration,
     concurrency: usize,
-    scope_limit: u32,
+    key_limit: u32,
     heartbeat: Duration,
     grace: Duration,
     faults: reviewlane_shared::faults::Faults,
@@ -74,7 +74,7 @@ pub struct StackOptions {
     /// Extractor replicas per region (0: start none).
     pub extractors: usize,
     /// Calls in flight per quota scope, summed over replicas.
-    pub scope_limit: u32,
+    pub key_limit: u32,
     pub heartbeat: Duration,
     pub shutdown_grace: Duration,
     /// Admission policy of the interactive lane, and the sampling period.
@@ -98,7 +98,7 @@ impl Default for StackOptions {
             lease: Duration::from_secs(5),
             lane_max_messages: None,
             extractors: 1,
-            scope_limit: 8,
+            key_limit: 8,
             heartbeat: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(2),
             interactive_policy: None,
@@ -192,7 +192,7 @@ impl Stack {
         let knobs = ExtractorKnobs {
             lease: opts.lease,
             concurrency: opts.extractor_concurrency,
-            scope_limit: opts.scope_limit,
+            key_limit: opts.key_limit,
             heartbeat: opts.heartbeat,
             grace: opts.shutdown_grace,
             faults: opts.faults.clone(),
@@ -269,7 +269,7 @@ impl Stack {
         );
         xc.lease = self.opts.lease;
         xc.concurrency = self.opts.concurrency;
-        xc.scope_limit = self.opts.scope_limit;
+        xc.key_limit = self.opts.key_limit;
         xc.heartbeat = self.opts.heartbeat;
         xc.backoff.base = Duration::from_millis(200);
         xc.backoff.cap = Duration::from_secs(2);
@@ -289,8 +289,15 @@ impl Stack {
         self.extractor_admin.push((region, x.admin_addr()));
         let stop = CancellationToken::new();
         let s = stop.clone();
+        let admin = x.admin_addr();
         let task = tokio::spawn(x.run_until_stopped(async move { s.cancelled().await }));
         self.extractors.push((region, stop, task));
+        // Ready once it has warmed up: before that it takes no share of the key.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !http_status_ok(admin, "/readyz").await {
+            assert!(tokio::time::Instant::now() < deadline, "extractor not ready in 10 s");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Stops every extractor of `region` as SIGTERM would, and waits for them.
@@ -443,6 +450,19 @@ pub async fn stream_messages(url: &str, stream: &str) -> Vec<(String, async_nats
         }
     }
     out
+}
+
+/// Whether GET `path` answers 200.
+pub async fn http_status_ok(addr: SocketAddr, path: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else { return false };
+    let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out.starts_with("HTTP/1.1 200")
 }
 
 /// GET a path from a local HTTP server (admin ports); the body.

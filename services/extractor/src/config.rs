@@ -7,7 +7,8 @@
 //! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
 //! | `REVIEWLANE_TENANTS_FILE` | required | this region's tenants get a consumer per lane (weight, scope limit) |
 //! | `REVIEWLANE_MODEL_CLASS` | the model | model class of the quota scope (provider, model class, tenant, region) |
-//! | `REVIEWLANE_SCOPE_LIMIT` | `8` | calls in flight per scope, summed over replicas (a tenant may set `scope_limit`) |
+//! | `REVIEWLANE_KEY_LIMIT` | `8` | calls in flight on the provider key (account) across all replicas and tenants; tenants share it by `weight`, and a tenant's `scope_limit` caps it |
+//! | `REVIEWLANE_KEY_ID` | `default` | names the provider key (account) this deployment calls with: deployments with the same id share one window, pause and circuit |
 //! | `REVIEWLANE_HEARTBEAT_MS` | `1000` | replica heartbeat in `QUOTA_<R>` |
 //! | `REVIEWLANE_QUOTA_CIRCUIT_SECS` | `600` | after `insufficient_quota`, the scope's jobs end at once for this long |
 //! | `REVIEWLANE_PROBE_EVERY_SECS` | `60` | a scope's window probes one call higher after this long without a 429 |
@@ -110,8 +111,12 @@ pub struct ExtractorConfig {
     pub provider: ProviderConfig,
     /// Model class of the quota scope (provider, model class, tenant, region).
     pub model_class: String,
-    /// Calls in flight per quota scope, summed over replicas, unless a tenant sets it.
-    pub scope_limit: u32,
+    /// Calls in flight on the provider key (account) across the fleet: the ceiling of
+    /// its shared congestion window.
+    pub key_limit: u32,
+    /// Names the provider key (account) this deployment calls with; deployments that
+    /// share a key share its window and pause. Not the key itself.
+    pub key_id: String,
     /// Replica heartbeat period in `QUOTA_<R>`.
     pub heartbeat: Duration,
     /// How long an `insufficient_quota` answer keeps a scope's circuit open.
@@ -160,7 +165,8 @@ impl ExtractorConfig {
             tenants,
             provider,
             model_class,
-            scope_limit: 8,
+            key_limit: 8,
+            key_id: "default".into(),
             heartbeat: Duration::from_secs(1),
             probe_every: Duration::from_secs(60),
             circuit_open_for: Duration::from_secs(600),
@@ -224,7 +230,8 @@ impl ExtractorConfig {
         }
         let d = ExtractorConfig::new(Region::Us, "", Arc::default(), ProviderConfig::Builtin);
         let model_class: Option<String> = r.optional("REVIEWLANE_MODEL_CLASS", "a name");
-        let scope_limit: u32 = r.or("REVIEWLANE_SCOPE_LIMIT", d.scope_limit, "a count");
+        let key_limit: u32 = r.or("REVIEWLANE_KEY_LIMIT", d.key_limit, "a count");
+        let key_id: String = r.or("REVIEWLANE_KEY_ID", d.key_id.clone(), "a name");
         let heartbeat_ms: u64 = r.or("REVIEWLANE_HEARTBEAT_MS", 1000, "milliseconds");
         let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", d.admin_addr, "host:port");
         let probe_every: u64 = r.or("REVIEWLANE_PROBE_EVERY_SECS", 60, "whole seconds");
@@ -294,7 +301,8 @@ impl ExtractorConfig {
             tenants: Arc::new(tenants.expect("checked")),
             provider,
             model_class,
-            scope_limit,
+            key_limit,
+            key_id,
             heartbeat: Duration::from_millis(heartbeat_ms),
             probe_every: Duration::from_secs(probe_every),
             circuit_open_for: Duration::from_secs(circuit),

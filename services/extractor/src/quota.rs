@@ -1,16 +1,30 @@
-//! Quota scopes — `(provider, model class, tenant, region)` — and what every replica of
-//! a region shares about them through KV `QUOTA_<R>`:
+//! Provider keys and quota scopes, and what every replica of a region shares about them
+//! through KV `QUOTA_<R>`.
 //!
-//! - `pause.<provider>.<class>.<tenant>` = `{"until_ms": …}`: written on a 429 with a
-//!   compare-and-set that keeps the later time; every replica follows the key's subject
-//!   and makes no call to the scope before then.
-//! - `circuit.<provider>.<class>.<tenant>` = `{"until_ms": …}`: opened by a 429
-//!   `insufficient_quota`; until then the scope's jobs end at once with that reason.
-//! - `replica.<id>` = `{"at_ms": …}`: heartbeats. Each replica takes its share of a
-//!   scope's limit among the live replicas (rank-ordered, so the shares sum to the
-//!   limit), and within it an AIMD window that halves on a 429 and grows on success.
+//! A provider key is one account with one limit; the quota scopes — `(provider, model
+//! class, tenant, region)` — are its children. The fleet's calls on a key stay within
+//! one congestion window for the whole fleet, whatever the number of replicas and
+//! tenants:
 //!
-//! The share and window arithmetic are pure, with unit tests.
+//! - `window.<key>`: the key's congestion window (AIMD, see `Window`), shared: a 429
+//!   halves it once for the fleet, growth is written back when its level changes, and
+//!   every replica follows the entry. A new replica starts from the last-learned window.
+//! - `replica.<id>` = `{"at_ms": …}`: heartbeats. Each replica may run its share of the
+//!   window among the live replicas (rank-ordered, so the shares sum to the window, and
+//!   the minimum of one call holds for the fleet, not per replica). A replica whose
+//!   heartbeat expires drops out of the ranks at once: the survivors take its share on
+//!   their next heartbeat. A starting replica heartbeats for two periods before it takes
+//!   a share, so the others see it first and the shares never sum above the window.
+//! - `pause.<key>` = `{"until_ms": …}`: a 429 pauses the key, once, for every replica
+//!   (compare-and-set keeps the later time).
+//! - `circuit.<key>` = `{"until_ms": …}`: a 429 `insufficient_quota` (the account is out
+//!   of money); until then the key's jobs end at once with that reason.
+//!
+//! Within a replica's share, tenants take calls by weight (`fair_share`): a tenant below
+//! its weighted share is served before one above it, and a tenant alone takes it all.
+//! A tenant's `scope_limit` caps it across the fleet.
+//!
+//! The share, fair-share and window arithmetic are pure, with unit tests.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -54,6 +68,16 @@ pub fn share(limit: u32, live: &[String], me: &str) -> u32 {
     limit / n + u32::from(rank < limit % n)
 }
 
+/// A tenant's part of this replica's `allowance` on the key: its `weight` against the
+/// total weight of the tenants that want calls (running or waiting), rounded up, at
+/// least one while there is any allowance, and at most `cap`.
+pub fn fair_share(allowance: u32, weight: u32, active_weight: u32, cap: Option<u32>) -> u32 {
+    let total = u64::from(active_weight.max(weight).max(1));
+    let fair = (u64::from(allowance) * u64::from(weight.max(1))).div_ceil(total) as u32;
+    let fair = fair.max(u32::from(allowance > 0)).min(allowance);
+    cap.map_or(fair, |c| fair.min(c))
+}
+
 /// Calls a fresh scope starts with: TCP-like initial window.
 const INITIAL_WINDOW: f64 = 2.0;
 
@@ -66,7 +90,7 @@ const INITIAL_WINDOW: f64 = 2.0;
 /// unless congestion strikes again on the way, which lowers the level (the provider's
 /// capacity did drop). Above the level that held it probes one call higher only after
 /// `probe_every` without a 429.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Window {
     window: f64,
     stable: f64,
@@ -105,6 +129,22 @@ impl Window {
     /// Calls this replica may have in flight, given its share.
     pub fn allowed(&self, share: u32) -> u32 {
         (self.window.floor().max(1.0) as u32).min(share)
+    }
+
+    /// The fleet's calls in flight on the key: at least one, at most `limit`.
+    pub fn fleet(&self, limit: u32) -> u32 {
+        (self.window.floor().max(1.0) as u32).min(limit.max(1))
+    }
+
+    /// Whether a change from `before` is worth telling the fleet: the level, the level
+    /// that held, or the congestion-event state.
+    pub fn differs(&self, before: &Window) -> bool {
+        self.window.floor() != before.window.floor()
+            || self.stable != before.stable
+            || self.slow_start != before.slow_start
+            || self.in_event != before.in_event
+            || self.last_decrease_ms != before.last_decrease_ms
+            || self.last_probe_ms != before.last_probe_ms
     }
 
     /// A 429 for a call that started at `started_ms`; the scope pauses for `pause`.
@@ -195,29 +235,38 @@ struct Heartbeat {
 }
 
 struct State {
-    paused_until_ms: HashMap<String, u64>,
-    /// Open circuits (provider account out of quota): jobs end without a call.
-    circuit_until_ms: HashMap<String, u64>,
+    paused_until_ms: u64,
+    /// The account is out of quota until then: jobs end without a call.
+    circuit_until_ms: u64,
+    /// The key's fleet window, as last read or written.
+    window: Window,
     live: Vec<String>,
-    /// Until this time the replica only heartbeats: others must see it before it takes
-    /// a share (only when others exist at start).
+    /// Until this time the replica only heartbeats: the others must see it before it
+    /// takes a share.
     warm_until_ms: u64,
-    windows: HashMap<String, Window>,
+    /// Calls running on this replica, by scope token.
     in_flight: HashMap<String, u32>,
+    /// Messages waiting for a call on this replica, by scope token.
+    waiting: HashMap<String, u32>,
 }
 
-/// Shared quota state of this replica. Cheap to clone.
+/// Shared quota state of this replica for its provider key. Cheap to clone.
 #[derive(Clone)]
 pub struct Quota {
     kv: kv::Store,
     client: async_nats::Client,
     me: String,
-    default_limit: u32,
+    /// The provider key (account) token: `<provider>.<key id>`.
+    key: String,
+    /// Calls in flight on the key across the fleet, at most.
+    key_limit: u32,
+    /// Per tenant: fleet-wide cap within the key (`scope_limit`), and weight.
     limits: Arc<HashMap<String, u32>>,
+    weights: Arc<HashMap<String, u32>>,
     heartbeat: Duration,
     probe_every: Duration,
     state: Arc<Mutex<State>>,
-    /// Woken whenever a pause, a share or an in-flight count changes.
+    /// Woken whenever a pause, a share, the window or an in-flight count changes.
     pub changed: Arc<Notify>,
     /// Pause times, heartbeats and windows are judged on this clock.
     clock: SharedClock,
@@ -231,26 +280,55 @@ pub struct ScopeGuard {
 
 impl Drop for ScopeGuard {
     fn drop(&mut self) {
-        let mut st = self.quota.state.lock().expect("quota lock");
-        if let Some(n) = st.in_flight.get_mut(&self.token) {
-            *n = n.saturating_sub(1);
-        }
-        drop(st);
-        self.quota.changed.notify_waiters();
+        self.quota.count(&self.token, -1, false);
+    }
+}
+
+/// A message of a scope waiting for a call; its tenant counts as wanting calls.
+pub struct Waiting {
+    quota: Quota,
+    token: String,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.quota.count(&self.token, -1, true);
     }
 }
 
 const PAUSE_PREFIX: &str = "pause.";
 const CIRCUIT_PREFIX: &str = "circuit.";
+const WINDOW_PREFIX: &str = "window.";
 const REPLICA_PREFIX: &str = "replica.";
 
+/// What `Quota::new` needs to know about the key and its tenants.
+#[derive(Debug, Clone)]
+pub struct KeyConfig {
+    /// `<provider>.<key id>` (each part reduced to `[A-Za-z0-9_-]`).
+    pub key: String,
+    /// Calls in flight on the key across the fleet.
+    pub limit: u32,
+    /// Per tenant, a fleet-wide cap within the key.
+    pub tenant_limits: HashMap<String, u32>,
+    /// Per tenant, its weight (default 1).
+    pub weights: HashMap<String, u32>,
+}
+
+impl KeyConfig {
+    pub fn token(provider: &str, key_id: &str) -> String {
+        format!("{}.{}", clean(provider), clean(key_id))
+    }
+}
+
+fn clean(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
 impl Quota {
-    /// `limits`: scope limit by tenant (summed over replicas), else `default_limit`.
     pub fn new(
         kv: kv::Store,
         client: async_nats::Client,
-        default_limit: u32,
-        limits: HashMap<String, u32>,
+        key: KeyConfig,
         heartbeat: Duration,
         probe_every: Duration,
         clock: SharedClock,
@@ -260,17 +338,20 @@ impl Quota {
             kv,
             client,
             me: me.clone(),
-            default_limit,
-            limits: Arc::new(limits),
+            key: key.key,
+            key_limit: key.limit.max(1),
+            limits: Arc::new(key.tenant_limits),
+            weights: Arc::new(key.weights),
             heartbeat,
             probe_every,
             state: Arc::new(Mutex::new(State {
-                paused_until_ms: HashMap::new(),
-                circuit_until_ms: HashMap::new(),
+                paused_until_ms: 0,
+                circuit_until_ms: 0,
+                window: Window::new(probe_every),
                 live: vec![me],
                 warm_until_ms: 0,
-                windows: HashMap::new(),
                 in_flight: HashMap::new(),
+                waiting: HashMap::new(),
             })),
             changed: Arc::new(Notify::new()),
             clock,
@@ -286,52 +367,49 @@ impl Quota {
         &self.me
     }
 
-    fn limit(&self, scope: &Scope) -> u32 {
-        self.limits.get(&scope.tenant).copied().unwrap_or(self.default_limit)
+    fn count(&self, token: &str, by: i32, waiting: bool) {
+        let mut st = self.state.lock().expect("quota lock");
+        let map = if waiting { &mut st.waiting } else { &mut st.in_flight };
+        let n = map.entry(token.to_string()).or_default();
+        *n = n.saturating_add_signed(by);
+        drop(st);
+        self.changed.notify_waiters();
     }
 
-    /// Announces this replica, loads pauses, and keeps both current until `stop`.
+    /// Announces this replica, loads the key's pause, circuit and window, and keeps them
+    /// current until `stop`.
     pub async fn start(&self, stop: CancellationToken) -> Result<(), async_nats::Error> {
-        // Follow pauses first, then read what is there: nothing falls in between.
-        let mut pauses = self.client.subscribe(format!("{}{PAUSE_PREFIX}>", self.kv.prefix)).await?;
-        let mut circuits = self.client.subscribe(format!("{}{CIRCUIT_PREFIX}>", self.kv.prefix)).await?;
+        // Follow first, then read what is there: nothing falls in between.
+        let prefix = self.kv.prefix.clone();
+        let mut pauses = self.client.subscribe(format!("{prefix}{PAUSE_PREFIX}{}", self.key)).await?;
+        let mut circuits = self.client.subscribe(format!("{prefix}{CIRCUIT_PREFIX}{}", self.key)).await?;
+        let mut windows = self.client.subscribe(format!("{prefix}{WINDOW_PREFIX}{}", self.key)).await?;
         self.beat().await?;
-        let others = self.refresh_live().await?;
-        if others > 0 {
-            self.state.lock().expect("quota lock").warm_until_ms =
-                self.now_ms() + 2 * self.heartbeat.as_millis() as u64;
+        self.refresh_live().await?;
+        // Others that start now must see this replica before it takes a share.
+        self.state.lock().expect("quota lock").warm_until_ms = self.now_ms() + 2 * self.heartbeat.as_millis() as u64;
+        if let Some(v) = self.kv.get(format!("{PAUSE_PREFIX}{}", self.key)).await? {
+            self.note_pause(&v);
         }
-        let mut keys = self.kv.keys().await?;
-        while let Some(Ok(key)) = keys.next().await {
-            if let Some(token) = key.strip_prefix(PAUSE_PREFIX)
-                && let Ok(Some(v)) = self.kv.get(&key).await
-            {
-                self.note_pause(token, &v);
-            }
-            if let Some(token) = key.strip_prefix(CIRCUIT_PREFIX)
-                && let Ok(Some(v)) = self.kv.get(&key).await
-            {
-                self.note_circuit(token, &v);
-            }
+        if let Some(v) = self.kv.get(format!("{CIRCUIT_PREFIX}{}", self.key)).await? {
+            self.note_circuit(&v);
+        }
+        if let Some(v) = self.kv.get(format!("{WINDOW_PREFIX}{}", self.key)).await? {
+            self.note_window(&v);
         }
         let q = self.clone();
-        let prefix_len = self.kv.prefix.len() + PAUSE_PREFIX.len();
-        let circuit_prefix_len = self.kv.prefix.len() + CIRCUIT_PREFIX.len();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(q.heartbeat);
             loop {
                 tokio::select! {
-                    m = pauses.next() => match m {
-                        Some(m) => if let Some(token) = m.subject.get(prefix_len..) { q.note_pause(token, &m.payload) },
-                        None => return,
-                    },
-                    m = circuits.next() => match m {
-                        Some(m) => if let Some(token) = m.subject.get(circuit_prefix_len..) { q.note_circuit(token, &m.payload) },
-                        None => return,
-                    },
+                    m = pauses.next() => match m { Some(m) => q.note_pause(&m.payload), None => return },
+                    m = circuits.next() => match m { Some(m) => q.note_circuit(&m.payload), None => return },
+                    m = windows.next() => match m { Some(m) => q.note_window(&m.payload), None => return },
                     _ = tick.tick() => {
                         if let Err(e) = q.beat().await { tracing::warn!(error = %e, "heartbeat failed"); }
                         if let Err(e) = q.refresh_live().await { tracing::warn!(error = %e, "reading replicas failed"); }
+                        // A pause or the warm-up may end without a message.
+                        q.changed.notify_waiters();
                     }
                     _ = stop.cancelled() => {
                         let _ = q.kv.delete(format!("{REPLICA_PREFIX}{}", q.me)).await;
@@ -343,35 +421,37 @@ impl Quota {
         Ok(())
     }
 
-    fn note_pause(&self, token: &str, value: &[u8]) {
+    fn note_pause(&self, value: &[u8]) {
         let Ok(p) = serde_json::from_slice::<Pause>(value) else { return };
         let mut st = self.state.lock().expect("quota lock");
-        let e = st.paused_until_ms.entry(token.to_string()).or_default();
-        *e = (*e).max(p.until_ms);
+        st.paused_until_ms = st.paused_until_ms.max(p.until_ms);
         drop(st);
         self.changed.notify_waiters();
     }
 
-    fn note_circuit(&self, token: &str, value: &[u8]) {
+    fn note_circuit(&self, value: &[u8]) {
         let Ok(p) = serde_json::from_slice::<Pause>(value) else { return };
         let mut st = self.state.lock().expect("quota lock");
-        let e = st.circuit_until_ms.entry(token.to_string()).or_default();
-        *e = (*e).max(p.until_ms);
+        st.circuit_until_ms = st.circuit_until_ms.max(p.until_ms);
     }
 
-    /// Whether the scope's circuit is open (its provider account is out of quota).
-    pub fn circuit_open(&self, scope: &Scope) -> bool {
-        let st = self.state.lock().expect("quota lock");
-        st.circuit_until_ms.get(&scope.token()).is_some_and(|&until| until > self.now_ms())
+    fn note_window(&self, value: &[u8]) {
+        let Ok(w) = serde_json::from_slice::<Window>(value) else { return };
+        self.state.lock().expect("quota lock").window = w;
+        self.changed.notify_waiters();
     }
 
-    /// Opens the scope's circuit for `open_for` on every replica: until then its jobs end
+    /// Whether the key's circuit is open (its account is out of quota).
+    pub fn circuit_open(&self, _scope: &Scope) -> bool {
+        self.state.lock().expect("quota lock").circuit_until_ms > self.now_ms()
+    }
+
+    /// Opens the key's circuit for `open_for` on every replica: until then its jobs end
     /// `insufficient_quota` without a call. After it, one call probes the account again.
-    pub async fn open_circuit(&self, scope: &Scope, open_for: Duration) -> Result<(), async_nats::Error> {
-        let token = scope.token();
+    pub async fn open_circuit(&self, _scope: &Scope, open_for: Duration) -> Result<(), async_nats::Error> {
         let value = serde_json::to_vec(&Pause { until_ms: self.now_ms() + open_for.as_millis() as u64 })?;
-        self.kv.put(format!("{CIRCUIT_PREFIX}{token}"), value.clone().into()).await?;
-        self.note_circuit(&token, &value);
+        self.kv.put(format!("{CIRCUIT_PREFIX}{}", self.key), value.clone().into()).await?;
+        self.note_circuit(&value);
         Ok(())
     }
 
@@ -413,23 +493,74 @@ impl Quota {
         Ok(others)
     }
 
-    /// How long the scope is still paused, if it is.
-    pub fn paused_for(&self, scope: &Scope) -> Option<Duration> {
-        let until = *self.state.lock().expect("quota lock").paused_until_ms.get(&scope.token())?;
+    /// How long the key is still paused, if it is.
+    pub fn paused_for(&self, _scope: &Scope) -> Option<Duration> {
+        let until = self.state.lock().expect("quota lock").paused_until_ms;
         let now = self.now_ms();
         (until > now).then(|| Duration::from_millis(until - now))
     }
 
-    /// Calls this replica may run in `scope` now (0 while warming up or without a share).
-    pub fn allowance(&self, scope: &Scope) -> u32 {
-        let limit = self.limit(scope);
-        let mut st = self.state.lock().expect("quota lock");
+    /// This replica's share of the key's fleet window (0 while warming up).
+    fn key_allowance(&self, st: &State) -> u32 {
         if self.now_ms() < st.warm_until_ms {
             return 0;
         }
-        let my_share = share(limit, &st.live, &self.me);
-        let probe_every = self.probe_every;
-        st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).allowed(my_share)
+        share(st.window.fleet(self.key_limit), &st.live, &self.me)
+    }
+
+    fn tenant_cap(&self, st: &State, tenant: &str) -> Option<u32> {
+        self.limits.get(tenant).map(|limit| share(*limit, &st.live, &self.me))
+    }
+
+    fn weight(&self, tenant: &str) -> u32 {
+        self.weights.get(tenant).copied().unwrap_or(1)
+    }
+
+    /// The tenant of a scope token (`<provider>.<class>.<tenant>`).
+    fn tenant_of(token: &str) -> &str {
+        token.rsplit('.').next().unwrap_or(token)
+    }
+
+    /// Each wanting tenant's fair share of this replica's allowance, and its in-flight.
+    fn fair(&self, st: &State, token: &str, allowance: u32) -> u32 {
+        let active: u32 = st
+            .in_flight
+            .iter()
+            .chain(st.waiting.iter())
+            .filter(|(_, n)| **n > 0)
+            .map(|(t, _)| t.as_str())
+            .chain(std::iter::once(token))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|t| self.weight(Self::tenant_of(t)))
+            .sum();
+        let tenant = Self::tenant_of(token);
+        fair_share(allowance, self.weight(tenant), active, self.tenant_cap(st, tenant))
+    }
+
+    /// Calls this replica may run for `scope` at most now: its share of the key's window,
+    /// within the tenant's cap (0 while warming up or without a share).
+    pub fn allowance(&self, scope: &Scope) -> u32 {
+        let st = self.state.lock().expect("quota lock");
+        let a = self.key_allowance(&st);
+        self.tenant_cap(&st, &scope.tenant).map_or(a, |c| a.min(c))
+    }
+
+    /// The scope's current fair share on this replica (for the `scope_limit` gauge).
+    pub fn fair_share(&self, scope: &Scope) -> u32 {
+        let st = self.state.lock().expect("quota lock");
+        let a = self.key_allowance(&st);
+        self.fair(&st, &scope.token(), a)
+    }
+
+    /// Whether the start-up warm-up is over (the replica may take a share).
+    pub fn warmed_up(&self) -> bool {
+        self.now_ms() >= self.state.lock().expect("quota lock").warm_until_ms
+    }
+
+    /// The key's fleet window now.
+    pub fn fleet_window(&self) -> u32 {
+        self.state.lock().expect("quota lock").window.fleet(self.key_limit)
     }
 
     /// Calls running in `scope` on this replica.
@@ -437,58 +568,123 @@ impl Quota {
         self.state.lock().expect("quota lock").in_flight.get(&scope.token()).copied().unwrap_or(0)
     }
 
-    /// Whether a call in `scope` could start now (not paused, under the allowance).
+    /// Counts a message of `scope` as waiting for a call until the guard drops.
+    pub fn waiting(&self, scope: &Scope) -> Waiting {
+        let token = scope.token();
+        self.count(&token, 1, true);
+        Waiting { quota: self.clone(), token }
+    }
+
+    /// Whether a call in `scope` may start: the key is not paused, this replica is under
+    /// its share of the key's window, and the tenant is under its fair share or no other
+    /// tenant below its own is waiting.
+    fn room(&self, st: &State, token: &str) -> bool {
+        let allowance = self.key_allowance(st);
+        let running: u32 = st.in_flight.values().sum();
+        if running >= allowance {
+            return false;
+        }
+        let mine = st.in_flight.get(token).copied().unwrap_or(0);
+        let tenant = Self::tenant_of(token);
+        if self.tenant_cap(st, tenant).is_some_and(|c| mine >= c) {
+            return false;
+        }
+        if mine < self.fair(st, token, allowance) {
+            return true;
+        }
+        // Above its share: only while no other tenant below its own share is waiting.
+        !st.waiting.iter().any(|(other, n)| {
+            *n > 0 && other != token && st.in_flight.get(other).copied().unwrap_or(0) < self.fair(st, other, allowance)
+        })
+    }
+
     pub fn has_room(&self, scope: &Scope) -> bool {
         if self.paused_for(scope).is_some() {
             return false;
         }
-        let allowed = self.allowance(scope);
         let st = self.state.lock().expect("quota lock");
-        st.in_flight.get(&scope.token()).copied().unwrap_or(0) < allowed
+        self.room(&st, &scope.token())
     }
 
-    /// Starts a call in `scope` if the scope is not paused and this replica is under
-    /// its allowance; `None` otherwise.
+    /// Starts a call in `scope` if there is room (`has_room`); `None` otherwise.
     pub fn try_start(&self, scope: &Scope) -> Option<ScopeGuard> {
         if self.paused_for(scope).is_some() {
             return None;
         }
         let token = scope.token();
-        let limit = self.limit(scope);
         let mut st = self.state.lock().expect("quota lock");
-        if self.now_ms() < st.warm_until_ms {
+        if !self.room(&st, &token) {
             return None;
         }
-        let my_share = share(limit, &st.live, &self.me);
-        let probe_every = self.probe_every;
-        let allowed = st.windows.entry(token.clone()).or_insert_with(|| Window::new(probe_every)).allowed(my_share);
-        let n = st.in_flight.entry(token.clone()).or_default();
-        if *n >= allowed {
-            return None;
-        }
-        *n += 1;
+        *st.in_flight.entry(token.clone()).or_default() += 1;
         Some(ScopeGuard { quota: self.clone(), token })
     }
 
-    /// Records a 429 for a call started at `started_ms`: pauses the scope for every
-    /// replica (keeping a later pause), and narrows this replica's window.
+    /// Applies `event` to the key's window here and, when the fleet should know, to the
+    /// shared entry (compare-and-set on the entry as read, re-applied on a conflict).
+    async fn update_window(&self, event: impl Fn(&mut Window)) -> Result<(), async_nats::Error> {
+        let differs = {
+            let mut st = self.state.lock().expect("quota lock");
+            let before = st.window;
+            event(&mut st.window);
+            st.window.differs(&before)
+        };
+        if !differs {
+            return Ok(());
+        }
+        let key = format!("{WINDOW_PREFIX}{}", self.key);
+        for _ in 0..8 {
+            let entry = self.kv.entry(&key).await?;
+            let (mut shared, revision) = match &entry {
+                Some(e) if e.operation == kv::Operation::Put => (
+                    serde_json::from_slice::<Window>(&e.value).unwrap_or(Window::new(self.probe_every)),
+                    Some(e.revision),
+                ),
+                _ => (self.state.lock().expect("quota lock").window, None),
+            };
+            if revision.is_some() {
+                event(&mut shared);
+            }
+            let value: bytes::Bytes = serde_json::to_vec(&shared)?.into();
+            let written = match revision {
+                Some(r) => self
+                    .kv
+                    .update(&key, value, r)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.kind() == kv::UpdateErrorKind::WrongLastRevision),
+                None => self
+                    .kv
+                    .create(&key, value)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.kind() == kv::CreateErrorKind::AlreadyExists),
+            };
+            match written {
+                Ok(()) => {
+                    self.state.lock().expect("quota lock").window = shared;
+                    self.changed.notify_waiters();
+                    return Ok(());
+                }
+                Err(true) => continue,
+                Err(false) => return Err("writing the key's window failed".into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a 429 for a call started at `started_ms`: pauses the key for every
+    /// replica (keeping a later pause), and narrows the fleet's window once per event.
     pub async fn rate_limited(&self, scope: &Scope, pause: Duration, started_ms: u64) -> Result<(), async_nats::Error> {
-        let probe_every = self.probe_every;
-        self.state
-            .lock()
-            .expect("quota lock")
-            .windows
-            .entry(scope.token())
-            .or_insert_with(|| Window::new(probe_every))
-            .on_rate_limited(self.now_ms(), started_ms, pause);
+        let now = self.now_ms();
+        self.update_window(|w| w.on_rate_limited(now, started_ms, pause)).await?;
         self.pause(scope, pause).await
     }
 
-    /// Pauses the scope for `pause` from now, unless a later pause is already recorded.
-    pub async fn pause(&self, scope: &Scope, pause: Duration) -> Result<(), async_nats::Error> {
-        let token = scope.token();
+    /// Pauses the key for `pause` from now, unless a later pause is already recorded.
+    pub async fn pause(&self, _scope: &Scope, pause: Duration) -> Result<(), async_nats::Error> {
         let until_ms = self.now_ms() + pause.as_millis() as u64;
-        let key = format!("{PAUSE_PREFIX}{token}");
+        let key = format!("{PAUSE_PREFIX}{}", self.key);
         let value: bytes::Bytes = serde_json::to_vec(&Pause { until_ms })?.into();
         for _ in 0..8 {
             match self.kv.entry(&key).await? {
@@ -509,21 +705,16 @@ impl Quota {
                 },
             }
         }
-        self.note_pause(&token, &value);
+        self.note_pause(&value);
         Ok(())
     }
 
-    /// A call of `scope` started at `started_ms` succeeded.
-    pub fn succeeded(&self, scope: &Scope, started_ms: u64) {
-        let limit = self.limit(scope);
-        let mut st = self.state.lock().expect("quota lock");
-        let my_share = share(limit, &st.live, &self.me);
-        let probe_every = self.probe_every;
-        st.windows.entry(scope.token()).or_insert_with(|| Window::new(probe_every)).on_call_success(
-            my_share,
-            self.now_ms(),
-            started_ms,
-        );
+    /// A call started at `started_ms` succeeded: the fleet's window may grow.
+    pub async fn succeeded(&self, _scope: &Scope, started_ms: u64) {
+        let (now, cap) = (self.now_ms(), self.key_limit);
+        if let Err(e) = self.update_window(|w| w.on_call_success(cap, now, started_ms)).await {
+            tracing::warn!(error = %e, "recording the key's window failed");
+        }
     }
 }
 
@@ -665,6 +856,44 @@ mod tests {
         }
         assert_eq!(w.allowed(5), 5);
         assert_eq!(w.allowed(3), 3);
+    }
+
+    #[test]
+    fn tenants_share_a_replica_allowance_by_weight() {
+        // Alone, a tenant takes it all.
+        assert_eq!(fair_share(4, 1, 1, None), 4);
+        // Two equal tenants: half each.
+        assert_eq!(fair_share(4, 1, 2, None), 2);
+        // Weights 3:1 of 4 calls.
+        assert_eq!((fair_share(4, 3, 4, None), fair_share(4, 1, 4, None)), (3, 1));
+        // Rounded up, never below one call while there is any allowance.
+        assert_eq!(fair_share(3, 1, 2, None), 2);
+        assert_eq!(fair_share(1, 1, 5, None), 1);
+        assert_eq!(fair_share(0, 1, 1, None), 0);
+        // A tenant's cap holds.
+        assert_eq!(fair_share(8, 1, 1, Some(2)), 2);
+    }
+
+    #[test]
+    fn the_fleet_window_is_at_least_one_call_and_at_most_the_key_limit() {
+        let w = Window::new(Duration::from_secs(60));
+        assert_eq!(w.fleet(4), 2, "starts at two calls for the whole fleet");
+        // Three replicas share the fleet's two calls: 1, 1, 0 — never 2 each.
+        let live = ids(3);
+        let fleet = w.fleet(4);
+        assert_eq!(live.iter().map(|me| share(fleet, &live, me)).sum::<u32>(), 2);
+        let mut grown = w;
+        for t in 0..10 {
+            grown.on_success(4, t);
+        }
+        assert_eq!(grown.fleet(4), 4, "slow start stops at the key's limit");
+        let mut cut = grown;
+        cut.on_rate_limited(100, 50, Duration::from_secs(1));
+        assert_eq!(cut.fleet(4), 2);
+        assert!(cut.differs(&grown));
+        let mut again = cut;
+        again.on_rate_limited(200, 60, Duration::from_secs(1));
+        assert!(!again.differs(&cut), "a 429 of the same event changes nothing to tell");
     }
 
     #[test]

@@ -207,6 +207,8 @@ async fn admit(
 ) -> Option<Admitted> {
     let mut heartbeat = tokio::time::interval(lease / 3);
     heartbeat.tick().await;
+    // While here, the tenant counts as wanting calls (its weighted share is kept for it).
+    let _waiting = quota.waiting(&l.scope);
     let mut ticket: Option<u64> = None;
     let hand_back = |ticket: Option<u64>| {
         if let Some(t) = ticket {

@@ -24,7 +24,7 @@ use crate::metrics::Metrics;
 use crate::provider::Provider;
 use crate::provider::builtin::BuiltinAnalyzer;
 use crate::provider::openai::OpenAiProvider;
-use crate::quota::{Quota, Scope};
+use crate::quota::{KeyConfig, Quota, Scope};
 use crate::schedule::{Backlog, LaneLoop, Slots, serve};
 use crate::worker::Worker;
 
@@ -78,10 +78,12 @@ pub async fn build_with_provider(
         connect_region(&config.nats_url, config.region, "reviewlane-extractor", &LayoutConfig::default()).await?;
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
+    let mut weights = HashMap::new();
     for tenant in config.tenants.iter().filter(|t| t.region == config.region) {
         if let Some(l) = tenant.scope_limit {
             limits.insert(tenant.id.clone(), l);
         }
+        weights.insert(tenant.id.clone(), tenant.weight);
         let scope = Scope {
             provider: provider.name().to_string(),
             model_class: config.model_class.clone(),
@@ -109,11 +111,16 @@ pub async fn build_with_provider(
     }
     let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let clock = reviewlane_shared::clock::system();
+    let key = KeyConfig {
+        key: KeyConfig::token(provider.name(), &config.key_id),
+        limit: config.key_limit,
+        tenant_limits: limits,
+        weights,
+    };
     let quota = Quota::new(
         conn.layout.quota.clone(),
         conn.client.clone(),
-        config.scope_limit,
-        limits,
+        key,
         config.heartbeat,
         config.probe_every,
         clock.clone(),
@@ -159,7 +166,13 @@ impl App {
         let mut streams: Vec<String> = Lane::ALL.iter().map(|l| layout::lane_stream(self.config.region, *l)).collect();
         streams.push(layout::findings_stream(self.config.region));
         streams.push(format!("KV_{}", layout::jobs_bucket(self.config.region)));
-        let ready = reviewlane_shared::admin::nats_ready(self.client.clone(), streams);
+        let nats = reviewlane_shared::admin::nats_ready(self.client.clone(), streams);
+        // Ready once NATS is and the replica has warmed up (the others have seen it).
+        let quota = self.quota.clone();
+        let ready: reviewlane_shared::admin::Ready = std::sync::Arc::new(move || {
+            let (nats, quota) = (nats.clone(), quota.clone());
+            Box::pin(async move { quota.warmed_up() && nats().await })
+        });
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
         let slots = Slots::new(self.config.concurrency, changed);
@@ -263,7 +276,7 @@ async fn sample(
     loop {
         tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
         for scope in &scopes {
-            metrics.scope(scope, quota.in_flight(scope), quota.allowance(scope));
+            metrics.scope(scope, quota.in_flight(scope), quota.fair_share(scope));
         }
         for lane in Lane::ALL {
             let Ok(mut stream) = js.get_stream(layout::lane_stream(region, lane)).await else { continue };

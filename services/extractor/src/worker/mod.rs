@@ -216,7 +216,7 @@ impl Worker {
                     Err(()) => Decision::Retry { budget: Budget::Schema, hint: None, status },
                 };
                 // Kept (or ended): now the shared scope state may learn from the answer.
-                self.quota.succeeded(job.scope, started_ms);
+                self.quota.succeeded(job.scope, started_ms).await;
                 if let Some(u) = usage {
                     self.metrics.tokens(&job.review.tenant, u);
                 }
