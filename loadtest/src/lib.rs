@@ -7,6 +7,7 @@ pub mod corpus;
 pub mod http;
 pub mod load;
 pub mod procs;
+pub mod replicas;
 pub mod scenarios;
 pub mod simprovider;
 pub mod stack;

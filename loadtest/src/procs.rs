@@ -187,6 +187,11 @@ pub struct ProcStack {
     /// Each service's admin address (`/metrics`, `/healthz`, `/readyz`).
     pub admin: Vec<(String, SocketAddr)>,
     work: tempfile::TempDir,
+    /// How an extractor of each region is started (all but its admin port and key), and
+    /// how many have been.
+    extractor_env: BTreeMap<Region, Vec<(String, String)>>,
+    extractors_started: BTreeMap<Region, usize>,
+    bins: PathBuf,
 }
 
 /// A free loopback port (for a child process to bind).
@@ -238,6 +243,7 @@ impl ProcStack {
             ],
             &log("ingress"),
         )?];
+        let mut extractor_env = BTreeMap::new();
         for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
             let r = region.as_str();
             let common = [
@@ -245,16 +251,12 @@ impl ProcStack {
                 ("REVIEWLANE_NATS_URL", rs.nats.url().into()),
                 ("REVIEWLANE_TENANTS_FILE", tf.clone()),
             ];
-            for n in 0..opts.extractors {
-                let name = format!("extractor-{r}{}", if n == 0 { String::new() } else { format!("-{n}") });
-                let mut env = common.to_vec();
-                env.push(("REVIEWLANE_ADMIN_ADDR", admin_addr(&name)?));
-                env.extend([
+            let mut env: Vec<(String, String)> = common.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+            env.extend(
+                [
                     ("REVIEWLANE_PROVIDER", "openai".into()),
                     ("REVIEWLANE_OPENAI_BASE_URL", rs.provider.base_url()),
                     ("REVIEWLANE_OPENAI_MODEL", "sim".into()),
-                    // One key per replica, so the provider can tell the callers apart.
-                    ("REVIEWLANE_OPENAI_API_KEY", format!("sk-load-{n}")),
                     ("REVIEWLANE_PROVIDER_REGION", r.into()),
                     ("REVIEWLANE_CONCURRENCY", opts.extractor_concurrency.to_string()),
                     ("REVIEWLANE_KEY_LIMIT", opts.key_limit.to_string()),
@@ -263,14 +265,10 @@ impl ProcStack {
                     ("REVIEWLANE_BACKOFF_BASE_MS", "200".into()),
                     ("REVIEWLANE_BACKOFF_CAP_SECS", "2".into()),
                     ("REVIEWLANE_SHUTDOWN_GRACE_SECS", opts.shutdown_grace.as_secs().max(1).to_string()),
-                ]);
-                services.push(Service::start(
-                    &bins.join("reviewlane-extractor"),
-                    &name,
-                    &env,
-                    &log(&format!("extractor-{r}-{n}")),
-                )?);
-            }
+                ]
+                .map(|(k, v): (&str, String)| (k.to_string(), v)),
+            );
+            extractor_env.insert(region, env);
             let mut env = common.to_vec();
             env.push(("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", "1".into()));
             env.push(("REVIEWLANE_PUBLISH_LEASE_SECS", opts.publish_lease.as_secs().max(2).to_string()));
@@ -283,9 +281,56 @@ impl ProcStack {
                 &log(&format!("publisher-{r}")),
             )?);
         }
-        let stack = ProcStack { us, eu, webhook, ingress: format!("127.0.0.1:{port}").parse()?, services, admin, work };
+        let mut stack = ProcStack {
+            us,
+            eu,
+            webhook,
+            ingress: format!("127.0.0.1:{port}").parse()?,
+            services,
+            admin,
+            work,
+            extractor_env,
+            extractors_started: BTreeMap::new(),
+            bins,
+        };
+        for region in Region::ALL {
+            for _ in 0..opts.extractors {
+                stack.spawn_extractor(region)?;
+            }
+        }
         stack.wait_serving().await?;
         Ok(stack)
+    }
+
+    /// Starts one more extractor of `region` (named `extractor-<r>`, then
+    /// `extractor-<r>-<n>`; it calls the provider with key `sk-load-<n>`, so the provider
+    /// can tell the replicas apart); its name.
+    pub fn spawn_extractor(&mut self, region: Region) -> anyhow::Result<String> {
+        let r = region.as_str();
+        let n = *self.extractors_started.entry(region).and_modify(|n| *n += 1).or_insert(0);
+        let name = format!("extractor-{r}{}", if n == 0 { String::new() } else { format!("-{n}") });
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        self.admin.push((name.clone(), admin));
+        let mut env: Vec<(&str, String)> =
+            self.extractor_env[&region].iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        env.push(("REVIEWLANE_ADMIN_ADDR", admin.to_string()));
+        env.push(("REVIEWLANE_OPENAI_API_KEY", format!("sk-load-{n}")));
+        let log = self.work.path().join(format!("extractor-{r}-{n}.log"));
+        self.services.push(Service::start(&self.bins.join("reviewlane-extractor"), &name, &env, &log)?);
+        Ok(name)
+    }
+
+    /// Waits until the extractor `name` is ready (warmed up), at most 30 s.
+    pub async fn wait_ready(&self, name: &str) -> anyhow::Result<()> {
+        let addr = self.admin_of(name).context("no such service")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !crate::stack::http_status_ok(addr, "/readyz").await {
+            if Instant::now() > deadline {
+                bail!("{name} not ready in 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
     }
 
     /// Waits until the ingress answers gRPC (health) and the extractors' consumers exist.

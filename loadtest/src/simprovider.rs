@@ -273,6 +273,15 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         },
     };
     let now = st.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+    // Counted out when the call ends, or when its caller goes away mid-call (the
+    // connection closes and this handler is dropped).
+    struct Running<'a>(&'a AtomicUsize);
+    impl Drop for Running<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let running = Running(&st.in_flight);
     {
         let mut s = st.stats.lock().expect("stats lock");
         s.max_concurrent = s.max_concurrent.max(now);
@@ -281,7 +290,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     let began = st.started.elapsed().as_millis() as u64;
     let started_unix_ms = reviewlane_shared::telemetry::now_ms();
     tokio::time::sleep(st.config.latency).await;
-    st.in_flight.fetch_sub(1, Ordering::SeqCst);
+    drop(running);
     st.stats.lock().expect("stats lock").call_spans_ms.push((began, st.started.elapsed().as_millis() as u64));
 
     let output = match scripted {

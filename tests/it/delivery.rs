@@ -84,7 +84,7 @@ async fn a_publisher_that_died_after_claiming_is_taken_over_once_its_claim_expir
     assert_eq!((p.state, p.attempts), (PublicationState::Published, 2));
     assert_ne!(p.owner, "dead");
     let mut client = stack.client().await;
-    assert_eq!(get(&mut client, US_KEY, &rec.job_id).await.unwrap().state, JobState::Published as i32);
+    assert_eq!(wait_final(&mut client, US_KEY, &rec.job_id).await.state, JobState::Published as i32);
     stack.shutdown().await;
 }
 

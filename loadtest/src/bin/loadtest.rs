@@ -20,7 +20,26 @@ use loadtest::stack::Stack;
 
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
-    format!("usage: loadtest <{}|chaos> [--jobs N] [--secs N] [--in-process]", names.join("|"))
+    format!("usage: loadtest <{}|chaos|replicas> [--jobs N] [--secs N] [--in-process]", names.join("|"))
+}
+
+/// `replicas`: three extractor processes sharing one provider key.
+async fn replicas() -> anyhow::Result<()> {
+    let cfg = loadtest::replicas::ReplicasConfig::full();
+    loadtest::procs::ensure_nats_server()?;
+    ensure_built()?;
+    let mut stack = ProcStack::start(cfg.options()).await?;
+    let report = loadtest::replicas::run(&mut stack, &cfg).await;
+    stack.keep_logs();
+    println!("  service logs: {}", stack.log_dir().display());
+    let _ = stack.shutdown();
+    let report = report?;
+    loadtest::replicas::print(&report);
+    println!("{}", serde_json::to_string(&report)?);
+    if report.lost > 0 || report.paid_twice > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 /// `chaos`: the services as processes, killed, frozen and restarted under load.
@@ -53,6 +72,9 @@ async fn main() -> anyhow::Result<()> {
             _ => bail!(usage()),
         };
         return chaos(jobs).await;
+    }
+    if args.first().map(String::as_str) == Some("replicas") {
+        return replicas().await;
     }
     let Some(scenario) = args.first().and_then(|a| Scenario::parse(a)) else { bail!(usage()) };
     let mut over = Overrides::default();

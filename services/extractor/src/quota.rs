@@ -136,6 +136,24 @@ impl Window {
         (self.window.floor().max(1.0) as u32).min(limit.max(1))
     }
 
+    /// Two replicas' views of the same key's window, as one: the later congestion event
+    /// wins; within the same event, the most growth (each replica grows the window by its
+    /// own successes).
+    pub fn merged(&self, other: &Window) -> Window {
+        if self.last_decrease_ms != other.last_decrease_ms {
+            return if self.last_decrease_ms > other.last_decrease_ms { *self } else { *other };
+        }
+        let mut m = if self.window >= other.window { *self } else { *other };
+        m.stable = self.stable.max(other.stable);
+        m.slow_start = self.slow_start && other.slow_start;
+        m.in_event = self.in_event && other.in_event;
+        m.event_end_ms = self.event_end_ms.max(other.event_end_ms);
+        m.event_until_ms = self.event_until_ms.max(other.event_until_ms);
+        m.last_probe_ms = self.last_probe_ms.max(other.last_probe_ms);
+        m.at_level = self.at_level.max(other.at_level);
+        m
+    }
+
     /// Whether a change from `before` is worth telling the fleet: the level, the level
     /// that held, or the congestion-event state.
     pub fn differs(&self, before: &Window) -> bool {
@@ -151,6 +169,14 @@ impl Window {
     /// 429s of calls started before the last decrease, or arriving during its pause,
     /// are the same congestion event.
     pub fn on_rate_limited(&mut self, now_ms: u64, started_ms: u64, pause: Duration) {
+        self.on_rate_limited_under(now_ms, started_ms, pause, u32::MAX);
+    }
+
+    /// As `on_rate_limited`, knowing the key's configured `limit`: a first 429 while the
+    /// window is at that limit is congestion at a level that holds (a burst of another
+    /// client of the account, or the fleet's own overshoot while shares move), not a
+    /// limit learned: halve, and regain the limit by additive increase.
+    pub fn on_rate_limited_under(&mut self, now_ms: u64, started_ms: u64, pause: Duration, limit: u32) {
         if self.in_event
             || started_ms < self.last_decrease_ms
             || started_ms < self.event_end_ms
@@ -160,7 +186,10 @@ impl Window {
         }
         self.event_until_ms = now_ms + pause.as_millis() as u64;
         let halved = (self.window.floor() / 2.0).ceil().max(1.0);
-        if self.stable < 1.0 {
+        if self.stable < 1.0 && self.window.floor() >= f64::from(limit) {
+            self.window = halved;
+            self.stable = f64::from(limit);
+        } else if self.stable < 1.0 {
             self.window = halved;
             self.stable = halved;
         } else if self.window.floor() > self.stable {
@@ -232,6 +261,9 @@ struct Pause {
 #[derive(Debug, Serialize, Deserialize)]
 struct Heartbeat {
     at_ms: u64,
+    /// Calls this replica had running on the key when it beat.
+    #[serde(default)]
+    in_flight: u32,
 }
 
 struct State {
@@ -241,6 +273,8 @@ struct State {
     /// The key's fleet window, as last read or written.
     window: Window,
     live: Vec<String>,
+    /// Calls the other live replicas reported running at their last heartbeat.
+    others_in_flight: u32,
     /// Until this time the replica only heartbeats: the others must see it before it
     /// takes a share.
     warm_until_ms: u64,
@@ -349,6 +383,7 @@ impl Quota {
                 circuit_until_ms: 0,
                 window: Window::new(probe_every),
                 live: vec![me],
+                others_in_flight: 0,
                 warm_until_ms: 0,
                 in_flight: HashMap::new(),
                 waiting: HashMap::new(),
@@ -437,7 +472,9 @@ impl Quota {
 
     fn note_window(&self, value: &[u8]) {
         let Ok(w) = serde_json::from_slice::<Window>(value) else { return };
-        self.state.lock().expect("quota lock").window = w;
+        let mut st = self.state.lock().expect("quota lock");
+        st.window = w.merged(&st.window);
+        drop(st);
         self.changed.notify_waiters();
     }
 
@@ -456,7 +493,8 @@ impl Quota {
     }
 
     async fn beat(&self) -> Result<(), async_nats::Error> {
-        let v = serde_json::to_vec(&Heartbeat { at_ms: self.now_ms() })?;
+        let in_flight = self.state.lock().expect("quota lock").in_flight.values().sum();
+        let v = serde_json::to_vec(&Heartbeat { at_ms: self.now_ms(), in_flight })?;
         self.kv.put(format!("{REPLICA_PREFIX}{}", self.me), v.into()).await?;
         Ok(())
     }
@@ -466,12 +504,21 @@ impl Quota {
         let stale_after = 3 * self.heartbeat.as_millis() as u64;
         let now = self.now_ms();
         let mut live = Vec::new();
+        let mut others_in_flight = 0;
+        // A partial read would shrink the ranks and inflate this replica's share: any
+        // error keeps the previous view instead.
         let mut keys = self.kv.keys().await?;
-        while let Some(Ok(key)) = keys.next().await {
+        while let Some(key) = keys.next().await {
+            let key = key?;
             let Some(id) = key.strip_prefix(REPLICA_PREFIX) else { continue };
-            let Ok(Some(v)) = self.kv.get(&key).await else { continue };
+            let Some(v) = self.kv.get(&key).await? else { continue };
             match serde_json::from_slice::<Heartbeat>(&v) {
-                Ok(h) if now.saturating_sub(h.at_ms) <= stale_after => live.push(id.to_string()),
+                Ok(h) if now.saturating_sub(h.at_ms) <= stale_after => {
+                    if id != self.me {
+                        others_in_flight += h.in_flight;
+                    }
+                    live.push(id.to_string());
+                }
                 // Long dead: tidy up.
                 Ok(h) if now.saturating_sub(h.at_ms) > 20 * stale_after => {
                     let _ = self.kv.delete(&key).await;
@@ -485,6 +532,7 @@ impl Quota {
         live.sort();
         let others = live.len() - 1;
         let mut st = self.state.lock().expect("quota lock");
+        st.others_in_flight = others_in_flight;
         if st.live != live {
             st.live = live;
             drop(st);
@@ -500,12 +548,15 @@ impl Quota {
         (until > now).then(|| Duration::from_millis(until - now))
     }
 
-    /// This replica's share of the key's fleet window (0 while warming up).
+    /// This replica's share of the key's fleet window (0 while warming up), and never
+    /// more than the others leave free by their last heartbeats: while shares move (a
+    /// replica joined or left), calls the others still run count against the window.
     fn key_allowance(&self, st: &State) -> u32 {
         if self.now_ms() < st.warm_until_ms {
             return 0;
         }
-        share(st.window.fleet(self.key_limit), &st.live, &self.me)
+        let fleet = st.window.fleet(self.key_limit);
+        share(fleet, &st.live, &self.me).min(fleet.saturating_sub(st.others_in_flight))
     }
 
     fn tenant_cap(&self, st: &State, tenant: &str) -> Option<u32> {
@@ -623,11 +674,11 @@ impl Quota {
     /// Applies `event` to the key's window here and, when the fleet should know, to the
     /// shared entry (compare-and-set on the entry as read, re-applied on a conflict).
     async fn update_window(&self, event: impl Fn(&mut Window)) -> Result<(), async_nats::Error> {
-        let differs = {
+        let (differs, local) = {
             let mut st = self.state.lock().expect("quota lock");
             let before = st.window;
             event(&mut st.window);
-            st.window.differs(&before)
+            (st.window.differs(&before), st.window)
         };
         if !differs {
             return Ok(());
@@ -644,6 +695,7 @@ impl Quota {
             };
             if revision.is_some() {
                 event(&mut shared);
+                shared = shared.merged(&local);
             }
             let value: bytes::Bytes = serde_json::to_vec(&shared)?.into();
             let written = match revision {
@@ -662,7 +714,9 @@ impl Quota {
             };
             match written {
                 Ok(()) => {
-                    self.state.lock().expect("quota lock").window = shared;
+                    let mut st = self.state.lock().expect("quota lock");
+                    st.window = shared.merged(&st.window);
+                    drop(st);
                     self.changed.notify_waiters();
                     return Ok(());
                 }
@@ -677,7 +731,8 @@ impl Quota {
     /// replica (keeping a later pause), and narrows the fleet's window once per event.
     pub async fn rate_limited(&self, scope: &Scope, pause: Duration, started_ms: u64) -> Result<(), async_nats::Error> {
         let now = self.now_ms();
-        self.update_window(|w| w.on_rate_limited(now, started_ms, pause)).await?;
+        let limit = self.key_limit;
+        self.update_window(|w| w.on_rate_limited_under(now, started_ms, pause, limit)).await?;
         self.pause(scope, pause).await
     }
 
@@ -894,6 +949,33 @@ mod tests {
         let mut again = cut;
         again.on_rate_limited(200, 60, Duration::from_secs(1));
         assert!(!again.differs(&cut), "a 429 of the same event changes nothing to tell");
+    }
+
+    #[test]
+    fn a_first_429_at_the_known_limit_is_regained_without_waiting_for_a_probe() {
+        let mut w = Window::new(Duration::from_secs(60));
+        for t in 0..10 {
+            w.on_success(4, t);
+        }
+        assert_eq!(w.fleet(4), 4);
+        w.on_rate_limited_under(1_000, 990, Duration::from_secs(1), 4);
+        assert_eq!(w.fleet(4), 2);
+        let mut t = 2_000;
+        while w.fleet(4) < 4 && t < 2_100 {
+            w.on_call_success(4, t, t);
+            t += 1;
+        }
+        assert_eq!(w.fleet(4), 4, "regained by additive increase, in {} successes", t - 2_000);
+        assert!(t - 2_000 <= 8);
+        // Below the known limit the first 429 teaches the level, as before.
+        let mut learn = Window::new(Duration::from_secs(60));
+        learn.on_success(8, 0);
+        learn.on_rate_limited_under(1_000, 990, Duration::from_secs(1), 8);
+        assert_eq!(learn.fleet(8), 2);
+        for t in 2_000..2_050 {
+            learn.on_call_success(8, t, t);
+        }
+        assert_eq!(learn.fleet(8), 2, "holds until a probe");
     }
 
     #[test]
