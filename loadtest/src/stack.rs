@@ -118,6 +118,8 @@ region = "us"
 api_key_sha256 = ["{us}"]
 sink = {{ kind = "webhook", url = "{url}", secret = "{us_secret}" }}
 allow_private_webhook = true
+# The whole lane: the tests of a full lane fill it with this tenant alone.
+lane_share = 1.0
 
 [[tenants]]
 id = "beta"

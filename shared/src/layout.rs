@@ -26,6 +26,11 @@ pub fn lane_filter(r: Region, lane: Lane, tenant: &str) -> String {
 pub fn lane_subject(r: Region, lane: Lane, tenant: &str, job_id: &str) -> String {
     format!("reviews.{}.{}.{}.{}", r.as_str(), lane.as_str(), tenant, job_id)
 }
+/// The extractor's durable consumer of one tenant's reviews on a lane; the ingress reads
+/// its counts (waiting, in progress) for per-tenant admission.
+pub fn lane_consumer(lane: Lane, tenant: &str) -> String {
+    format!("extractor-{}-{}", lane.as_str(), tenant)
+}
 pub fn findings_stream(r: Region) -> String {
     format!("FINDINGS_{}", r.upper())
 }

@@ -12,6 +12,7 @@
 //! scope_limit = 4               # optional: provider calls in flight, all replicas
 //! # or: sink = { kind = "file", dir = "/var/lib/reviewlane/acme" }   # one <job id>.json per job
 //! allow_private_webhook = false # optional: let the webhook point at loopback/private addresses
+//! lane_share = 0.5              # optional: share of each lane's bound (default: equal among the region's tenants)
 //! ```
 
 use std::collections::HashMap;
@@ -65,6 +66,10 @@ pub struct Tenant {
     /// default from the extractor's configuration.
     #[serde(default)]
     pub scope_limit: Option<u32>,
+    /// This tenant's share of each lane's bound (0 to 1): reviews it may have queued on a
+    /// lane. Default: an equal share among the region's tenants.
+    #[serde(default)]
+    pub lane_share: Option<f64>,
     /// Whether the webhook may point at loopback, private, link-local or metadata
     /// addresses (local stacks, in-cluster receivers). Off: such targets are refused.
     #[serde(default)]
@@ -135,6 +140,9 @@ impl Tenants {
             }
             if !(1..=16).contains(&tenant.weight) {
                 errors.push(format!("tenant `{}`: weight must be 1 to 16", tenant.id));
+            }
+            if tenant.lane_share.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
+                errors.push(format!("tenant `{}`: lane_share must be above 0 and at most 1", tenant.id));
             }
             if tenant.max_diff_bytes == Some(0) {
                 errors.push(format!("tenant `{}`: max_diff_bytes must be positive", tenant.id));

@@ -271,3 +271,51 @@ async fn a_slow_lane_with_a_short_window_degrades_then_refuses() {
     assert_eq!(d.review_depth, reviewlane_shared::job::ReviewDepth::ChangedHunks, "labelled in the delivery");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_tenant_is_refused_while_another_is_still_admitted_and_served() {
+    use reviewlane_ingress::admission::LanePolicy;
+
+    // About 2.5 reviews/s served; a 1 s window, degraded service up to 3 s predicted.
+    let policy = LanePolicy { window: Duration::from_secs(1), degrade_factor: 3.0, min_waiting: 2 };
+    let stack = Stack::start_with(StackOptions {
+        extractor_concurrency: 1,
+        us_provider: SimConfig { latency: Duration::from_millis(400), ..Default::default() },
+        interactive_policy: Some((policy, Duration::from_millis(100))),
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    // Tenant acme floods until it is refused.
+    let mut flood = Vec::new();
+    let mut refused = false;
+    for i in 0..80 {
+        match client.submit_review(submit_req(US_KEY, &format!("flood-{i}"), &sample_diff(&format!("f{i}")))).await {
+            Ok(r) => flood.push(r.into_inner().review.unwrap().job_id),
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+                refused = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused, "the flooding tenant was never refused ({} accepted)", flood.len());
+    // Tenant beta is still admitted, and served while acme's backlog is still there.
+    let mut others = Vec::new();
+    for i in 0..2 {
+        let r = client.submit_review(submit_req(US2_KEY, &format!("small-{i}"), &sample_diff(&format!("s{i}")))).await;
+        others.push(r.expect("the other tenant is admitted").into_inner().review.unwrap().job_id);
+    }
+    for id in &others {
+        assert_eq!(wait_final(&mut client, US2_KEY, id).await.state, JobState::Published as i32);
+    }
+    let mut open = 0;
+    for id in &flood {
+        if get(&mut client, US_KEY, id).await.unwrap().state != JobState::Published as i32 {
+            open += 1;
+        }
+    }
+    assert!(open > 0, "the other tenant waited for the whole flood");
+    stack.shutdown().await;
+}

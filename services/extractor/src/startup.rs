@@ -41,7 +41,7 @@ pub struct App {
 }
 
 pub fn consumer_name(lane: Lane, tenant: &str) -> String {
-    format!("extractor-{}-{}", lane.as_str(), tenant)
+    layout::lane_consumer(lane, tenant)
 }
 
 pub async fn build(config: ExtractorConfig) -> Result<App, StartError> {

@@ -1,7 +1,10 @@
-//! Admission: predicted queue age of a lane (reviews waiting / recent throughput, both
-//! from stream metadata, never content) against the lane's window decides whether a
-//! review is accepted, accepted at reduced depth (`changed_hunks`), or refused with a
-//! retry delay. The decision is a pure function; `Sampler` keeps its inputs current.
+//! Admission, per tenant: a tenant's predicted queue age (its reviews waiting on the lane
+//! / its weighted share of the lane's recent throughput, all from stream and consumer
+//! metadata, never content) against the lane's window decides whether its review is
+//! accepted, accepted at reduced depth (`changed_hunks`), or refused with a retry
+//! delay; and a tenant may hold at most its share of the lane's bound. So a flooding
+//! tenant is refused while the others are still admitted. The decisions are pure
+//! functions; `Sampler` keeps their inputs current.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -52,6 +55,24 @@ pub fn decide(waiting: u64, per_sec: Option<f64>, p: &LanePolicy) -> Decision {
     }
 }
 
+/// A tenant's decision: `decide` on its own reviews waiting, against its weighted share
+/// of the lane's throughput (`weight` of the `active_weight` of the tenants with work
+/// waiting, itself included) — and a refusal once it holds `bound` reviews on the lane.
+pub fn decide_for_tenant(
+    waiting: u64,
+    bound: u64,
+    lane_per_sec: Option<f64>,
+    weight: u32,
+    active_weight: u32,
+    p: &LanePolicy,
+) -> Decision {
+    if waiting >= bound {
+        return Decision::Refuse { retry_after: p.window.clamp(Duration::from_secs(1), Duration::from_secs(30)) };
+    }
+    let share = f64::from(weight.max(1)) / f64::from(active_weight.max(weight).max(1));
+    decide(waiting, lane_per_sec.map(|r| r * share), p)
+}
+
 /// Throughput of a work-queue stream from its metadata: reviews removed (done or
 /// dead-lettered) = last sequence - messages still there, over a sliding horizon of
 /// busy samples. Idle time (nothing waiting, nothing removed) is left out, so the rate
@@ -68,16 +89,44 @@ struct LaneSample {
 /// Rates are measured over this much busy time.
 const HORIZON: Duration = Duration::from_secs(10);
 
-/// Keeps (waiting, throughput) per (region, lane) fresh.
+/// (region, lane, tenant).
+type TenantLane = (Region, Lane, String);
+
+/// Keeps (waiting, throughput) per (region, lane), and waiting per tenant, fresh.
 #[derive(Clone, Default)]
 pub struct Sampler {
     lanes: Arc<Mutex<HashMap<(Region, Lane), LaneSample>>>,
+    /// Reviews of a tenant on a lane (not yet done: waiting or in progress).
+    tenants: Arc<Mutex<HashMap<TenantLane, u64>>>,
+    /// Each lane's bound (its stream's maximum messages).
+    bounds: Arc<Mutex<HashMap<(Region, Lane), u64>>>,
+}
+
+/// What a tenant's admission needs to know.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantView {
+    pub waiting: u64,
+    pub lane_per_sec: Option<f64>,
+    pub lane_bound: u64,
+    /// Weights of the tenants with work on the lane (this one excluded).
+    pub others_active_weight: u32,
 }
 
 impl Sampler {
     pub fn get(&self, region: Region, lane: Lane) -> (u64, Option<f64>) {
         let l = self.lanes.lock().expect("sampler lock");
         l.get(&(region, lane)).map(|s| (s.waiting, s.per_sec)).unwrap_or((0, None))
+    }
+
+    /// The view of `tenant` on a lane; `weights` of the region's tenants.
+    pub fn tenant(&self, region: Region, lane: Lane, tenant: &str, weights: &[(String, u32)]) -> TenantView {
+        let (_, lane_per_sec) = self.get(region, lane);
+        let t = self.tenants.lock().expect("sampler lock");
+        let waiting_of = |id: &str| t.get(&(region, lane, id.to_string())).copied().unwrap_or(0);
+        let others_active_weight =
+            weights.iter().filter(|(id, _)| id != tenant && waiting_of(id) > 0).map(|(_, w)| *w).sum();
+        let lane_bound = self.bounds.lock().expect("sampler lock").get(&(region, lane)).copied().unwrap_or(u64::MAX);
+        TenantView { waiting: waiting_of(tenant), lane_per_sec, lane_bound, others_active_weight }
     }
 
     fn record(&self, region: Region, lane: Lane, messages: u64, last_seq: u64, now: Instant) {
@@ -106,8 +155,16 @@ impl Sampler {
         }
     }
 
-    /// Samples every lane of `region` every `period` until `stop`.
-    pub async fn run(self, region: Region, js: jetstream::Context, period: Duration, stop: CancellationToken) {
+    /// Samples every lane of `region`, and each of `tenants`' reviews on it (from the
+    /// extractor's consumer of that tenant), every `period` until `stop`.
+    pub async fn run(
+        self,
+        region: Region,
+        js: jetstream::Context,
+        tenants: Vec<String>,
+        period: Duration,
+        stop: CancellationToken,
+    ) {
         let mut tick = tokio::time::interval(period);
         loop {
             tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
@@ -116,6 +173,23 @@ impl Sampler {
                     Ok(mut s) => {
                         if let Ok(info) = s.info().await {
                             self.record(region, lane, info.state.messages, info.state.last_sequence, Instant::now());
+                            let bound = u64::try_from(info.config.max_messages).unwrap_or(u64::MAX);
+                            self.bounds.lock().expect("sampler lock").insert((region, lane), bound);
+                        }
+                        for tenant in &tenants {
+                            let Ok(mut c) = s
+                                .get_consumer::<jetstream::consumer::pull::Config>(&layout::lane_consumer(lane, tenant))
+                                .await
+                            else {
+                                continue;
+                            };
+                            if let Ok(info) = c.info().await {
+                                let waiting = info.num_pending + info.num_ack_pending as u64;
+                                self.tenants
+                                    .lock()
+                                    .expect("sampler lock")
+                                    .insert((region, lane, tenant.clone()), waiting);
+                            }
                         }
                     }
                     Err(e) => tracing::warn!(error = %e, region = %region, lane = lane.as_str(), "lane sample failed"),
@@ -144,6 +218,22 @@ mod tests {
         assert_eq!(decide(5, Some(0.0), &P), Decision::Refuse { retry_after: Duration::from_secs(10) });
         // Retry delay bounded by the window.
         assert_eq!(decide(10_000, Some(1.0), &P), Decision::Refuse { retry_after: Duration::from_secs(10) });
+    }
+
+    #[test]
+    fn a_flooding_tenant_is_refused_while_another_is_admitted() {
+        // The lane serves 1 review/s; two tenants of equal weight have work.
+        let rate = Some(1.0);
+        // The flooder: 40 waiting against half the throughput: 80 s predicted.
+        assert!(matches!(decide_for_tenant(40, 1_000, rate, 1, 2, &P), Decision::Refuse { .. }));
+        // The other: 3 waiting: accepted.
+        assert_eq!(decide_for_tenant(3, 1_000, rate, 1, 2, &P), Decision::Accept);
+        // Alone, a tenant has the whole throughput: 15 waiting is 15 s, degraded.
+        assert_eq!(decide_for_tenant(15, 1_000, rate, 1, 1, &P), Decision::Degrade);
+        // A weight of 3 against 1: three quarters of the throughput.
+        assert_eq!(decide_for_tenant(7, 1_000, rate, 3, 4, &P), Decision::Accept);
+        // Its share of the lane's bound is full: refused whatever the prediction.
+        assert!(matches!(decide_for_tenant(50, 50, None, 1, 1, &P), Decision::Refuse { .. }));
     }
 
     #[test]

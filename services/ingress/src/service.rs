@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument, instrument};
 
-use crate::admission::{Decision, LanePolicy, Sampler, decide};
+use crate::admission::{Decision, LanePolicy, Sampler, decide_for_tenant};
 use crate::auth::Authenticator;
 use crate::error::ApiError;
 use crate::rpc::Metrics;
@@ -60,6 +60,8 @@ pub struct ReviewApi {
     auth: Authenticator,
     metrics: Metrics,
     faults: Faults,
+    /// Per region: each tenant's weight (for its share of the lane's throughput).
+    weights: Arc<BTreeMap<Region, Vec<(String, u32)>>>,
 }
 
 impl ReviewApi {
@@ -81,7 +83,18 @@ impl ReviewApi {
             auth,
             metrics,
             faults: Faults::default(),
+            weights: Arc::default(),
         }
+    }
+
+    /// The tenants whose shares of each lane admission weighs.
+    pub fn with_tenants(mut self, tenants: &reviewlane_shared::tenants::Tenants) -> Self {
+        let mut weights: BTreeMap<Region, Vec<(String, u32)>> = BTreeMap::new();
+        for t in tenants.iter() {
+            weights.entry(t.region).or_default().push((t.id.clone(), t.weight));
+        }
+        self.weights = Arc::new(weights);
+        self
     }
 
     /// The same API checking `faults` (tests; no-ops unless built with `fault-hooks`).
@@ -90,10 +103,23 @@ impl ReviewApi {
         self
     }
 
-    fn admission(&self, region: Region, lane: reviewlane_shared::Lane) -> Decision {
-        let (waiting, per_sec) = self.sampler.get(region, lane);
+    /// The tenant's admission on a lane: its own reviews waiting against its weighted
+    /// share of the lane's throughput, and its share of the lane's bound.
+    fn admission(&self, tenant: &Tenant, lane: reviewlane_shared::Lane) -> Decision {
+        let region = tenant.region;
+        let weights = self.weights.get(&region).map(Vec::as_slice).unwrap_or_default();
+        let view = self.sampler.tenant(region, lane, &tenant.id, weights);
         let policy = &self.policies[usize::from(lane == reviewlane_shared::Lane::Batch)];
-        let d = decide(waiting, per_sec, policy);
+        let share = tenant.lane_share.unwrap_or(1.0 / weights.len().max(1) as f64);
+        let bound = if view.lane_bound == u64::MAX { u64::MAX } else { (view.lane_bound as f64 * share) as u64 };
+        let d = decide_for_tenant(
+            view.waiting,
+            bound.max(1),
+            view.lane_per_sec,
+            tenant.weight,
+            view.others_active_weight + tenant.weight,
+            policy,
+        );
         let name = match d {
             Decision::Accept => "accept",
             Decision::Degrade => "degrade",
@@ -176,7 +202,7 @@ impl ReviewApi {
             metadata.head_revision.as_bytes(),
         ]);
         // Admission on predicted queue age; a retry of a job we hold is answered anyway.
-        let depth = match self.admission(region, lane) {
+        let depth = match self.admission(tenant, lane) {
             Decision::Accept => ReviewDepth::Full,
             Decision::Degrade => ReviewDepth::ChangedHunks,
             Decision::Refuse { retry_after } => match handle.jobs.get(&id).await? {
@@ -185,7 +211,10 @@ impl ReviewApi {
                 }
                 _ => {
                     tracing::info!(retry_after_ms = retry_after.as_millis() as u64, "refused: lane over its window");
-                    return Err(ApiError::ResourceExhausted { what: "lane is over its service window", retry_after });
+                    return Err(ApiError::ResourceExhausted {
+                        what: "the tenant's share of the lane is over its service window",
+                        retry_after,
+                    });
                 }
             },
         };

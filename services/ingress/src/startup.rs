@@ -58,7 +58,9 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     let shutdown = CancellationToken::new();
     let sampler = Sampler::default();
     for (region, handle) in &regions {
-        tokio::spawn(sampler.clone().run(*region, handle.layout.js.clone(), config.admission_sample, shutdown.clone()));
+        let tenants = config.tenants.iter().filter(|t| t.region == *region).map(|t| t.id.clone()).collect();
+        let js = handle.layout.js.clone();
+        tokio::spawn(sampler.clone().run(*region, js, tenants, config.admission_sample, shutdown.clone()));
     }
     let mut registry = Registry::default();
     let metrics = crate::rpc::Metrics::register(&mut registry);
@@ -71,7 +73,8 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
         Authenticator::new(config.tenants.clone()),
         metrics,
     )
-    .with_faults(config.faults.clone());
+    .with_faults(config.faults.clone())
+    .with_tenants(&config.tenants);
     Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown })
 }
 
