@@ -59,6 +59,7 @@ struct ExtractorKnobs {
     grace: Duration,
     faults: reviewlane_shared::faults::Faults,
     result_inline_max: Option<usize>,
+    interactive_wait_limit: Duration,
 }
 
 pub struct StackOptions {
@@ -85,6 +86,8 @@ pub struct StackOptions {
     pub result_inline_max: Option<usize>,
     /// The publisher's lease: its ack wait and a delivery claim's expiry.
     pub publish_lease: Duration,
+    /// Batch pulls no more than its minimum while interactive work waited longer.
+    pub interactive_wait_limit: Duration,
 }
 
 impl Default for StackOptions {
@@ -105,6 +108,7 @@ impl Default for StackOptions {
             faults: Default::default(),
             result_inline_max: None,
             publish_lease: Duration::from_secs(30),
+            interactive_wait_limit: Duration::from_secs(5),
         }
     }
 }
@@ -199,6 +203,7 @@ impl Stack {
             grace: opts.shutdown_grace,
             faults: opts.faults.clone(),
             result_inline_max: opts.result_inline_max,
+            interactive_wait_limit: opts.interactive_wait_limit,
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -279,6 +284,7 @@ impl Stack {
         xc.shutdown_grace = self.opts.grace;
         xc.faults = self.opts.faults.clone();
         xc.result_inline_max = self.opts.result_inline_max;
+        xc.interactive_wait_limit = self.opts.interactive_wait_limit;
         xc.store_retry.base = Duration::from_millis(20);
         xc.admin_addr = "127.0.0.1:0".parse().expect("addr");
         xc

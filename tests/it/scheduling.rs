@@ -319,3 +319,50 @@ async fn a_flooding_tenant_is_refused_while_another_is_still_admitted_and_served
     assert!(open > 0, "the other tenant waited for the whole flood");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_slows_down_under_an_interactive_backlog_but_is_never_starved() {
+    // Two call slots; an interactive backlog of ~6 s; batch keeps one slot (the default).
+    let stack = Stack::start_with(StackOptions {
+        extractor_concurrency: 2,
+        us_provider: SimConfig { latency: Duration::from_millis(300), ..Default::default() },
+        interactive_wait_limit: Duration::from_secs(1),
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let mut interactive = Vec::new();
+    for i in 0..40 {
+        interactive.push(submit(&mut client, US_KEY, &format!("int-{i}"), &sample_diff(&format!("i{i}"))).await.job_id);
+    }
+    // Once the interactive lane counts as backlogged, batch work arrives.
+    let backlogged = async {
+        loop {
+            let page = http_get(stack.extractor_admin[0].1, "/metrics").await;
+            if metric_sum(&page, "reviewlane_queue_age_seconds{region=\"us\",lane=\"interactive\"}") > 1.5 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), backlogged).await.expect("interactive backlog builds up");
+    let mut batch = Vec::new();
+    for i in 0..2 {
+        batch
+            .push(submit_batch(&mut client, US2_KEY, &format!("bat-{i}"), &sample_diff(&format!("b{i}"))).await.job_id);
+    }
+    for id in &batch {
+        assert_eq!(wait_final(&mut client, US2_KEY, id).await.state, JobState::Published as i32);
+    }
+    let mut open = 0;
+    for id in &interactive {
+        if get(&mut client, US_KEY, id).await.unwrap().state != JobState::Published as i32 {
+            open += 1;
+        }
+    }
+    assert!(open > 0, "batch waited for the whole interactive backlog");
+    for id in &interactive {
+        assert_eq!(wait_final(&mut client, US_KEY, id).await.state, JobState::Published as i32);
+    }
+    stack.shutdown().await;
+}

@@ -12,7 +12,8 @@
 //! | `REVIEWLANE_HEARTBEAT_MS` | `1000` | replica heartbeat in `QUOTA_<R>` |
 //! | `REVIEWLANE_QUOTA_CIRCUIT_SECS` | `600` | after `insufficient_quota`, the scope's jobs end at once for this long |
 //! | `REVIEWLANE_PROBE_EVERY_SECS` | `60` | a scope's window probes one call higher after this long without a 429 |
-//! | `REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS` | `5` | batch stops pulling while interactive work waited longer |
+//! | `REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS` | `5` | batch pulls no more than its minimum while interactive work waited longer |
+//! | `REVIEWLANE_BATCH_MIN_SLOTS` | `1` | call slots batch keeps whenever it has work (its aging bound: under an interactive backlog batch slows down, never stops) |
 //! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin` or `openai` (any OpenAI-compatible API) |
 //! | `REVIEWLANE_OPENAI_BASE_URL` | for `openai` | e.g. `https://api.openai.com/v1` |
 //! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
@@ -125,6 +126,8 @@ pub struct ExtractorConfig {
     pub probe_every: Duration,
     /// Batch stops pulling while interactive work has waited longer than this.
     pub interactive_wait_limit: Duration,
+    /// Call slots batch keeps whenever it has work, backlog or not: its aging bound.
+    pub batch_min_slots: usize,
     pub concurrency: usize,
     pub lease: Duration,
     pub provider_timeout: Duration,
@@ -171,6 +174,7 @@ impl ExtractorConfig {
             probe_every: Duration::from_secs(60),
             circuit_open_for: Duration::from_secs(600),
             interactive_wait_limit: Duration::from_secs(5),
+            batch_min_slots: 1,
             concurrency: 8,
             lease: Duration::from_secs(30),
             provider_timeout: Duration::from_secs(120),
@@ -237,6 +241,7 @@ impl ExtractorConfig {
         let probe_every: u64 = r.or("REVIEWLANE_PROBE_EVERY_SECS", 60, "whole seconds");
         let circuit: u64 = r.or("REVIEWLANE_QUOTA_CIRCUIT_SECS", 600, "whole seconds");
         let wait_limit: u64 = r.or("REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS", 5, "whole seconds");
+        let batch_min_slots: usize = r.or("REVIEWLANE_BATCH_MIN_SLOTS", d.batch_min_slots, "a count");
         if heartbeat_ms == 0 {
             r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
         }
@@ -307,6 +312,7 @@ impl ExtractorConfig {
             probe_every: Duration::from_secs(probe_every),
             circuit_open_for: Duration::from_secs(circuit),
             interactive_wait_limit: Duration::from_secs(wait_limit),
+            batch_min_slots,
             concurrency,
             lease: Duration::from_secs(lease),
             provider_timeout: Duration::from_secs(timeout),

@@ -4,7 +4,9 @@
 //! of its own. A loop pulls only when its tenant's quota scope is not paused (and, for
 //! batch, while the interactive lane is not backlogged), and holds at most one message.
 //! No call slot is held during a long-poll, so an idle lane or tenant parks no capacity.
-//! A message that has arrived waits for a slot — interactive before batch — and for its
+//! A message that has arrived waits for a slot — interactive before batch, except that
+//! batch keeps `batch_min` slots whenever it has work, so it slows down under an
+//! interactive backlog but is never starved — and for its
 //! scope's allowance, keeping its lease alive with progress acks; waiters are served in
 //! the order they started waiting, so tenants of a lane take turns. A message whose
 //! scope is paused goes back with the remaining delay, spending no budget.
@@ -28,6 +30,10 @@ use crate::quota::{Quota, Scope, ScopeGuard};
 
 struct SlotState {
     free: usize,
+    /// Batch calls running, and how many batch keeps at least while interactive work
+    /// is backlogged (its aging bound: batch slows down, never stops).
+    batch_running: usize,
+    batch_min: usize,
     /// Waiting messages in arrival order, by ticket. The first interactive one is served
     /// first; without interactive waiters, the first of all. Only messages whose scope
     /// has room wait here, so none blocks the queue.
@@ -44,18 +50,39 @@ pub struct Slots {
 /// One slot; freed when dropped, waking the waiters.
 pub struct Slot {
     slots: Arc<Slots>,
+    lane: Lane,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.slots.state.lock().expect("slots lock").free += 1;
+        let mut st = self.slots.state.lock().expect("slots lock");
+        st.free += 1;
+        if self.lane == Lane::Batch {
+            st.batch_running -= 1;
+        }
+        drop(st);
         self.slots.changed.notify_waiters();
     }
 }
 
 impl Slots {
-    pub fn new(n: usize, changed: Arc<Notify>) -> Arc<Slots> {
-        Arc::new(Slots { state: Mutex::new(SlotState { free: n, queue: VecDeque::new(), next_ticket: 0 }), changed })
+    /// `n` call slots; batch keeps `batch_min` of them whenever it has work (at most `n`).
+    pub fn new(n: usize, batch_min: usize, changed: Arc<Notify>) -> Arc<Slots> {
+        let state = SlotState {
+            free: n,
+            batch_running: 0,
+            batch_min: batch_min.min(n),
+            queue: VecDeque::new(),
+            next_ticket: 0,
+        };
+        Arc::new(Slots { state: Mutex::new(state), changed })
+    }
+
+    /// Whether batch runs fewer calls than it keeps at least (it may pull even while
+    /// interactive work is backlogged).
+    pub fn batch_below_min(&self) -> bool {
+        let st = self.state.lock().expect("slots lock");
+        st.batch_running < st.batch_min
     }
 
     fn join(&self, lane: Lane) -> u64 {
@@ -80,13 +107,22 @@ impl Slots {
         if st.free == 0 {
             return None;
         }
-        let head = st.queue.iter().find(|(_, l)| *l == Lane::Interactive).or(st.queue.front()).map(|(t, _)| *t);
-        if head != Some(ticket) {
+        // Interactive first, except that batch keeps its minimum.
+        let first = |lane: Lane| st.queue.iter().find(|(_, l)| *l == lane);
+        let head = if st.batch_running < st.batch_min { first(Lane::Batch) } else { None }
+            .or(first(Lane::Interactive))
+            .or(st.queue.front())
+            .copied();
+        let (t, lane) = head?;
+        if t != ticket {
             return None;
         }
         st.queue.retain(|(t, _)| *t != ticket);
         st.free -= 1;
-        Some(Slot { slots: self.clone() })
+        if lane == Lane::Batch {
+            st.batch_running += 1;
+        }
+        Some(Slot { slots: self.clone(), lane })
     }
 }
 
@@ -163,7 +199,7 @@ pub async fn serve<F, Fut>(
         let pull_ok = || {
             quota.paused_for(&l.scope).is_none()
                 && quota.allowance(&l.scope) > 0
-                && (l.lane == Lane::Interactive || !backlog.get())
+                && (l.lane == Lane::Interactive || !backlog.get() || slots.batch_below_min())
         };
         let wait = quota.paused_for(&l.scope).unwrap_or(Duration::from_millis(500)).min(Duration::from_secs(5));
         if !wait_until(&changed, &stop, wait, pull_ok).await {
@@ -261,5 +297,41 @@ async fn admit(
 async fn settle(msg: &jetstream::Message, kind: AckKind) {
     if let Err(e) = msg.ack_with(kind).await {
         tracing::warn!(error = %e, "settling a message failed; it returns after its lease");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interactive_first_but_batch_keeps_its_minimum() {
+        let slots = Slots::new(2, 1, Arc::new(Notify::new()));
+        let i1 = slots.join(Lane::Interactive);
+        let i2 = slots.join(Lane::Interactive);
+        let b1 = slots.join(Lane::Batch);
+        // Batch runs nothing: its first waiter goes before the interactive ones.
+        assert!(slots.try_take(i1).is_none());
+        let batch = slots.try_take(b1).expect("batch keeps one slot");
+        let first = slots.try_take(i1).expect("then interactive");
+        assert!(slots.try_take(i2).is_none(), "no slot free");
+        // At its minimum, batch waits behind interactive work.
+        let b2 = slots.join(Lane::Batch);
+        drop(first);
+        assert!(slots.try_take(b2).is_none());
+        let second = slots.try_take(i2).expect("interactive first");
+        // The batch call ends: batch is below its minimum again and goes first.
+        drop(batch);
+        assert!(slots.batch_below_min());
+        let _b2 = slots.try_take(b2).expect("batch's minimum again");
+        drop(second);
+    }
+
+    #[test]
+    fn without_interactive_work_batch_takes_every_slot() {
+        let slots = Slots::new(3, 1, Arc::new(Notify::new()));
+        let held: Vec<_> = (0..3).map(|_| slots.join(Lane::Batch)).map(|t| slots.try_take(t).unwrap()).collect();
+        assert_eq!(held.len(), 3);
+        assert!(!slots.batch_below_min());
     }
 }

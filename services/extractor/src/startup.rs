@@ -175,7 +175,7 @@ impl App {
         });
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
-        let slots = Slots::new(self.config.concurrency, changed);
+        let slots = Slots::new(self.config.concurrency, self.config.batch_min_slots, changed);
         let backlog = Backlog::default();
         let tasks = TaskTracker::new();
         let interactive: Vec<_> =
