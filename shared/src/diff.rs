@@ -53,6 +53,8 @@ pub enum DiffError {
     NoFiles,
     #[error("line {line}: malformed hunk header")]
     MalformedHunkHeader { line: usize },
+    #[error("line {line}: hunk header numbers out of range (start plus length overflows)")]
+    HunkOutOfRange { line: usize },
     #[error("line {line}: hunk header appears before any `+++` file header")]
     HunkWithoutFile { line: usize },
     #[error("line {line}: `---` header not followed by `+++`")]
@@ -168,6 +170,10 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
             };
             let (old_start, old_len, new_start, new_len) =
                 parse_hunk_header(line).ok_or(DiffError::MalformedHunkHeader { line: lno })?;
+            // Every line number of the hunk must fit: start + length, on both sides.
+            if old_start.checked_add(old_len).is_none() || new_start.checked_add(new_len).is_none() {
+                return Err(DiffError::HunkOutOfRange { line: lno });
+            }
             let mut hunk = Hunk { old_start, old_len, new_start, new_len, lines: Vec::new() };
             let (mut old_left, mut new_left) = (old_len, new_len);
             let mut new_no = new_start;
@@ -202,7 +208,7 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
                             return Err(DiffError::UnexpectedHunkLine { line: i + 1 });
                         }
                         new_left -= 1;
-                        new_no += 1;
+                        new_no = new_no.checked_add(1).ok_or(DiffError::HunkOutOfRange { line: lno })?;
                         Some(new_no - 1)
                     }
                     LineKind::Context => {
@@ -211,7 +217,7 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
                         }
                         old_left -= 1;
                         new_left -= 1;
-                        new_no += 1;
+                        new_no = new_no.checked_add(1).ok_or(DiffError::HunkOutOfRange { line: lno })?;
                         Some(new_no - 1)
                     }
                 };
@@ -401,5 +407,19 @@ new file mode 100644
         let canary = "CANARY-7f3e";
         let err = parse(&format!("--- a/{canary}\n+++ b/{canary}\n@@ -1 +1 @@\n*{canary}\n")).unwrap_err();
         assert!(!err.to_string().contains(canary));
+    }
+
+    #[test]
+    fn hunk_numbers_that_overflow_are_refused_with_the_header_line() {
+        for header in ["@@ -1,1 +4294967295,2 @@", "@@ -4294967295,2 +1,1 @@", "@@ -1 +4294967295,4294967295 @@"] {
+            let d = format!("diff --git a/x b/x\n--- a/x\n+++ b/x\n{header}\n-a\n+b\n+c\n");
+            assert_eq!(parse(&d), Err(DiffError::HunkOutOfRange { line: 4 }), "{header}");
+        }
+        // Numbers that do not fit the type at all stay malformed headers.
+        let d = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +99999999999 @@\n+b\n";
+        assert_eq!(parse(d), Err(DiffError::MalformedHunkHeader { line: 4 }));
+        // The largest hunk that fits parses.
+        let d = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -0,0 +4294967294,1 @@\n+b\n";
+        assert_eq!(parse(d).unwrap().files[0].hunks[0].lines[0].new_line, Some(4294967294));
     }
 }

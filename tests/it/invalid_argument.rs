@@ -23,6 +23,12 @@ async fn bad_requests_are_invalid_argument_and_persist_nothing() {
         ),
         ("empty", String::new(), "findings.v1", "diff is empty"),
         (
+            "hunk header that overflows",
+            format!("--- a/x\n+++ b/x\n@@ -1,1 +4294967295,2 @@\n-{canary}\n+b\n+c\n"),
+            "findings.v1",
+            "line 3: hunk header numbers out of range",
+        ),
+        (
             "oversized",
             format!("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+{}\n", "x".repeat(70 * 1024)),
             "findings.v1",
@@ -59,6 +65,26 @@ async fn bad_requests_are_invalid_argument_and_persist_nothing() {
         assert_eq!(s.info().await.unwrap().state.messages, 0);
     }
     assert_eq!(stack.us.provider.stats().total_calls, 0);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diff_limit_above_the_grpc_default_takes_effect_and_is_the_limit_callers_meet() {
+    // A 6 MiB limit: a 5 MiB diff (over tonic's 4 MiB default) is accepted and reviewed;
+    // one over 6 MiB gets our INVALID_ARGUMENT naming the limit, not tonic's OUT_OF_RANGE.
+    let limit = 6 * 1024 * 1024;
+    let stack = Stack::start_with(StackOptions { max_diff_bytes: limit, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let big = |bytes: usize| {
+        let line = format!("+{}\n", "x".repeat(99));
+        let n = bytes / line.len();
+        format!("--- a/big.txt\n+++ b/big.txt\n@@ -0,0 +1,{n} @@\n{}", line.repeat(n))
+    };
+    let accepted = submit(&mut client, US_KEY, "five-mib", &big(5 * 1024 * 1024)).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &accepted.job_id).await.state, proto::JobState::Published as i32);
+    let err = client.submit_review(submit_req(US_KEY, "over", &big(limit + 1024))).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains(&format!("over the limit of {limit} bytes")), "{}", err.message());
     stack.shutdown().await;
 }
 

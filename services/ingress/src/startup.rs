@@ -32,6 +32,12 @@ pub struct App {
     shutdown: CancellationToken,
 }
 
+/// The largest request the server decodes for a diff limit: the diff, its metadata (at
+/// most 4 KiB of fields) and protobuf framing, with room to spare.
+pub fn request_limit(max_diff_bytes: usize) -> usize {
+    max_diff_bytes.saturating_add(64 * 1024)
+}
+
 pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     reviewlane_shared::findings::warm_up();
     let mut regions = BTreeMap::new();
@@ -121,7 +127,13 @@ impl App {
         });
         let admin_stop = self.shutdown.clone();
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, admin_stop));
-        let service = ReviewServiceServer::new(self.api);
+        // tonic's decoding limit sits above every diff limit (with room for the rest of
+        // the request), so callers meet our check, which names the limit.
+        let largest =
+            self.config.tenants.iter().filter_map(|t| t.max_diff_bytes).fold(self.config.max_diff_bytes, usize::max);
+        let service = ReviewServiceServer::new(self.api)
+            .max_decoding_message_size(request_limit(largest))
+            .max_encoding_message_size(request_limit(largest));
         tracing::info!(addr = %self.listener.local_addr()?, regions = self.clients.len(), "ingress serving");
 
         let token = self.shutdown.clone();
