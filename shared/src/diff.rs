@@ -98,14 +98,24 @@ impl Hunk {
     /// Whether `needle` occurs in the text of this hunk (either side, one line or
     /// across lines).
     pub fn contains_text(&self, needle: &str) -> bool {
+        Self::contains(self.lines.iter(), needle)
+    }
+
+    /// Whether `needle` occurs in the new side of this hunk (context and added lines,
+    /// one line or across lines): what a finding on a new-side line may quote.
+    pub fn contains_new_side_text(&self, needle: &str) -> bool {
+        Self::contains(self.lines.iter().filter(|l| l.kind != LineKind::Removed), needle)
+    }
+
+    fn contains<'a>(lines: impl Iterator<Item = &'a HunkLine> + Clone, needle: &str) -> bool {
         let needle = needle.trim();
         if needle.is_empty() {
             return false;
         }
-        if self.lines.iter().any(|l| l.text.contains(needle)) {
+        if lines.clone().any(|l| l.text.contains(needle)) {
             return true;
         }
-        let joined: Vec<&str> = self.lines.iter().map(|l| l.text.as_str()).collect();
+        let joined: Vec<&str> = lines.map(|l| l.text.as_str()).collect();
         joined.join("\n").contains(needle)
     }
 }

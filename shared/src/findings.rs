@@ -44,6 +44,8 @@ pub enum QuarantineReason {
     LineOutsideHunks,
     /// The quoted evidence does not appear in the hunk the line is in.
     EvidenceNotInHunk,
+    /// The evidence quotes only removed lines, but the finding's line is on the new side.
+    EvidenceNotOnLineSide,
 }
 
 impl QuarantineReason {
@@ -53,6 +55,7 @@ impl QuarantineReason {
             QuarantineReason::PathNotInDiff => "path_not_in_diff",
             QuarantineReason::LineOutsideHunks => "line_outside_hunks",
             QuarantineReason::EvidenceNotInHunk => "evidence_not_in_hunk",
+            QuarantineReason::EvidenceNotOnLineSide => "evidence_not_on_line_side",
         }
     }
 }
@@ -109,6 +112,10 @@ pub enum InvalidOutput {
     Shape,
     #[error("unknown findings schema version")]
     UnknownSchema,
+    /// Findings were given, and every one failed the schema: the answer is broken, not
+    /// an empty review.
+    #[error("every finding of the provider output failed the schema")]
+    AllFindingsInvalid,
 }
 
 impl InvalidOutput {
@@ -117,6 +124,7 @@ impl InvalidOutput {
             InvalidOutput::NotJson => "not_json",
             InvalidOutput::Shape => "shape",
             InvalidOutput::UnknownSchema => "unknown_schema",
+            InvalidOutput::AllFindingsInvalid => "all_findings_invalid",
         }
     }
 }
@@ -204,6 +212,13 @@ pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, I
             out.quarantined.push(Quarantined { index, reason, raw: raw.clone(), truncated: None });
         }
     }
+    // An empty review is published only when the model said there were no findings.
+    if out.findings.is_empty()
+        && !items.is_empty()
+        && out.quarantined.iter().all(|q| q.reason == QuarantineReason::Schema)
+    {
+        return Err(InvalidOutput::AllFindingsInvalid);
+    }
     Ok(out)
 }
 
@@ -213,6 +228,9 @@ pub fn semantic_check(f: &Finding, diff: &Diff) -> Result<(), QuarantineReason> 
     let hunk = file.hunk_for_new_line(f.line).ok_or(QuarantineReason::LineOutsideHunks)?;
     if !hunk.contains_text(&f.evidence) {
         return Err(QuarantineReason::EvidenceNotInHunk);
+    }
+    if !hunk.contains_new_side_text(&f.evidence) {
+        return Err(QuarantineReason::EvidenceNotOnLineSide);
     }
     Ok(())
 }
@@ -291,6 +309,35 @@ mod tests {
         assert_eq!(v.findings.len(), 1);
         assert_eq!(v.quarantined.len(), 3);
         assert!(v.quarantined.iter().all(|q| q.reason == QuarantineReason::Schema));
+    }
+
+    #[test]
+    fn an_answer_whose_every_finding_fails_the_schema_is_invalid_not_an_empty_review() {
+        let mut bad_enum = finding("src/app.rs", 2, "unwrap");
+        bad_enum["severity"] = json!("catastrophic");
+        let mut missing = finding("src/app.rs", 22, "TODO");
+        missing.as_object_mut().unwrap().remove("line");
+        let out = json!({"findings": [bad_enum, missing]});
+        assert_eq!(validate(FINDINGS_V1, &out.to_string(), &diff()), Err(InvalidOutput::AllFindingsInvalid));
+        // Findings quarantined for the diff (not the schema) still make a valid answer.
+        let out = json!({"findings": [finding("src/other.rs", 2, "y.unwrap()")]});
+        let v = validate(FINDINGS_V1, &out.to_string(), &diff()).unwrap();
+        assert_eq!((v.findings.len(), v.quarantined.len()), (0, 1));
+    }
+
+    #[test]
+    fn evidence_must_be_on_the_side_of_its_line() {
+        let d = crate::diff::parse(
+            "--- a/src/app.rs\n+++ b/src/app.rs\n@@ -1,3 +1,3 @@\n fn main() {\n-    let old = secret();\n+    let new = token();\n }\n",
+        )
+        .unwrap();
+        // Line 2 on the new side is the added line; quoting only the removed line is wrong.
+        let out = json!({"findings": [finding("src/app.rs", 2, "let old = secret();"), finding("src/app.rs", 2, "let new = token();")]});
+        let v = validate(FINDINGS_V1, &out.to_string(), &d).unwrap();
+        assert_eq!(v.findings.len(), 1);
+        assert_eq!(v.findings[0].evidence, "let new = token();");
+        assert_eq!(v.quarantined[0].reason, QuarantineReason::EvidenceNotOnLineSide);
+        assert_eq!(QuarantineReason::EvidenceNotOnLineSide.as_str(), "evidence_not_on_line_side");
     }
 
     #[test]

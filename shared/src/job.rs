@@ -166,6 +166,10 @@ pub struct JobRecord {
     /// The replica that holds (or last held) the lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// Why the last output was invalid (`not_json`, `shape`, `all_findings_invalid`):
+    /// the schema budget's summary, without content.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_invalid_output: Option<String>,
     /// When a publisher claimed the delivery: from then on a cancel no longer applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery_started_at_ms: Option<u64>,
@@ -196,7 +200,14 @@ pub enum Event {
     /// The holder is alive: its lease ends later.
     Extended { generation: u32, lease_expires_at_ms: u64 },
     /// The attempt failed in a retryable way; the message was handed back with a delay.
-    RetryScheduled { generation: u32, budget: Budget, next_eligible_at_ms: u64, upstream_status: Option<String> },
+    RetryScheduled {
+        generation: u32,
+        budget: Budget,
+        next_eligible_at_ms: u64,
+        upstream_status: Option<String>,
+        /// Why the output was invalid (schema budget): a class, never content.
+        invalid_output: Option<String>,
+    },
     /// The output passed validation and the findings of this generation are kept on
     /// `FINDINGS_<R>`.
     Validated { generation: u32, findings: u32, quarantined: u32 },
@@ -262,6 +273,7 @@ impl JobRecord {
             next_eligible_at_ms: None,
             lease_expires_at_ms: None,
             owner: None,
+            last_invalid_output: None,
             delivery_started_at_ms: None,
             last_upstream_status: None,
             schema_version,
@@ -287,18 +299,23 @@ impl JobRecord {
 /// nor have its result recorded.
 pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobRecord, TransitionError> {
     use JobState::*;
+    // A lease holder's write of an older generation is fenced whatever has happened
+    // since (even a final state): its caller learns it lost the lease.
+    let writer = match event {
+        Event::Extended { generation, .. }
+        | Event::RetryScheduled { generation, .. }
+        | Event::Validated { generation, .. }
+        | Event::Terminate { generation: Some(generation), .. } => Some(*generation),
+        _ => None,
+    };
+    if let Some(writer) = writer.filter(|w| *w != rec.generation()) {
+        return Err(TransitionError::Fenced { writer, newest: rec.generation() });
+    }
     if rec.state.is_final() {
         return Err(TransitionError::AlreadyFinal(rec.state));
     }
-    let fence = |writer: u32| {
-        if rec.state != Running {
-            Err(TransitionError::NotAllowed(rec.state))
-        } else if writer != rec.generation() {
-            Err(TransitionError::Fenced { writer, newest: rec.generation() })
-        } else {
-            Ok(())
-        }
-    };
+    // A lease holder writes only while its job runs.
+    let running = || if rec.state != Running { Err(TransitionError::NotAllowed(rec.state)) } else { Ok(()) };
     let mut next = rec.clone();
     next.updated_at_ms = now_ms;
     match (rec.state, event) {
@@ -317,12 +334,12 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             next.next_eligible_at_ms = None;
             next.attempts.leases += 1;
         }
-        (_, Event::Extended { generation, lease_expires_at_ms }) => {
-            fence(*generation)?;
+        (_, Event::Extended { lease_expires_at_ms, .. }) => {
+            running()?;
             next.lease_expires_at_ms = Some(*lease_expires_at_ms);
         }
-        (_, Event::RetryScheduled { generation, budget, next_eligible_at_ms, upstream_status }) => {
-            fence(*generation)?;
+        (_, Event::RetryScheduled { budget, next_eligible_at_ms, upstream_status, invalid_output, .. }) => {
+            running()?;
             next.state = RetryScheduled;
             next.attempts.bump(*budget);
             next.next_eligible_at_ms = Some(*next_eligible_at_ms);
@@ -330,9 +347,12 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             if upstream_status.is_some() {
                 next.last_upstream_status = upstream_status.clone();
             }
+            if invalid_output.is_some() {
+                next.last_invalid_output = invalid_output.clone();
+            }
         }
-        (_, Event::Validated { generation, findings, quarantined }) => {
-            fence(*generation)?;
+        (_, Event::Validated { findings, quarantined, .. }) => {
+            running()?;
             next.state = Validated;
             next.findings_count = *findings;
             next.quarantined_count = *quarantined;
@@ -353,8 +373,8 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             next.next_eligible_at_ms = None;
         }
         (_, Event::Terminate { reason, upstream_status, generation }) => {
-            if let Some(g) = generation {
-                fence(*g)?;
+            if generation.is_some() {
+                running()?;
             }
             next.state = Terminal;
             next.reason = Some(*reason);
@@ -396,7 +416,13 @@ mod tests {
     }
 
     fn retry(generation: u32, budget: Budget, at: u64) -> Event {
-        Event::RetryScheduled { generation, budget, next_eligible_at_ms: at, upstream_status: Some("429".into()) }
+        Event::RetryScheduled {
+            generation,
+            budget,
+            next_eligible_at_ms: at,
+            upstream_status: Some("429".into()),
+            invalid_output: None,
+        }
     }
 
     fn cancel() -> Event {
@@ -468,6 +494,9 @@ mod tests {
             transition(&done, &Event::Validated { generation: 2, findings: 1, quarantined: 0 }, 100),
             Err(TransitionError::NotAllowed(JobState::Validated))
         );
+        // A stale holder is told it lost its lease even after the job is final.
+        let published = apply(&done, Event::Published);
+        assert_eq!(transition(&published, &stale, 100), Err(TransitionError::Fenced { writer: 1, newest: 2 }));
     }
 
     #[test]

@@ -121,3 +121,25 @@ async fn a_rejected_request_is_terminal_at_once_and_the_adapter_speaks_structure
     assert!(shape.strict && shape.schema_has_findings && shape.bearer, "{shape:?}");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_whose_every_finding_fails_the_schema_is_retried_never_published_empty() {
+    let stack = Stack::start().await;
+    // Budget 2: three answers whose every finding lacks required fields.
+    let broken = r#"{"findings": [{"path": "src/handler.rs"}, {"line": 2, "severity": "dire"}]}"#;
+    stack.us.provider.script((0..3).map(|_| Scripted::Output(broken.into())));
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "all-broken", &sample_diff("broken")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "invalid_output"));
+    assert_eq!(last.attempts.unwrap().schema, 2);
+    assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&3));
+    assert!(stack.webhook.for_job(&job.job_id).is_empty(), "published as an empty review");
+    // The job record says why, without content.
+    let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
+    let jobs = js.get_key_value(layout::jobs_bucket(Region::Us)).await.unwrap();
+    let rec: reviewlane_shared::job::JobRecord =
+        serde_json::from_slice(&jobs.get(&job.job_id).await.unwrap().unwrap()).unwrap();
+    assert_eq!(rec.last_invalid_output.as_deref(), Some("all_findings_invalid"));
+    stack.shutdown().await;
+}

@@ -7,7 +7,7 @@ use std::future::Future;
 
 use async_nats::jetstream::AckKind;
 use reviewlane_shared::faults::point;
-use reviewlane_shared::findings::{self, Validated};
+use reviewlane_shared::findings::{self, InvalidOutput, Validated};
 use reviewlane_shared::job::{Budget, TerminalReason};
 use reviewlane_shared::job_store::StoreError;
 use reviewlane_shared::messages::FindingsMessage;
@@ -19,7 +19,7 @@ use super::{Job, Lease, Worker};
 
 impl Worker {
     /// JSON, JSON Schema, then the diff: `Err` when the whole output is unusable.
-    pub(super) fn validate(&self, job: &Job<'_>, lease: &Lease, output: &str) -> Result<Validated, ()> {
+    pub(super) fn validate(&self, job: &Job<'_>, lease: &Lease, output: &str) -> Result<Validated, InvalidOutput> {
         let diff = job.diff.as_ref().expect("trip checked the diff");
         let span = tracing::info_span!(
             "validate",
@@ -42,7 +42,7 @@ impl Worker {
                 self.metrics.invalid_output(&job.review.schema_version, invalid.as_str());
                 let left = self.allowed(Budget::Schema).saturating_sub(lease.rec.attempts.schema + 1);
                 tracing::info!(budget = "schema", budget_remaining = left, "schema retry budget");
-                Err(())
+                Err(invalid)
             }
         }
     }

@@ -213,7 +213,9 @@ impl Worker {
             UpstreamOutcome::Ok { output, slow_down, usage } => {
                 let decision = match self.validate(job, lease, &output) {
                     Ok(validated) => self.keep(job, lease, validated).await,
-                    Err(()) => Decision::Retry { budget: Budget::Schema, hint: None, status },
+                    Err(invalid) => {
+                        Decision::Retry { budget: Budget::Schema, hint: None, status, invalid: Some(invalid.as_str()) }
+                    }
                 };
                 // Kept (or ended): now the shared scope state may learn from the answer.
                 self.quota.succeeded(job.scope, started_ms).await;
@@ -239,9 +241,11 @@ impl Worker {
                 if let Err(e) = self.quota.rate_limited(job.scope, delay, started_ms).await {
                     tracing::warn!(error = %e, "recording the scope pause failed");
                 }
-                Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status }
+                Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status, invalid: None }
             }
-            UpstreamOutcome::Transient { .. } => Decision::Retry { budget: Budget::Transient, hint: None, status },
+            UpstreamOutcome::Transient { .. } => {
+                Decision::Retry { budget: Budget::Transient, hint: None, status, invalid: None }
+            }
             UpstreamOutcome::QuotaExhausted => {
                 tracing::error!("provider account out of quota; circuit open for the scope");
                 if let Err(e) = self.quota.open_circuit(job.scope, self.circuit_open_for).await {

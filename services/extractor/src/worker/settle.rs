@@ -27,6 +27,8 @@ pub enum Decision {
         budget: Budget,
         hint: Option<Duration>,
         status: Option<String>,
+        /// Why an output was invalid (schema budget): a class, never content.
+        invalid: Option<&'static str>,
     },
     Terminal {
         reason: TerminalReason,
@@ -121,7 +123,7 @@ impl Worker {
                 Outcome::Validated { findings, quarantined },
                 AckKind::Ack,
             ),
-            Decision::Retry { budget, hint, status } => {
+            Decision::Retry { budget, hint, status, invalid } => {
                 let lease = lease.expect("a retry follows a call");
                 let used = lease.rec.attempts.get(budget);
                 if used >= self.allowed(budget) {
@@ -138,6 +140,7 @@ impl Worker {
                     budget,
                     next_eligible_at_ms: self.clock.now_ms() + delay.as_millis() as u64,
                     upstream_status: status,
+                    invalid_output: invalid.map(str::to_string),
                 };
                 (event, Outcome::RetryScheduled { budget, delay }, AckKind::Nak(Some(delay)))
             }
