@@ -65,6 +65,14 @@ pub enum DiffError {
     UnexpectedHunkLine { line: usize },
     #[error("file {file}: has neither hunks nor a rename, mode change or binary marker")]
     EmptyFile { file: usize },
+    #[error("line {line}: path is absolute, has a `..` segment, or holds a control character")]
+    UnsafePath { line: usize },
+    #[error("line {line}: a quoted path is not closed or has a bad escape")]
+    BadQuotedPath { line: usize },
+    #[error(
+        "file {file}: appears more than once (a patch series or `git log -p`); send one diff of the combined change"
+    )]
+    DuplicateFile { file: usize },
 }
 
 impl Diff {
@@ -132,6 +140,8 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
     let mut files: Vec<FileDiff> = Vec::new();
     // Whether the current file has header facts besides hunks (rename, mode, binary).
     let mut cur: Option<(FileDiff, bool)> = None;
+    // The side prefixes the last `diff --git` line used (`a/`/`b/`, mnemonic, none).
+    let mut prefixes = Prefixes::DEFAULT;
     let mut i = 0;
     let finish = |cur: &mut Option<(FileDiff, bool)>, files: &mut Vec<FileDiff>| -> Result<(), DiffError> {
         if let Some((f, has_meta)) = cur.take() {
@@ -147,15 +157,18 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
         let lno = i + 1;
         if let Some(rest) = line.strip_prefix("diff --git ") {
             finish(&mut cur, &mut files)?;
-            let (old, new) = split_git_paths(rest);
+            let (old, new, found) = split_git_paths(rest).ok_or(DiffError::BadQuotedPath { line: lno })?;
+            prefixes = found;
+            let (old, new) = (checked(old, lno)?, checked(new, lno)?);
             cur = Some((FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false }, false));
             i += 1;
             continue;
         }
         if line.starts_with("--- ") && i + 1 < n && lines[i + 1].starts_with("+++ ") {
-            let old = header_path(&line[4..]);
+            let old = header_path(&line[4..], prefixes).ok_or(DiffError::BadQuotedPath { line: lno })?;
             let new_line = lines[i + 1].strip_suffix('\r').unwrap_or(lines[i + 1]);
-            let new = header_path(&new_line[4..]);
+            let new = header_path(&new_line[4..], prefixes).ok_or(DiffError::BadQuotedPath { line: lno + 1 })?;
+            let (old, new) = (checked(old, lno)?, checked(new, lno + 1)?);
             match &mut cur {
                 // `diff --git` already named the file; the ---/+++ pair is authoritative
                 // for added (/dev/null) and deleted files.
@@ -267,28 +280,146 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
     if files.is_empty() {
         return Err(DiffError::NoFiles);
     }
+    // One file once: findings are validated against one version of each file.
+    let mut seen = std::collections::HashSet::new();
+    for (k, f) in files.iter().enumerate() {
+        if let Some(p) = f.new_path.as_ref().or(f.old_path.as_ref())
+            && !seen.insert(p.as_str())
+        {
+            return Err(DiffError::DuplicateFile { file: k + 1 });
+        }
+    }
     Ok(Diff { files })
 }
 
-/// `a/x b/y` from a `diff --git` line (paths without spaces; ---/+++ refine them).
-fn split_git_paths(rest: &str) -> (Option<String>, Option<String>) {
-    let mut parts = rest.split(' ');
-    let old = parts.next().map(strip_side_prefix);
-    let new = parts.next().map(strip_side_prefix);
-    (old, new)
+/// The side prefixes of a `diff --git` line: `a/` and `b/` by default, `c/`, `i/`,
+/// `w/`, `o/` with `diff.mnemonicPrefix`, none with `--no-prefix`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Prefixes {
+    old: &'static str,
+    new: &'static str,
 }
 
-fn header_path(raw: &str) -> Option<String> {
-    // Drop a trailing tab and timestamp (`--- a/x\t2024-01-01 ...`).
-    let p = raw.split('\t').next().unwrap_or(raw).trim_end();
-    if p == "/dev/null" {
-        return None;
+impl Prefixes {
+    const DEFAULT: Prefixes = Prefixes { old: "a/", new: "b/" };
+    const OLD: [&'static str; 4] = ["a/", "c/", "i/", "o/"];
+    const NEW: [&'static str; 4] = ["b/", "i/", "w/", "c/"];
+}
+
+/// Old and new path of a `diff --git` line, each possibly C-quoted, and the prefixes it
+/// used. Unquoted paths with spaces are split where both halves name the same file.
+fn split_git_paths(rest: &str) -> Option<(Option<String>, Option<String>, Prefixes)> {
+    let (left, right) = if rest.starts_with('"') {
+        let (l, after) = take_quoted(rest)?;
+        let after = after.strip_prefix(' ')?;
+        let r = if after.starts_with('"') { take_quoted(after)?.0 } else { after.to_string() };
+        (l, r)
+    } else if let Some(q) = rest.find(" \"") {
+        (rest[..q].to_string(), take_quoted(&rest[q + 1..])?.0)
+    } else {
+        // `a/x y b/x y`: the split whose halves are the same path; else the first space.
+        let spaces: Vec<usize> = rest.match_indices(' ').map(|(k, _)| k).collect();
+        let k = spaces
+            .iter()
+            .copied()
+            .find(|&k| unprefixed(&rest[..k]).0 == unprefixed(&rest[k + 1..]).0)
+            .or(spaces.first().copied())?;
+        (rest[..k].to_string(), rest[k + 1..].to_string())
+    };
+    let (old, old_prefix) = unprefixed(&left);
+    let (new, new_prefix) = unprefixed(&right);
+    let prefixes = match (old_prefix, new_prefix) {
+        (Some(o), Some(n)) => Prefixes { old: o, new: n },
+        // `--no-prefix`: paths as they are.
+        _ => Prefixes { old: "", new: "" },
+    };
+    let (old, new) = if prefixes.old.is_empty() { (left, right) } else { (old.to_string(), new.to_string()) };
+    Some((Some(old), Some(new), prefixes))
+}
+
+/// `path` without a side prefix git writes, and which one.
+fn unprefixed(path: &str) -> (&str, Option<&'static str>) {
+    for p in Prefixes::OLD.iter().chain(Prefixes::NEW.iter()) {
+        if let Some(rest) = path.strip_prefix(p) {
+            return (rest, Some(p));
+        }
     }
-    Some(strip_side_prefix(p))
+    (path, None)
 }
 
-fn strip_side_prefix(p: &str) -> String {
-    p.strip_prefix("a/").or_else(|| p.strip_prefix("b/")).unwrap_or(p).to_string()
+/// A `---`/`+++` path: `/dev/null` is none; a quoted path is unquoted; a trailing tab
+/// and timestamp are dropped; the side's prefix is removed. `None` outside: bad quoting.
+fn header_path(raw: &str, prefixes: Prefixes) -> Option<Option<String>> {
+    let p = if raw.starts_with('"') {
+        take_quoted(raw)?.0
+    } else {
+        // Drop a trailing tab and timestamp (`--- a/x\t2024-01-01 ...`).
+        raw.split('\t').next().unwrap_or(raw).trim_end().to_string()
+    };
+    if p == "/dev/null" {
+        return Some(None);
+    }
+    let stripped = p
+        .strip_prefix(prefixes.old)
+        .filter(|_| !prefixes.old.is_empty())
+        .or_else(|| p.strip_prefix(prefixes.new).filter(|_| !prefixes.new.is_empty()))
+        .unwrap_or(&p);
+    Some(Some(stripped.to_string()))
+}
+
+/// Git's C-style quoting (`core.quotePath`): `"..."` with `\\`, `\"`, `\t`, `\n`, and
+/// octal `\303\274` bytes. The path (UTF-8 decoded, with replacement characters for
+/// bytes that are not) and what follows the closing quote.
+fn take_quoted(s: &str) -> Option<(String, &str)> {
+    let body = s.strip_prefix('"')?;
+    let bytes = body.as_bytes();
+    let mut out = Vec::new();
+    let mut k = 0;
+    while k < bytes.len() {
+        match bytes[k] {
+            b'"' => return Some((String::from_utf8_lossy(&out).into_owned(), &body[k + 1..])),
+            b'\\' => {
+                let c = *bytes.get(k + 1)?;
+                k += 2;
+                match c {
+                    b'0'..=b'7' => {
+                        let digits = bytes.get(k - 1..k + 2)?;
+                        if !digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
+                            return None;
+                        }
+                        let v = digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0'));
+                        out.push(u8::try_from(v).ok()?);
+                        k += 2;
+                    }
+                    b'a' => out.push(7),
+                    b'b' => out.push(8),
+                    b't' => out.push(b'\t'),
+                    b'n' => out.push(b'\n'),
+                    b'v' => out.push(11),
+                    b'f' => out.push(12),
+                    b'r' => out.push(b'\r'),
+                    b'"' | b'\\' => out.push(c),
+                    _ => return None,
+                }
+            }
+            b => {
+                out.push(b);
+                k += 1;
+            }
+        }
+    }
+    None
+}
+
+/// Refuses paths a finding could use to point outside the repository, or that carry
+/// control characters (a tab, which git allows in names, excepted).
+fn checked(path: Option<String>, line: usize) -> Result<Option<String>, DiffError> {
+    if let Some(p) = &path
+        && (p.starts_with('/') || p.split('/').any(|seg| seg == "..") || p.chars().any(|c| c.is_control() && c != '\t'))
+    {
+        return Err(DiffError::UnsafePath { line });
+    }
+    Ok(path)
 }
 
 /// `@@ -a[,b] +c[,d] @@ ...`
@@ -431,5 +562,69 @@ new file mode 100644
         // The largest hunk that fits parses.
         let d = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -0,0 +4294967294,1 @@\n+b\n";
         assert_eq!(parse(d).unwrap().files[0].hunks[0].lines[0].new_line, Some(4294967294));
+    }
+
+    fn one_file(d: &str) -> FileDiff {
+        let parsed = parse(d).unwrap_or_else(|e| panic!("{e}: {d}"));
+        assert_eq!(parsed.files.len(), 1);
+        parsed.files[0].clone()
+    }
+
+    #[test]
+    fn git_quoted_paths_are_unquoted() {
+        // `core.quotePath` octal escapes (ü), a tab and a quote in names.
+        let f = one_file(
+            "diff --git \"a/src/\\303\\274ber.rs\" \"b/src/\\303\\274ber.rs\"\nindex 1..2 100644\n--- \"a/src/\\303\\274ber.rs\"\n+++ \"b/src/\\303\\274ber.rs\"\n@@ -1 +1 @@\n-a\n+b\n",
+        );
+        assert_eq!(f.new_path.as_deref(), Some("src/über.rs"));
+        assert_eq!(f.old_path.as_deref(), Some("src/über.rs"));
+        let f = one_file(
+            "diff --git \"a/x\\ty \\\"q\\\".py\" \"b/x\\ty \\\"q\\\".py\"\n--- \"a/x\\ty \\\"q\\\".py\"\n+++ \"b/x\\ty \\\"q\\\".py\"\n@@ -0,0 +1 @@\n+z\n",
+        );
+        assert_eq!(f.new_path.as_deref(), Some("x\ty \"q\".py"));
+        // An unclosed quote or a bad escape is refused with its line.
+        assert_eq!(
+            parse("diff --git \"a/x b/x\n--- a/x\n+++ b/x\n@@ -0,0 +1 @@\n+z\n"),
+            Err(DiffError::BadQuotedPath { line: 1 })
+        );
+    }
+
+    #[test]
+    fn names_with_spaces_mnemonic_prefixes_and_no_prefix() {
+        let f =
+            one_file("diff --git a/my file.rs b/my file.rs\n--- a/my file.rs\n+++ b/my file.rs\n@@ -1 +1 @@\n-a\n+b\n");
+        assert_eq!(f.new_path.as_deref(), Some("my file.rs"));
+        // diff.mnemonicPrefix: index and work tree.
+        let f = one_file("diff --git i/src/x.rs w/src/x.rs\n--- i/src/x.rs\n+++ w/src/x.rs\n@@ -1 +1 @@\n-a\n+b\n");
+        assert_eq!((f.old_path.as_deref(), f.new_path.as_deref()), (Some("src/x.rs"), Some("src/x.rs")));
+        // --no-prefix: the paths as they are.
+        let f = one_file("diff --git src/x.rs src/x.rs\n--- src/x.rs\n+++ src/x.rs\n@@ -1 +1 @@\n-a\n+b\n");
+        assert_eq!(f.new_path.as_deref(), Some("src/x.rs"));
+    }
+
+    #[test]
+    fn unsafe_paths_are_refused() {
+        for (d, line) in [
+            (
+                "diff --git a/../etc/passwd b/../etc/passwd\n--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n",
+                1,
+            ),
+            ("--- /etc/passwd\n+++ /etc/passwd\n@@ -1 +1 @@\n-a\n+b\n", 1),
+            ("--- a/x\n+++ \"b/x\\001y\"\n@@ -1 +1 @@\n-a\n+b\n", 2),
+        ] {
+            assert_eq!(parse(d), Err(DiffError::UnsafePath { line }), "{d}");
+        }
+    }
+
+    #[test]
+    fn a_file_that_appears_twice_is_refused() {
+        let once = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n";
+        assert_eq!(parse(&format!("{once}{once}")), Err(DiffError::DuplicateFile { file: 2 }));
+    }
+
+    #[test]
+    fn crlf_diffs_parse_like_lf() {
+        let lf = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1,2 +1,2 @@\n ctx\n-a\n+b\n";
+        assert_eq!(parse(&lf.replace('\n', "\r\n")).unwrap(), parse(lf).unwrap());
     }
 }

@@ -110,3 +110,20 @@ async fn an_idle_lane_does_not_park_the_only_slot() {
     }
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn findings_on_a_git_quoted_non_ascii_path_are_delivered_under_the_real_path() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    // What `git diff` writes for `src/über.rs` with `core.quotePath` on.
+    let diff = "diff --git \"a/src/\\303\\274ber.rs\" \"b/src/\\303\\274ber.rs\"\nindex 1111111..2222222 100644\n--- \"a/src/\\303\\274ber.rs\"\n+++ \"b/src/\\303\\274ber.rs\"\n@@ -1,2 +1,3 @@\n fn main() {\n+    let v = load().unwrap();\n }\n";
+    let job = submit(&mut client, US_KEY, "quoted-path", diff).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32);
+    let paths: Vec<&str> = last.findings.iter().map(|f| f.path.as_str()).collect();
+    assert_eq!(paths, ["src/über.rs"], "{last:?}");
+    assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&job.job_id).len() == 1).await);
+    let d: Delivery = serde_json::from_slice(&stack.webhook.for_job(&job.job_id)[0].body).unwrap();
+    assert_eq!(d.findings[0].path, "src/über.rs");
+    stack.shutdown().await;
+}
