@@ -137,6 +137,8 @@ pub struct ChaosReport {
     pub terminal: BTreeMap<String, usize>,
     pub lost: usize,
     pub stranded: usize,
+    /// Stranded jobs by region, and the state each was last seen in.
+    pub stranded_by_region: BTreeMap<String, usize>,
     pub paid_calls: usize,
     pub paid_twice: usize,
     pub repaid_after_caller_fault: usize,
@@ -338,6 +340,10 @@ pub async fn run(stack: &mut ProcStack, cfg: &ChaosConfig) -> anyhow::Result<Cha
         }
     }
     let stranded = accepted.iter().filter(|s| !finals.contains_key(&s.job_id)).count();
+    let mut stranded_by_region = BTreeMap::new();
+    for s in accepted.iter().filter(|s| !finals.contains_key(&s.job_id)) {
+        *stranded_by_region.entry(s.job_id[..2].to_string()).or_default() += 1;
+    }
     let lost = accepted.iter().filter(|s| finals.get(&s.job_id).is_none_or(|f| f.state != JobState::Published)).count();
     let mut terminal = BTreeMap::new();
     for f in finals.values().filter(|f| f.state == JobState::Terminal) {
@@ -381,6 +387,7 @@ pub async fn run(stack: &mut ProcStack, cfg: &ChaosConfig) -> anyhow::Result<Cha
         terminal,
         lost,
         stranded,
+        stranded_by_region,
         paid_calls,
         paid_twice,
         repaid_after_caller_fault: excused,

@@ -88,6 +88,7 @@ pub struct StackOptions {
     pub publish_lease: Duration,
     /// Batch pulls no more than its minimum while interactive work waited longer.
     pub interactive_wait_limit: Duration,
+    pub ingress_limits: reviewlane_ingress::config::ServerLimits,
 }
 
 impl Default for StackOptions {
@@ -109,6 +110,7 @@ impl Default for StackOptions {
             result_inline_max: None,
             publish_lease: Duration::from_secs(30),
             interactive_wait_limit: Duration::from_secs(5),
+            ingress_limits: Default::default(),
         }
     }
 }
@@ -217,6 +219,7 @@ impl Stack {
             batch: IngressConfig::default_policies().1,
             admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
             faults: opts.faults.clone(),
+            limits: opts.ingress_limits,
         })
         .await
         .expect("ingress builds");

@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 use reviewlane_shared::proto::{CancelReviewRequest, GetReviewRequest, SubmitReviewRequest};
 use tonic::Code;
 
@@ -72,5 +74,48 @@ async fn reflection_lists_the_review_service() {
     let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
     assert!(names.contains(&"reviewlane.v1.ReviewService".to_string()), "{names:?}");
     assert!(names.contains(&"grpc.health.v1.Health".to_string()), "{names:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watches_are_kept_alive_and_limited_per_tenant() {
+    use reviewlane_shared::proto::WatchReviewRequest;
+    let limits = reviewlane_ingress::config::ServerLimits {
+        watch_keepalive: Duration::from_millis(300),
+        max_watches_per_tenant: 2,
+        ..Default::default()
+    };
+    // No extractor: the job stays waiting, so only keepalives move the stream.
+    let stack = Stack::start_with(StackOptions { extractors: 0, ingress_limits: limits, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "watched", &sample_diff("watched")).await;
+    let watch = |client: &mut reviewlane_shared::proto::review_service_client::ReviewServiceClient<_>| {
+        let req = authed(US_KEY, WatchReviewRequest { job_id: job.job_id.clone() });
+        let mut c = client.clone();
+        async move { c.watch_review(req).await }
+    };
+    let mut first = watch(&mut client).await.expect("first watch").into_inner();
+    // The review as it stands, then again every keepalive period although nothing changed.
+    let three = async {
+        for _ in 0..3 {
+            assert!(first.message().await.unwrap().is_some());
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), three).await.expect("keepalive messages arrive");
+    let second = watch(&mut client).await.expect("second watch");
+    let third = watch(&mut client).await.expect_err("over the tenant's open watches");
+    assert_eq!(third.code(), tonic::Code::ResourceExhausted, "{third:?}");
+    // Another tenant is not limited by this one's watches.
+    let other = submit(&mut client, US2_KEY, "other-watch", &sample_diff("other")).await;
+    let req = authed(US2_KEY, WatchReviewRequest { job_id: other.job_id.clone() });
+    client.watch_review(req).await.expect("another tenant watches");
+    // A closed watch frees its place.
+    drop(first);
+    drop(second);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while watch(&mut client).await.is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "closed watches never freed their places");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     stack.shutdown().await;
 }

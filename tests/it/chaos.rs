@@ -12,6 +12,9 @@ async fn faults_cost_time_never_jobs() {
     let cfg = ChaosConfig::small();
     let mut stack = ProcStack::start(cfg.options()).await.expect("stack starts");
     let report = chaos::run(&mut stack, &cfg).await.expect("chaos runs");
+    if !report.correct() {
+        stack.keep_logs();
+    }
     let logs = stack.log_dir().display().to_string();
     let _ = stack.shutdown();
     chaos::print(&report);

@@ -105,6 +105,7 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
         batch: reviewlane_ingress::IngressConfig::default_policies().1,
         admission_sample: Duration::from_secs(1),
         faults: Default::default(),
+        limits: Default::default(),
     };
     let err = reviewlane_ingress::build(cfg).await.err().expect("ingress refuses");
     assert!(matches!(err, StartError::Wiring(_)), "{err}");

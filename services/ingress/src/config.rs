@@ -43,6 +43,35 @@ pub struct IngressConfig {
     pub admission_sample: Duration,
     /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
     pub faults: reviewlane_shared::faults::Faults,
+    pub limits: ServerLimits,
+}
+
+/// What one caller can hold of the server.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ServerLimits {
+    /// A `WatchReview` stream sends the review as it stands this often even without a
+    /// change, so callers (and proxies) see it alive.
+    pub watch_keepalive: Duration,
+    /// Open `WatchReview` streams per tenant; more are `RESOURCE_EXHAUSTED`.
+    pub max_watches_per_tenant: usize,
+    /// A unary call's deadline on the server.
+    pub request_timeout: Duration,
+    /// Concurrent HTTP/2 streams per connection.
+    pub max_streams_per_connection: u32,
+    /// HTTP/2 keepalive pings.
+    pub http2_keepalive: Duration,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            watch_keepalive: Duration::from_secs(15),
+            max_watches_per_tenant: 16,
+            request_timeout: Duration::from_secs(30),
+            max_streams_per_connection: 100,
+            http2_keepalive: Duration::from_secs(30),
+        }
+    }
 }
 
 impl IngressConfig {
@@ -97,6 +126,18 @@ impl IngressConfig {
             p.min_waiting = min_waiting;
         }
         let sample_ms: u64 = r.or("REVIEWLANE_ADMISSION_SAMPLE_MS", 1000, "milliseconds");
+        let d = ServerLimits::default();
+        let limits = ServerLimits {
+            watch_keepalive: Duration::from_secs(r.or("REVIEWLANE_WATCH_KEEPALIVE_SECS", 15, "whole seconds").max(1)),
+            max_watches_per_tenant: r.or("REVIEWLANE_MAX_WATCHES_PER_TENANT", d.max_watches_per_tenant, "a count"),
+            request_timeout: Duration::from_secs(r.or("REVIEWLANE_REQUEST_TIMEOUT_SECS", 30, "whole seconds").max(1)),
+            max_streams_per_connection: r.or(
+                "REVIEWLANE_MAX_STREAMS_PER_CONNECTION",
+                d.max_streams_per_connection,
+                "a count",
+            ),
+            http2_keepalive: Duration::from_secs(r.or("REVIEWLANE_HTTP2_KEEPALIVE_SECS", 30, "whole seconds").max(1)),
+        };
         if let Some(t) = &tenants {
             for tenant in t.iter() {
                 if !nats_urls.contains_key(&tenant.region) && !nats_urls.is_empty() {
@@ -122,6 +163,7 @@ impl IngressConfig {
             interactive,
             batch,
             admission_sample: Duration::from_millis(sample_ms.max(50)),
+            limits,
         })
     }
 }

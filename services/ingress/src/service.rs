@@ -62,6 +62,9 @@ pub struct ReviewApi {
     faults: Faults,
     /// Per region: each tenant's weight (for its share of the lane's throughput).
     weights: Arc<BTreeMap<Region, Vec<(String, u32)>>>,
+    limits: crate::config::ServerLimits,
+    /// Open `WatchReview` streams per tenant.
+    watches: Arc<std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>>,
 }
 
 impl ReviewApi {
@@ -84,7 +87,30 @@ impl ReviewApi {
             metrics,
             faults: Faults::default(),
             weights: Arc::default(),
+            limits: Default::default(),
+            watches: Arc::default(),
         }
+    }
+
+    /// The limits a caller meets (watch keepalive, open watches per tenant).
+    pub fn with_limits(mut self, limits: crate::config::ServerLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// A place among the tenant's open watches, or `RESOURCE_EXHAUSTED`.
+    fn watch_permit(&self, tenant: &str) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+        let sem = self
+            .watches
+            .lock()
+            .expect("watches lock")
+            .entry(tenant.to_string())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.limits.max_watches_per_tenant)))
+            .clone();
+        sem.try_acquire_owned().map_err(|_| ApiError::ResourceExhausted {
+            what: "too many open watches for this tenant",
+            retry_after: Duration::from_secs(5),
+        })
     }
 
     /// The tenants whose shares of each lane admission weighs.
@@ -374,6 +400,7 @@ impl ReviewApi {
         let tenant = self.auth.tenant(&req)?;
         let id = req.into_inner().job_id;
         let (handle, _) = self.owned_job(&tenant, &id).await?;
+        let permit = self.watch_permit(&tenant.id)?;
         // Subscribe first, then read: no change can fall between the two.
         let mut changes = handle.jobs.changes(&id).await.map_err(ApiError::from)?;
         let (mut rec, mut last) = handle.jobs.get(&id).await.map_err(ApiError::from)?.ok_or(ApiError::NotFound)?;
@@ -381,8 +408,14 @@ impl ReviewApi {
         let api = self.clone();
         let handle = handle.clone();
         let shutdown = self.shutdown.clone();
+        let every = self.limits.watch_keepalive;
         tokio::spawn(
             async move {
+                // Held while the stream is open.
+                let _permit = permit;
+                // Sends the review as it stands at least this often: callers and proxies
+                // see the stream alive.
+                let mut keepalive = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
                 loop {
                     let review = match api.view(&handle, &rec).await {
                         Ok(r) => r,
@@ -399,6 +432,7 @@ impl ReviewApi {
                     loop {
                         tokio::select! {
                             c = changes.next() => if c.is_none() { return },
+                            _ = keepalive.tick() => break,
                             _ = tokio::time::sleep(reviewlane_shared::job_store::RECHECK) => {}
                             _ = shutdown.cancelled() => {
                                 let _ = tx.send(Err(Status::unavailable("server shutting down; watch again"))).await;

@@ -80,6 +80,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
         metrics,
     )
     .with_faults(config.faults.clone())
+    .with_limits(config.limits)
     .with_tenants(&config.tenants);
     Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown })
 }
@@ -145,7 +146,12 @@ impl App {
             // End open watches so the server can finish.
             token.cancel();
         };
+        let limits = self.config.limits;
         let server = tonic::transport::Server::builder()
+            .timeout(limits.request_timeout)
+            .max_concurrent_streams(limits.max_streams_per_connection)
+            .http2_keepalive_interval(Some(limits.http2_keepalive))
+            .http2_keepalive_timeout(Some(limits.http2_keepalive))
             .trace_fn(crate::rpc::span_for)
             .add_service(health_service)
             .add_service(reflection)
