@@ -19,6 +19,9 @@ use tracing::Instrument;
 
 /// Longest a pull request waits on the server for a message.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
+/// Longest wait for the next message of a pull: its expiry and a margin. A pull request
+/// that the server lost (it restarted) never ends by itself; this ends it.
+pub const PULL_WAIT: Duration = Duration::from_secs(8);
 /// Most messages asked for in one pull.
 const MAX_PULL: usize = 64;
 
@@ -73,7 +76,10 @@ pub async fn pull_loop<F, Fut>(
         let Some(mut batch) = batch else { continue };
         loop {
             let next = tokio::select! {
-                m = batch.next() => m,
+                m = tokio::time::timeout(PULL_WAIT, batch.next()) => match m {
+                    Ok(m) => m,
+                    Err(_) => break,
+                },
                 _ = stop.cancelled() => return,
             };
             let msg = match next {

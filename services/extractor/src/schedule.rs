@@ -208,7 +208,11 @@ pub async fn serve<F, Fut>(
         let Some(batch) = pull(&l.consumer, 1, &mut failures, &stop).await else { return };
         let Some(mut batch) = batch else { continue };
         let msg = tokio::select! {
-            m = batch.next() => m,
+            m = tokio::time::timeout(reviewlane_shared::pull::PULL_WAIT, batch.next()) => match m {
+                Ok(m) => m,
+                // The server lost the pull request (it restarted): pull again.
+                Err(_) => continue,
+            },
             _ = stop.cancelled() => return,
         };
         let msg = match msg {
