@@ -225,21 +225,26 @@ async fn kill_9_mid_call_is_redelivered_after_the_lease_and_published_once() {
     stack.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_lane_with_a_short_window_degrades_then_refuses() {
+/// One call at a time of 400 ms (about 2.5 reviews/s served); a 1 s window; degraded
+/// service up to 3 s predicted; admission sampled every 100 ms.
+async fn slow_lane() -> Stack {
     use reviewlane_ingress::admission::LanePolicy;
-    use reviewlane_shared::proto::ReviewDepth;
-    use tonic_types::StatusExt;
-
-    // About 2.5 reviews/s served; a 1 s window; degraded service up to 3 s predicted.
     let policy = LanePolicy { window: Duration::from_secs(1), degrade_factor: 3.0, min_waiting: 2 };
-    let stack = Stack::start_with(StackOptions {
+    Stack::start_with(StackOptions {
         extractor_concurrency: 1,
         us_provider: SimConfig { latency: Duration::from_millis(400), ..Default::default() },
         interactive_policy: Some((policy, Duration::from_millis(100))),
         ..Default::default()
     })
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_lane_with_a_short_window_degrades_then_refuses() {
+    use reviewlane_shared::proto::ReviewDepth;
+    use tonic_types::StatusExt;
+
+    let stack = slow_lane().await;
     let mut client = stack.client().await;
     let (mut degraded, mut refused) = (None, None);
     for i in 0..60 {
@@ -274,17 +279,7 @@ async fn a_slow_lane_with_a_short_window_degrades_then_refuses() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_is_refused_while_another_is_still_admitted_and_served() {
-    use reviewlane_ingress::admission::LanePolicy;
-
-    // About 2.5 reviews/s served; a 1 s window, degraded service up to 3 s predicted.
-    let policy = LanePolicy { window: Duration::from_secs(1), degrade_factor: 3.0, min_waiting: 2 };
-    let stack = Stack::start_with(StackOptions {
-        extractor_concurrency: 1,
-        us_provider: SimConfig { latency: Duration::from_millis(400), ..Default::default() },
-        interactive_policy: Some((policy, Duration::from_millis(100))),
-        ..Default::default()
-    })
-    .await;
+    let stack = slow_lane().await;
     let mut client = stack.client().await;
     // Tenant acme floods until it is refused.
     let mut flood = Vec::new();
