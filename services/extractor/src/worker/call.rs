@@ -57,7 +57,7 @@ impl Worker {
         let attempt = tracing::info_span!(
             "provider.attempt",
             otel.kind = "client",
-            attempt = lease.generation,
+            attempt = lease.generation(),
             provider = self.provider.name(),
             model_class = %job.scope.model_class,
             queue_wait_ms = started_ms.saturating_sub(eligible_at_ms),
@@ -146,13 +146,13 @@ impl Worker {
             tracing::warn!(error = %e, "progress ack failed");
         }
         let event = Event::Extended {
-            generation: lease.generation,
+            generation: lease.generation(),
             lease_expires_at_ms: self.clock.now_ms() + self.lease.as_millis() as u64,
         };
         match self.jobs.apply(job.id(), &event).await {
             Ok(_) => None,
             Err(StoreError::Transition(TransitionError::Fenced { .. }, _)) => {
-                tracing::warn!(generation = lease.generation, "lease taken over by another holder");
+                tracing::warn!(generation = lease.generation(), "lease taken over by another holder");
                 Some(Answer::LostLease)
             }
             Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {

@@ -47,8 +47,9 @@ impl Worker {
         }
     }
 
-    /// Stores the validated result of this lease's generation.
-    pub(super) async fn keep(&self, job: &Job<'_>, lease: &Lease, v: Validated) -> Decision {
+    /// Stores the validated result of this lease's generation; a fresh answer (not one
+    /// from the result cache) also goes into the cache.
+    pub(super) async fn keep(&self, job: &Job<'_>, lease: &Lease, v: Validated, fresh: bool) -> Decision {
         let (n, q) = (v.findings.len(), v.quarantined.len());
         for reason in v.quarantined.iter().map(|q| q.reason.as_str()) {
             tracing::info!(reason, "finding quarantined");
@@ -56,7 +57,7 @@ impl Worker {
         let review = job.review;
         let result = FindingsMessage {
             job_id: review.job_id.clone(),
-            generation: lease.generation,
+            generation: lease.generation(),
             stored_as: None,
             tenant: review.tenant.clone(),
             region: review.region,
@@ -94,7 +95,9 @@ impl Worker {
                 span.record("stored", if at == reviewlane_shared::results::Kept::Inline { "inline" } else { "object" });
                 self.metrics.kept(at);
                 self.metrics.validated(n, v.quarantined.iter().map(|q| q.reason.as_str()));
-                self.store_in_cache(job, &v).await;
+                if fresh {
+                    self.store_in_cache(job, &v).await;
+                }
                 Decision::Validated { findings: n, quarantined: q }
             }
             Err(e) => {

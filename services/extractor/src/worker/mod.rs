@@ -84,9 +84,9 @@ impl Job<'_> {
     }
 }
 
-/// A lease this worker holds: the generation its writes name, and the record as leased.
+/// A lease this worker holds: the record as leased (its generation is the one every
+/// later write names).
 pub struct Lease {
-    pub generation: u32,
     pub rec: JobRecord,
     /// Whether this lease made a provider call (a cache hit, an open circuit or a
     /// resumed answer do not).
@@ -95,7 +95,11 @@ pub struct Lease {
 
 impl Lease {
     pub fn new(rec: JobRecord) -> Self {
-        Lease { generation: rec.generation(), rec, called: Default::default() }
+        Lease { rec, called: Default::default() }
+    }
+
+    pub fn generation(&self) -> u32 {
+        self.rec.generation()
     }
 
     /// Provider calls the job has made, this lease's included: one per retry spent, and
@@ -201,7 +205,7 @@ impl Worker {
         let (upstream, started_ms) = match answer {
             Answer::Cached(hit) => {
                 tracing::info!("result cache hit");
-                return self.keep(job, lease, hit).await;
+                return self.keep(job, lease, hit, false).await;
             }
             Answer::Upstream { outcome, started_ms } => (outcome, started_ms),
             Answer::Aborted => return Decision::Release(None),
@@ -212,7 +216,7 @@ impl Worker {
         match upstream {
             UpstreamOutcome::Ok { output, slow_down, usage } => {
                 let decision = match self.validate(job, lease, &output) {
-                    Ok(validated) => self.keep(job, lease, validated).await,
+                    Ok(validated) => self.keep(job, lease, validated, true).await,
                     Err(invalid) => {
                         Decision::Retry { budget: Budget::Schema, hint: None, status, invalid: Some(invalid.as_str()) }
                     }

@@ -88,7 +88,7 @@ impl Worker {
         lease: Option<&Lease>,
         decision: Decision,
     ) -> Result<Outcome, StoreError> {
-        let generation = lease.map(|l| l.generation);
+        let generation = lease.map(|l| l.generation());
         let (event, outcome, kind) = match decision {
             Decision::Stale => {
                 self.metrics.stale_result();
@@ -100,7 +100,7 @@ impl Worker {
                 // for it to run out (best effort: it runs out anyway).
                 if let Some(lease) = lease {
                     let now =
-                        Event::Extended { generation: lease.generation, lease_expires_at_ms: self.clock.now_ms() };
+                        Event::Extended { generation: lease.generation(), lease_expires_at_ms: self.clock.now_ms() };
                     if let Err(e) = self.jobs.apply(job.id(), &now).await {
                         tracing::debug!(kind = e.kind(), "releasing the lease in the record failed");
                     }
@@ -136,7 +136,7 @@ impl Worker {
                 }
                 let delay = hint.unwrap_or_else(|| self.backoff(job.review).delay(used + 1, rand::random::<f64>()));
                 let event = Event::RetryScheduled {
-                    generation: lease.generation,
+                    generation: lease.generation(),
                     budget,
                     next_eligible_at_ms: self.clock.now_ms() + delay.as_millis() as u64,
                     upstream_status: status,
