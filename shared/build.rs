@@ -7,6 +7,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     let bytes = prost::Message::encode_to_vec(&fds);
     std::fs::write(out.join("reviewlane_descriptor.bin"), bytes)?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    // Requests that do not decode are the caller's error (see `codec.rs`).
+    tonic_prost_build::configure().codec_path("crate::codec::ApiCodec").compile_fds(fds)?;
     Ok(())
 }

@@ -121,6 +121,8 @@ pub fn request(job: &Job) -> tonic::Request<SubmitReviewRequest> {
                 base_revision: "a1b2c3d".into(),
                 head_revision: "e4f5a6b".into(),
             }),
+
+            ..Default::default()
         },
     )
 }

@@ -367,6 +367,8 @@ pub fn submit_req(key: &str, idem: &str, diff: &str) -> tonic::Request<SubmitRev
                 base_revision: "aaaa".into(),
                 head_revision: "bbbb".into(),
             }),
+
+            ..Default::default()
         },
     )
 }

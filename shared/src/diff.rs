@@ -254,22 +254,29 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
             file.hunks.push(hunk);
             continue;
         }
-        if let Some((_, has_meta)) = cur.as_mut() {
+        if let Some((file, has_meta)) = cur.as_mut()
+            && file.hunks.is_empty()
+        {
+            // Extended header lines of `git diff`, between `diff --git` and the first hunk.
             if line.starts_with("Binary files ") || line.starts_with("GIT binary patch") {
-                cur.as_mut().expect("checked above").0.binary = true;
-            } else if [
-                "rename from ",
-                "rename to ",
-                "copy from ",
-                "copy to ",
-                "old mode ",
-                "new mode ",
-                "new file mode ",
-                "deleted file mode ",
-                "similarity index ",
-            ]
-            .iter()
-            .any(|p| line.starts_with(p))
+                file.binary = true;
+            } else if line.starts_with("new file mode ") {
+                file.old_path = None;
+                *has_meta = true;
+            } else if line.starts_with("deleted file mode ") {
+                file.new_path = None;
+                *has_meta = true;
+            } else if let Some(p) = line.strip_prefix("rename from ").or_else(|| line.strip_prefix("copy from ")) {
+                // Unprefixed, possibly quoted, and unambiguous where the `diff --git` line
+                // with spaces in both names is not.
+                file.old_path = checked(Some(header_name(p).ok_or(DiffError::BadQuotedPath { line: lno })?), lno)?;
+                *has_meta = true;
+            } else if let Some(p) = line.strip_prefix("rename to ").or_else(|| line.strip_prefix("copy to ")) {
+                file.new_path = checked(Some(header_name(p).ok_or(DiffError::BadQuotedPath { line: lno })?), lno)?;
+                *has_meta = true;
+            } else if ["old mode ", "new mode ", "similarity index ", "dissimilarity index "]
+                .iter()
+                .any(|p| line.starts_with(p))
             {
                 *has_meta = true;
             }
@@ -365,6 +372,11 @@ fn header_path(raw: &str, prefixes: Prefixes) -> Option<Option<String>> {
         .or_else(|| p.strip_prefix(prefixes.new).filter(|_| !prefixes.new.is_empty()))
         .unwrap_or(&p);
     Some(Some(stripped.to_string()))
+}
+
+/// A name on a `rename from`/`copy to` line: as it is, or C-quoted.
+fn header_name(raw: &str) -> Option<String> {
+    if raw.starts_with('"') { take_quoted(raw).map(|(p, _)| p) } else { Some(raw.to_string()) }
 }
 
 /// Git's C-style quoting (`core.quotePath`): `"..."` with `\\`, `\"`, `\t`, `\n`, and

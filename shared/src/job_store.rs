@@ -22,29 +22,31 @@ pub struct JobStore {
     clock: SharedClock,
 }
 
-/// Signals that a job record may have changed; re-read it with `JobStore::get`.
-///
-/// A core NATS subscription on the record's KV subject, not a KV watch: async-nats
-/// creates a watch's consumer before subscribing to its deliver subject, so an update
-/// in between is seen only after the 5 s idle-heartbeat recovery. Subscribing first and
-/// reading after, on one connection, misses nothing.
+/// Every revision of one job record after a given one, in order: a KV watch that
+/// starts at the revision after the one the caller read, so no update between the read
+/// and the watch is missed, and no update is seen twice.
 pub struct JobChanges {
-    sub: async_nats::Subscriber,
+    watch: kv::Watch,
 }
 
 impl JobChanges {
-    /// Waits for the next change; `None` when the subscription ended.
-    ///
-    /// A signal can arrive before the stream has stored the update (subscribers are
-    /// served first), so a read right after it may still see the previous revision;
-    /// callers re-read on `RECHECK` too.
-    pub async fn next(&mut self) -> Option<()> {
-        futures::StreamExt::next(&mut self.sub).await.map(|_| ())
+    /// The next revision: `Some(None)` when the record was deleted, `None` when the
+    /// watch ended (the connection closed).
+    pub async fn next(&mut self) -> Option<Result<Option<(JobRecord, u64)>, StoreError>> {
+        let entry = match futures::StreamExt::next(&mut self.watch).await? {
+            Ok(e) => e,
+            Err(e) => return Some(Err(StoreError::other(e))),
+        };
+        if entry.operation != kv::Operation::Put {
+            return Some(Ok(None));
+        }
+        Some(
+            serde_json::from_slice(&entry.value)
+                .map(|rec| Some((rec, entry.revision)))
+                .map_err(|_| StoreError::Corrupt),
+        )
     }
 }
-
-/// How often a waiter re-reads a record even without a signal (see `JobChanges::next`).
-pub const RECHECK: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// How often `apply` re-reads after losing a compare-and-set before giving up.
 const CAS_TRIES: usize = 16;
@@ -64,11 +66,19 @@ impl JobStore {
         &self.clock
     }
 
-    /// Subscribes to changes of one record. Read the record after this returns.
-    pub async fn changes(&self, job_id: &str) -> Result<JobChanges, StoreError> {
+    /// Signals that one record may have changed: a core subscription on its KV subject,
+    /// no JetStream consumer, so it costs no round trip. A signal can come before the
+    /// write is stored, and failed compare-and-set writes signal too: for waiters that
+    /// re-read on a schedule of their own (a worker's lease heartbeat).
+    pub async fn signals(&self, job_id: &str) -> Result<async_nats::Subscriber, StoreError> {
         let subject = format!("{}{}", self.kv.prefix, job_id);
-        let sub = self.client.subscribe(subject).await.map_err(StoreError::other)?;
-        Ok(JobChanges { sub })
+        self.client.subscribe(subject).await.map_err(StoreError::other)
+    }
+
+    /// The revisions of one record after `revision` (the one the caller read).
+    pub async fn changes_after(&self, job_id: &str, revision: u64) -> Result<JobChanges, StoreError> {
+        let watch = self.kv.watch_from_revision(job_id, revision + 1).await.map_err(StoreError::other)?;
+        Ok(JobChanges { watch })
     }
 
     pub fn kv(&self) -> &kv::Store {

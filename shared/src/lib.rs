@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod api;
 pub mod clock;
+pub mod codec;
 pub mod config;
 pub mod diff;
 pub mod faults;

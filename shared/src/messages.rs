@@ -29,9 +29,13 @@ pub struct ReviewMessage {
     pub schema_version: String,
     pub review_depth: ReviewDepth,
     pub metadata: ReviewMetadata,
+    /// The diff when it is UTF-8 (empty when `diff_bytes` holds it).
     pub diff: String,
+    /// The diff exactly as the caller sent it when it is not UTF-8 (base64 in JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "base64_bytes")]
+    pub diff_bytes: Option<Vec<u8>>,
     pub submitted_at_ms: u64,
-    /// sha256 of the diff.
+    /// sha256 of the diff's bytes.
     #[serde(default)]
     pub input_digest: String,
     /// sha256 over everything the request asked for (see `JobRecord::request_digest`).
@@ -40,6 +44,15 @@ pub struct ReviewMessage {
 }
 
 impl ReviewMessage {
+    /// The diff as text: as sent when it is UTF-8, else decoded with replacement
+    /// characters. What the model sees and what findings are validated against.
+    pub fn diff_text(&self) -> std::borrow::Cow<'_, str> {
+        match &self.diff_bytes {
+            Some(b) => String::from_utf8_lossy(b),
+            None => std::borrow::Cow::Borrowed(&self.diff),
+        }
+    }
+
     /// The job record this message stands for, as the ingress creates it.
     pub fn record(&self) -> JobRecord {
         JobRecord::waiting(
@@ -107,5 +120,23 @@ impl Delivery {
             findings: m.findings.clone(),
             quarantined_count: m.quarantined.len() as u32,
         }
+    }
+}
+
+mod base64_bytes {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::STANDARD;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(b) => s.serialize_str(&STANDARD.encode(b)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
+        let v: Option<String> = Option::deserialize(d)?;
+        v.map(|t| STANDARD.decode(t).map_err(serde::de::Error::custom)).transpose()
     }
 }

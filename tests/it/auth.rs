@@ -119,3 +119,53 @@ async fn watches_are_kept_alive_and_limited_per_tenant() {
     }
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_sees_every_revision_of_the_review_in_order() {
+    use reviewlane_shared::clock;
+    use reviewlane_shared::job::{Budget, Event};
+    use reviewlane_shared::proto::{JobState, WatchReviewRequest};
+
+    // No extractor: the revisions below are the only ones. They are written back to back,
+    // faster than any polling interval; the watch follows the record itself, so it shows
+    // each of them, in order, and no revision twice.
+    let stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "every-revision", &sample_diff("rev")).await;
+    let mut stream = client
+        .watch_review(authed(US_KEY, WatchReviewRequest { job_id: job.job_id.clone() }))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap().review.unwrap();
+    assert_eq!(first.state, JobState::Waiting as i32);
+
+    let s = crate::manual::stores(stack.us.nats.url(), reviewlane_shared::Region::Us, clock::system()).await;
+    let now = clock::system().now_ms();
+    let lease = || Event::Leased { owner: "test".into(), lease_expires_at_ms: now + 60_000 };
+    for generation in 1..=3 {
+        s.jobs.apply(&job.job_id, &lease()).await.unwrap();
+        let retry = Event::RetryScheduled {
+            generation,
+            budget: Budget::Congestion,
+            next_eligible_at_ms: now,
+            upstream_status: Some("429".into()),
+            invalid_output: None,
+        };
+        s.jobs.apply(&job.job_id, &retry).await.unwrap();
+    }
+    s.jobs.apply(&job.job_id, &Event::Cancel).await.unwrap();
+
+    let mut seen = Vec::new();
+    let read = async {
+        while let Some(m) = stream.message().await.unwrap() {
+            let r = m.review.unwrap();
+            seen.push((r.state, r.attempts.map(|a| a.congestion).unwrap_or_default()));
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read).await.expect("the watch ends at the final state");
+    let (run, wait) = (JobState::Running as i32, JobState::RetryScheduled as i32);
+    let expected = vec![(run, 0), (wait, 1), (run, 1), (wait, 2), (run, 2), (wait, 3), (JobState::Terminal as i32, 3)];
+    assert_eq!(seen, expected);
+    stack.shutdown().await;
+}

@@ -45,6 +45,7 @@ async fn bad_requests_are_invalid_argument_and_persist_nothing() {
                 diff,
                 schema_version: schema.into(),
                 metadata: None,
+                ..Default::default()
             },
         );
         let err = client.submit_review(req).await.unwrap_err();

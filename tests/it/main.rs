@@ -16,6 +16,7 @@ mod pipeline;
 mod publish_once;
 mod quarantine;
 mod rate_limits;
+mod raw_input;
 mod replicas;
 mod residency;
 mod scenarios;

@@ -161,6 +161,7 @@ fn canary_req(idem: &str, diff: String) -> tonic::Request<SubmitReviewRequest> {
                 base_revision: format!("base-{CANARY}"),
                 head_revision: format!("head-{CANARY}"),
             }),
+            ..Default::default()
         },
     )
 }

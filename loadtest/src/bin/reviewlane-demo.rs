@@ -115,6 +115,7 @@ async fn main() -> anyhow::Result<()> {
             diff,
             schema_version: "findings.v1".into(),
             metadata: Some(proto::ReviewMetadata { repository: format!("{}/sample", s.tenant), ..Default::default() }),
+            ..Default::default()
         });
         req.metadata_mut().insert("authorization", format!("Bearer {}", s.key).parse()?);
         let job = client.submit_review(req).await?.into_inner().review.context("review")?;

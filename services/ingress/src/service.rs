@@ -176,7 +176,7 @@ impl ReviewApi {
     }
 
     /// Runs inside the RPC span (see `rpc::span_for`), which it fills in.
-    async fn submit(&self, tenant: &Tenant, req: SubmitReviewRequest) -> Result<proto::Review, ApiError> {
+    async fn submit(&self, tenant: &Tenant, mut req: SubmitReviewRequest) -> Result<proto::Review, ApiError> {
         let lane = api::lane_from_proto(req.lane).ok_or_else(|| ApiError::invalid("lane", "unknown lane"))?;
         let schema_version = if req.schema_version.is_empty() {
             findings::LATEST_SCHEMA.to_string()
@@ -189,13 +189,8 @@ impl ReviewApi {
             ));
         };
         let limit = tenant.max_diff_bytes.unwrap_or(self.max_diff_bytes);
-        if req.diff.len() > limit {
-            return Err(ApiError::invalid(
-                "diff",
-                format!("diff is {} bytes, over the limit of {limit} bytes", req.diff.len()),
-            ));
-        }
-        diff::parse(&req.diff).map_err(|e| ApiError::invalid("diff", e.to_string()))?;
+        let diff = SubmittedDiff::from_request(&mut req, limit)?;
+        diff::parse(&diff.text()).map_err(|e| ApiError::invalid("diff", e.to_string()))?;
         if req.idempotency_key.len() > MAX_IDEMPOTENCY_KEY {
             return Err(ApiError::invalid("idempotency_key", format!("longer than {MAX_IDEMPOTENCY_KEY} bytes")));
         }
@@ -222,7 +217,7 @@ impl ReviewApi {
         let request_digest = job_id::sha256_hex(&[
             lane.as_str().as_bytes(),
             schema_version.as_bytes(),
-            req.diff.as_bytes(),
+            diff.bytes(),
             metadata.repository.as_bytes(),
             metadata.base_revision.as_bytes(),
             metadata.head_revision.as_bytes(),
@@ -261,8 +256,9 @@ impl ReviewApi {
                 base_revision: metadata.base_revision,
                 head_revision: metadata.head_revision,
             },
-            input_digest: job_id::sha256_hex(&[req.diff.as_bytes()]),
-            diff: req.diff,
+            input_digest: job_id::sha256_hex(&[diff.bytes()]),
+            diff: diff.utf8,
+            diff_bytes: diff.raw,
             submitted_at_ms: now_ms(),
             request_digest,
         };
@@ -345,6 +341,48 @@ async fn read_findings(handle: &RegionHandle, rec: &JobRecord) -> Result<Vec<Fin
     Ok(kept.map(|m| m.findings).unwrap_or_default())
 }
 
+/// The diff of a submit, in whichever of the two forms the caller used.
+struct SubmittedDiff {
+    /// The diff when it is UTF-8 (sent as `diff`, or as `diff_bytes` that happen to be).
+    utf8: String,
+    /// The bytes of a `diff_bytes` that is not UTF-8, kept exactly as sent.
+    raw: Option<Vec<u8>>,
+}
+
+impl SubmittedDiff {
+    /// Takes the diff out of the request: exactly one form, within `limit` bytes.
+    fn from_request(req: &mut SubmitReviewRequest, limit: usize) -> Result<Self, ApiError> {
+        let (field, len) = match (req.diff.is_empty(), req.diff_bytes.is_empty()) {
+            (false, false) => return Err(ApiError::invalid("diff", "set one of `diff` and `diff_bytes`, not both")),
+            (true, false) => ("diff_bytes", req.diff_bytes.len()),
+            _ => ("diff", req.diff.len()),
+        };
+        if len > limit {
+            return Err(ApiError::invalid(field, format!("diff is {len} bytes, over the limit of {limit} bytes")));
+        }
+        if field == "diff" {
+            return Ok(SubmittedDiff { utf8: std::mem::take(&mut req.diff), raw: None });
+        }
+        // Bytes that are UTF-8 are the same diff as the string form: same digests, same
+        // job for the same idempotency key.
+        Ok(match String::from_utf8(std::mem::take(&mut req.diff_bytes)) {
+            Ok(utf8) => SubmittedDiff { utf8, raw: None },
+            Err(e) => SubmittedDiff { utf8: String::new(), raw: Some(e.into_bytes()) },
+        })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        self.raw.as_deref().unwrap_or(self.utf8.as_bytes())
+    }
+
+    fn text(&self) -> std::borrow::Cow<'_, str> {
+        match &self.raw {
+            Some(b) => String::from_utf8_lossy(b),
+            None => std::borrow::Cow::Borrowed(&self.utf8),
+        }
+    }
+}
+
 /// A client-supplied id goes into a span only when it has the shape of a job id.
 fn span_id(id: &str) -> &str {
     if job_id::region_of(id).is_ok() { id } else { "malformed" }
@@ -396,14 +434,22 @@ impl ReviewService for ReviewApi {
 }
 
 impl ReviewApi {
+    pub fn authenticator(&self) -> Authenticator {
+        self.auth.clone()
+    }
+
+    pub fn metrics(&self) -> Metrics {
+        self.metrics.clone()
+    }
+
     async fn watch(&self, req: Request<WatchReviewRequest>) -> Result<Response<WatchStream>, Status> {
         let tenant = self.auth.tenant(&req)?;
         let id = req.into_inner().job_id;
         let (handle, _) = self.owned_job(&tenant, &id).await?;
         let permit = self.watch_permit(&tenant.id)?;
-        // Subscribe first, then read: no change can fall between the two.
-        let mut changes = handle.jobs.changes(&id).await.map_err(ApiError::from)?;
-        let (mut rec, mut last) = handle.jobs.get(&id).await.map_err(ApiError::from)?.ok_or(ApiError::NotFound)?;
+        // Read, then follow every later revision: nothing falls between the two.
+        let (mut rec, last) = handle.jobs.get(&id).await.map_err(ApiError::from)?.ok_or(ApiError::NotFound)?;
+        let mut changes = handle.jobs.changes_after(&id, last).await.map_err(ApiError::from)?;
         let (tx, rx) = mpsc::channel(8);
         let api = self.clone();
         let handle = handle.clone();
@@ -428,29 +474,30 @@ impl ReviewApi {
                     {
                         return;
                     }
-                    // Wait for a newer revision; a signal for one already sent is skipped.
-                    loop {
-                        tokio::select! {
-                            c = changes.next() => if c.is_none() { return },
-                            _ = keepalive.tick() => break,
-                            _ = tokio::time::sleep(reviewlane_shared::job_store::RECHECK) => {}
-                            _ = shutdown.cancelled() => {
-                                let _ = tx.send(Err(Status::unavailable("server shutting down; watch again"))).await;
+                    // The next revision, or the review as it stands when the keepalive is due.
+                    tokio::select! {
+                        c = changes.next() => match c {
+                            Some(Ok(Some((r, _)))) => rec = r,
+                            // Removed under the watch (retention).
+                            Some(Ok(None)) => {
+                                let _ = tx.send(Err(ApiError::NotFound.into())).await;
                                 return;
                             }
-                            _ = tx.closed() => return,
-                        }
-                        match handle.jobs.get(&rec.job_id).await {
-                            Ok(Some((r, rev))) if rev > last => {
-                                (rec, last) = (r, rev);
-                                break;
+                            None => {
+                                let _ = tx.send(Err(Status::unavailable("region store connection lost; watch again"))).await;
+                                return;
                             }
-                            Ok(_) => continue,
-                            Err(e) => {
+                            Some(Err(e)) => {
                                 let _ = tx.send(Err(ApiError::from(e).into())).await;
                                 return;
                             }
+                        },
+                        _ = keepalive.tick() => {}
+                        _ = shutdown.cancelled() => {
+                            let _ = tx.send(Err(Status::unavailable("server shutting down; watch again"))).await;
+                            return;
                         }
+                        _ = tx.closed() => return,
                     }
                 }
             }

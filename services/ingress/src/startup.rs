@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::Sampler;
-use crate::auth::Authenticator;
+use crate::auth::{Authenticated, Authenticator};
 use crate::config::IngressConfig;
 use crate::service::{RegionHandle, ReviewApi};
 
@@ -132,9 +132,14 @@ impl App {
         // the request), so callers meet our check, which names the limit.
         let largest =
             self.config.tenants.iter().filter_map(|t| t.max_diff_bytes).fold(self.config.max_diff_bytes, usize::max);
-        let service = ReviewServiceServer::new(self.api)
-            .max_decoding_message_size(request_limit(largest))
-            .max_encoding_message_size(request_limit(largest));
+        let (auth, metrics) = (self.api.authenticator(), self.api.metrics());
+        let service = Authenticated::new(
+            ReviewServiceServer::new(self.api)
+                .max_decoding_message_size(request_limit(largest))
+                .max_encoding_message_size(request_limit(largest)),
+            auth,
+            metrics,
+        );
         tracing::info!(addr = %self.listener.local_addr()?, regions = self.clients.len(), "ingress serving");
 
         let token = self.shutdown.clone();

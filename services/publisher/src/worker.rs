@@ -293,18 +293,18 @@ impl Worker {
     /// The extractor keeps findings, then records `validated`: wait briefly for that
     /// write instead of bouncing the message. The record as it stands at the end.
     async fn await_validated(&self, id: &str) -> Result<JobRecord, StoreError> {
-        let mut changes = self.jobs.changes(id).await?;
         let wait = async {
-            loop {
-                let (current, _) = self.jobs.get(id).await?.ok_or(StoreError::NotFound)?;
-                if current.state != JobState::Running {
-                    return Ok(current);
-                }
-                tokio::select! {
-                    c = changes.next() => if c.is_none() { return Ok(current) },
-                    _ = tokio::time::sleep(reviewlane_shared::job_store::RECHECK) => {}
+            let (mut current, last) = self.jobs.get(id).await?.ok_or(StoreError::NotFound)?;
+            let mut changes = self.jobs.changes_after(id, last).await?;
+            while current.state == JobState::Running {
+                match changes.next().await {
+                    Some(Ok(Some((r, _)))) => current = r,
+                    Some(Ok(None)) => return Err(StoreError::NotFound),
+                    Some(Err(e)) => return Err(e),
+                    None => break,
                 }
             }
+            Ok(current)
         };
         match tokio::time::timeout(VALIDATED_WAIT, wait).await {
             Ok(done) => done,

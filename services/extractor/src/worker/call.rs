@@ -47,7 +47,7 @@ impl Worker {
             job_id: job.id(),
             region: job.review.region,
             schema_version: &job.review.schema_version,
-            diff_text: &job.review.diff,
+            diff_text: &job.review.diff_text(),
             diff,
             review_depth: job.review.review_depth,
         };
@@ -112,7 +112,9 @@ impl Worker {
         req: &ProviderRequest<'_>,
         abort: &CancellationToken,
     ) -> Result<Option<Result<UpstreamOutcome, Answer>>, StoreError> {
-        let mut changes = self.jobs.changes(job.id()).await?;
+        // A cancel is seen here at once; one racing the subscription, at the next
+        // heartbeat's extend at the latest.
+        let mut changes = self.jobs.signals(job.id()).await?;
         let call = tokio::time::timeout(self.provider_timeout, self.provider.review(req));
         tokio::pin!(call);
         let mut heartbeat = tokio::time::interval(self.lease / 3);
@@ -127,7 +129,7 @@ impl Worker {
                         return Ok(Some(Err(end)));
                     }
                 }
-                Some(()) = changes.next() => {
+                Some(_) = futures::StreamExt::next(&mut changes) => {
                     if let Some((rec, _)) = self.jobs.get(job.id()).await?
                         && rec.state == JobState::Terminal
                     {

@@ -170,7 +170,7 @@ impl Worker {
             settle::ack(&msg, AckKind::Term).await;
             return Outcome::Skipped;
         }
-        let job = Job { msg: &msg, review: &review, scope: &scope, diff: diff::parse(&review.diff).ok() };
+        let job = Job { msg: &msg, review: &review, scope: &scope, diff: diff::parse(&review.diff_text()).ok() };
         match self.trip(&job, abort).await {
             Ok(outcome) => outcome,
             Err(e) => {

@@ -1,0 +1,252 @@
+//! The diff parser against real `git diff` output: each case builds a temporary
+//! repository with `git`, and the parsed files and line counts are checked against what
+//! git itself reports (`git diff --name-status -z` and `git diff --numstat -z`).
+
+use std::process::Command;
+
+use reviewlane_shared::diff::{self, Diff, LineKind};
+
+struct Repo {
+    dir: tempfile::TempDir,
+}
+
+impl Repo {
+    fn new() -> Repo {
+        let repo = Repo { dir: tempfile::tempdir().unwrap() };
+        repo.git(&["init", "-q", "-b", "main"]);
+        repo.git(&["config", "user.email", "t@example.invalid"]);
+        repo.git(&["config", "user.name", "t"]);
+        repo.git(&["config", "core.autocrlf", "false"]);
+        repo
+    }
+
+    fn path(&self, p: &str) -> std::path::PathBuf {
+        self.dir.path().join(p)
+    }
+
+    fn write(&self, p: &str, content: &[u8]) {
+        let path = self.path(p);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, content).unwrap();
+    }
+
+    fn git(&self, args: &[&str]) -> Vec<u8> {
+        let out = Command::new("git")
+            .args(args)
+            .current_dir(self.dir.path())
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("HOME", self.dir.path())
+            .output()
+            .expect("git runs");
+        assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    }
+
+    fn commit(&self) {
+        self.git(&["add", "-A"]);
+        self.git(&["commit", "-q", "--allow-empty", "-m", "c"]);
+    }
+
+    /// The staged change as `git diff` writes it with `flags`, and what git says about
+    /// it: (status, old path, new path) per file and (added, removed) line counts
+    /// (`None` for binary).
+    fn staged(&self, flags: &[&str]) -> (Vec<u8>, Vec<Entry>) {
+        self.git(&["add", "-A"]);
+        let diff = self.git(&[&["diff", "--cached"], flags].concat());
+        let names = self.git(&[&["diff", "--cached", "--name-status", "-z"], flags].concat());
+        let nums = self.git(&[&["diff", "--cached", "--numstat", "-z"], flags].concat());
+        (diff, entries(&names, &nums))
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    status: char,
+    old: Option<String>,
+    new: Option<String>,
+    counts: Option<(usize, usize)>,
+}
+
+/// Joins `--name-status -z` and `--numstat -z` output (same order of files).
+fn entries(names: &[u8], nums: &[u8]) -> Vec<Entry> {
+    let s = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let mut names = names.split(|b| *b == 0).filter(|f| !f.is_empty());
+    let mut out = Vec::new();
+    while let Some(status) = names.next() {
+        let status = status[0] as char;
+        let (old, new) = match status {
+            'R' | 'C' => (Some(s(names.next().unwrap())), Some(s(names.next().unwrap()))),
+            'A' => (None, Some(s(names.next().unwrap()))),
+            'D' => (Some(s(names.next().unwrap())), None),
+            _ => {
+                let p = s(names.next().unwrap());
+                (Some(p.clone()), Some(p))
+            }
+        };
+        out.push(Entry { status, old, new, counts: None });
+    }
+    // numstat -z: `added\tremoved\tpath\0`, or `added\tremoved\t\0old\0new\0` for a move.
+    let mut fields = nums.split(|b| *b == 0);
+    for e in &mut out {
+        let head = s(fields.next().unwrap());
+        let mut cols = head.splitn(3, '\t');
+        let (a, r, path) = (cols.next().unwrap(), cols.next().unwrap(), cols.next().unwrap_or(""));
+        if path.is_empty() {
+            fields.next();
+            fields.next();
+        }
+        e.counts = if a == "-" { None } else { Some((a.parse().unwrap(), r.parse().unwrap())) };
+    }
+    out
+}
+
+/// Parses the diff (as the ingress does a `diff_bytes` request) and checks it against
+/// git's own account of the same change.
+fn check(raw: &[u8], git: &[Entry]) -> Diff {
+    let text = String::from_utf8_lossy(raw);
+    let parsed = diff::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(parsed.files.len(), git.len(), "files: {parsed:#?}\nvs git: {git:#?}");
+    for (f, e) in parsed.files.iter().zip(git) {
+        assert_eq!((&f.old_path, &f.new_path), (&e.old, &e.new), "paths of {e:?}");
+        match e.counts {
+            None => assert!(f.binary, "{e:?} is binary"),
+            Some((added, removed)) => {
+                let count = |k| f.hunks.iter().flat_map(|h| &h.lines).filter(|l| l.kind == k).count();
+                assert_eq!((count(LineKind::Added), count(LineKind::Removed)), (added, removed), "{e:?}");
+            }
+        }
+    }
+    parsed
+}
+
+/// New-side line numbers of every added line, in order, from the file itself: the
+/// parser's numbering must point at the line git added.
+fn added_lines_match_file(repo: &Repo, parsed: &Diff) {
+    for (file, _, line) in parsed.added_lines() {
+        let Some(path) = file.new_path.as_deref() else { continue };
+        if file.binary || std::fs::symlink_metadata(repo.path(path)).is_ok_and(|m| !m.is_file()) {
+            continue;
+        }
+        let Ok(content) = std::fs::read(repo.path(path)) else { continue };
+        let content = String::from_utf8_lossy(&content);
+        let at = content.split('\n').nth(line.new_line.unwrap() as usize - 1).unwrap();
+        assert_eq!(at.strip_suffix('\r').unwrap_or(at), line.text.strip_suffix('\r').unwrap_or(&line.text));
+    }
+}
+
+#[test]
+fn quoted_non_ascii_and_odd_names() {
+    let repo = Repo::new();
+    repo.write("keep.txt", b"x\n");
+    repo.commit();
+    for name in ["src/\u{fc}ber.rs", "dir with space/a b.rs", "we\"ird.rs", "tab\there.rs", "back\\slash.rs"] {
+        repo.write(name, b"fn f() {}\nlet y = 1;\n");
+    }
+    // core.quotePath on (the default: octal escapes) and off (raw UTF-8).
+    for flags in [&[][..], &["-c", "core.quotePath=false"][..]] {
+        let (raw, git) = if flags.is_empty() {
+            repo.staged(&[])
+        } else {
+            repo.git(&["add", "-A"]);
+            let d = repo.git(&[flags, &["diff", "--cached"]].concat());
+            let n = repo.git(&[flags, &["diff", "--cached", "--name-status", "-z"]].concat());
+            let s = repo.git(&[flags, &["diff", "--cached", "--numstat", "-z"]].concat());
+            (d, entries(&n, &s))
+        };
+        let parsed = check(&raw, &git);
+        added_lines_match_file(&repo, &parsed);
+        assert!(parsed.file_by_new_path("src/\u{fc}ber.rs").is_some());
+    }
+}
+
+#[test]
+fn renames_and_copies_with_and_without_edits() {
+    let repo = Repo::new();
+    let body: String = (1..=40).map(|i| format!("line {i}\n")).collect();
+    repo.write("a/old name.rs", body.as_bytes());
+    repo.write("b/moved.rs", body.as_bytes());
+    repo.write("c/source.rs", body.as_bytes());
+    repo.commit();
+    std::fs::rename(repo.path("a/old name.rs"), repo.path("a/new name.rs")).unwrap();
+    std::fs::remove_file(repo.path("b/moved.rs")).unwrap();
+    repo.write("b/elsewhere/moved.rs", body.replace("line 20\n", "line twenty\n").as_bytes());
+    repo.write("c/copy.rs", body.replace("line 3\n", "line three\n").as_bytes());
+    let (raw, git) = repo.staged(&["-M", "-C", "--find-copies-harder"]);
+    assert!(git.iter().any(|e| e.status == 'R') && git.iter().any(|e| e.status == 'C'), "{git:?}");
+    let parsed = check(&raw, &git);
+    added_lines_match_file(&repo, &parsed);
+}
+
+#[test]
+fn binary_mode_symlink_submodule_and_deletions() {
+    let repo = Repo::new();
+    repo.write("img.png", &[0x89, b'P', b'N', b'G', 0, 1, 2, 3]);
+    repo.write("run.sh", b"echo hi\n");
+    repo.write("gone.txt", b"a\nb\n");
+    repo.write("gone.bin", &[0, 1, 2]);
+    repo.commit();
+    repo.write("img.png", &[0x89, b'P', b'N', b'G', 0, 9, 9, 9]);
+    repo.write("new.bin", &[0, 0, 7]);
+    std::fs::set_permissions(repo.path("run.sh"), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink("run.sh", repo.path("link")).unwrap();
+    std::fs::remove_file(repo.path("gone.txt")).unwrap();
+    std::fs::remove_file(repo.path("gone.bin")).unwrap();
+    repo.git(&["add", "-A"]);
+    // A submodule: a gitlink entry pointing at a commit.
+    let sha = "1234567890abcdef1234567890abcdef12345678";
+    repo.git(&["update-index", "--add", "--cacheinfo", &format!("160000,{sha},vendor/lib")]);
+    let (raw, git) = {
+        let d = repo.git(&["diff", "--cached"]);
+        let n = repo.git(&["diff", "--cached", "--name-status", "-z"]);
+        let s = repo.git(&["diff", "--cached", "--numstat", "-z"]);
+        (d, entries(&n, &s))
+    };
+    let parsed = check(&raw, &git);
+    let mode = parsed.files.iter().find(|f| f.new_path.as_deref() == Some("run.sh")).unwrap();
+    assert!(mode.hunks.is_empty() && !mode.binary);
+    let sub = parsed.file_by_new_path("vendor/lib").unwrap();
+    assert!(sub.hunks[0].lines[0].text.starts_with("Subproject commit "));
+}
+
+#[test]
+fn crlf_missing_final_newline_and_non_utf8_content() {
+    let repo = Repo::new();
+    repo.write("win.txt", b"one\r\ntwo\r\n");
+    repo.write("tail.txt", b"a\nb");
+    repo.write("latin1.txt", b"caf\xe9\n");
+    repo.commit();
+    repo.write("win.txt", b"one\r\nTWO\r\nthree\r\n");
+    repo.write("tail.txt", b"a\nB");
+    repo.write("latin1.txt", b"caf\xe9\nna\xefve\n");
+    let (raw, git) = repo.staged(&[]);
+    assert!(std::str::from_utf8(&raw).is_err(), "the diff carries raw Latin-1 bytes");
+    let parsed = check(&raw, &git);
+    added_lines_match_file(&repo, &parsed);
+    let latin = parsed.file_by_new_path("latin1.txt").unwrap();
+    assert!(latin.hunks[0].lines.iter().any(|l| l.text == "na\u{fffd}ve"));
+}
+
+#[test]
+fn mnemonic_and_no_prefix() {
+    let repo = Repo::new();
+    repo.write("src/lib.rs", b"a\n");
+    repo.write("docs/x y.md", b"a\n");
+    repo.commit();
+    repo.write("src/lib.rs", b"a\nb\n");
+    repo.write("docs/x y.md", b"b\n");
+    repo.git(&["add", "src"]);
+    // Index against the tree (c/ i/), work tree against the index (i/ w/), no prefix.
+    for flags in [
+        vec!["-c", "diff.mnemonicPrefix=true", "diff", "--cached"],
+        vec!["-c", "diff.mnemonicPrefix=true", "diff"],
+        vec!["diff", "--cached", "--no-prefix"],
+    ] {
+        let raw = repo.git(&flags);
+        let stat_flags: Vec<&str> = flags.iter().copied().filter(|f| *f != "--no-prefix").collect();
+        let n = repo.git(&[&stat_flags[..], &["--name-status", "-z"]].concat());
+        let s = repo.git(&[&stat_flags[..], &["--numstat", "-z"]].concat());
+        // git's names carry no prefix: the parser removed each kind.
+        let parsed = check(&raw, &entries(&n, &s));
+        assert!(!parsed.files.is_empty(), "{flags:?}");
+    }
+}

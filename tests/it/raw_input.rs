@@ -1,0 +1,147 @@
+//! Requests as raw bytes on the wire: a diff that is not UTF-8, a body that does not
+//! decode, a body sent without a key. Each gets a specific status, never `INTERNAL`.
+
+use reviewlane_shared::proto::{self, SubmitReviewRequest};
+use tonic::Code;
+use tonic::codegen::http::uri::PathAndQuery;
+
+use crate::harness::*;
+
+const SUBMIT: &str = "/reviewlane.v1.ReviewService/SubmitReview";
+
+/// `SubmitReviewRequest` with `diff` (field 3) as bytes: what a client that does not
+/// check UTF-8 puts on the wire.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawSubmit {
+    #[prost(string, tag = "1")]
+    idempotency_key: String,
+    #[prost(int32, tag = "2")]
+    lane: i32,
+    #[prost(bytes = "vec", tag = "3")]
+    diff: Vec<u8>,
+    #[prost(string, tag = "4")]
+    schema_version: String,
+}
+
+/// Any bytes as the request message.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Garbage {
+    #[prost(bytes = "vec", tag = "3")]
+    diff: Vec<u8>,
+}
+
+async fn raw_call<M: prost::Message + Send + Sync + 'static>(
+    stack: &Stack,
+    key: Option<&str>,
+    msg: M,
+) -> Result<proto::SubmitReviewResponse, tonic::Status> {
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", stack.ingress)).unwrap().connect().await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel).max_encoding_message_size(64 * 1024 * 1024);
+    grpc.ready().await.unwrap();
+    let mut req = tonic::Request::new(msg);
+    if let Some(k) = key {
+        req.metadata_mut().insert("authorization", format!("Bearer {k}").parse().unwrap());
+    }
+    let codec = tonic_prost::ProstCodec::<M, proto::SubmitReviewResponse>::default();
+    grpc.unary(req, PathAndQuery::from_static(SUBMIT), codec).await.map(|r| r.into_inner())
+}
+
+/// A Rust change whose added line holds a Latin-1 byte (`é` as 0xE9) and a TODO.
+fn latin1_diff() -> Vec<u8> {
+    let mut d = b"diff --git a/src/names.rs b/src/names.rs\n--- a/src/names.rs\n+++ b/src/names.rs\n@@ -1,2 +1,3 @@\n fn names() {\n+    let n = \"Jos"
+        .to_vec();
+    d.push(0xe9);
+    d.extend_from_slice(b"\"; // TODO: load from config\n }\n");
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diff_that_is_not_utf8_is_refused_in_the_string_field_and_reviewed_in_the_bytes_field() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+
+    // In `diff` (a string): INVALID_ARGUMENT pointing to `diff_bytes`, never INTERNAL.
+    let raw = RawSubmit {
+        idempotency_key: "latin1-string".into(),
+        lane: proto::Lane::Interactive as i32,
+        diff: latin1_diff(),
+        schema_version: "findings.v1".into(),
+    };
+    let err = raw_call(&stack, Some(US_KEY), raw).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("diff_bytes"), "{}", err.message());
+    assert!(!err.message().contains("Jos"), "the message echoes content");
+
+    // Both forms at once: INVALID_ARGUMENT.
+    let mut both = submit_req(US_KEY, "latin1-both", &sample_diff("a")).into_inner();
+    both.diff_bytes = latin1_diff();
+    let err = client.submit_review(authed(US_KEY, both)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("not both"), "{}", err.message());
+
+    // In `diff_bytes`: reviewed. The model sees the line decoded with a replacement
+    // character, and the finding quoting it validates against that decoded text.
+    let req = SubmitReviewRequest {
+        idempotency_key: "latin1-bytes".into(),
+        lane: proto::Lane::Interactive as i32,
+        diff_bytes: latin1_diff(),
+        schema_version: "findings.v1".into(),
+        ..Default::default()
+    };
+    let job = client.submit_review(authed(US_KEY, req.clone())).await.unwrap().into_inner().review.unwrap();
+    let done = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(done.state, proto::JobState::Published as i32, "{done:?}");
+    let todo = done.findings.iter().find(|f| f.path == "src/names.rs").expect("the finding on the line");
+    assert_eq!((todo.path.as_str(), todo.line), ("src/names.rs", 2));
+    assert!(todo.evidence.contains("Jos\u{fffd}\""), "{:?}", todo.evidence);
+    // The same bytes again under the same key are the same job.
+    let again = client.submit_review(authed(US_KEY, req)).await.unwrap().into_inner().review.unwrap();
+    assert_eq!(again.job_id, job.job_id);
+
+    // UTF-8 sent as bytes is the same request as the string form.
+    let text = sample_diff("same");
+    let first = submit(&mut client, US_KEY, "either-form", &text).await;
+    let as_bytes = SubmitReviewRequest {
+        idempotency_key: "either-form".into(),
+        lane: proto::Lane::Interactive as i32,
+        diff_bytes: text.into_bytes(),
+        schema_version: "findings.v1".into(),
+        metadata: submit_req(US_KEY, "x", "").into_inner().metadata,
+        ..Default::default()
+    };
+    let second = client.submit_review(authed(US_KEY, as_bytes)).await.expect("same request").into_inner();
+    assert_eq!(second.review.unwrap().job_id, first.job_id);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication_comes_before_the_body_is_decoded() {
+    let stack = Stack::start().await;
+
+    // A body that does not decode (field 3 announces more bytes than follow).
+    let broken = Garbage { diff: vec![0x1a, 0x09, b'x'] };
+    // With a key: the caller's error, INVALID_ARGUMENT.
+    let err = raw_call(&stack, Some(US_KEY), Garbage { diff: broken.diff.clone() }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    // Without one: UNAUTHENTICATED, the body never decoded.
+    let err = raw_call(&stack, None, broken).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    let err = raw_call(&stack, Some("not-a-key"), Garbage { diff: vec![0xff; 16] }).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    // A body over the decoding limit from a caller without a key is refused for the key,
+    // not read to find out it is too large.
+    let huge = Garbage { diff: vec![b'x'; 8 * 1024 * 1024] };
+    let err = raw_call(&stack, None, huge).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+
+    // The refusals are counted like any other outcome.
+    let page = http_get(stack.ingress_admin, "/metrics").await;
+    let refused: f64 = page
+        .lines()
+        .filter(|l| l.starts_with("reviewlane_rpc_requests_total{") && l.contains("UNAUTHENTICATED"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(refused, 3.0, "{page}");
+    stack.shutdown().await;
+}
