@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
+use reviewlane_shared::schema_dialect::{self, SchemaDialect};
 use serde::Serialize;
 use serde_json::json;
 use tokio::sync::Semaphore;
@@ -56,6 +57,9 @@ pub struct SimConfig {
     pub malformed_rate: f64,
     /// Add one finding whose path is not in the diff and one whose line is in no hunk.
     pub outside_diff: bool,
+    /// Refuse a `response_format` schema this dialect's provider would refuse, with
+    /// that provider's 400 answer.
+    pub enforce_dialect: Option<SchemaDialect>,
 }
 
 impl Default for SimConfig {
@@ -67,6 +71,7 @@ impl Default for SimConfig {
             error_5xx_rate: 0.0,
             malformed_rate: 0.0,
             outside_diff: false,
+            enforce_dialect: None,
         }
     }
 }
@@ -96,6 +101,8 @@ pub struct Stats {
     /// Shape of the last request, without content: model, response_format type and
     /// json_schema strictness, whether a bearer key came.
     pub last_request: Option<RequestShape>,
+    /// Calls refused with 400 for a schema the enforced dialect does not accept.
+    pub schemas_refused: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
@@ -199,6 +206,23 @@ fn chat_completion(output: &str) -> String {
     .to_string()
 }
 
+/// The 400 body the provider of `dialect` answers a schema it refuses with.
+fn schema_refusal(dialect: SchemaDialect, refused: &[String]) -> String {
+    match dialect {
+        SchemaDialect::Anthropic => json!({
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": format!("output_format.schema: {}", refused[0])},
+        }),
+        _ => json!({"error": {
+            "message": format!("Invalid schema for response_format: {}", refused[0]),
+            "type": "invalid_request_error",
+            "param": "response_format",
+            "code": "invalid_json_schema",
+        }}),
+    }
+    .to_string()
+}
+
 async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
     if req.method() == hyper::Method::GET && req.uri().path() == "/stats" {
         let body = serde_json::to_string(&*st.stats.lock().expect("stats lock")).expect("stats serialize");
@@ -242,6 +266,14 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             if prompt.contains(c.as_str()) && !s.canaries_seen.contains(c) {
                 s.canaries_seen.push(c.clone());
             }
+        }
+    }
+
+    if let Some(dialect) = st.config.enforce_dialect {
+        let refused = schema_dialect::violations(&request["response_format"]["json_schema"]["schema"], dialect);
+        if !refused.is_empty() {
+            st.stats.lock().expect("stats lock").schemas_refused += 1;
+            return Ok(respond(StatusCode::BAD_REQUEST, &[], schema_refusal(dialect, &refused)));
         }
     }
 

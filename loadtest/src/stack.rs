@@ -60,11 +60,14 @@ struct ExtractorKnobs {
     faults: reviewlane_shared::faults::Faults,
     result_inline_max: Option<usize>,
     interactive_wait_limit: Duration,
+    schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
 }
 
 pub struct StackOptions {
     pub us_provider: SimConfig,
     pub eu_provider: SimConfig,
+    /// The schema dialect the extractors send.
+    pub schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
     pub canaries: Vec<String>,
     pub max_diff_bytes: usize,
     pub extractor_concurrency: usize,
@@ -95,6 +98,7 @@ impl Default for StackOptions {
     fn default() -> Self {
         StackOptions {
             us_provider: SimConfig::default(),
+            schema_dialect: Default::default(),
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
@@ -206,6 +210,7 @@ impl Stack {
             faults: opts.faults.clone(),
             result_inline_max: opts.result_inline_max,
             interactive_wait_limit: opts.interactive_wait_limit,
+            schema_dialect: opts.schema_dialect,
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -275,6 +280,7 @@ impl Stack {
                 model: "sim".into(),
                 api_key: Some(format!("sk-replica-{n}").into()),
                 endpoint_region: region,
+                schema_dialect: self.opts.schema_dialect,
             },
         );
         xc.lease = self.opts.lease;

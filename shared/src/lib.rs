@@ -20,6 +20,7 @@ pub mod messages;
 pub mod pull;
 pub mod region;
 pub mod results;
+pub mod schema_dialect;
 pub mod startup;
 pub mod store;
 pub mod telemetry;

@@ -143,3 +143,48 @@ async fn an_answer_whose_every_finding_fails_the_schema_is_retried_never_publish
     assert_eq!(rec.last_invalid_output.as_deref(), Some("all_findings_invalid"));
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_schema_sent_is_the_one_the_providers_dialect_accepts_and_the_answer_is_held_to_the_full_schema() {
+    use loadtest::simprovider::SimConfig;
+    use reviewlane_shared::schema_dialect::SchemaDialect;
+
+    // The provider accepts only what Anthropic's structured outputs accept, and the
+    // extractors send that dialect: the review publishes.
+    let stack = Stack::start_with(StackOptions {
+        us_provider: SimConfig { enforce_dialect: Some(SchemaDialect::Anthropic), ..Default::default() },
+        schema_dialect: SchemaDialect::Anthropic,
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "anthropic-dialect", &sample_diff("a")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    assert_eq!(stack.us.provider.stats().schemas_refused, 0);
+    // A title over the full schema's 200 characters, which the projection does not say:
+    // our validator still holds the answer to it.
+    let long = "t".repeat(201);
+    stack.us.provider.script([Scripted::Output(format!(
+        r#"{{"findings": [{{"path": "src/handler.rs", "line": 2, "severity": "high", "category": "correctness", "title": "{long}", "message": "m", "evidence": "unwrap()"}}]}}"#
+    ))]);
+    let job = submit(&mut client, US_KEY, "too-long-title", &sample_diff("b")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert!(last.findings.iter().all(|f| f.title.len() <= 200), "{last:?}");
+    stack.shutdown().await;
+
+    // The full schema sent to a provider that refuses it: its 400 ends the job at once
+    // (upstream_rejected), which is what a regression in the projection would do.
+    let stack = Stack::start_with(StackOptions {
+        us_provider: SimConfig { enforce_dialect: Some(SchemaDialect::Anthropic), ..Default::default() },
+        schema_dialect: SchemaDialect::Full,
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "full-to-anthropic", &sample_diff("c")).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "upstream_rejected"));
+    assert_eq!(stack.us.provider.stats().schemas_refused, 1);
+    stack.shutdown().await;
+}

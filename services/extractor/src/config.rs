@@ -19,6 +19,7 @@
 //! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
 //! | `REVIEWLANE_OPENAI_API_KEY` | optional | bearer key (kept secret) |
 //! | `REVIEWLANE_PROVIDER_REGION` | for `openai` | region the endpoint is bound to; must equal `REVIEWLANE_REGION` |
+//! | `REVIEWLANE_OPENAI_SCHEMA_DIALECT` | `portable` | the JSON Schema subset the endpoint's structured outputs accept: `portable` (structure only, any provider), `openai`, `openai-fine-tuned`, `anthropic`, `full`; the answer is always checked against the full schema |
 //! | `REVIEWLANE_CONCURRENCY` | `8` | provider calls in flight in this process |
 //! | `REVIEWLANE_LEASE_SECS` | `30` | consumer ack wait; extended by progress acks during a call |
 //! | `REVIEWLANE_PROVIDER_TIMEOUT_SECS` | `120` | one provider call |
@@ -41,6 +42,7 @@ use reviewlane_shared::Region;
 use std::sync::Arc;
 
 use reviewlane_shared::config::{ConfigErrors, Env, Reader};
+use reviewlane_shared::schema_dialect::SchemaDialect;
 use reviewlane_shared::tenants::Tenants;
 use secrecy::SecretString;
 
@@ -49,7 +51,13 @@ use crate::upstream::Backoff;
 #[derive(Debug, Clone)]
 pub enum ProviderConfig {
     Builtin,
-    OpenAi { base_url: String, model: String, api_key: Option<SecretString>, endpoint_region: Region },
+    OpenAi {
+        base_url: String,
+        model: String,
+        api_key: Option<SecretString>,
+        endpoint_region: Region,
+        schema_dialect: SchemaDialect,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,6 +216,15 @@ impl ExtractorConfig {
                 let endpoint_region: Option<Region> =
                     r.required("REVIEWLANE_PROVIDER_REGION", "`us` or `eu`: where the endpoint processes data");
                 let api_key = r.raw("REVIEWLANE_OPENAI_API_KEY").map(SecretString::from);
+                let schema_dialect = match r.raw("REVIEWLANE_OPENAI_SCHEMA_DIALECT") {
+                    None => SchemaDialect::default(),
+                    Some(v) => v.parse().unwrap_or_else(|()| {
+                        r.error(
+                            "REVIEWLANE_OPENAI_SCHEMA_DIALECT has an invalid value (`portable`, `openai`, `openai-fine-tuned`, `anthropic` or `full`)",
+                        );
+                        SchemaDialect::default()
+                    }),
+                };
                 if let Some(u) = &base_url
                     && !(u.starts_with("http://") || u.starts_with("https://"))
                 {
@@ -215,7 +232,7 @@ impl ExtractorConfig {
                 }
                 match (base_url, model, endpoint_region) {
                     (Some(base_url), Some(model), Some(endpoint_region)) => {
-                        Some(ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region })
+                        Some(ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect })
                     }
                     _ => None,
                 }

@@ -57,15 +57,18 @@ pub async fn build_with_provider(
     let provider: Arc<dyn Provider> = match (provider, &config.provider) {
         (Some(p), _) => p,
         (None, ProviderConfig::Builtin) => Arc::new(BuiltinAnalyzer::new(config.region)),
-        (None, ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region }) => Arc::new(OpenAiProvider::new(
-            base_url,
-            model.clone(),
-            api_key.clone(),
-            *endpoint_region,
-            config.provider_timeout,
-            config.hint_ceiling,
-            config.max_response_bytes,
-        )),
+        (None, ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect }) => Arc::new(
+            OpenAiProvider::new(
+                base_url,
+                model.clone(),
+                api_key.clone(),
+                *endpoint_region,
+                config.provider_timeout,
+                config.hint_ceiling,
+                config.max_response_bytes,
+            )
+            .with_schema_dialect(*schema_dialect),
+        ),
     };
     if provider.region() != config.region {
         return Err(StartError::Other(anyhow::anyhow!(

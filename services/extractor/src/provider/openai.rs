@@ -8,6 +8,7 @@ use futures::future::BoxFuture;
 use reviewlane_shared::Region;
 use reviewlane_shared::findings;
 use reviewlane_shared::job::ReviewDepth;
+use reviewlane_shared::schema_dialect::{self, SchemaDialect};
 use secrecy::{ExposeSecret, SecretString};
 
 use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
@@ -37,6 +38,8 @@ pub struct OpenAiProvider {
     hint_ceiling: Duration,
     /// Largest response body read; a longer one is cut there.
     max_response_bytes: usize,
+    /// Each known schema version as this endpoint's dialect accepts it.
+    schemas: std::collections::HashMap<&'static str, serde_json::Value>,
 }
 
 impl OpenAiProvider {
@@ -63,17 +66,24 @@ impl OpenAiProvider {
             region,
             hint_ceiling,
             max_response_bytes,
+            schemas: Default::default(),
         }
+        .with_schema_dialect(SchemaDialect::default())
+    }
+
+    /// Sends each schema as `dialect` accepts it.
+    pub fn with_schema_dialect(mut self, dialect: SchemaDialect) -> Self {
+        self.schemas = findings::known_schemas()
+            .into_iter()
+            .filter_map(|v| Some((v, schema_dialect::project(findings::schema_document(v)?, dialect))))
+            .collect();
+        self
     }
 
     fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
-        // The schema as structured outputs take it: without the meta keys.
-        let mut schema = findings::schema_document(req.schema_version).cloned().unwrap_or_default();
-        if let Some(o) = schema.as_object_mut() {
-            for k in ["$schema", "$id", "title"] {
-                o.remove(k);
-            }
-        }
+        // The schema as this endpoint's dialect takes it; the answer is held to the full
+        // schema by our validator.
+        let schema = self.schemas.get(req.schema_version).cloned().unwrap_or_default();
         serde_json::json!({
             "model": self.model,
             "temperature": 0,
