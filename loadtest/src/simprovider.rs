@@ -171,6 +171,11 @@ impl SimProvider {
         self.addr
     }
 
+    /// Calls in flight now (a call whose caller went away is not).
+    pub fn in_flight(&self) -> usize {
+        self.state.in_flight.load(Ordering::SeqCst)
+    }
+
     pub fn stats(&self) -> Stats {
         self.state.stats.lock().expect("stats lock").clone()
     }

@@ -61,11 +61,14 @@ struct ExtractorKnobs {
     result_inline_max: Option<usize>,
     interactive_wait_limit: Duration,
     schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
+    layout: reviewlane_shared::layout::LayoutConfig,
 }
 
 pub struct StackOptions {
     pub us_provider: SimConfig,
     pub eu_provider: SimConfig,
+    /// Sizes and retention of every region's streams and buckets.
+    pub layout: reviewlane_shared::layout::LayoutConfig,
     /// The schema dialect the extractors send.
     pub schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
     pub canaries: Vec<String>,
@@ -99,6 +102,7 @@ impl Default for StackOptions {
         StackOptions {
             us_provider: SimConfig::default(),
             schema_dialect: Default::default(),
+            layout: Default::default(),
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
@@ -179,12 +183,9 @@ impl Stack {
             nats: NatsServer::start_provisioned(Region::Eu).await,
             provider: SimProvider::start_with(opts.eu_provider, opts.canaries.clone()).await,
         };
+        let mut layout = opts.layout.clone();
         if let Some(max) = opts.lane_max_messages {
-            for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
-                let js = async_nats::jetstream::new(async_nats::connect(rs.nats.url()).await.expect("connect"));
-                let cfg = reviewlane_shared::layout::LayoutConfig { lane_max_messages: max, ..Default::default() };
-                reviewlane_shared::layout::ensure(&js, region, &cfg).await.expect("layout");
-            }
+            layout.lane_max_messages = max;
         }
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
@@ -196,6 +197,7 @@ impl Stack {
             pc.shutdown_grace = Duration::from_secs(2);
             pc.lease = opts.publish_lease;
             pc.admin_addr = "127.0.0.1:0".parse().expect("addr");
+            pc.layout = layout.clone();
             let p = reviewlane_publisher::build(pc).await.expect("publisher builds");
             publisher_admin.push((region, p.admin_addr()));
             let s = stop.clone();
@@ -211,6 +213,7 @@ impl Stack {
             result_inline_max: opts.result_inline_max,
             interactive_wait_limit: opts.interactive_wait_limit,
             schema_dialect: opts.schema_dialect,
+            layout: layout.clone(),
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -225,6 +228,7 @@ impl Stack {
             admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
             faults: opts.faults.clone(),
             limits: opts.ingress_limits,
+            layout: layout.clone(),
         })
         .await
         .expect("ingress builds");
@@ -284,6 +288,7 @@ impl Stack {
             },
         );
         xc.lease = self.opts.lease;
+        xc.layout = self.opts.layout.clone();
         xc.concurrency = self.opts.concurrency;
         xc.key_limit = self.opts.key_limit;
         xc.heartbeat = self.opts.heartbeat;

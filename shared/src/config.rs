@@ -52,6 +52,9 @@ impl std::error::Error for ConfigErrors {}
 pub const EXIT_CONFIG: i32 = 64;
 /// Exit code for a wiring failure (sysexits EX_CONFIG): wrong region, unprovisioned NATS.
 pub const EXIT_WIRING: i32 = 78;
+/// Exit code of `reviewlane-admin provision` when a stream or bucket differs from the
+/// config in a way it could not correct (sysexits EX_DATAERR).
+pub const EXIT_DRIFT: i32 = 65;
 
 pub struct Reader<'a> {
     env: &'a dyn Env,

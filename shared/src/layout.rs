@@ -48,8 +48,18 @@ pub fn findings_objects(r: Region) -> String {
 pub fn deadletter_stream(r: Region) -> String {
     format!("DEADLETTER_{}", r.upper())
 }
+/// `deadletter.<r>.<tenant>.<job id>`: the reference of a dead letter (what an
+/// operator needs to decide and replay), kept `deadletter_max_age`.
 pub fn deadletter_subject(r: Region, tenant: &str, job_id: &str) -> String {
     format!("deadletter.{}.{}.{}", r.as_str(), tenant, job_id)
+}
+/// Dead letters' content (the review with its diff), kept `deadletter_content_max_age`.
+pub fn deadletter_content_stream(r: Region) -> String {
+    format!("DEADLETTER_CONTENT_{}", r.upper())
+}
+/// `deadletter_content.<r>.<tenant>.<job id>`: the content a reference points to.
+pub fn deadletter_content_subject(r: Region, tenant: &str, job_id: &str) -> String {
+    format!("deadletter_content.{}.{}.{}", r.as_str(), tenant, job_id)
 }
 pub fn jobs_bucket(r: Region) -> String {
     format!("JOBS_{}", r.upper())
@@ -67,29 +77,140 @@ pub fn region_bucket(r: Region) -> String {
     format!("REGION_{}", r.upper())
 }
 
-/// Sizes of the region's streams and buckets.
-#[derive(Debug, Clone)]
+/// Sizes, retention and replicas of the region's streams and buckets: part of every
+/// service's typed config (`REVIEWLANE_*` below), the defaults in `docs/retention.md`.
+#[derive(Debug, Clone, PartialEq)]
 pub struct LayoutConfig {
+    /// Replicas of every stream and bucket (1 on a single server, 3 on a cluster).
+    pub replicas: usize,
     /// Maximum messages waiting in one lane; publishing beyond is refused (discard new).
     pub lane_max_messages: i64,
-    /// Largest message (a review with its diff) a lane accepts.
+    /// Maximum bytes waiting in one lane; publishing beyond is refused.
+    pub lane_max_bytes: i64,
+    /// How long a review may wait on its lane; one older is removed and its job ended
+    /// `lost` by the reconciler.
+    pub lane_max_age: Duration,
+    /// Largest message (a review with its diff) a stream accepts.
     pub max_message_bytes: i32,
-    /// How long findings (and quarantined findings) stay in the region.
+    /// Job records (and with them idempotency keys: a job id is derived from its key)
+    /// are removed this long after their last change, which for a finished job is the
+    /// change that finished it.
+    pub jobs_max_age: Duration,
+    /// Published markers (the publisher's once-only claims).
+    pub published_max_age: Duration,
+    /// Results (findings and quarantined findings, inline or as objects).
     pub findings_max_age: Duration,
-    /// How long dead letters stay: the retention policy for failed diffs.
+    pub findings_max_bytes: i64,
+    /// Dead-letter references (job, tenant, reason, attempts, digest).
     pub deadletter_max_age: Duration,
+    /// The content (the review with its diff) of a dead letter.
+    pub deadletter_content_max_age: Duration,
+    /// Quota state (windows, pauses, circuits, replica heartbeats).
+    pub quota_max_age: Duration,
+    /// Cached validated results.
     pub cache_max_age: Duration,
 }
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
 
 impl Default for LayoutConfig {
     fn default() -> Self {
         LayoutConfig {
+            replicas: 1,
             lane_max_messages: 100_000,
+            lane_max_bytes: 8 * 1024 * 1024 * 1024,
+            lane_max_age: 7 * DAY,
             max_message_bytes: 8 * 1024 * 1024,
-            findings_max_age: Duration::from_secs(7 * 24 * 3600),
-            deadletter_max_age: Duration::from_secs(14 * 24 * 3600),
-            cache_max_age: Duration::from_secs(24 * 3600),
+            jobs_max_age: 30 * DAY,
+            published_max_age: 30 * DAY,
+            findings_max_age: 7 * DAY,
+            findings_max_bytes: 8 * 1024 * 1024 * 1024,
+            deadletter_max_age: 30 * DAY,
+            deadletter_content_max_age: 7 * DAY,
+            quota_max_age: DAY,
+            cache_max_age: DAY,
         }
+    }
+}
+
+impl LayoutConfig {
+    /// Reads the layout from `REVIEWLANE_*` variables (each with its default) and checks
+    /// the rules between them.
+    pub fn from_reader(r: &mut crate::config::Reader<'_>) -> LayoutConfig {
+        let d = LayoutConfig::default();
+        let days = |r: &mut crate::config::Reader<'_>, key: &str, default: Duration| {
+            Duration::from_secs(r.or(key, default.as_secs(), "whole seconds"))
+        };
+        let c = LayoutConfig {
+            replicas: r.or("REVIEWLANE_STREAM_REPLICAS", d.replicas, "1 to 5"),
+            lane_max_messages: r.or("REVIEWLANE_LANE_MAX_MESSAGES", d.lane_max_messages, "a count"),
+            lane_max_bytes: r.or("REVIEWLANE_LANE_MAX_BYTES", d.lane_max_bytes, "bytes"),
+            lane_max_age: days(r, "REVIEWLANE_LANE_MAX_AGE_SECS", d.lane_max_age),
+            max_message_bytes: r.or("REVIEWLANE_MAX_MESSAGE_BYTES", d.max_message_bytes, "bytes"),
+            jobs_max_age: days(r, "REVIEWLANE_JOBS_MAX_AGE_SECS", d.jobs_max_age),
+            published_max_age: days(r, "REVIEWLANE_PUBLISHED_MAX_AGE_SECS", d.published_max_age),
+            findings_max_age: days(r, "REVIEWLANE_FINDINGS_MAX_AGE_SECS", d.findings_max_age),
+            findings_max_bytes: r.or("REVIEWLANE_FINDINGS_MAX_BYTES", d.findings_max_bytes, "bytes"),
+            deadletter_max_age: days(r, "REVIEWLANE_DEADLETTER_MAX_AGE_SECS", d.deadletter_max_age),
+            deadletter_content_max_age: days(
+                r,
+                "REVIEWLANE_DEADLETTER_CONTENT_MAX_AGE_SECS",
+                d.deadletter_content_max_age,
+            ),
+            quota_max_age: days(r, "REVIEWLANE_QUOTA_MAX_AGE_SECS", d.quota_max_age),
+            cache_max_age: days(r, "REVIEWLANE_CACHE_MAX_AGE_SECS", d.cache_max_age),
+        };
+        for problem in c.problems() {
+            r.error(problem);
+        }
+        c
+    }
+
+    /// The rules between the values, as config errors.
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if !(1..=5).contains(&self.replicas) {
+            out.push("REVIEWLANE_STREAM_REPLICAS must be 1 to 5".to_string());
+        }
+        for (key, v) in [
+            ("REVIEWLANE_LANE_MAX_MESSAGES", self.lane_max_messages),
+            ("REVIEWLANE_LANE_MAX_BYTES", self.lane_max_bytes),
+            ("REVIEWLANE_FINDINGS_MAX_BYTES", self.findings_max_bytes),
+            ("REVIEWLANE_MAX_MESSAGE_BYTES", i64::from(self.max_message_bytes)),
+        ] {
+            if v <= 0 {
+                out.push(format!("{key} must be positive"));
+            }
+        }
+        for (key, v) in [
+            ("REVIEWLANE_LANE_MAX_AGE_SECS", self.lane_max_age),
+            ("REVIEWLANE_JOBS_MAX_AGE_SECS", self.jobs_max_age),
+            ("REVIEWLANE_PUBLISHED_MAX_AGE_SECS", self.published_max_age),
+            ("REVIEWLANE_FINDINGS_MAX_AGE_SECS", self.findings_max_age),
+            ("REVIEWLANE_DEADLETTER_MAX_AGE_SECS", self.deadletter_max_age),
+            ("REVIEWLANE_DEADLETTER_CONTENT_MAX_AGE_SECS", self.deadletter_content_max_age),
+            ("REVIEWLANE_QUOTA_MAX_AGE_SECS", self.quota_max_age),
+            ("REVIEWLANE_CACHE_MAX_AGE_SECS", self.cache_max_age),
+        ] {
+            if v.is_zero() {
+                out.push(format!("{key} must be positive"));
+            }
+        }
+        // A result outliving its job record or its published marker could be delivered
+        // again, or delivered for a job nobody can look up.
+        if self.published_max_age < self.findings_max_age {
+            out.push("REVIEWLANE_PUBLISHED_MAX_AGE_SECS must be at least REVIEWLANE_FINDINGS_MAX_AGE_SECS (a result outliving its published marker could be delivered twice)".into());
+        }
+        if self.jobs_max_age < self.findings_max_age {
+            out.push("REVIEWLANE_JOBS_MAX_AGE_SECS must be at least REVIEWLANE_FINDINGS_MAX_AGE_SECS".into());
+        }
+        if self.jobs_max_age < self.lane_max_age {
+            out.push("REVIEWLANE_JOBS_MAX_AGE_SECS must be at least REVIEWLANE_LANE_MAX_AGE_SECS".into());
+        }
+        if self.deadletter_content_max_age > self.deadletter_max_age {
+            out.push("REVIEWLANE_DEADLETTER_CONTENT_MAX_AGE_SECS must not exceed REVIEWLANE_DEADLETTER_MAX_AGE_SECS (content without its reference)".into());
+        }
+        out
     }
 }
 
@@ -195,6 +316,209 @@ async fn get_or_create_kv(js: &jetstream::Context, config: kv::Config) -> Result
     Ok(js.create_key_value(config).await?)
 }
 
+/// What reviewlane sets, and so checks, of one stream's config (a KV bucket and an
+/// object store are streams too: `KV_<bucket>`, `OBJ_<bucket>`).
+#[derive(Debug, Clone, PartialEq)]
+struct Managed {
+    retention: stream::RetentionPolicy,
+    storage: stream::StorageType,
+    discard: stream::DiscardPolicy,
+    max_messages: i64,
+    max_bytes: i64,
+    max_age: Duration,
+    max_message_size: i32,
+    max_messages_per_subject: i64,
+    num_replicas: usize,
+}
+
+impl Managed {
+    fn of(c: &stream::Config) -> Managed {
+        // The server stores "unlimited" as -1 whatever was sent for it.
+        let limit = |v: i64| if v <= 0 { -1 } else { v };
+        Managed {
+            retention: c.retention,
+            storage: c.storage,
+            discard: c.discard,
+            max_messages: limit(c.max_messages),
+            max_bytes: limit(c.max_bytes),
+            max_age: c.max_age,
+            max_message_size: if c.max_message_size <= 0 { -1 } else { c.max_message_size },
+            max_messages_per_subject: limit(c.max_messages_per_subject),
+            num_replicas: c.num_replicas.max(1),
+        }
+    }
+
+    /// (field, have, want, whether the server lets it change in place).
+    fn diff(&self, want: &Managed) -> Vec<(&'static str, String, String, bool)> {
+        let mut out = Vec::new();
+        let mut check = |field, have: String, want: String, mutable| {
+            if have != want {
+                out.push((field, have, want, mutable));
+            }
+        };
+        check("retention", format!("{:?}", self.retention), format!("{:?}", want.retention), false);
+        check("storage", format!("{:?}", self.storage), format!("{:?}", want.storage), false);
+        check("discard", format!("{:?}", self.discard), format!("{:?}", want.discard), true);
+        check("max_messages", self.max_messages.to_string(), want.max_messages.to_string(), true);
+        check("max_bytes", self.max_bytes.to_string(), want.max_bytes.to_string(), true);
+        check("max_age", format!("{:?}", self.max_age), format!("{:?}", want.max_age), true);
+        check("max_message_size", self.max_message_size.to_string(), want.max_message_size.to_string(), true);
+        check(
+            "max_messages_per_subject",
+            self.max_messages_per_subject.to_string(),
+            want.max_messages_per_subject.to_string(),
+            true,
+        );
+        check("num_replicas", self.num_replicas.to_string(), want.num_replicas.to_string(), true);
+        out
+    }
+
+    fn apply(&self, c: &mut stream::Config) {
+        c.discard = self.discard;
+        c.max_messages = self.max_messages;
+        c.max_bytes = self.max_bytes;
+        c.max_age = self.max_age;
+        c.max_message_size = self.max_message_size;
+        c.max_messages_per_subject = self.max_messages_per_subject;
+        c.num_replicas = self.num_replicas;
+    }
+}
+
+/// How one stream or bucket is created.
+enum Create {
+    Stream(stream::Config),
+    Kv(kv::Config),
+    Objects(object_store::Config),
+}
+
+/// One stream or bucket of the region: its stream name, how to create it, and what of
+/// its config must match.
+struct Spec {
+    stream: String,
+    create: Create,
+    managed: Managed,
+}
+
+fn specs(region: Region, cfg: &LayoutConfig) -> Vec<Spec> {
+    let mut out = Vec::new();
+    let stream_spec = |name: String, subjects: Vec<String>, m: Managed| Spec {
+        stream: name.clone(),
+        create: Create::Stream(stream::Config {
+            name,
+            subjects,
+            retention: m.retention,
+            storage: m.storage,
+            discard: m.discard,
+            max_messages: m.max_messages,
+            max_bytes: m.max_bytes,
+            max_age: m.max_age,
+            max_message_size: m.max_message_size,
+            num_replicas: m.num_replicas,
+            ..Default::default()
+        }),
+        managed: m,
+    };
+    let base = Managed {
+        retention: stream::RetentionPolicy::Limits,
+        storage: stream::StorageType::File,
+        discard: stream::DiscardPolicy::Old,
+        max_messages: -1,
+        max_bytes: -1,
+        max_age: Duration::ZERO,
+        max_message_size: cfg.max_message_bytes,
+        max_messages_per_subject: -1,
+        num_replicas: cfg.replicas,
+    };
+    for lane in Lane::ALL {
+        out.push(stream_spec(
+            lane_stream(region, lane),
+            vec![format!("reviews.{}.{}.>", region.as_str(), lane.as_str())],
+            Managed {
+                retention: stream::RetentionPolicy::WorkQueue,
+                discard: stream::DiscardPolicy::New,
+                max_messages: cfg.lane_max_messages,
+                max_bytes: cfg.lane_max_bytes,
+                max_age: cfg.lane_max_age,
+                ..base.clone()
+            },
+        ));
+    }
+    out.push(stream_spec(
+        findings_stream(region),
+        vec![format!("findings.{}.>", region.as_str())],
+        Managed { max_age: cfg.findings_max_age, max_bytes: cfg.findings_max_bytes, ..base.clone() },
+    ));
+    out.push(stream_spec(
+        deadletter_stream(region),
+        vec![format!("deadletter.{}.>", region.as_str())],
+        Managed { max_age: cfg.deadletter_max_age, ..base.clone() },
+    ));
+    out.push(stream_spec(
+        deadletter_content_stream(region),
+        vec![format!("deadletter_content.{}.>", region.as_str())],
+        Managed { max_age: cfg.deadletter_content_max_age, ..base.clone() },
+    ));
+    let kv_spec = |bucket: String, max_age: Duration| Spec {
+        stream: format!("KV_{bucket}"),
+        create: Create::Kv(kv::Config {
+            bucket,
+            history: 1,
+            max_age,
+            storage: stream::StorageType::File,
+            num_replicas: cfg.replicas,
+            ..Default::default()
+        }),
+        managed: Managed {
+            discard: stream::DiscardPolicy::New,
+            max_age,
+            max_message_size: -1,
+            max_messages_per_subject: 1,
+            ..base.clone()
+        },
+    };
+    out.push(kv_spec(jobs_bucket(region), cfg.jobs_max_age));
+    out.push(kv_spec(published_bucket(region), cfg.published_max_age));
+    out.push(kv_spec(quota_bucket(region), cfg.quota_max_age));
+    out.push(kv_spec(cache_bucket(region), cfg.cache_max_age));
+    out.push(Spec {
+        stream: format!("OBJ_{}", findings_objects(region)),
+        create: Create::Objects(object_store::Config {
+            bucket: findings_objects(region),
+            max_age: cfg.findings_max_age,
+            max_bytes: cfg.findings_max_bytes,
+            storage: stream::StorageType::File,
+            num_replicas: cfg.replicas,
+            ..Default::default()
+        }),
+        managed: Managed {
+            discard: stream::DiscardPolicy::New,
+            max_age: cfg.findings_max_age,
+            max_bytes: cfg.findings_max_bytes,
+            max_message_size: -1,
+            ..base.clone()
+        },
+    });
+    out
+}
+
+/// Creates what is missing; leaves what exists as it is (`reconcile` corrects it).
+async fn create_missing(js: &jetstream::Context, spec: &Spec) -> Result<bool, async_nats::Error> {
+    if stream_exists(js, &spec.stream).await? {
+        return Ok(false);
+    }
+    let created = match &spec.create {
+        Create::Stream(c) => js.create_stream(c.clone()).await.map(|_| ()).map_err(async_nats::Error::from),
+        Create::Kv(c) => js.create_key_value(c.clone()).await.map(|_| ()).map_err(async_nats::Error::from),
+        Create::Objects(c) => js.create_object_store(c.clone()).await.map(|_| ()).map_err(async_nats::Error::from),
+    };
+    match created {
+        Ok(()) => Ok(true),
+        // Another service created it meanwhile.
+        Err(_) if stream_exists(js, &spec.stream).await? => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Creates (idempotently) every stream and bucket of the region and returns handles.
 /// Call only after `verify_identity`.
 pub async fn ensure(
@@ -202,62 +526,82 @@ pub async fn ensure(
     region: Region,
     cfg: &LayoutConfig,
 ) -> Result<RegionLayout, async_nats::Error> {
-    for lane in Lane::ALL {
-        js.get_or_create_stream(stream::Config {
-            name: lane_stream(region, lane),
-            subjects: vec![format!("reviews.{}.{}.>", region.as_str(), lane.as_str())],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            discard: stream::DiscardPolicy::New,
-            max_messages: cfg.lane_max_messages,
-            max_message_size: cfg.max_message_bytes,
-            ..Default::default()
-        })
-        .await?;
+    for spec in specs(region, cfg) {
+        create_missing(js, &spec).await?;
     }
-    js.get_or_create_stream(stream::Config {
-        name: findings_stream(region),
-        subjects: vec![format!("findings.{}.>", region.as_str())],
-        retention: stream::RetentionPolicy::Limits,
-        storage: stream::StorageType::File,
-        max_age: cfg.findings_max_age,
-        max_message_size: cfg.max_message_bytes,
-        ..Default::default()
+    Ok(RegionLayout {
+        region,
+        js: js.clone(),
+        jobs: js.get_key_value(jobs_bucket(region)).await?,
+        published: js.get_key_value(published_bucket(region)).await?,
+        quota: js.get_key_value(quota_bucket(region)).await?,
+        cache: js.get_key_value(cache_bucket(region)).await?,
+        objects: js.get_object_store(findings_objects(region)).await?,
     })
-    .await?;
-    js.get_or_create_stream(stream::Config {
-        name: deadletter_stream(region),
-        subjects: vec![format!("deadletter.{}.>", region.as_str())],
-        retention: stream::RetentionPolicy::Limits,
-        storage: stream::StorageType::File,
-        max_age: cfg.deadletter_max_age,
-        max_message_size: cfg.max_message_bytes,
-        ..Default::default()
-    })
-    .await?;
-    let kv_cfg = |bucket: String, history: i64, max_age: Duration| kv::Config {
-        bucket,
-        history,
-        max_age,
-        storage: stream::StorageType::File,
-        ..Default::default()
-    };
-    let jobs = get_or_create_kv(js, kv_cfg(jobs_bucket(region), 1, Duration::ZERO)).await?;
-    let published = get_or_create_kv(js, kv_cfg(published_bucket(region), 1, Duration::ZERO)).await?;
-    let quota = get_or_create_kv(js, kv_cfg(quota_bucket(region), 1, Duration::ZERO)).await?;
-    let cache = get_or_create_kv(js, kv_cfg(cache_bucket(region), 1, cfg.cache_max_age)).await?;
-    let objects = if stream_exists(js, &format!("OBJ_{}", findings_objects(region))).await? {
-        js.get_object_store(findings_objects(region)).await?
-    } else {
-        js.create_object_store(object_store::Config {
-            bucket: findings_objects(region),
-            max_age: cfg.findings_max_age,
-            storage: stream::StorageType::File,
-            ..Default::default()
-        })
-        .await?
-    };
-    Ok(RegionLayout { region, js: js.clone(), jobs, published, quota, cache, objects })
+}
+
+/// One difference between a stream as it is and as the config wants it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Drift {
+    pub stream: String,
+    pub field: &'static str,
+    pub have: String,
+    pub want: String,
+    /// `None`: corrected in place. `Some(why)`: left as it is.
+    pub unfixed: Option<String>,
+}
+
+/// What `reconcile` found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reconciled {
+    pub created: Vec<String>,
+    pub drift: Vec<Drift>,
+}
+
+impl Reconciled {
+    /// Drift that is still there.
+    pub fn unfixed(&self) -> impl Iterator<Item = &Drift> {
+        self.drift.iter().filter(|d| d.unfixed.is_some())
+    }
+}
+
+/// Brings every stream and bucket of the region to the config: creates what is
+/// missing, updates what NATS lets change in place (limits, retention ages, replicas),
+/// and reports what it cannot (retention policy, storage type) or what the server
+/// refused.
+pub async fn reconcile(
+    js: &jetstream::Context,
+    region: Region,
+    cfg: &LayoutConfig,
+) -> Result<Reconciled, async_nats::Error> {
+    let mut out = Reconciled::default();
+    for spec in specs(region, cfg) {
+        if create_missing(js, &spec).await? {
+            out.created.push(spec.stream.clone());
+            continue;
+        }
+        let mut config = js.get_stream(&spec.stream).await?.cached_info().config.clone();
+        let diff = Managed::of(&config).diff(&spec.managed);
+        if diff.is_empty() {
+            continue;
+        }
+        let fixable = diff.iter().any(|(_, _, _, mutable)| *mutable);
+        let refused = if fixable {
+            spec.managed.apply(&mut config);
+            js.update_stream(&config).await.err().map(|e| format!("the server refused the update: {e}"))
+        } else {
+            None
+        };
+        for (field, have, want, mutable) in diff {
+            let unfixed = if !mutable {
+                Some("NATS cannot change this in place; recreate the stream (its messages are lost) or change the config".to_string())
+            } else {
+                refused.clone()
+            };
+            out.drift.push(Drift { stream: spec.stream.clone(), field, have, want, unfixed });
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod api;
 pub mod clock;
 pub mod codec;
 pub mod config;
+pub mod content;
 pub mod diff;
 pub mod faults;
 pub mod findings;

@@ -93,6 +93,29 @@ pub struct FindingsMessage {
     pub submitted_at_ms: u64,
 }
 
+/// A dead letter's reference on `DEADLETTER_<R>`: what an operator needs to decide and
+/// replay, without content. The content (the review with its diff) sits on
+/// `DEADLETTER_CONTENT_<R>` under `content_subject` for a shorter retention. A
+/// cancelled job has no dead letter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub job_id: String,
+    pub tenant: String,
+    pub region: Region,
+    pub lane: Lane,
+    /// The terminal reason (`cancelled`, `rate_limit_budget_exhausted`, ...).
+    pub reason: String,
+    pub attempts: crate::job::Attempts,
+    pub schema_version: String,
+    /// sha256 of the diff's bytes.
+    pub input_digest: String,
+    pub request_digest: String,
+    pub submitted_at_ms: u64,
+    pub dead_at_ms: u64,
+    /// Where the content is kept (on `DEADLETTER_CONTENT_<R>`, until its retention ends).
+    pub content_subject: String,
+}
+
 /// What the publisher sends to a tenant's sink (webhook body, file line).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Delivery {

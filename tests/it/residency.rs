@@ -106,6 +106,7 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
         admission_sample: Duration::from_secs(1),
         faults: Default::default(),
         limits: Default::default(),
+        layout: Default::default(),
     };
     let err = reviewlane_ingress::build(cfg).await.err().expect("ingress refuses");
     assert!(matches!(err, StartError::Wiring(_)), "{err}");

@@ -160,6 +160,8 @@ pub struct ExtractorConfig {
     pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
     /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
     pub faults: reviewlane_shared::faults::Faults,
+    /// Sizes, retention and replicas of the region's streams and buckets.
+    pub layout: reviewlane_shared::layout::LayoutConfig,
 }
 
 impl ExtractorConfig {
@@ -200,6 +202,7 @@ impl ExtractorConfig {
             reconcile: ReconcileConfig::default(),
             telemetry: Default::default(),
             faults: Default::default(),
+            layout: Default::default(),
         }
     }
 
@@ -310,6 +313,7 @@ impl ExtractorConfig {
         }
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
+        let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
         r.finish()?;
         let provider = provider.expect("checked");
         let model_class = model_class.unwrap_or_else(|| match &provider {
@@ -355,6 +359,7 @@ impl ExtractorConfig {
             reconcile,
             telemetry,
             faults: Default::default(),
+            layout,
         })
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::registry::Registry;
 use reviewlane_shared::admin::Admin;
 use reviewlane_shared::job_store::JobStore;
-use reviewlane_shared::layout::{self, LayoutConfig};
+use reviewlane_shared::layout;
 use reviewlane_shared::region::Lane;
 use reviewlane_shared::results::{Results, message_max};
 use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
@@ -77,8 +77,7 @@ pub async fn build_with_provider(
             config.region
         )));
     }
-    let conn =
-        connect_region(&config.nats_url, config.region, "reviewlane-extractor", &LayoutConfig::default()).await?;
+    let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.layout).await?;
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
     let mut weights = HashMap::new();
@@ -135,7 +134,7 @@ pub async fn build_with_provider(
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
         results: Results::new(
             conn.layout.clone(),
-            config.result_inline_max.unwrap_or_else(|| message_max(&conn.client, &LayoutConfig::default())),
+            config.result_inline_max.unwrap_or_else(|| message_max(&conn.client, &config.layout)),
         ),
         layout: conn.layout,
         store_retry: config.store_retry,

@@ -44,6 +44,8 @@ pub struct IngressConfig {
     /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
     pub faults: reviewlane_shared::faults::Faults,
     pub limits: ServerLimits,
+    /// Sizes, retention and replicas of the region's streams and buckets.
+    pub layout: reviewlane_shared::layout::LayoutConfig,
 }
 
 /// What one caller can hold of the server.
@@ -150,8 +152,10 @@ impl IngressConfig {
                 }
             }
         }
+        let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
         r.finish()?;
         Ok(IngressConfig {
+            layout,
             faults: Default::default(),
             grpc_addr,
             admin_addr,

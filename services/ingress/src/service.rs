@@ -513,6 +513,11 @@ impl ReviewApi {
             Ok(r) => {
                 tracing::info!("review cancelled");
                 self.metrics.terminal.inc(r.region, r.lane, reviewlane_shared::job::TerminalReason::Cancelled);
+                // A cancelled job keeps none of its content. If this fails, retention
+                // removes it later; the cancel itself stands.
+                if let Err(e) = reviewlane_shared::content::drop_content(&handle.layout, &r).await {
+                    tracing::warn!(error = %e, kind = e.kind(), "dropping a cancelled job's content failed");
+                }
                 r
             }
             Err(StoreError::Transition(_, current)) => *current,

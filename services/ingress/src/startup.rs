@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
 use reviewlane_shared::admin::{Admin, Ready, nats_ready};
-use reviewlane_shared::layout::{self, LayoutConfig};
+use reviewlane_shared::layout;
 use reviewlane_shared::proto::review_service_server::ReviewServiceServer;
 use reviewlane_shared::region::Lane;
 use reviewlane_shared::startup::{StartError, connect_region};
@@ -43,7 +43,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     let mut regions = BTreeMap::new();
     let mut clients = Vec::new();
     for (region, url) in &config.nats_urls {
-        let conn = connect_region(url, *region, "reviewlane-ingress", &LayoutConfig::default()).await?;
+        let conn = connect_region(url, *region, "reviewlane-ingress", &config.layout).await?;
         let max_payload = conn.client.server_info().max_payload;
         regions.insert(
             *region,
@@ -51,7 +51,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
                 jobs: reviewlane_shared::job_store::JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
                 results: reviewlane_shared::results::Results::new(
                     conn.layout.clone(),
-                    reviewlane_shared::results::message_max(&conn.client, &LayoutConfig::default()),
+                    reviewlane_shared::results::message_max(&conn.client, &config.layout),
                 ),
                 layout: conn.layout,
                 max_payload,

@@ -37,6 +37,8 @@ pub struct PublisherConfig {
     /// Each lane's service window: bucket bounds of the submit-to-published histogram.
     pub lane_windows: [Duration; 2],
     pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
+    /// Sizes, retention and replicas of the region's streams and buckets.
+    pub layout: reviewlane_shared::layout::LayoutConfig,
 }
 
 impl PublisherConfig {
@@ -55,6 +57,7 @@ impl PublisherConfig {
             shutdown_grace: Duration::from_secs(20),
             lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
             telemetry: Default::default(),
+            layout: Default::default(),
         }
     }
 
@@ -84,6 +87,7 @@ impl PublisherConfig {
         }
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
+        let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
         r.finish()?;
         Ok(PublisherConfig {
             region: region.expect("checked"),
@@ -98,6 +102,7 @@ impl PublisherConfig {
             lease: Duration::from_secs(lease),
             lane_windows,
             telemetry,
+            layout,
             ..d
         })
     }

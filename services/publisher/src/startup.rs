@@ -7,7 +7,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use prometheus_client::registry::Registry;
 use reviewlane_shared::admin::{Admin, nats_ready};
 use reviewlane_shared::job_store::JobStore;
-use reviewlane_shared::layout::{self, LayoutConfig};
+use reviewlane_shared::layout;
 use reviewlane_shared::pull::pull_loop;
 use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
 use tokio::sync::Semaphore;
@@ -31,8 +31,7 @@ pub struct App {
 }
 
 pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
-    let conn =
-        connect_region(&config.nats_url, config.region, "reviewlane-publisher", &LayoutConfig::default()).await?;
+    let conn = connect_region(&config.nats_url, config.region, "reviewlane-publisher", &config.layout).await?;
     let consumer =
         durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, None, config.lease)
             .await?;
@@ -45,7 +44,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
         results: reviewlane_shared::results::Results::new(
             conn.layout.clone(),
-            reviewlane_shared::results::message_max(&conn.client, &LayoutConfig::default()),
+            reviewlane_shared::results::message_max(&conn.client, &config.layout),
         ),
         claims: crate::claim::Claims {
             kv: conn.layout.published.clone(),

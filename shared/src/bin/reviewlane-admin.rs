@@ -1,11 +1,18 @@
 //! `reviewlane-admin provision --region <us|eu> --nats-url <url>`: records the region
-//! identity on a NATS server (once, deliberately) and creates its streams and buckets.
-//! Refuses a server that already carries another region's identity.
+//! identity on a NATS server (once, deliberately), then reconciles its streams and
+//! buckets with the layout config (`REVIEWLANE_STREAM_REPLICAS`, the `*_MAX_AGE_SECS`
+//! retentions and the limits in `docs/retention.md`): creates what is missing, updates
+//! what NATS can change in place, and reports the rest.
+//!
+//! Exit codes: 0 provisioned and in line with the config; 64 bad arguments or config;
+//! 78 the server carries another region's identity; 65 a stream or bucket differs from
+//! the config in a way that could not be corrected (each difference is printed); 1 the
+//! server could not be reached.
 
 use std::process::ExitCode;
 
 use reviewlane_shared::Region;
-use reviewlane_shared::config::{EXIT_CONFIG, EXIT_WIRING};
+use reviewlane_shared::config::{EXIT_CONFIG, EXIT_DRIFT, EXIT_WIRING, ProcessEnv, Reader};
 use reviewlane_shared::layout::{self, LayoutConfig};
 
 const USAGE: &str = "usage: reviewlane-admin provision --region <us|eu> --nats-url <nats://host:port>";
@@ -30,10 +37,16 @@ async fn main() -> ExitCode {
         eprintln!("{USAGE}");
         return ExitCode::from(EXIT_CONFIG as u8);
     };
+    let mut reader = Reader::new(&ProcessEnv);
+    let cfg = LayoutConfig::from_reader(&mut reader);
+    if let Err(e) = reader.finish() {
+        eprintln!("reviewlane-admin: {e}");
+        return ExitCode::from(EXIT_CONFIG as u8);
+    }
     let client = match async_nats::connect(&url).await {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("reviewlane-admin: cannot connect to {url}: {e}");
+            eprintln!("reviewlane-admin: cannot connect to the NATS server: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -42,11 +55,27 @@ async fn main() -> ExitCode {
         eprintln!("reviewlane-admin: {e}");
         return ExitCode::from(EXIT_WIRING as u8);
     }
-    if let Err(e) = layout::ensure(&js, region, &LayoutConfig::default()).await {
-        eprintln!("reviewlane-admin: cannot create streams and buckets: {e}");
-        return ExitCode::FAILURE;
-    }
+    let report = match layout::reconcile(&js, region, &cfg).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("reviewlane-admin: cannot create or check streams and buckets: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let _ = client.drain().await;
-    println!("provisioned {url} as region `{region}`");
+    for name in &report.created {
+        println!("created {name}");
+    }
+    for d in &report.drift {
+        match &d.unfixed {
+            None => println!("updated {} {}: {} -> {}", d.stream, d.field, d.have, d.want),
+            Some(why) => eprintln!("drift {} {}: is {}, config wants {}; {why}", d.stream, d.field, d.have, d.want),
+        }
+    }
+    if report.unfixed().next().is_some() {
+        eprintln!("reviewlane-admin: region `{region}` provisioned with drift left (above)");
+        return ExitCode::from(EXIT_DRIFT as u8);
+    }
+    println!("provisioned region `{region}`; every stream and bucket matches the config");
     ExitCode::SUCCESS
 }

@@ -11,6 +11,7 @@ use reviewlane_shared::findings::Validated;
 use reviewlane_shared::job::{Budget, Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::StoreError;
 use reviewlane_shared::layout;
+use reviewlane_shared::messages::DeadLetter;
 
 use super::{Job, Lease, Worker};
 
@@ -208,17 +209,56 @@ impl Worker {
         }
     }
 
-    /// Moves the review to `DEADLETTER_<R>` (same region, same access policy as the
-    /// diff) so it leaves the lane and stops skewing its queue age.
+    /// Moves a failed review off its lane into the dead letters (same region, same
+    /// access policy as the diff): the content on `DEADLETTER_CONTENT_<R>` (its own,
+    /// shorter retention), then the reference on `DEADLETTER_<R>` pointing to it. Both
+    /// deduplicated by job id. A cancelled job is not a failure: nothing of it is kept
+    /// (the ingress dropped its content at the cancel).
     pub(super) async fn dead_letter(&self, job: &Job<'_>, reason: TerminalReason) -> Result<(), StoreError> {
+        if reason == TerminalReason::Cancelled {
+            return Ok(());
+        }
         let review = job.review;
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
-        headers.insert("Reviewlane-Reason", reason.as_str());
+        let attempts = match self.jobs.get(job.id()).await {
+            Ok(Some((rec, _))) => rec.attempts,
+            _ => Default::default(),
+        };
+        let headers = || {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
+            h.insert("Reviewlane-Reason", reason.as_str());
+            h
+        };
+        let content_subject = layout::deadletter_content_subject(review.region, &review.tenant, &review.job_id);
+        self.publish_acked(content_subject.clone(), headers(), job.msg.payload.clone()).await?;
+        let reference = DeadLetter {
+            job_id: review.job_id.clone(),
+            tenant: review.tenant.clone(),
+            region: review.region,
+            lane: review.lane,
+            reason: reason.as_str().to_string(),
+            attempts,
+            schema_version: review.schema_version.clone(),
+            input_digest: review.input_digest.clone(),
+            request_digest: review.request_digest.clone(),
+            submitted_at_ms: review.submitted_at_ms,
+            dead_at_ms: self.clock.now_ms(),
+            content_subject,
+        };
         let subject = layout::deadletter_subject(review.region, &review.tenant, &review.job_id);
+        let body = serde_json::to_vec(&reference).expect("dead letter serializes");
+        self.publish_acked(subject, headers(), body.into()).await
+    }
+
+    async fn publish_acked(
+        &self,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        body: bytes::Bytes,
+    ) -> Result<(), StoreError> {
         self.layout
             .js
-            .publish_with_headers(subject, headers, job.msg.payload.clone())
+            .publish_with_headers(subject, headers, body)
             .await
             .map_err(StoreError::publish)?
             .await
