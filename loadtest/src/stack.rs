@@ -229,6 +229,7 @@ impl Stack {
             faults: opts.faults.clone(),
             limits: opts.ingress_limits,
             layout: layout.clone(),
+            nats: Default::default(),
         })
         .await
         .expect("ingress builds");

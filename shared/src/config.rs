@@ -55,6 +55,8 @@ pub const EXIT_WIRING: i32 = 78;
 /// Exit code of `reviewlane-admin provision` when a stream or bucket differs from the
 /// config in a way it could not correct (sysexits EX_DATAERR).
 pub const EXIT_DRIFT: i32 = 65;
+/// Exit code when NATS refuses the configured credentials or TLS (sysexits EX_NOPERM).
+pub const EXIT_NATS_AUTH: i32 = 77;
 
 pub struct Reader<'a> {
     env: &'a dyn Env,
@@ -128,6 +130,23 @@ impl<'a> Reader<'a> {
     }
 
     /// Records a problem found by a cross-field check.
+    /// A required NATS URL (one or several, comma-separated) without credentials in it:
+    /// those go in `REVIEWLANE_NATS_*` files or variables, since URLs get logged.
+    pub fn nats_url(&mut self, key: &str) -> Option<String> {
+        let url: String = self.required(key, "nats://host:port or tls://host:port, comma-separated for a cluster")?;
+        self.check_nats_url(key, &url);
+        Some(url)
+    }
+
+    /// Refuses a NATS URL that carries credentials.
+    pub fn check_nats_url(&mut self, key: &str, url: &str) {
+        if crate::nats_client::has_credentials(url) {
+            self.errors.push(format!(
+                "{key} carries credentials; set them with REVIEWLANE_NATS_USER and REVIEWLANE_NATS_PASSWORD_FILE (or _TOKEN_FILE, _NKEY_SEED_FILE, _CREDS_FILE) instead"
+            ));
+        }
+    }
+
     pub fn error(&mut self, msg: impl Into<String>) {
         self.errors.push(msg.into());
     }

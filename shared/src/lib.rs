@@ -18,6 +18,7 @@ pub mod job_metrics;
 pub mod job_store;
 pub mod layout;
 pub mod messages;
+pub mod nats_client;
 pub mod pull;
 pub mod region;
 pub mod results;

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 
-use crate::config::{ConfigErrors, EXIT_CONFIG, EXIT_WIRING};
+use crate::config::{ConfigErrors, EXIT_CONFIG, EXIT_NATS_AUTH, EXIT_WIRING};
 use crate::layout::{self, LayoutConfig, RegionLayout, WiringError};
+use crate::nats_client::{NatsClientConfig, redact};
 use crate::region::Region;
 
 #[derive(Debug, thiserror::Error)]
@@ -18,6 +19,9 @@ pub enum StartError {
     Wiring(#[from] WiringError),
     #[error("cannot connect to NATS at {url}: {source}")]
     Connect { url: String, source: async_nats::ConnectError },
+    /// The server refused the credentials (or the TLS handshake).
+    #[error("NATS at {url} refused the connection's credentials: {source}; check REVIEWLANE_NATS_* (see docs)")]
+    Auth { url: String, source: async_nats::ConnectError },
     #[error("cannot set up streams and buckets at {url}: {source}")]
     Layout { url: String, source: async_nats::Error },
     #[error("{0}")]
@@ -25,11 +29,12 @@ pub enum StartError {
 }
 
 impl StartError {
-    /// 64 for configuration, 78 for wiring, 1 otherwise.
+    /// 64 for configuration, 78 for wiring, 77 for credentials NATS refused, 1 otherwise.
     pub fn exit_code(&self) -> i32 {
         match self {
             StartError::Config(_) => EXIT_CONFIG,
             StartError::Wiring(_) => EXIT_WIRING,
+            StartError::Auth { .. } => EXIT_NATS_AUTH,
             _ => 1,
         }
     }
@@ -73,19 +78,23 @@ pub async fn connect_region(
     url: &str,
     region: Region,
     name: &str,
+    client_cfg: &NatsClientConfig,
     layout_cfg: &LayoutConfig,
 ) -> Result<RegionConnection, StartError> {
-    let client = async_nats::ConnectOptions::new()
-        .name(name)
-        .max_reconnects(None)
-        .connect(url)
-        .await
-        .map_err(|source| StartError::Connect { url: url.to_string(), source })?;
+    let shown = redact(url);
+    let options =
+        client_cfg.options(name).await.map_err(|e| StartError::Other(anyhow::anyhow!("NATS credentials: {e}")))?;
+    let client = options.connect(url).await.map_err(|source| match source.kind() {
+        async_nats::ConnectErrorKind::AuthorizationViolation
+        | async_nats::ConnectErrorKind::Authentication
+        | async_nats::ConnectErrorKind::Tls => StartError::Auth { url: shown.clone(), source },
+        _ => StartError::Connect { url: shown.clone(), source },
+    })?;
     let js = jetstream::new(client.clone());
-    layout::verify_identity(&js, region, url).await?;
+    layout::verify_identity(&js, region, &shown).await?;
     let layout = layout::ensure(&js, region, layout_cfg)
         .await
-        .map_err(|source| StartError::Layout { url: url.to_string(), source })?;
+        .map_err(|source| StartError::Layout { url: shown.clone(), source })?;
     Ok(RegionConnection { client, layout })
 }
 

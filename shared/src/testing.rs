@@ -14,6 +14,8 @@ pub struct NatsServer {
     child: Child,
     url: String,
     store: tempfile::TempDir,
+    /// Configuration added to the defaults (auth, TLS, cluster).
+    extra: String,
 }
 
 pub fn nats_server_bin() -> PathBuf {
@@ -30,9 +32,15 @@ pub fn nats_server_bin() -> PathBuf {
 impl NatsServer {
     /// Starts a server; panics (it is a test helper) if it does not come up in 10 s.
     pub fn start() -> NatsServer {
+        NatsServer::start_with("")
+    }
+
+    /// Starts a server with `extra` added to its configuration file (an
+    /// `authorization { … }` or `tls { … }` block, say).
+    pub fn start_with(extra: &str) -> NatsServer {
         let store = tempfile::tempdir().expect("temp dir");
-        let (child, url) = launch(store.path(), "-1");
-        NatsServer { child, url, store }
+        let (child, url) = launch(store.path(), "-1", extra);
+        NatsServer { child, url, store, extra: extra.to_string() }
     }
 
     /// Kills the server (SIGKILL) and starts it again on the same port with the same
@@ -40,19 +48,19 @@ impl NatsServer {
     pub fn restart(&mut self) {
         self.kill();
         let port = self.url.rsplit(':').next().expect("url has a port").to_string();
-        let (child, url) = launch(self.store.path(), &port);
+        let (child, url) = launch(self.store.path(), &port, &self.extra);
         self.child = child;
         self.url = url;
     }
 }
 
-fn launch(dir: &Path, port: &str) -> (Child, String) {
+fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
     let conf = dir.join("nats.conf");
     // max_payload: a 1 MiB diff plus its JSON envelope exceeds the 1 MiB default.
     std::fs::write(
         &conf,
         format!(
-            "listen: 127.0.0.1:{port}\nmax_payload: 8MB\nports_file_dir: \"{dir}\"\njetstream {{ store_dir: \"{dir}/js\" }}\n",
+            "listen: 127.0.0.1:{port}\nmax_payload: 8MB\nports_file_dir: \"{dir}\"\njetstream {{ store_dir: \"{dir}/js\" }}\n{extra}\n",
             dir = dir.display()
         ),
     )

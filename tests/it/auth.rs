@@ -74,6 +74,64 @@ async fn reflection_lists_the_review_service() {
     let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
     assert!(names.contains(&"reviewlane.v1.ReviewService".to_string()), "{names:?}");
     assert!(names.contains(&"grpc.health.v1.Health".to_string()), "{names:?}");
+
+    // The older protocol version, as older grpcurl and the Python client speak it.
+    {
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", stack.ingress))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = ServerReflectionClient::new(channel)
+            .server_reflection_info(futures::stream::iter([req]))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) = resp.message().await.unwrap().unwrap().message_response
+        else {
+            panic!("unexpected v1alpha reflection answer")
+        };
+        assert!(list.service.iter().any(|s| s.name == "reviewlane.v1.ReviewService"), "{list:?}");
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_readiness_follow_the_nats_connection() {
+    let mut stack = Stack::start().await;
+    let mut health = tonic_health_client(&stack).await;
+    let status = |h: &mut tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>| {
+        let mut h = h.clone();
+        async move { h.check(tonic_health_req()).await.unwrap().into_inner().status }
+    };
+    assert_eq!(status(&mut health).await, 1, "SERVING");
+    let ready = |addr| async move { http_status_ok(addr, "/readyz").await };
+    assert!(ready(stack.ingress_admin).await);
+
+    // The US nats-server dies: NOT_SERVING (2) and not ready, within a bounded wait.
+    stack.us.nats.kill();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while status(&mut health).await != 2 {
+        assert!(tokio::time::Instant::now() < deadline, "still SERVING with the US NATS down");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!ready(stack.ingress_admin).await);
+
+    // Back on the same port: the ingress reconnects by itself and serves again.
+    stack.us.nats.restart();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while status(&mut health).await != 1 || !ready(stack.ingress_admin).await {
+        assert!(tokio::time::Instant::now() < deadline, "not SERVING again after the US NATS came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     stack.shutdown().await;
 }
 

@@ -12,6 +12,7 @@ mod idempotency;
 mod invalid_argument;
 mod lifecycle;
 mod manual;
+mod nats_auth;
 mod pipeline;
 mod publish_once;
 mod quarantine;

@@ -107,6 +107,7 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
         faults: Default::default(),
         limits: Default::default(),
         layout: Default::default(),
+        nats: Default::default(),
     };
     let err = reviewlane_ingress::build(cfg).await.err().expect("ingress refuses");
     assert!(matches!(err, StartError::Wiring(_)), "{err}");
@@ -124,7 +125,8 @@ async fn services_starting_at_once_all_pass_the_wiring_check() {
     // As after `reviewlane-admin provision`: the layout exists already.
     let js = async_nats::jetstream::new(async_nats::connect(us.url()).await.unwrap());
     reviewlane_shared::layout::ensure(&js, Region::Us, &cfg).await.unwrap();
-    let starts = (0..6).map(|_| connect_region(us.url(), Region::Us, "t", &cfg));
+    let client = Default::default();
+    let starts = (0..6).map(|_| connect_region(us.url(), Region::Us, "t", &client, &cfg));
     for r in futures::future::join_all(starts).await {
         if let Err(e) = r {
             panic!("concurrent start failed: {e}");

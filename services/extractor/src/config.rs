@@ -162,6 +162,8 @@ pub struct ExtractorConfig {
     pub faults: reviewlane_shared::faults::Faults,
     /// Sizes, retention and replicas of the region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
+    /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
+    pub nats: reviewlane_shared::nats_client::NatsClientConfig,
 }
 
 impl ExtractorConfig {
@@ -203,13 +205,14 @@ impl ExtractorConfig {
             telemetry: Default::default(),
             faults: Default::default(),
             layout: Default::default(),
+            nats: Default::default(),
         }
     }
 
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
         let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
-        let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
+        let nats_url: Option<String> = r.nats_url("REVIEWLANE_NATS_URL");
         let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let provider = match r.raw("REVIEWLANE_PROVIDER").as_deref().unwrap_or("builtin") {
             "builtin" => Some(ProviderConfig::Builtin),
@@ -314,6 +317,7 @@ impl ExtractorConfig {
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
+        let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
         r.finish()?;
         let provider = provider.expect("checked");
         let model_class = model_class.unwrap_or_else(|| match &provider {
@@ -360,6 +364,7 @@ impl ExtractorConfig {
             telemetry,
             faults: Default::default(),
             layout,
+            nats,
         })
     }
 }

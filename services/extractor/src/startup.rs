@@ -77,7 +77,8 @@ pub async fn build_with_provider(
             config.region
         )));
     }
-    let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.layout).await?;
+    let conn =
+        connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.nats, &config.layout).await?;
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
     let mut weights = HashMap::new();

@@ -46,6 +46,9 @@ pub struct IngressConfig {
     pub limits: ServerLimits,
     /// Sizes, retention and replicas of the region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
+    /// Credentials and TLS per region (`REVIEWLANE_NATS_<R>_*`, else `REVIEWLANE_NATS_*`);
+    /// a region without an entry connects without.
+    pub nats: BTreeMap<Region, reviewlane_shared::nats_client::NatsClientConfig>,
 }
 
 /// What one caller can hold of the server.
@@ -103,7 +106,9 @@ impl IngressConfig {
         let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let mut nats_urls = BTreeMap::new();
         for region in Region::ALL {
-            if let Some(url) = r.raw(&format!("REVIEWLANE_NATS_URL_{}", region.upper())) {
+            let key = format!("REVIEWLANE_NATS_URL_{}", region.upper());
+            if let Some(url) = r.raw(&key) {
+                r.check_nats_url(&key, &url);
                 nats_urls.insert(region, url);
             }
         }
@@ -153,9 +158,19 @@ impl IngressConfig {
             }
         }
         let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
+        let nats = nats_urls
+            .keys()
+            .map(|region| {
+                let own = format!("REVIEWLANE_NATS_{}", region.upper());
+                let c =
+                    reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &[&own, "REVIEWLANE_NATS"]);
+                (*region, c)
+            })
+            .collect();
         r.finish()?;
         Ok(IngressConfig {
             layout,
+            nats,
             faults: Default::default(),
             grpc_addr,
             admin_addr,

@@ -43,7 +43,14 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     let mut regions = BTreeMap::new();
     let mut clients = Vec::new();
     for (region, url) in &config.nats_urls {
-        let conn = connect_region(url, *region, "reviewlane-ingress", &config.layout).await?;
+        let conn = connect_region(
+            url,
+            *region,
+            "reviewlane-ingress",
+            &config.nats.get(region).cloned().unwrap_or_default(),
+            &config.layout,
+        )
+        .await?;
         let max_payload = conn.client.server_info().max_payload;
         regions.insert(
             *region,
@@ -100,10 +107,17 @@ impl App {
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         health_reporter.set_serving::<ReviewServiceServer<ReviewApi>>().await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(reviewlane_shared::proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-            .build_v1()?;
+        // Reflection in both versions: grpcurl and the Python client of any age.
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(reviewlane_shared::proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let (reflection_v1, reflection_v1alpha) = (reflection().build_v1()?, reflection().build_v1alpha()?);
+        // gRPC health follows the NATS connections: NOT_SERVING while any region's is
+        // down, SERVING again once it is back (`/readyz` follows the same rule).
+        let health_stop = CancellationToken::new();
+        tokio::spawn(follow_nats(self.clients.clone(), health_reporter.clone(), health_stop.clone()));
         // Ready when every region's NATS is connected and its lanes exist.
         let checks: Vec<Ready> = self
             .config
@@ -147,6 +161,7 @@ impl App {
         let stopping = async move {
             shutdown.await;
             tracing::info!("shutting down: no new calls");
+            health_stop.cancel();
             health_reporter.set_not_serving::<ReviewServiceServer<ReviewApi>>().await;
             // End open watches so the server can finish.
             token.cancel();
@@ -159,7 +174,8 @@ impl App {
             .http2_keepalive_timeout(Some(limits.http2_keepalive))
             .trace_fn(crate::rpc::span_for)
             .add_service(health_service)
-            .add_service(reflection)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
             .add_service(service)
             // TCP_NODELAY: small gRPC answers must not wait for Nagle's algorithm (~40 ms).
             .serve_with_incoming_shutdown(
@@ -179,5 +195,39 @@ impl App {
         }
         tracing::info!("ingress stopped");
         Ok(())
+    }
+}
+
+/// How often the health service looks at the NATS connections (a local read, no
+/// round trip).
+const HEALTH_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Sets the review service `NOT_SERVING` while any region's NATS connection is down and
+/// `SERVING` once all are up, until `stop`.
+async fn follow_nats(
+    clients: Vec<async_nats::Client>,
+    reporter: tonic_health::server::HealthReporter,
+    stop: CancellationToken,
+) {
+    use async_nats::connection::State;
+    let mut serving = true;
+    let mut every = tokio::time::interval(HEALTH_EVERY);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        let up = clients.iter().all(|c| c.connection_state() == State::Connected);
+        if up == serving {
+            continue;
+        }
+        serving = up;
+        if up {
+            tracing::info!("every region's NATS is connected again: serving");
+            reporter.set_serving::<ReviewServiceServer<ReviewApi>>().await;
+        } else {
+            tracing::warn!("a region's NATS connection is down: not serving");
+            reporter.set_not_serving::<ReviewServiceServer<ReviewApi>>().await;
+        }
     }
 }

@@ -39,6 +39,8 @@ pub struct PublisherConfig {
     pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
     /// Sizes, retention and replicas of the region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
+    /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
+    pub nats: reviewlane_shared::nats_client::NatsClientConfig,
 }
 
 impl PublisherConfig {
@@ -58,13 +60,14 @@ impl PublisherConfig {
             lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
             telemetry: Default::default(),
             layout: Default::default(),
+            nats: Default::default(),
         }
     }
 
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
         let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
-        let nats_url: Option<String> = r.required("REVIEWLANE_NATS_URL", "nats://host:port");
+        let nats_url: Option<String> = r.nats_url("REVIEWLANE_NATS_URL");
         let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let d = PublisherConfig::new(Region::Us, "", Arc::default());
         let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", d.admin_addr, "host:port");
@@ -88,6 +91,7 @@ impl PublisherConfig {
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
+        let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
         r.finish()?;
         Ok(PublisherConfig {
             region: region.expect("checked"),
@@ -103,6 +107,7 @@ impl PublisherConfig {
             lane_windows,
             telemetry,
             layout,
+            nats,
             ..d
         })
     }

@@ -31,7 +31,8 @@ pub struct App {
 }
 
 pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
-    let conn = connect_region(&config.nats_url, config.region, "reviewlane-publisher", &config.layout).await?;
+    let conn =
+        connect_region(&config.nats_url, config.region, "reviewlane-publisher", &config.nats, &config.layout).await?;
     let consumer =
         durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, None, config.lease)
             .await?;

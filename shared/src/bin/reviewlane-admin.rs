@@ -4,16 +4,20 @@
 //! retentions and the limits in `docs/retention.md`): creates what is missing, updates
 //! what NATS can change in place, and reports the rest.
 //!
+//! Credentials and TLS: `REVIEWLANE_NATS_*` as for the services.
+//!
 //! Exit codes: 0 provisioned and in line with the config; 64 bad arguments or config;
-//! 78 the server carries another region's identity; 65 a stream or bucket differs from
+//! 77 the server refused the credentials; 78 the server carries another region's
+//! identity; 65 a stream or bucket differs from
 //! the config in a way that could not be corrected (each difference is printed); 1 the
 //! server could not be reached.
 
 use std::process::ExitCode;
 
 use reviewlane_shared::Region;
-use reviewlane_shared::config::{EXIT_CONFIG, EXIT_DRIFT, EXIT_WIRING, ProcessEnv, Reader};
+use reviewlane_shared::config::{EXIT_CONFIG, EXIT_DRIFT, EXIT_NATS_AUTH, EXIT_WIRING, ProcessEnv, Reader};
 use reviewlane_shared::layout::{self, LayoutConfig};
+use reviewlane_shared::nats_client::{NatsClientConfig, redact};
 
 const USAGE: &str = "usage: reviewlane-admin provision --region <us|eu> --nats-url <nats://host:port>";
 
@@ -39,19 +43,31 @@ async fn main() -> ExitCode {
     };
     let mut reader = Reader::new(&ProcessEnv);
     let cfg = LayoutConfig::from_reader(&mut reader);
+    let nats = NatsClientConfig::from_reader(&mut reader, &["REVIEWLANE_NATS"]);
     if let Err(e) = reader.finish() {
         eprintln!("reviewlane-admin: {e}");
         return ExitCode::from(EXIT_CONFIG as u8);
     }
-    let client = match async_nats::connect(&url).await {
-        Ok(c) => c,
+    let options = match nats.options("reviewlane-admin").await {
+        Ok(o) => o,
         Err(e) => {
-            eprintln!("reviewlane-admin: cannot connect to the NATS server: {e}");
+            eprintln!("reviewlane-admin: NATS credentials: {e}");
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
+    let client = match options.connect(&url).await {
+        Ok(c) => c,
+        Err(e) if e.kind() == async_nats::ConnectErrorKind::AuthorizationViolation => {
+            eprintln!("reviewlane-admin: the NATS server at {} refused the credentials: {e}", redact(&url));
+            return ExitCode::from(EXIT_NATS_AUTH as u8);
+        }
+        Err(e) => {
+            eprintln!("reviewlane-admin: cannot connect to the NATS server at {}: {e}", redact(&url));
             return ExitCode::FAILURE;
         }
     };
     let js = async_nats::jetstream::new(client.clone());
-    if let Err(e) = layout::provision_identity(&js, region, &url).await {
+    if let Err(e) = layout::provision_identity(&js, region, &redact(&url)).await {
         eprintln!("reviewlane-admin: {e}");
         return ExitCode::from(EXIT_WIRING as u8);
     }

@@ -1,0 +1,146 @@
+//! Services log in to a NATS that requires credentials: user and password, token, NKey,
+//! mutual TLS — each against a real nats-server configured for it, with the credentials
+//! read from files as Kubernetes mounts them. A refused login is a clear start-up error
+//! (exit 77) that shows neither the password nor a URL's credentials.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use reviewlane_shared::Region;
+use reviewlane_shared::config::Reader;
+use reviewlane_shared::nats_client::NatsClientConfig;
+use reviewlane_shared::startup::StartError;
+use reviewlane_shared::testing::NatsServer;
+
+/// The `REVIEWLANE_NATS_*` variables as a service reads them.
+fn client_config(env: &[(&str, String)]) -> NatsClientConfig {
+    let env: HashMap<String, String> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let mut r = Reader::new(&env);
+    let c = NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
+    r.finish().expect("valid config");
+    c
+}
+
+/// Provisions the server's identity through an authorised connection.
+async fn provision(url: &str, options: async_nats::ConnectOptions) {
+    let client = options.connect(url).await.expect("authorised connection");
+    let js = async_nats::jetstream::new(client);
+    reviewlane_shared::layout::provision_identity(&js, Region::Us, url).await.unwrap();
+}
+
+/// Builds a publisher (it connects, checks the identity and creates its layout).
+async fn start_publisher(url: &str, nats: NatsClientConfig) -> Result<(), StartError> {
+    let mut pc = reviewlane_publisher::PublisherConfig::new(Region::Us, url, Arc::default());
+    pc.admin_addr = "127.0.0.1:0".parse().unwrap();
+    pc.nats = nats;
+    reviewlane_publisher::build(pc).await.map(|_| ())
+}
+
+fn write(dir: &Path, name: &str, content: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, content).unwrap();
+    p.display().to_string()
+}
+
+fn assert_refused(res: Result<(), StartError>, secrets: &[&str]) {
+    let err = res.expect_err("the login is refused");
+    assert!(matches!(err, StartError::Auth { .. }), "{err}");
+    assert_eq!(err.exit_code(), 77);
+    let msg = err.to_string();
+    for s in secrets {
+        assert!(!msg.contains(s), "the error shows a secret: {msg}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_and_password_from_a_file_and_a_wrong_one_refused_without_leaking_it() {
+    let nats = NatsServer::start_with("authorization { user: app, password: \"pw-correct-7f3\" }");
+    let url = nats.url().to_string();
+    provision(&url, async_nats::ConnectOptions::with_user_and_password("app".into(), "pw-correct-7f3".into())).await;
+    let dir = tempfile::tempdir().unwrap();
+
+    let good = write(dir.path(), "password", "pw-correct-7f3\n");
+    let cfg = client_config(&[("REVIEWLANE_NATS_USER", "app".into()), ("REVIEWLANE_NATS_PASSWORD_FILE", good)]);
+    start_publisher(&url, cfg).await.expect("logs in");
+
+    let bad = write(dir.path(), "wrong", "pw-wrong-91c");
+    let cfg = client_config(&[("REVIEWLANE_NATS_USER", "app".into()), ("REVIEWLANE_NATS_PASSWORD_FILE", bad)]);
+    assert_refused(start_publisher(&url, cfg).await, &["pw-wrong-91c", "pw-correct-7f3"]);
+
+    // Credentials in a URL (which gets logged) are refused at start, without echoing it.
+    let host = url.trim_start_matches("nats://");
+    let env: HashMap<&str, String> = [
+        ("REVIEWLANE_REGION", "us".to_string()),
+        ("REVIEWLANE_NATS_URL", format!("nats://app:pw-in-url-55d@{host}")),
+        ("REVIEWLANE_TENANTS_FILE", write(dir.path(), "tenants.toml", "")),
+    ]
+    .into();
+    let err = reviewlane_publisher::PublisherConfig::from_env(&env).expect_err("refused").to_string();
+    assert!(err.contains("REVIEWLANE_NATS_URL carries credentials"), "{err}");
+    assert!(!err.contains("pw-in-url-55d"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_and_nkey_logins() {
+    let nats = NatsServer::start_with("authorization { token: \"tok-a81\" }");
+    let url = nats.url().to_string();
+    provision(&url, async_nats::ConnectOptions::with_token("tok-a81".into())).await;
+    let dir = tempfile::tempdir().unwrap();
+    let token = write(dir.path(), "token", "tok-a81");
+    start_publisher(&url, client_config(&[("REVIEWLANE_NATS_TOKEN_FILE", token)])).await.expect("token login");
+    let wrong = write(dir.path(), "wrong-token", "tok-zzz");
+    assert_refused(start_publisher(&url, client_config(&[("REVIEWLANE_NATS_TOKEN_FILE", wrong)])).await, &["tok-zzz"]);
+
+    let user = nkeys::KeyPair::new_user();
+    let nats = NatsServer::start_with(&format!("authorization {{ users: [ {{ nkey: {} }} ] }}", user.public_key()));
+    let url = nats.url().to_string();
+    let seed = user.seed().unwrap();
+    provision(&url, async_nats::ConnectOptions::with_nkey(seed.clone())).await;
+    let seed_file = write(dir.path(), "user.nk", &seed);
+    start_publisher(&url, client_config(&[("REVIEWLANE_NATS_NKEY_SEED_FILE", seed_file)])).await.expect("nkey login");
+    let other = nkeys::KeyPair::new_user().seed().unwrap();
+    let other_file = write(dir.path(), "other.nk", &other);
+    assert_refused(
+        start_publisher(&url, client_config(&[("REVIEWLANE_NATS_NKEY_SEED_FILE", other_file)])).await,
+        &[&other],
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_with_a_ca_file_and_a_client_certificate() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let dir = tempfile::tempdir().unwrap();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names).unwrap().signed_by(&key, &issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["127.0.0.1".into(), "localhost".into()]);
+    let (client_cert, client_key) = leaf(vec!["reviewlane-publisher".into()]);
+    let ca = write(dir.path(), "ca.pem", &ca_cert.pem());
+    let sc = write(dir.path(), "server.pem", &server_cert);
+    let sk = write(dir.path(), "server-key.pem", &server_key);
+    let cc = write(dir.path(), "client.pem", &client_cert);
+    let ck = write(dir.path(), "client-key.pem", &client_key);
+    let nats = NatsServer::start_with(&format!(
+        "tls {{ cert_file: \"{sc}\", key_file: \"{sk}\", ca_file: \"{ca}\", verify: true }}"
+    ));
+    let url = nats.url().replace("nats://", "tls://");
+    let with_cert = client_config(&[
+        ("REVIEWLANE_NATS_TLS_CA_FILE", ca.clone()),
+        ("REVIEWLANE_NATS_TLS_CERT_FILE", cc),
+        ("REVIEWLANE_NATS_TLS_KEY_FILE", ck),
+    ]);
+    provision(&url, with_cert.options("provision").await.unwrap()).await;
+    start_publisher(&url, with_cert).await.expect("mutual TLS login");
+    // Without a client certificate the server refuses the handshake.
+    let res = start_publisher(&url, client_config(&[("REVIEWLANE_NATS_TLS_CA_FILE", ca)])).await;
+    let err = res.expect_err("refused without a client certificate");
+    assert!(matches!(err, StartError::Auth { .. } | StartError::Connect { .. }), "{err}");
+}
