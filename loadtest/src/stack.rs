@@ -67,6 +67,8 @@ struct ExtractorKnobs {
 pub struct StackOptions {
     pub us_provider: SimConfig,
     pub eu_provider: SimConfig,
+    /// TLS for the ingress's gRPC listener.
+    pub grpc_tls: Option<reviewlane_ingress::config::GrpcTls>,
     /// Sizes and retention of every region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
     /// The schema dialect the extractors send.
@@ -103,6 +105,7 @@ impl Default for StackOptions {
             us_provider: SimConfig::default(),
             schema_dialect: Default::default(),
             layout: Default::default(),
+            grpc_tls: None,
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
@@ -230,6 +233,7 @@ impl Stack {
             limits: opts.ingress_limits,
             layout: layout.clone(),
             nats: Default::default(),
+            grpc_tls: opts.grpc_tls.clone(),
         })
         .await
         .expect("ingress builds");

@@ -227,3 +227,63 @@ async fn a_watch_sees_every_revision_of_the_review_in_order() {
     assert_eq!(seen, expected);
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grpc_listener_serves_tls_and_can_require_client_certificates() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let dir = tempfile::tempdir().unwrap();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |names: Vec<String>| {
+        let key = KeyPair::generate().unwrap();
+        (CertificateParams::new(names).unwrap().signed_by(&key, &issuer).unwrap().pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(vec!["localhost".into()]);
+    let (client_cert, client_key) = leaf(vec!["ci-client".into()]);
+    let file = |name: &str, content: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, content).unwrap();
+        p
+    };
+    let tls = reviewlane_ingress::config::GrpcTls {
+        cert_file: file("server.pem", &server_cert),
+        key_file: file("server-key.pem", &server_key),
+        client_ca_file: Some(file("ca.pem", &ca_pem)),
+    };
+    let stack = Stack::start_with(StackOptions { grpc_tls: Some(tls), ..Default::default() }).await;
+    let endpoint =
+        || Endpoint::from_shared(format!("https://{}", stack.ingress)).unwrap().connect_timeout(Duration::from_secs(5));
+    let base = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&ca_pem)).domain_name("localhost");
+
+    // With a client certificate: served over TLS.
+    let with_cert = base.clone().identity(Identity::from_pem(&client_cert, &client_key));
+    let channel = endpoint().tls_config(with_cert).unwrap().connect().await.expect("TLS connection");
+    let mut client = reviewlane_shared::proto::review_service_client::ReviewServiceClient::new(channel);
+    let job = client.submit_review(submit_req(US_KEY, "over-tls", &sample_diff("tls"))).await.expect("submit over TLS");
+    assert!(!job.into_inner().review.unwrap().job_id.is_empty());
+
+    // Without one, or in plaintext: no service.
+    let refused = match endpoint().tls_config(base).unwrap().connect().await {
+        Err(_) => true,
+        Ok(channel) => reviewlane_shared::proto::review_service_client::ReviewServiceClient::new(channel)
+            .submit_review(submit_req(US_KEY, "no-cert", &sample_diff("x")))
+            .await
+            .is_err(),
+    };
+    assert!(refused, "served a client without a certificate");
+    let plain = reviewlane_shared::proto::review_service_client::ReviewServiceClient::connect(format!(
+        "http://{}",
+        stack.ingress
+    ))
+    .await;
+    let plain_refused = match plain {
+        Err(_) => true,
+        Ok(mut c) => c.submit_review(submit_req(US_KEY, "plain", &sample_diff("p"))).await.is_err(),
+    };
+    assert!(plain_refused, "served plaintext on a TLS listener");
+    stack.shutdown().await;
+}

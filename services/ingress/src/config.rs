@@ -3,6 +3,8 @@
 //! | variable | default | meaning |
 //! | --- | --- | --- |
 //! | `REVIEWLANE_GRPC_ADDR` | `127.0.0.1:50051` | gRPC listen address |
+//! | `REVIEWLANE_GRPC_TLS_CERT_FILE`, `REVIEWLANE_GRPC_TLS_KEY_FILE` | unset | serve gRPC over TLS (rustls) with this PEM certificate chain and key |
+//! | `REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE` | unset | with TLS: require client certificates signed by this CA (mutual TLS) |
 //! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9464` | admin HTTP: `/metrics`, `/healthz`, `/readyz` |
 //! | `REVIEWLANE_TENANTS_FILE` | required | tenants, key hashes, regions, limits |
 //! | `REVIEWLANE_NATS_URL_US` / `_EU` | at least one | each region's NATS |
@@ -46,9 +48,20 @@ pub struct IngressConfig {
     pub limits: ServerLimits,
     /// Sizes, retention and replicas of the region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
+    /// TLS for the gRPC listener; plaintext when unset.
+    pub grpc_tls: Option<GrpcTls>,
     /// Credentials and TLS per region (`REVIEWLANE_NATS_<R>_*`, else `REVIEWLANE_NATS_*`);
     /// a region without an entry connects without.
     pub nats: BTreeMap<Region, reviewlane_shared::nats_client::NatsClientConfig>,
+}
+
+/// PEM files of the gRPC listener's TLS (read when the server starts).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpcTls {
+    pub cert_file: std::path::PathBuf,
+    pub key_file: std::path::PathBuf,
+    /// Client certificates must be signed by this CA.
+    pub client_ca_file: Option<std::path::PathBuf>,
 }
 
 /// What one caller can hold of the server.
@@ -158,6 +171,28 @@ impl IngressConfig {
             }
         }
         let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
+        let file = |r: &mut Reader<'_>, key: &str| {
+            let p = std::path::PathBuf::from(r.raw(key)?);
+            if !p.is_file() {
+                r.error(format!("{key} names a file that does not exist"));
+            }
+            Some(p)
+        };
+        let (cert, key) = (file(&mut r, "REVIEWLANE_GRPC_TLS_CERT_FILE"), file(&mut r, "REVIEWLANE_GRPC_TLS_KEY_FILE"));
+        let client_ca_file = file(&mut r, "REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE");
+        let grpc_tls = match (cert, key) {
+            (Some(cert_file), Some(key_file)) => Some(GrpcTls { cert_file, key_file, client_ca_file }),
+            (None, None) => {
+                if client_ca_file.is_some() {
+                    r.error("REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE needs REVIEWLANE_GRPC_TLS_CERT_FILE and _KEY_FILE");
+                }
+                None
+            }
+            _ => {
+                r.error("REVIEWLANE_GRPC_TLS_CERT_FILE and REVIEWLANE_GRPC_TLS_KEY_FILE go together");
+                None
+            }
+        };
         let nats = nats_urls
             .keys()
             .map(|region| {
@@ -169,6 +204,7 @@ impl IngressConfig {
             .collect();
         r.finish()?;
         Ok(IngressConfig {
+            grpc_tls,
             layout,
             nats,
             faults: Default::default(),

@@ -167,7 +167,11 @@ impl App {
             token.cancel();
         };
         let limits = self.config.limits;
-        let server = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &self.config.grpc_tls {
+            builder = builder.tls_config(server_tls(tls)?)?;
+        }
+        let server = builder
             .timeout(limits.request_timeout)
             .max_concurrent_streams(limits.max_streams_per_connection)
             .http2_keepalive_interval(Some(limits.http2_keepalive))
@@ -230,4 +234,18 @@ async fn follow_nats(
             reporter.set_not_serving::<ReviewServiceServer<ReviewApi>>().await;
         }
     }
+}
+
+/// The listener's TLS from its PEM files: rustls, optionally requiring client
+/// certificates signed by a CA.
+fn server_tls(tls: &crate::config::GrpcTls) -> anyhow::Result<tonic::transport::ServerTlsConfig> {
+    use anyhow::Context as _;
+    let cert = std::fs::read(&tls.cert_file).context("reading REVIEWLANE_GRPC_TLS_CERT_FILE")?;
+    let key = std::fs::read(&tls.key_file).context("reading REVIEWLANE_GRPC_TLS_KEY_FILE")?;
+    let mut config = tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key));
+    if let Some(ca) = &tls.client_ca_file {
+        let ca = std::fs::read(ca).context("reading REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE")?;
+        config = config.client_ca_root(tonic::transport::Certificate::from_pem(ca));
+    }
+    Ok(config)
 }
