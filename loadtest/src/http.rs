@@ -27,7 +27,16 @@ where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<HttpResponse, Infallible>> + Send + 'static,
 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0");
+    serve_on("127.0.0.1:0".parse().expect("addr"), handler).await.expect("bind 127.0.0.1:0")
+}
+
+/// The same server on `addr` (the `reviewlane-sim` binary binds where it is told).
+pub async fn serve_on<F, Fut>(addr: SocketAddr, handler: F) -> std::io::Result<Server>
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<HttpResponse, Infallible>> + Send + 'static,
+{
+    let listener = TcpListener::bind(addr).await?;
     let addr = listener.local_addr().expect("bound address");
     let (stop, mut stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
@@ -43,5 +52,5 @@ where
             });
         }
     });
-    Server { addr, _stop: stop }
+    Ok(Server { addr, _stop: stop })
 }

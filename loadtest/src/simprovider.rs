@@ -147,6 +147,11 @@ impl SimProvider {
 
     /// `canaries`: strings to watch for in prompts; `stats().canaries_seen` lists hits.
     pub async fn start_with(config: SimConfig, canaries: Vec<String>) -> SimProvider {
+        Self::start_on("127.0.0.1:0".parse().expect("addr"), config, canaries).await.expect("bind 127.0.0.1:0")
+    }
+
+    /// A simulated provider listening on `addr`.
+    pub async fn start_on(addr: SocketAddr, config: SimConfig, canaries: Vec<String>) -> std::io::Result<SimProvider> {
         let state = Arc::new(State {
             slots: config.concurrency_cap.map(|n| Arc::new(Semaphore::new(n))),
             config,
@@ -158,8 +163,8 @@ impl SimProvider {
             canaries,
         });
         let st = state.clone();
-        let server = crate::http::serve(move |req| handle(st.clone(), req)).await;
-        SimProvider { addr: server.addr, state, _server: server }
+        let server = crate::http::serve_on(addr, move |req| handle(st.clone(), req)).await?;
+        Ok(SimProvider { addr: server.addr, state, _server: server })
     }
 
     /// Base URL for an OpenAI-compatible client: `http://127.0.0.1:port/v1`.

@@ -4,6 +4,7 @@
 mod admin;
 mod auth;
 mod chaos;
+mod compose;
 mod delivery;
 mod faults;
 mod fencing;

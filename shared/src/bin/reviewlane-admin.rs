@@ -6,6 +6,10 @@
 //!
 //! Credentials and TLS: `REVIEWLANE_NATS_*` as for the services.
 //!
+//! `--check-config` checks the arguments and variables and stops (0, or 64) without
+//! connecting. `reviewlane-admin probe <host:port> [path]` is the containers' health
+//! check (exit 0 when the admin port answers 200).
+//!
 //! Exit codes: 0 provisioned and in line with the config; 64 bad arguments or config;
 //! 77 the server refused the credentials; 78 the server carries another region's
 //! identity; 65 a stream or bucket differs from
@@ -19,16 +23,21 @@ use reviewlane_shared::config::{EXIT_CONFIG, EXIT_DRIFT, EXIT_NATS_AUTH, EXIT_WI
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::nats_client::{NatsClientConfig, redact};
 
-const USAGE: &str = "usage: reviewlane-admin provision --region <us|eu> --nats-url <nats://host:port>";
+const USAGE: &str = "usage: reviewlane-admin provision --region <us|eu> --nats-url <nats://host:port> [--check-config]
+       reviewlane-admin probe <host:port> [path]   (exit 0 when GET path answers 200; default /readyz)";
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mut region, mut url) = (None, None);
     let mut it = args.iter();
-    if it.next().map(String::as_str) != Some("provision") {
-        eprintln!("{USAGE}");
-        return ExitCode::from(EXIT_CONFIG as u8);
+    match it.next().map(String::as_str) {
+        Some("provision") => {}
+        Some("probe") => return probe(it.next(), it.next()).await,
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
     }
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -47,6 +56,10 @@ async fn main() -> ExitCode {
     if let Err(e) = reader.finish() {
         eprintln!("reviewlane-admin: {e}");
         return ExitCode::from(EXIT_CONFIG as u8);
+    }
+    if args.iter().any(|a| a == "--check-config") {
+        println!("reviewlane-admin: configuration is valid");
+        return ExitCode::SUCCESS;
     }
     let options = match nats.options("reviewlane-admin").await {
         Ok(o) => o,
@@ -94,4 +107,27 @@ async fn main() -> ExitCode {
     }
     println!("provisioned region `{region}`; every stream and bucket matches the config");
     ExitCode::SUCCESS
+}
+
+/// A container health check without curl in the image: `GET path` on `addr` (an admin
+/// port), exit 0 on 200, 1 otherwise, within 3 s.
+async fn probe(addr: Option<&String>, path: Option<&String>) -> ExitCode {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(addr) = addr else {
+        eprintln!("{USAGE}");
+        return ExitCode::from(EXIT_CONFIG as u8);
+    };
+    let path = path.map(String::as_str).unwrap_or("/readyz");
+    let check = async {
+        let mut s = tokio::net::TcpStream::connect(addr.as_str()).await.ok()?;
+        let req = format!("GET {path} HTTP/1.1\r\nhost: probe\r\nconnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).await.ok()?;
+        Some(head.starts_with(b"HTTP/1.1 200"))
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(3), check).await {
+        Ok(Some(true)) => ExitCode::SUCCESS,
+        _ => ExitCode::FAILURE,
+    }
 }
