@@ -204,14 +204,14 @@ impl ProcStack {
         let bins = bin_dir()?;
         let work = tempfile::Builder::new().prefix("reviewlane-load-").tempdir()?;
         let webhook = WebhookReceiver::start().await;
-        let us = RegionStack {
-            nats: NatsServer::start_provisioned(Region::Us).await,
-            provider: SimProvider::start_with(opts.us_provider.clone(), opts.canaries.clone()).await,
-        };
-        let eu = RegionStack {
-            nats: NatsServer::start_provisioned(Region::Eu).await,
-            provider: SimProvider::start_with(opts.eu_provider.clone(), opts.canaries.clone()).await,
-        };
+        let us = RegionStack::single(
+            NatsServer::start_provisioned(Region::Us).await,
+            SimProvider::start_with(opts.us_provider.clone(), opts.canaries.clone()).await,
+        );
+        let eu = RegionStack::single(
+            NatsServer::start_provisioned(Region::Eu).await,
+            SimProvider::start_with(opts.eu_provider.clone(), opts.canaries.clone()).await,
+        );
         if let Some(max) = opts.lane_max_messages {
             for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
                 let js = async_nats::jetstream::new(async_nats::connect(rs.nats.url()).await?);

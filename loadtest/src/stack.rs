@@ -29,8 +29,25 @@ pub const US_SECRET: &str = "whsec-acme";
 pub const EU_SECRET: &str = "whsec-euro";
 
 pub struct RegionStack {
+    /// The region's nats-server; in a clustered region, its first node.
     pub nats: NatsServer,
+    /// The other nodes of a clustered region (`StackOptions::us_cluster`).
+    pub peers: Vec<NatsServer>,
     pub provider: SimProvider,
+    /// Stream and bucket replicas of this region.
+    pub replicas: usize,
+}
+
+impl RegionStack {
+    /// A single-server region.
+    pub fn single(nats: NatsServer, provider: SimProvider) -> RegionStack {
+        RegionStack { nats, peers: Vec::new(), provider, replicas: 1 }
+    }
+
+    /// What services are given: every node's URL.
+    pub fn url(&self) -> String {
+        std::iter::once(self.nats.url()).chain(self.peers.iter().map(|p| p.url())).collect::<Vec<_>>().join(",")
+    }
 }
 
 pub struct Stack {
@@ -67,6 +84,9 @@ struct ExtractorKnobs {
 pub struct StackOptions {
     pub us_provider: SimConfig,
     pub eu_provider: SimConfig,
+    /// The US region on a three-node JetStream cluster, every stream and bucket with
+    /// three replicas.
+    pub us_cluster: bool,
     /// TLS for the ingress's gRPC listener.
     pub grpc_tls: Option<reviewlane_ingress::config::GrpcTls>,
     /// Sizes and retention of every region's streams and buckets.
@@ -106,6 +126,7 @@ impl Default for StackOptions {
             schema_dialect: Default::default(),
             layout: Default::default(),
             grpc_tls: None,
+            us_cluster: false,
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
@@ -178,14 +199,30 @@ impl Stack {
         init_test_log();
         let webhook = WebhookReceiver::start().await;
         let tenants = Arc::new(Tenants::parse(&tenants_toml(&webhook.url())).expect("test tenants parse"));
-        let us = RegionStack {
-            nats: NatsServer::start_provisioned(Region::Us).await,
-            provider: SimProvider::start_with(opts.us_provider, opts.canaries.clone()).await,
+        let us = if opts.us_cluster {
+            // Three JetStream nodes; every stream and bucket of the region on all three.
+            let cluster = reviewlane_shared::testing::NatsCluster::start().await;
+            let addrs = reviewlane_shared::nats_client::server_addrs(&cluster.url()).expect("cluster URLs");
+            let client = async_nats::connect(addrs).await.expect("connect to the cluster");
+            let js = async_nats::jetstream::new(client);
+            reviewlane_shared::layout::provision_identity(&js, Region::Us, "cluster").await.expect("provision");
+            let mut nodes = cluster.nodes;
+            RegionStack {
+                nats: nodes.remove(0),
+                peers: nodes,
+                provider: SimProvider::start_with(opts.us_provider, opts.canaries.clone()).await,
+                replicas: 3,
+            }
+        } else {
+            RegionStack::single(
+                NatsServer::start_provisioned(Region::Us).await,
+                SimProvider::start_with(opts.us_provider, opts.canaries.clone()).await,
+            )
         };
-        let eu = RegionStack {
-            nats: NatsServer::start_provisioned(Region::Eu).await,
-            provider: SimProvider::start_with(opts.eu_provider, opts.canaries.clone()).await,
-        };
+        let eu = RegionStack::single(
+            NatsServer::start_provisioned(Region::Eu).await,
+            SimProvider::start_with(opts.eu_provider, opts.canaries.clone()).await,
+        );
         let mut layout = opts.layout.clone();
         if let Some(max) = opts.lane_max_messages {
             layout.lane_max_messages = max;
@@ -194,13 +231,13 @@ impl Stack {
         let mut tasks = Vec::new();
         let mut publisher_admin = Vec::new();
         for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
-            let mut pc = PublisherConfig::new(region, rs.nats.url(), tenants.clone());
+            let mut pc = PublisherConfig::new(region, rs.url(), tenants.clone());
             pc.delivery_backoff_base = Duration::from_millis(100);
             pc.delivery_backoff_cap = Duration::from_secs(1);
             pc.shutdown_grace = Duration::from_secs(2);
             pc.lease = opts.publish_lease;
             pc.admin_addr = "127.0.0.1:0".parse().expect("addr");
-            pc.layout = layout.clone();
+            pc.layout = reviewlane_shared::layout::LayoutConfig { replicas: rs.replicas, ..layout.clone() };
             let p = reviewlane_publisher::build(pc).await.expect("publisher builds");
             publisher_admin.push((region, p.admin_addr()));
             let s = stop.clone();
@@ -222,7 +259,7 @@ impl Stack {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
             admin_addr: "127.0.0.1:0".parse().expect("addr"),
             tenants: tenants.clone(),
-            nats_urls: [(Region::Us, us.nats.url().to_string()), (Region::Eu, eu.nats.url().to_string())].into(),
+            nats_urls: [(Region::Us, us.url()), (Region::Eu, eu.url())].into(),
             max_diff_bytes: opts.max_diff_bytes,
             shutdown_grace: Duration::from_secs(2),
             telemetry: Default::default(),
@@ -282,7 +319,7 @@ impl Stack {
         let rs = self.region(region);
         let mut xc = ExtractorConfig::new(
             region,
-            rs.nats.url(),
+            rs.url(),
             self.tenants.clone(),
             ProviderConfig::OpenAi {
                 base_url: rs.provider.base_url(),
@@ -293,7 +330,7 @@ impl Stack {
             },
         );
         xc.lease = self.opts.lease;
-        xc.layout = self.opts.layout.clone();
+        xc.layout = reviewlane_shared::layout::LayoutConfig { replicas: rs.replicas, ..self.opts.layout.clone() };
         xc.concurrency = self.opts.concurrency;
         xc.key_limit = self.opts.key_limit;
         xc.heartbeat = self.opts.heartbeat;

@@ -146,6 +146,12 @@ impl NatsClientConfig {
     }
 }
 
+/// The servers of `url`: one URL, or several comma-separated (a cluster's nodes; the
+/// client reconnects to another when one goes away).
+pub fn server_addrs(url: &str) -> std::io::Result<Vec<async_nats::ServerAddr>> {
+    url.split(',').map(|u| u.trim().parse::<async_nats::ServerAddr>()).collect()
+}
+
 /// Whether any of the URLs (comma-separated) carries a user, password or token.
 pub fn has_credentials(url: &str) -> bool {
     url.split(',').any(|u| u.split_once("://").map_or(u, |(_, r)| r).contains('@'))

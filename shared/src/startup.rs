@@ -84,7 +84,9 @@ pub async fn connect_region(
     let shown = redact(url);
     let options =
         client_cfg.options(name).await.map_err(|e| StartError::Other(anyhow::anyhow!("NATS credentials: {e}")))?;
-    let client = options.connect(url).await.map_err(|source| match source.kind() {
+    let addrs = crate::nats_client::server_addrs(url)
+        .map_err(|e| StartError::Other(anyhow::anyhow!("NATS URL {shown} does not parse: {e}")))?;
+    let client = options.connect(addrs).await.map_err(|source| match source.kind() {
         async_nats::ConnectErrorKind::AuthorizationViolation
         | async_nats::ConnectErrorKind::Authentication
         | async_nats::ConnectErrorKind::Tls => StartError::Auth { url: shown.clone(), source },

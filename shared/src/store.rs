@@ -58,7 +58,11 @@ impl StoreError {
             K::TimedOut => StoreError::Timeout(e.into()),
             K::BrokenPipe | K::MaxAckPending => StoreError::Unavailable(e.into()),
             K::MaxPayloadExceeded => StoreError::TooLarge { size: 0, limit: 0 },
-            K::StreamNotFound | K::WrongLastMessageId | K::WrongLastSequence => StoreError::Refused(e.into()),
+            // "No stream for the subject" is how a publish meets no responders: on a
+            // cluster, a stream between leaders during a failover. Retried within the
+            // (bounded) store budget; a stream that is really missing still ends there.
+            K::StreamNotFound => StoreError::Unavailable(e.into()),
+            K::WrongLastMessageId | K::WrongLastSequence => StoreError::Refused(e.into()),
             K::Other => match jetstream_code(&e) {
                 Some(c) if is_limit(c) => StoreError::Refused(e.into()),
                 Some(jetstream::ErrorCode::STREAM_NOT_FOUND) => StoreError::Refused(e.into()),
@@ -156,9 +160,123 @@ mod tests {
         assert_eq!(StoreError::publish(timed_out).kind(), "timeout");
         let too_big = context::PublishError::new(context::PublishErrorKind::MaxPayloadExceeded);
         assert_eq!(StoreError::publish(too_big).kind(), "too_large");
-        let gone = context::PublishError::new(context::PublishErrorKind::StreamNotFound);
-        assert_eq!(StoreError::publish(gone).kind(), "refused");
+        // No responders: a stream between leaders in a failover, retried (bounded).
+        let leaderless = context::PublishError::new(context::PublishErrorKind::StreamNotFound);
+        assert_eq!(StoreError::publish(leaderless).kind(), "unavailable");
         let pipe = context::PublishError::new(context::PublishErrorKind::BrokenPipe);
         assert_eq!(StoreError::publish(pipe).kind(), "unavailable");
+    }
+}
+
+/// Retries of one store write that must not be lost because work was already done for
+/// it (a paid answer kept, a delivery made): a bounded number, with backoff. The
+/// default (12 tries, 100 ms doubling to 4 s, about 26 s in all) outlasts a JetStream
+/// cluster's failover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreRetry {
+    /// Tries in all (the first included).
+    pub tries: u32,
+    pub base: std::time::Duration,
+    pub cap: std::time::Duration,
+}
+
+impl Default for StoreRetry {
+    fn default() -> Self {
+        StoreRetry { tries: 12, base: std::time::Duration::from_millis(100), cap: std::time::Duration::from_secs(4) }
+    }
+}
+
+impl StoreRetry {
+    /// Reads `REVIEWLANE_STORE_RETRIES`, `REVIEWLANE_STORE_BACKOFF_BASE_MS` and
+    /// `REVIEWLANE_STORE_BACKOFF_CAP_MS`.
+    pub fn from_reader(r: &mut crate::config::Reader<'_>) -> StoreRetry {
+        let d = StoreRetry::default();
+        let ms = |v: std::time::Duration| v.as_millis() as u64;
+        let s = StoreRetry {
+            tries: r.or("REVIEWLANE_STORE_RETRIES", d.tries, "a count"),
+            base: std::time::Duration::from_millis(r.or(
+                "REVIEWLANE_STORE_BACKOFF_BASE_MS",
+                ms(d.base),
+                "milliseconds",
+            )),
+            cap: std::time::Duration::from_millis(r.or("REVIEWLANE_STORE_BACKOFF_CAP_MS", ms(d.cap), "milliseconds")),
+        };
+        if s.tries == 0 {
+            r.error("REVIEWLANE_STORE_RETRIES must be positive");
+        }
+        s
+    }
+
+    /// Delay after failed try `attempt` (1-based): base doubling, capped.
+    pub fn delay(&self, attempt: u32) -> std::time::Duration {
+        self.base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20)).min(self.cap)
+    }
+
+    /// Runs `write`, retrying retryable failures within the budget; `between` runs
+    /// before each wait (to keep a lease alive, count the retry).
+    pub async fn run<T, F, Fut, B, BFut>(&self, mut write: F, mut between: B) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+        B: FnMut(&StoreError, u32, std::time::Duration) -> BFut,
+        BFut: Future<Output = ()>,
+    {
+        let mut attempt = 1;
+        loop {
+            match write().await {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_retryable() && attempt < self.tries => {
+                    let delay = self.delay(attempt);
+                    between(&e, attempt, delay).await;
+                    tokio::time::sleep(delay).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_default_budget_outlasts_a_cluster_failover_and_is_bounded() {
+        let r = StoreRetry::default();
+        let total: Duration = (1..r.tries).map(|a| r.delay(a)).sum();
+        assert!(total >= Duration::from_secs(20) && total <= Duration::from_secs(30), "{total:?}");
+        assert_eq!(r.delay(1), Duration::from_millis(100));
+        assert_eq!(r.delay(40), r.cap);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_only_retryable_failures_and_stops_at_the_budget() {
+        let r = StoreRetry { tries: 3, base: Duration::from_millis(10), cap: Duration::from_millis(10) };
+        let mut calls = 0;
+        let res: Result<(), _> = r
+            .run(
+                || {
+                    calls += 1;
+                    async { Err(StoreError::Conflict) }
+                },
+                |_: &StoreError, _, _| async {},
+            )
+            .await;
+        assert!(matches!(res, Err(StoreError::Conflict)));
+        assert_eq!(calls, 3);
+        let mut calls = 0;
+        let res: Result<(), _> = r
+            .run(
+                || {
+                    calls += 1;
+                    async { Err(StoreError::Corrupt) }
+                },
+                |_: &StoreError, _, _| async {},
+            )
+            .await;
+        assert!(matches!(res, Err(StoreError::Corrupt)));
+        assert_eq!(calls, 1, "not retryable: one try");
     }
 }

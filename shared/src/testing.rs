@@ -120,6 +120,51 @@ impl Drop for NatsServer {
     }
 }
 
+/// Three nats-servers on loopback forming one JetStream cluster (`server_name` n0..n2,
+/// routes between them), each with its own store; stopped when dropped.
+pub struct NatsCluster {
+    pub nodes: Vec<NatsServer>,
+}
+
+impl NatsCluster {
+    /// Starts three nodes and waits (at most 30 s) until JetStream answers on the
+    /// cluster, i.e. a meta leader is elected.
+    pub async fn start() -> NatsCluster {
+        let route_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let routes =
+            route_ports.iter().map(|p| format!("\"nats-route://127.0.0.1:{p}\"")).collect::<Vec<_>>().join(", ");
+        let nodes = (0..3)
+            .map(|i| {
+                NatsServer::start_with(&format!(
+                    "server_name: n{i}\ncluster {{ name: reviewlane, listen: 127.0.0.1:{}, routes: [{routes}] }}",
+                    route_ports[i]
+                ))
+            })
+            .collect();
+        let cluster = NatsCluster { nodes };
+        let addrs = crate::nats_client::server_addrs(&cluster.url()).expect("cluster URLs");
+        let client = async_nats::connect(addrs).await.expect("connect to the cluster");
+        let js = async_nats::jetstream::new(client);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while js.query_account().await.is_err() {
+            assert!(Instant::now() < deadline, "the JetStream cluster elected no meta leader in 30 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        cluster
+    }
+
+    /// Every node's URL, comma-separated, as services take a cluster.
+    pub fn url(&self) -> String {
+        self.nodes.iter().map(|n| n.url()).collect::<Vec<_>>().join(",")
+    }
+}
+
+/// A port free on 127.0.0.1 right now (for a route port, which must be known before
+/// the servers that name it start).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
 /// Everything the process's telemetry emitted: JSON log lines and finished spans. One
 /// per test process (the subscriber is global); tests filter by job id.
 pub struct Captured {

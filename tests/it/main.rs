@@ -4,6 +4,7 @@
 mod admin;
 mod auth;
 mod chaos;
+mod cluster;
 mod compose;
 mod delivery;
 mod faults;

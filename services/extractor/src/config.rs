@@ -28,8 +28,8 @@
 //! | `REVIEWLANE_BATCH_BACKOFF_BASE_MS` / `REVIEWLANE_BATCH_BACKOFF_CAP_SECS` | as above | the batch lane's own |
 //! | `REVIEWLANE_HINT_CEILING_SECS` | `300` | longest provider retry hint honoured |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
-//! | `REVIEWLANE_STORE_RETRIES` | `8` | tries of one store write after a paid answer (never the call) |
-//! | `REVIEWLANE_STORE_BACKOFF_BASE_MS` / `REVIEWLANE_STORE_BACKOFF_CAP_MS` | `100` / `2000` | backoff between those tries |
+//! | `REVIEWLANE_STORE_RETRIES` | `12` | tries of one store write after a paid answer (never the call) |
+//! | `REVIEWLANE_STORE_BACKOFF_BASE_MS` / `REVIEWLANE_STORE_BACKOFF_CAP_MS` | `100` / `4000` | backoff between those tries (about 26 s in all: longer than a JetStream cluster's failover) |
 //! | `REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES` | `4194304` | provider response body read at most; a longer answer is invalid output |
 //! | `REVIEWLANE_RESULT_INLINE_MAX_BYTES` | the server's message limit | results larger than this go whole to the `FINDINGS_<R>` object store |
 //! | `REVIEWLANE_QUARANTINE_RAW_MAX_BYTES` | `4096` | raw item kept with a quarantined finding; longer ones are cut (digest and length kept) |
@@ -43,6 +43,7 @@ use std::sync::Arc;
 
 use reviewlane_shared::config::{ConfigErrors, Env, Reader};
 use reviewlane_shared::schema_dialect::SchemaDialect;
+use reviewlane_shared::store::StoreRetry;
 use reviewlane_shared::tenants::Tenants;
 use secrecy::SecretString;
 
@@ -70,29 +71,6 @@ pub struct Budgets {
 impl Default for Budgets {
     fn default() -> Self {
         Budgets { congestion: 5, transient: 3, schema: 2 }
-    }
-}
-
-/// Retries of one store write once an answer is paid for: a few, quickly, with the
-/// lease kept alive; the provider is never called again for an answer already received.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StoreRetry {
-    /// Tries in all (the first included).
-    pub tries: u32,
-    pub base: Duration,
-    pub cap: Duration,
-}
-
-impl Default for StoreRetry {
-    fn default() -> Self {
-        StoreRetry { tries: 8, base: Duration::from_millis(100), cap: Duration::from_secs(2) }
-    }
-}
-
-impl StoreRetry {
-    /// Delay after failed try `attempt` (1-based): base doubling, capped.
-    pub fn delay(&self, attempt: u32) -> Duration {
-        self.base.saturating_mul(1u32 << attempt.saturating_sub(1).min(20)).min(self.cap)
     }
 }
 
@@ -296,14 +274,7 @@ impl ExtractorConfig {
                 true
             }
         };
-        let store_retry = StoreRetry {
-            tries: r.or("REVIEWLANE_STORE_RETRIES", d.store_retry.tries, "a count"),
-            base: Duration::from_millis(r.or("REVIEWLANE_STORE_BACKOFF_BASE_MS", 100, "milliseconds")),
-            cap: Duration::from_millis(r.or("REVIEWLANE_STORE_BACKOFF_CAP_MS", 2000, "milliseconds")),
-        };
-        if store_retry.tries == 0 {
-            r.error("REVIEWLANE_STORE_RETRIES must be positive");
-        }
+        let store_retry = StoreRetry::from_reader(&mut r);
         let quarantine_raw_max: usize = r.or("REVIEWLANE_QUARANTINE_RAW_MAX_BYTES", 4096, "bytes");
         let max_response_bytes: usize = r.or("REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES", d.max_response_bytes, "bytes");
         let result_inline_max: Option<usize> = r.optional("REVIEWLANE_RESULT_INLINE_MAX_BYTES", "bytes");

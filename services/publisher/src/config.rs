@@ -41,6 +41,8 @@ pub struct PublisherConfig {
     pub layout: reviewlane_shared::layout::LayoutConfig,
     /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
     pub nats: reviewlane_shared::nats_client::NatsClientConfig,
+    /// Retries of the writes that record a delivery made (`REVIEWLANE_STORE_*`).
+    pub store_retry: reviewlane_shared::store::StoreRetry,
 }
 
 impl PublisherConfig {
@@ -61,6 +63,7 @@ impl PublisherConfig {
             telemetry: Default::default(),
             layout: Default::default(),
             nats: Default::default(),
+            store_retry: Default::default(),
         }
     }
 
@@ -92,6 +95,7 @@ impl PublisherConfig {
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
         let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
+        let store_retry = reviewlane_shared::store::StoreRetry::from_reader(&mut r);
         r.finish()?;
         Ok(PublisherConfig {
             region: region.expect("checked"),
@@ -108,6 +112,7 @@ impl PublisherConfig {
             telemetry,
             layout,
             nats,
+            store_retry,
             ..d
         })
     }

@@ -58,6 +58,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         delivery_attempts: config.delivery_attempts,
         backoff_base: config.delivery_backoff_base,
         backoff_cap: config.delivery_backoff_cap,
+        store_retry: config.store_retry,
     });
     Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, consumer, config })
 }

@@ -56,6 +56,8 @@ pub struct Worker {
     pub backoff_cap: Duration,
     pub metrics: Metrics,
     pub results: reviewlane_shared::results::Results,
+    /// Retries of the writes that record a delivery already made.
+    pub store_retry: reviewlane_shared::store::StoreRetry,
 }
 
 /// How long to wait for the extractor's `validated` write that follows its keep.
@@ -228,8 +230,22 @@ impl Worker {
         };
         match outcome {
             SinkOutcome::Delivered => {
-                self.claims.settle(id, &claim, PublicationState::Published).await?;
-                self.mark_job(id, &Event::Published).await?;
+                // The sink has it: recording that must not fail over a store hiccup (a
+                // cluster failover), or the message comes back and is delivered again.
+                // The writes are retried within the store budget, the claim kept alive.
+                let retry = |e: &StoreError, attempt: u32, delay: Duration| {
+                    tracing::warn!(
+                        kind = e.kind(),
+                        attempt,
+                        delay_ms = delay.as_millis() as u64,
+                        "recording a delivery failed; retrying"
+                    );
+                    async {
+                        let _ = msg.ack_with(AckKind::Progress).await;
+                    }
+                };
+                self.store_retry.run(|| self.claims.settle(id, &claim, PublicationState::Published), retry).await?;
+                self.store_retry.run(|| self.mark_job(id, &Event::Published), retry).await?;
                 settle(msg, AckKind::Ack).await;
                 self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
                 tracing::info!(

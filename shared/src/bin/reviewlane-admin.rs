@@ -68,7 +68,14 @@ async fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG as u8);
         }
     };
-    let client = match options.connect(&url).await {
+    let addrs = match reviewlane_shared::nats_client::server_addrs(&url) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("reviewlane-admin: the NATS URL does not parse: {e}");
+            return ExitCode::from(EXIT_CONFIG as u8);
+        }
+    };
+    let client = match options.connect(addrs).await {
         Ok(c) => c,
         Err(e) if e.kind() == async_nats::ConnectErrorKind::AuthorizationViolation => {
             eprintln!("reviewlane-admin: the NATS server at {} refused the credentials: {e}", redact(&url));

@@ -114,32 +114,27 @@ impl Worker {
         &self,
         job: &Job<'_>,
         what: &'static str,
-        mut write: F,
+        write: F,
     ) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
     {
-        let mut attempt = 1;
-        loop {
-            match write().await {
-                Ok(v) => return Ok(v),
-                Err(e) if e.is_retryable() && attempt < self.store_retry.tries => {
-                    let delay = self.store_retry.delay(attempt);
-                    tracing::warn!(
-                        what,
-                        kind = e.kind(),
-                        attempt,
-                        delay_ms = delay.as_millis() as u64,
-                        "store write failed; retrying the write"
-                    );
-                    self.metrics.store_retry(e.kind());
+        self.store_retry
+            .run(write, |e: &StoreError, attempt, delay: std::time::Duration| {
+                tracing::warn!(
+                    what,
+                    kind = e.kind(),
+                    attempt,
+                    delay_ms = delay.as_millis() as u64,
+                    "store write failed; retrying the write"
+                );
+                self.metrics.store_retry(e.kind());
+                // The lease stays alive meanwhile.
+                async {
                     let _ = job.msg.ack_with(AckKind::Progress).await;
-                    tokio::time::sleep(delay).await;
-                    attempt += 1;
                 }
-                Err(e) => return Err(e),
-            }
-        }
+            })
+            .await
     }
 }

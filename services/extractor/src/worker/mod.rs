@@ -31,12 +31,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
-use crate::config::{Budgets, StoreRetry};
+use crate::config::Budgets;
 use crate::metrics::Metrics;
 use crate::provider::Provider;
 use crate::quota::{Quota, Scope};
 use crate::schedule::Admitted;
 use crate::upstream::{Backoff, UpstreamOutcome};
+use reviewlane_shared::store::StoreRetry;
 
 pub use call::Answer;
 pub use settle::{Decision, Outcome};
