@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: installs nats-server 2.10+ and promtool if missing, checks
+# The whole test suite: installs nats-server 2.10+, promtool, kubectl, checkov and
+# kubernetes-validate if missing, checks
 # formatting and lints, checks and unit-tests the Prometheus alert rules, then runs
 # every unit and integration test (real nats-server processes on free loopback ports;
 # never 4222).
@@ -14,5 +15,7 @@ fi
 promtool="$(bash scripts/install-promtool.sh | tail -n1)"
 "$promtool" check rules k8s/alerts/reviewlane-rules.yaml
 "$promtool" test rules k8s/alerts/reviewlane-rules.test.yaml
+# Offline Kubernetes checks (tests/it/kubernetes.rs) find their tools here.
+export REVIEWLANE_K8S_TOOLS="$(bash scripts/install-k8s-tools.sh | tail -n1)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked "$@"

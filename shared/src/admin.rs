@@ -98,3 +98,27 @@ async fn handle(
         .body(Full::new(Bytes::from(body)))
         .expect("response builds"))
 }
+
+/// `reviewlane_nats_connected{region}`: 1 while this service's connection to the
+/// region's NATS is up, 0 while it is not; read from the client at each scrape.
+#[derive(Debug)]
+pub struct NatsConnected(pub Vec<(crate::region::Region, async_nats::Client)>);
+
+impl prometheus_client::collector::Collector for NatsConnected {
+    fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let mut family = encoder.encode_descriptor(
+            "reviewlane_nats_connected",
+            "1 while the connection to the region's NATS is up",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (region, client) in &self.0 {
+            let up = client.connection_state() == async_nats::connection::State::Connected;
+            let labels = [("region", region.as_str())];
+            ConstGauge::new(i64::from(up)).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}

@@ -124,6 +124,12 @@ async fn health_and_readiness_follow_the_nats_connection() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(!ready(stack.ingress_admin).await);
+    let connected = |page: String| metric_sum(&page, "reviewlane_nats_connected{region=\"us\"}");
+    assert_eq!(connected(http_get(stack.ingress_admin, "/metrics").await), 0.0);
+    assert_eq!(
+        metric_sum(&http_get(stack.ingress_admin, "/metrics").await, "reviewlane_nats_connected{region=\"eu\"}"),
+        1.0
+    );
 
     // Back on the same port: the ingress reconnects by itself and serves again.
     stack.us.nats.restart();
@@ -132,6 +138,7 @@ async fn health_and_readiness_follow_the_nats_connection() {
         assert!(tokio::time::Instant::now() < deadline, "not SERVING again after the US NATS came back");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert_eq!(connected(http_get(stack.ingress_admin, "/metrics").await), 1.0);
     stack.shutdown().await;
 }
 

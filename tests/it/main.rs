@@ -12,6 +12,7 @@ mod fencing;
 mod harness;
 mod idempotency;
 mod invalid_argument;
+mod kubernetes;
 mod lifecycle;
 mod manual;
 mod nats_auth;

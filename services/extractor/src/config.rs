@@ -17,7 +17,7 @@
 //! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin` or `openai` (any OpenAI-compatible API) |
 //! | `REVIEWLANE_OPENAI_BASE_URL` | for `openai` | e.g. `https://api.openai.com/v1` |
 //! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
-//! | `REVIEWLANE_OPENAI_API_KEY` | optional | bearer key (kept secret) |
+//! | `REVIEWLANE_OPENAI_API_KEY_FILE` (or `REVIEWLANE_OPENAI_API_KEY`) | optional | bearer key, from a file (a mounted Secret) or the variable (kept secret) |
 //! | `REVIEWLANE_PROVIDER_REGION` | for `openai` | region the endpoint is bound to; must equal `REVIEWLANE_REGION` |
 //! | `REVIEWLANE_OPENAI_SCHEMA_DIALECT` | `portable` | the JSON Schema subset the endpoint's structured outputs accept: `portable` (structure only, any provider), `openai`, `openai-fine-tuned`, `anthropic`, `full`; the answer is always checked against the full schema |
 //! | `REVIEWLANE_CONCURRENCY` | `8` | provider calls in flight in this process |
@@ -199,7 +199,17 @@ impl ExtractorConfig {
                 let model: Option<String> = r.required("REVIEWLANE_OPENAI_MODEL", "model name");
                 let endpoint_region: Option<Region> =
                     r.required("REVIEWLANE_PROVIDER_REGION", "`us` or `eu`: where the endpoint processes data");
-                let api_key = r.raw("REVIEWLANE_OPENAI_API_KEY").map(SecretString::from);
+                // As a file (a mounted Secret) or a variable.
+                let api_key = match r.raw("REVIEWLANE_OPENAI_API_KEY_FILE") {
+                    Some(path) => match std::fs::read_to_string(&path) {
+                        Ok(k) => Some(SecretString::from(k.trim().to_string())),
+                        Err(_) => {
+                            r.error("REVIEWLANE_OPENAI_API_KEY_FILE names a file that cannot be read");
+                            None
+                        }
+                    },
+                    None => r.raw("REVIEWLANE_OPENAI_API_KEY").map(SecretString::from),
+                };
                 let schema_dialect = match r.raw("REVIEWLANE_OPENAI_SCHEMA_DIALECT") {
                     None => SchemaDialect::default(),
                     Some(v) => v.parse().unwrap_or_else(|()| {

@@ -109,6 +109,10 @@ pub async fn build_with_provider(
     }
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry, config.region);
+    registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(vec![(
+        config.region,
+        conn.client.clone(),
+    )])));
     for (lane, window) in Lane::ALL.into_iter().zip(config.lane_windows) {
         metrics.slo(lane, window);
     }

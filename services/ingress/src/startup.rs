@@ -77,6 +77,8 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     }
     let mut registry = Registry::default();
     let metrics = crate::rpc::Metrics::register(&mut registry);
+    let connections = config.nats_urls.keys().copied().zip(clients.iter().cloned()).collect();
+    registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(connections)));
     let api = ReviewApi::new(
         regions,
         config.max_diff_bytes,

@@ -39,6 +39,10 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
     let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let mut registry = Registry::default();
     let metrics = crate::metrics::Metrics::register(&mut registry, config.region, config.lane_windows);
+    registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(vec![(
+        config.region,
+        conn.client.clone(),
+    )])));
     let worker = Arc::new(Worker {
         metrics,
         region: config.region,
