@@ -294,3 +294,30 @@ async fn the_grpc_listener_serves_tls_and_can_require_client_certificates() {
     assert!(plain_refused, "served plaintext on a TLS listener");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_development_certificate_serves_tls() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    // What compose mounts (deploy/tls/): a caller trusting dev.crt reaches the ingress.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tls");
+    let tls = reviewlane_ingress::config::GrpcTls {
+        cert_file: dir.join("dev.crt"),
+        key_file: dir.join("dev.key"),
+        client_ca_file: None,
+    };
+    let stack = Stack::start_with(StackOptions { grpc_tls: Some(tls), extractors: 0, ..Default::default() }).await;
+    let ca = std::fs::read_to_string(dir.join("dev.crt")).unwrap();
+    let config = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name("localhost");
+    let channel = Endpoint::from_shared(format!("https://{}", stack.ingress))
+        .unwrap()
+        .tls_config(config)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = reviewlane_shared::proto::review_service_client::ReviewServiceClient::new(channel);
+    let review =
+        client.submit_review(submit_req(US_KEY, "dev-cert", &sample_diff("d"))).await.expect("served over TLS");
+    assert!(!review.into_inner().review.unwrap().job_id.is_empty());
+    stack.shutdown().await;
+}
