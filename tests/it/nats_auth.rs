@@ -144,3 +144,89 @@ async fn mutual_tls_with_a_ca_file_and_a_client_certificate() {
     let err = res.expect_err("refused without a client certificate");
     assert!(matches!(err, StartError::Auth { .. } | StartError::Connect { .. }), "{err}");
 }
+
+/// Decentralised JWT auth: an operator, an account with JetStream, a user, signed with
+/// NKeys the way `nsc` does it; the server trusts the operator and knows the account.
+mod jwt {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+    use serde_json::json;
+
+    fn encode(claims: serde_json::Value, issuer: &nkeys::KeyPair) -> String {
+        let header = B64.encode(json!({"typ": "JWT", "alg": "ed25519-nkey"}).to_string());
+        let body = B64.encode(claims.to_string());
+        let signing_input = format!("{header}.{body}");
+        let sig = B64.encode(issuer.sign(signing_input.as_bytes()).unwrap());
+        format!("{signing_input}.{sig}")
+    }
+
+    fn claims(iss: &nkeys::KeyPair, sub: &str, name: &str, nats: serde_json::Value) -> serde_json::Value {
+        let iat = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        json!({"jti": format!("{name}{iat}").to_uppercase(), "iat": iat, "iss": iss.public_key(), "name": name, "sub": sub, "nats": nats})
+    }
+
+    /// (server configuration, .creds file content, the user's seed).
+    pub fn setup() -> (String, String, String) {
+        let operator = nkeys::KeyPair::new_operator();
+        let account = nkeys::KeyPair::new_account();
+        let system = nkeys::KeyPair::new_account();
+        let user = nkeys::KeyPair::new_user();
+        let op_jwt = encode(
+            claims(&operator, &operator.public_key(), "op", json!({"type": "operator", "version": 2})),
+            &operator,
+        );
+        let limits = json!({"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": true,
+            "conn": -1, "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1});
+        let acc_jwt = encode(
+            claims(&operator, &account.public_key(), "app", json!({"limits": limits, "type": "account", "version": 2})),
+            &operator,
+        );
+        let sys_jwt = encode(
+            claims(
+                &operator,
+                &system.public_key(),
+                "sys",
+                json!({"limits": {"subs": -1, "data": -1, "payload": -1, "conn": -1}, "type": "account", "version": 2}),
+            ),
+            &operator,
+        );
+        let user_jwt = encode(
+            claims(
+                &account,
+                &user.public_key(),
+                "svc",
+                json!({"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2}),
+            ),
+            &account,
+        );
+        let conf = format!(
+            "operator: {op_jwt}\nsystem_account: {sys}\nresolver: MEMORY\nresolver_preload: {{\n  {acc}: {acc_jwt}\n  {sys}: {sys_jwt}\n}}\n",
+            sys = system.public_key(),
+            acc = account.public_key(),
+        );
+        let seed = user.seed().unwrap();
+        let creds = format!(
+            "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        );
+        (conf, creds, seed)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_creds_file_logs_in_to_an_operator_mode_server() {
+    let (conf, creds, _) = jwt::setup();
+    let nats = NatsServer::start_with(&conf);
+    let url = nats.url().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let creds_file = write(dir.path(), "svc.creds", &creds);
+    let cfg = client_config(&[("REVIEWLANE_NATS_CREDS_FILE", creds_file)]);
+    provision(&url, cfg.options("provision").await.unwrap()).await;
+    start_publisher(&url, cfg).await.expect("creds login");
+    // Another operator's user is refused.
+    let (_, other, other_seed) = jwt::setup();
+    let other_file = write(dir.path(), "other.creds", &other);
+    assert_refused(
+        start_publisher(&url, client_config(&[("REVIEWLANE_NATS_CREDS_FILE", other_file)])).await,
+        &[&other_seed],
+    );
+}
