@@ -73,5 +73,6 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
         quarantined_count: rec.quarantined_count,
         created_at: Some(timestamp(rec.created_at_ms)),
         updated_at: Some(timestamp(rec.updated_at_ms)),
+        deadline: rec.deadline_ms.map(timestamp),
     }
 }

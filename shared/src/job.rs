@@ -188,6 +188,10 @@ pub struct JobRecord {
     pub quarantined_count: u32,
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+    /// When the job is useless to its caller: not published by then, it ends
+    /// `deadline_exceeded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
 }
 
 /// What happened to a job. Events of a running job name the lease generation they
@@ -284,6 +288,7 @@ impl JobRecord {
             quarantined_count: 0,
             created_at_ms: now_ms,
             updated_at_ms: now_ms,
+            deadline_ms: None,
         }
     }
 }

@@ -41,6 +41,9 @@ pub struct ReviewMessage {
     /// sha256 over everything the request asked for (see `JobRecord::request_digest`).
     #[serde(default)]
     pub request_digest: String,
+    /// The job's deadline (see `JobRecord::deadline_ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
 }
 
 impl ReviewMessage {
@@ -55,7 +58,7 @@ impl ReviewMessage {
 
     /// The job record this message stands for, as the ingress creates it.
     pub fn record(&self) -> JobRecord {
-        JobRecord::waiting(
+        let mut rec = JobRecord::waiting(
             self.job_id.clone(),
             self.tenant.clone(),
             self.region,
@@ -65,7 +68,9 @@ impl ReviewMessage {
             self.request_digest.clone(),
             self.review_depth,
             self.submitted_at_ms,
-        )
+        );
+        rec.deadline_ms = self.deadline_ms;
+        rec
     }
 }
 

@@ -6,6 +6,7 @@ mod auth;
 mod chaos;
 mod cluster;
 mod compose;
+mod deadlines;
 mod delivery;
 mod faults;
 mod fencing;

@@ -225,7 +225,12 @@ async fn kill_9_mid_call_is_redelivered_after_the_lease_and_published_once() {
 /// service up to 3 s predicted; admission sampled every 100 ms.
 async fn slow_lane() -> Stack {
     use reviewlane_ingress::admission::LanePolicy;
-    let policy = LanePolicy { window: Duration::from_secs(1), degrade_factor: 3.0, min_waiting: 2 };
+    let policy = LanePolicy {
+        window: Duration::from_secs(1),
+        degrade_factor: 3.0,
+        min_waiting: 2,
+        deadline: Duration::from_secs(600),
+    };
     Stack::start_with(StackOptions {
         extractor_concurrency: 1,
         us_provider: SimConfig { latency: Duration::from_millis(400), ..Default::default() },

@@ -23,6 +23,21 @@ pub struct LanePolicy {
     pub degrade_factor: f64,
     /// Below this many waiting reviews, accept without a prediction (cold start).
     pub min_waiting: u64,
+    /// A review's deadline when its submit sets none.
+    pub deadline: Duration,
+}
+
+/// The age a review submitted now is predicted to reach before it is served: the
+/// reviews waiting ahead of it over the lane's recent throughput (none waiting: zero; a
+/// lane that serves nothing: never).
+pub fn predicted_wait(waiting: u64, per_sec: Option<f64>) -> Duration {
+    if waiting == 0 {
+        return Duration::ZERO;
+    }
+    match per_sec {
+        Some(r) if r > 0.0 => Duration::from_secs_f64((waiting as f64 / r).min(1e9)),
+        _ => Duration::MAX,
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -203,7 +218,20 @@ impl Sampler {
 mod tests {
     use super::*;
 
-    const P: LanePolicy = LanePolicy { window: Duration::from_secs(10), degrade_factor: 2.0, min_waiting: 4 };
+    const P: LanePolicy = LanePolicy {
+        window: Duration::from_secs(10),
+        degrade_factor: 2.0,
+        min_waiting: 4,
+        deadline: Duration::from_secs(60),
+    };
+
+    #[test]
+    fn the_predicted_wait_is_the_backlog_over_the_throughput() {
+        assert_eq!(predicted_wait(0, None), Duration::ZERO);
+        assert_eq!(predicted_wait(30, Some(10.0)), Duration::from_secs(3));
+        assert_eq!(predicted_wait(5, Some(0.0)), Duration::MAX);
+        assert_eq!(predicted_wait(5, None), Duration::MAX);
+    }
 
     #[test]
     fn accept_degrade_refuse_by_predicted_age() {

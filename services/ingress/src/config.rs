@@ -13,6 +13,7 @@
 //! | `REVIEWLANE_LOG_FORMAT` | `text` | `json` for one JSON object a line |
 //! | `OTEL_EXPORTER_OTLP_ENDPOINT` | unset | OTLP/gRPC collector for traces; no export when unset |
 //! | `REVIEWLANE_INTERACTIVE_WINDOW_SECS` / `REVIEWLANE_BATCH_WINDOW_SECS` | `60` / `3600` | admission window per lane |
+//! | `REVIEWLANE_INTERACTIVE_DEADLINE_SECS` / `REVIEWLANE_BATCH_DEADLINE_SECS` | `900` / `86400` | a review's deadline when its submit sets none |
 //! | `REVIEWLANE_DEGRADE_FACTOR` | `2` | predicted age up to window x this: accepted at depth `changed_hunks` |
 //! | `REVIEWLANE_ADMISSION_MIN_WAITING` | `16` | below this many waiting, accept without predicting |
 //! | `REVIEWLANE_ADMISSION_SAMPLE_MS` | `1000` | lane metadata sampling period |
@@ -100,11 +101,22 @@ impl IngressConfig {
         }
     }
 
-    /// Default admission policies: interactive 60 s window, batch 1 h, degrade up to 2x.
+    /// Default admission policies: interactive 60 s window, batch 1 h, degrade up to 2x;
+    /// default deadlines 15 min and 24 h.
     pub fn default_policies() -> (LanePolicy, LanePolicy) {
         (
-            LanePolicy { window: Duration::from_secs(60), degrade_factor: 2.0, min_waiting: 16 },
-            LanePolicy { window: Duration::from_secs(3600), degrade_factor: 2.0, min_waiting: 16 },
+            LanePolicy {
+                window: Duration::from_secs(60),
+                degrade_factor: 2.0,
+                min_waiting: 16,
+                deadline: Duration::from_secs(900),
+            },
+            LanePolicy {
+                window: Duration::from_secs(3600),
+                degrade_factor: 2.0,
+                min_waiting: 16,
+                deadline: Duration::from_secs(86_400),
+            },
         )
     }
 }
@@ -144,6 +156,20 @@ impl IngressConfig {
         for p in [&mut interactive, &mut batch] {
             p.degrade_factor = factor;
             p.min_waiting = min_waiting;
+        }
+        interactive.deadline = Duration::from_secs(r.or(
+            "REVIEWLANE_INTERACTIVE_DEADLINE_SECS",
+            interactive.deadline.as_secs(),
+            "whole seconds",
+        ));
+        batch.deadline =
+            Duration::from_secs(r.or("REVIEWLANE_BATCH_DEADLINE_SECS", batch.deadline.as_secs(), "whole seconds"));
+        for (key, p) in
+            [("REVIEWLANE_INTERACTIVE_DEADLINE_SECS", &interactive), ("REVIEWLANE_BATCH_DEADLINE_SECS", &batch)]
+        {
+            if p.deadline.is_zero() {
+                r.error(format!("{key} must be positive"));
+            }
         }
         let sample_ms: u64 = r.or("REVIEWLANE_ADMISSION_SAMPLE_MS", 1000, "milliseconds");
         let d = ServerLimits::default();

@@ -131,7 +131,9 @@ impl ReviewApi {
 
     /// The tenant's admission on a lane: its own reviews waiting against its weighted
     /// share of the lane's throughput, and its share of the lane's bound.
-    fn admission(&self, tenant: &Tenant, lane: reviewlane_shared::Lane) -> Decision {
+    /// The admission decision for a submit now, and how long its review is predicted to
+    /// wait before it is served.
+    fn admission(&self, tenant: &Tenant, lane: reviewlane_shared::Lane) -> (Decision, Duration) {
         let region = tenant.region;
         let weights = self.weights.get(&region).map(Vec::as_slice).unwrap_or_default();
         let view = self.sampler.tenant(region, lane, &tenant.id, weights);
@@ -152,7 +154,7 @@ impl ReviewApi {
             Decision::Refuse { .. } => "refuse",
         };
         self.metrics.admission(region.as_str(), lane.as_str(), name);
-        d
+        (d, crate::admission::predicted_wait(view.waiting, view.lane_per_sec))
     }
 
     fn region(&self, r: Region) -> Result<&RegionHandle, ApiError> {
@@ -191,6 +193,9 @@ impl ReviewApi {
         let limit = tenant.max_diff_bytes.unwrap_or(self.max_diff_bytes);
         let diff = SubmittedDiff::from_request(&mut req, limit)?;
         diff::parse(&diff.text()).map_err(|e| ApiError::invalid("diff", e.to_string()))?;
+        let submitted_at_ms = now_ms();
+        let lane_deadline = self.policies[usize::from(lane == reviewlane_shared::Lane::Batch)].deadline;
+        let deadline_ms = deadline_of(&req, submitted_at_ms, lane_deadline)?;
         if req.idempotency_key.len() > MAX_IDEMPOTENCY_KEY {
             return Err(ApiError::invalid("idempotency_key", format!("longer than {MAX_IDEMPOTENCY_KEY} bytes")));
         }
@@ -223,7 +228,8 @@ impl ReviewApi {
             metadata.head_revision.as_bytes(),
         ]);
         // Admission on predicted queue age; a retry of a job we hold is answered anyway.
-        let depth = match self.admission(tenant, lane) {
+        let (decision, predicted_wait) = self.admission(tenant, lane);
+        let depth = match decision {
             Decision::Accept => ReviewDepth::Full,
             Decision::Degrade => ReviewDepth::ChangedHunks,
             Decision::Refuse { retry_after } => match handle.jobs.get(&id).await? {
@@ -240,6 +246,7 @@ impl ReviewApi {
             },
         };
         span.record("review_depth", depth.as_str());
+        let late = submitted_at_ms.saturating_add(u64::try_from(predicted_wait.as_millis()).unwrap_or(u64::MAX));
         // The message first, then the record: a crash between the two leaves a message
         // that carries the whole record (the extractor creates it), never a record whose
         // content is gone. A same-key retry publishes again (the lane drops the copy by
@@ -259,9 +266,13 @@ impl ReviewApi {
             input_digest: job_id::sha256_hex(&[diff.bytes()]),
             diff: diff.utf8,
             diff_bytes: diff.raw,
-            submitted_at_ms: now_ms(),
+            submitted_at_ms,
             request_digest,
+            deadline_ms: Some(deadline_ms),
         };
+        if late >= deadline_ms {
+            return self.too_late(handle, &msg).await;
+        }
         enqueue(handle, &msg).await?;
         self.faults.check(point::INGRESS_BEFORE_RECORD)?;
         let rec = match handle.jobs.create(&msg.record()).await? {
@@ -275,6 +286,34 @@ impl ReviewApi {
             Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
         tracing::info!(state = rec.state.as_str(), "review accepted");
+        Ok(api::review(&rec, &[]))
+    }
+
+    /// A review that cannot be served before its deadline (it is past, or the lane's
+    /// predicted wait passes it) ends `deadline_exceeded` at once: its record says so,
+    /// and nothing of its content is kept or sent anywhere.
+    async fn too_late(&self, handle: &RegionHandle, msg: &ReviewMessage) -> Result<proto::Review, ApiError> {
+        let rec = match handle.jobs.create(&msg.record()).await? {
+            Created::New(rec, _) => rec,
+            Created::Exists(existing) if existing.request_digest == msg.request_digest => {
+                return Ok(api::review(&existing, &[]));
+            }
+            Created::Exists(_) => return Err(ApiError::AlreadyExists),
+        };
+        let ended = Event::Terminate {
+            reason: reviewlane_shared::job::TerminalReason::DeadlineExceeded,
+            upstream_status: None,
+            generation: None,
+        };
+        let rec = match handle.jobs.apply(&rec.job_id, &ended).await {
+            Ok(r) => {
+                self.metrics.terminal.inc(r.region, r.lane, reviewlane_shared::job::TerminalReason::DeadlineExceeded);
+                tracing::info!("deadline before the predicted wait ends: ended at admission");
+                r
+            }
+            Err(StoreError::Transition(_, current)) => *current,
+            Err(e) => return Err(e.into()),
+        };
         Ok(api::review(&rec, &[]))
     }
 
@@ -339,6 +378,23 @@ async fn read_findings(handle: &RegionHandle, rec: &JobRecord) -> Result<Vec<Fin
     // The result of the generation the record validated, never a stale holder's.
     let kept = handle.results.read(&rec.tenant, &rec.job_id, rec.generation()).await?;
     Ok(kept.map(|m| m.findings).unwrap_or_default())
+}
+
+/// The deadline a submit asks for (a timestamp, or a timeout from now), else the lane's
+/// default, in ms since the epoch.
+fn deadline_of(req: &SubmitReviewRequest, now_ms: u64, lane_default: Duration) -> Result<u64, ApiError> {
+    match (&req.deadline, &req.timeout) {
+        (Some(_), Some(_)) => Err(ApiError::invalid("deadline", "set one of `deadline` and `timeout`, not both")),
+        (Some(t), None) => {
+            let ms = i128::from(t.seconds) * 1000 + i128::from(t.nanos) / 1_000_000;
+            u64::try_from(ms).map_err(|_| ApiError::invalid("deadline", "before 1970"))
+        }
+        (None, Some(d)) => {
+            let d = Duration::try_from(*d).map_err(|_| ApiError::invalid("timeout", "negative or out of range"))?;
+            Ok(now_ms.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+        }
+        (None, None) => Ok(now_ms.saturating_add(u64::try_from(lane_default.as_millis()).unwrap_or(u64::MAX))),
+    }
 }
 
 /// The diff of a submit, in whichever of the two forms the caller used.

@@ -190,6 +190,10 @@ impl Worker {
         if claim.attempt > self.delivery_attempts {
             return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
         }
+        // Findings after the caller's deadline are of no use to it: not delivered.
+        if rec.deadline_ms.is_some_and(|d| self.claims.clock.now_ms() >= d) {
+            return self.fail(msg, f, &claim, TerminalReason::DeadlineExceeded).await;
+        }
         // From here a cancel no longer applies; one that came first wins.
         match self.jobs.apply(id, &Event::Delivering).await {
             Ok(_) => {}

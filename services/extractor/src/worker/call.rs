@@ -3,7 +3,7 @@
 //! the record's lease — and watched: a cancelled job or a lease taken over ends the
 //! wait for the answer.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
 use reviewlane_shared::findings::Validated;
@@ -33,6 +33,8 @@ pub enum Answer {
     LostLease,
     /// The job ended (cancelled) while the call ran.
     Ended(TerminalReason),
+    /// The job's deadline came during the call: the call was abandoned.
+    DeadlinePassed,
 }
 
 impl Worker {
@@ -119,6 +121,15 @@ impl Worker {
         tokio::pin!(call);
         let mut heartbeat = tokio::time::interval(self.lease / 3);
         heartbeat.tick().await; // the first tick is immediate
+        // A call still running at the job's deadline is abandoned: its answer would be
+        // too late to be of use.
+        let deadline = async {
+            match lease.rec.deadline_ms {
+                Some(at) => tokio::time::sleep(Duration::from_millis(at.saturating_sub(self.clock.now_ms()))).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(deadline);
         loop {
             tokio::select! {
                 res = &mut call => {
@@ -136,6 +147,7 @@ impl Worker {
                         return Ok(Some(Err(Answer::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled)))));
                     }
                 }
+                _ = &mut deadline => return Ok(Some(Err(Answer::DeadlinePassed))),
                 _ = abort.cancelled() => return Ok(None),
             }
         }

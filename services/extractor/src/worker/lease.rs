@@ -76,6 +76,12 @@ impl Worker {
                     let decision = Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: None };
                     return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
                 }
+                // Its deadline passed while it waited (queued or between retries): it ends
+                // without a call.
+                if lease.rec.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) {
+                    let decision = Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None };
+                    return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
+                }
                 Ok(Leased::Held(Box::new(lease)))
             }
             Err(StoreError::Transition(TransitionError::LeaseHeld { until_ms: at }, _))

@@ -212,6 +212,10 @@ impl Worker {
             Answer::Aborted => return Decision::Release(None),
             Answer::LostLease => return Decision::Stale,
             Answer::Ended(reason) => return Decision::Ended(reason),
+            Answer::DeadlinePassed => {
+                tracing::info!("deadline reached during the provider call; call abandoned");
+                return Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None };
+            }
         };
         let status = Some(upstream.status_class().to_string());
         match upstream {

@@ -136,10 +136,17 @@ impl Worker {
                     return Box::pin(self.settle(job, Some(lease), Decision::Terminal { reason, status })).await;
                 }
                 let delay = hint.unwrap_or_else(|| self.backoff(job.review).delay(used + 1, rand::random::<f64>()));
+                let eligible_at_ms = self.clock.now_ms() + delay.as_millis() as u64;
+                // A retry that could only start after the deadline is not scheduled: the
+                // job ends now, without paying for a call that cannot finish in time.
+                if lease.rec.deadline_ms.is_some_and(|d| eligible_at_ms >= d) {
+                    let reason = TerminalReason::DeadlineExceeded;
+                    return Box::pin(self.settle(job, Some(lease), Decision::Terminal { reason, status })).await;
+                }
                 let event = Event::RetryScheduled {
                     generation: lease.generation(),
                     budget,
-                    next_eligible_at_ms: self.clock.now_ms() + delay.as_millis() as u64,
+                    next_eligible_at_ms: eligible_at_ms,
                     upstream_status: status,
                     invalid_output: invalid.map(str::to_string),
                 };
