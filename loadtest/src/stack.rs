@@ -79,6 +79,7 @@ struct ExtractorKnobs {
     interactive_wait_limit: Duration,
     schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
     layout: reviewlane_shared::layout::LayoutConfig,
+    prices: std::collections::HashMap<String, reviewlane_extractor::config::Price>,
 }
 
 pub struct StackOptions {
@@ -89,6 +90,8 @@ pub struct StackOptions {
     pub us_cluster: bool,
     /// TLS for the ingress's gRPC listener.
     pub grpc_tls: Option<reviewlane_ingress::config::GrpcTls>,
+    /// The extractors' price table (`REVIEWLANE_MODEL_PRICES`); the simulated model is `sim`.
+    pub model_prices: std::collections::HashMap<String, reviewlane_extractor::config::Price>,
     /// Sizes and retention of every region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
     /// The schema dialect the extractors send.
@@ -127,6 +130,7 @@ impl Default for StackOptions {
             layout: Default::default(),
             grpc_tls: None,
             us_cluster: false,
+            model_prices: Default::default(),
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
@@ -254,6 +258,7 @@ impl Stack {
             interactive_wait_limit: opts.interactive_wait_limit,
             schema_dialect: opts.schema_dialect,
             layout: layout.clone(),
+            prices: opts.model_prices.clone(),
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -330,6 +335,7 @@ impl Stack {
             },
         );
         xc.lease = self.opts.lease;
+        xc.prices = self.opts.prices.clone();
         xc.layout = reviewlane_shared::layout::LayoutConfig { replicas: rs.replicas, ..self.opts.layout.clone() };
         xc.concurrency = self.opts.concurrency;
         xc.key_limit = self.opts.key_limit;

@@ -74,5 +74,7 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
         created_at: Some(timestamp(rec.created_at_ms)),
         updated_at: Some(timestamp(rec.updated_at_ms)),
         deadline: rec.deadline_ms.map(timestamp),
+        tokens: Some(proto::Tokens { input: rec.tokens.input, output: rec.tokens.output }),
+        estimated_cost_usd: rec.cost_micro_usd as f64 / 1e6,
     }
 }

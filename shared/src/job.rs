@@ -192,6 +192,29 @@ pub struct JobRecord {
     /// `deadline_exceeded`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_ms: Option<u64>,
+    /// Tokens of every paid call of the job, from the provider's usage fields.
+    #[serde(default)]
+    pub tokens: Tokens,
+    /// Estimated cost of those calls in millionths of a US dollar, from the configured
+    /// price of the model (0 when no price is configured).
+    #[serde(default)]
+    pub cost_micro_usd: u64,
+}
+
+/// Input and output tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Tokens {
+    pub input: u64,
+    pub output: u64,
+}
+
+impl JobRecord {
+    /// Adds one call's tokens and their estimated cost.
+    pub fn charge(&mut self, tokens: Tokens, cost_micro_usd: u64) {
+        self.tokens.input = self.tokens.input.saturating_add(tokens.input);
+        self.tokens.output = self.tokens.output.saturating_add(tokens.output);
+        self.cost_micro_usd = self.cost_micro_usd.saturating_add(cost_micro_usd);
+    }
 }
 
 /// What happened to a job. Events of a running job name the lease generation they
@@ -289,6 +312,8 @@ impl JobRecord {
             created_at_ms: now_ms,
             updated_at_ms: now_ms,
             deadline_ms: None,
+            tokens: Tokens::default(),
+            cost_micro_usd: 0,
         }
     }
 }

@@ -136,18 +136,32 @@ impl JobStore {
     pub async fn apply_from(
         &self,
         job_id: &str,
+        known: Option<(JobRecord, u64)>,
+        event: &Event,
+    ) -> Result<JobRecord, StoreError> {
+        self.apply_charging(job_id, known, event, None).await
+    }
+
+    /// `apply_from`, adding a call's tokens and cost to the record in the same write.
+    pub async fn apply_charging(
+        &self,
+        job_id: &str,
         mut known: Option<(JobRecord, u64)>,
         event: &Event,
+        charge: Option<(crate::job::Tokens, u64)>,
     ) -> Result<JobRecord, StoreError> {
         for _ in 0..CAS_TRIES {
             let (rec, revision) = match known.take() {
                 Some(k) => k,
                 None => self.get(job_id).await?.ok_or(StoreError::NotFound)?,
             };
-            let next = match transition(&rec, event, self.clock.now_ms()) {
+            let mut next = match transition(&rec, event, self.clock.now_ms()) {
                 Ok(n) => n,
                 Err(e) => return Err(StoreError::Transition(e, Box::new(rec))),
             };
+            if let Some((tokens, cost)) = charge {
+                next.charge(tokens, cost);
+            }
             let bytes = serde_json::to_vec(&next).expect("job record serializes");
             match self.kv.update(job_id, bytes.into(), revision).await {
                 Ok(_) => return Ok(next),

@@ -27,3 +27,4 @@ mod residency;
 mod scenarios;
 mod scheduling;
 mod telemetry;
+mod tokens;

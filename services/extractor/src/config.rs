@@ -28,6 +28,7 @@
 //! | `REVIEWLANE_BATCH_BACKOFF_BASE_MS` / `REVIEWLANE_BATCH_BACKOFF_CAP_SECS` | as above | the batch lane's own |
 //! | `REVIEWLANE_HINT_CEILING_SECS` | `300` | longest provider retry hint honoured |
 //! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
+//! | `REVIEWLANE_MODEL_PRICES` | unset | `model=in/out,...`: US dollars per million input/output tokens, for the estimated cost of each job (`GetReview`); a model not listed costs 0 |
 //! | `REVIEWLANE_STORE_RETRIES` | `12` | tries of one store write after a paid answer (never the call) |
 //! | `REVIEWLANE_STORE_BACKOFF_BASE_MS` / `REVIEWLANE_STORE_BACKOFF_CAP_MS` | `100` / `4000` | backoff between those tries (about 26 s in all: longer than a JetStream cluster's failover) |
 //! | `REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES` | `4194304` | provider response body read at most; a longer answer is invalid output |
@@ -72,6 +73,41 @@ impl Default for Budgets {
     fn default() -> Self {
         Budgets { congestion: 5, transient: 3, schema: 2 }
     }
+}
+
+/// A model's price in US dollars per million tokens, input and output.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Price {
+    pub input_per_mtok: f64,
+    pub output_per_mtok: f64,
+}
+
+impl Price {
+    /// The estimated cost of `t` in millionths of a dollar.
+    pub fn cost_micro_usd(&self, t: reviewlane_shared::job::Tokens) -> u64 {
+        (t.input as f64 * self.input_per_mtok + t.output as f64 * self.output_per_mtok).round() as u64
+    }
+}
+
+/// `model=in/out,model=in/out` (dollars per million tokens) -> prices by model.
+pub fn parse_prices(table: &str) -> Result<std::collections::HashMap<String, Price>, String> {
+    table
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|entry| {
+            let (model, prices) = entry.split_once('=').ok_or("an entry is not `model=in/out`")?;
+            let (i, o) = prices.split_once('/').ok_or("a price is not `in/out`")?;
+            let num = |v: &str| v.trim().parse::<f64>().ok().filter(|p| p.is_finite() && *p >= 0.0);
+            match (num(i), num(o)) {
+                (Some(input_per_mtok), Some(output_per_mtok)) => {
+                    Ok((model.trim().to_string(), Price { input_per_mtok, output_per_mtok }))
+                }
+                _ => Err("a price is not a non-negative number"),
+            }
+        })
+        .collect::<Result<_, _>>()
+        .map_err(str::to_string)
 }
 
 /// When the reconciler runs and whom it considers stranded.
@@ -140,6 +176,9 @@ pub struct ExtractorConfig {
     pub faults: reviewlane_shared::faults::Faults,
     /// Sizes, retention and replicas of the region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
+    /// Prices per model class (`REVIEWLANE_MODEL_PRICES`), for the estimated cost of
+    /// each job.
+    pub prices: std::collections::HashMap<String, Price>,
     /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
     pub nats: reviewlane_shared::nats_client::NatsClientConfig,
 }
@@ -184,6 +223,7 @@ impl ExtractorConfig {
             faults: Default::default(),
             layout: Default::default(),
             nats: Default::default(),
+            prices: Default::default(),
         }
     }
 
@@ -285,6 +325,16 @@ impl ExtractorConfig {
             }
         };
         let store_retry = StoreRetry::from_reader(&mut r);
+        let prices = match r.raw("REVIEWLANE_MODEL_PRICES").map(|t| parse_prices(&t)) {
+            None => Default::default(),
+            Some(Ok(p)) => p,
+            Some(Err(e)) => {
+                r.error(format!(
+                    "REVIEWLANE_MODEL_PRICES: {e} (expected `model=in/out,...`, dollars per million tokens)"
+                ));
+                Default::default()
+            }
+        };
         let quarantine_raw_max: usize = r.or("REVIEWLANE_QUARANTINE_RAW_MAX_BYTES", 4096, "bytes");
         let max_response_bytes: usize = r.or("REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES", d.max_response_bytes, "bytes");
         let result_inline_max: Option<usize> = r.optional("REVIEWLANE_RESULT_INLINE_MAX_BYTES", "bytes");
@@ -346,6 +396,7 @@ impl ExtractorConfig {
             faults: Default::default(),
             layout,
             nats,
+            prices,
         })
     }
 }
@@ -353,6 +404,18 @@ impl ExtractorConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prices_parse_and_cost_is_in_micro_dollars() {
+        let p = parse_prices("gpt-4o-mini=0.15/0.60, sim=1/2").unwrap();
+        assert_eq!(p["sim"], Price { input_per_mtok: 1.0, output_per_mtok: 2.0 });
+        let t = reviewlane_shared::job::Tokens { input: 1_000_000, output: 500_000 };
+        assert_eq!(p["gpt-4o-mini"].cost_micro_usd(t), 450_000);
+        assert_eq!(p["sim"].cost_micro_usd(reviewlane_shared::job::Tokens { input: 100, output: 50 }), 200);
+        assert!(parse_prices("sim=1").is_err());
+        assert!(parse_prices("sim=-1/2").is_err());
+        assert!(parse_prices("").unwrap().is_empty());
+    }
     use std::collections::HashMap;
 
     fn env(pairs: &[(&'static str, &str)]) -> HashMap<&'static str, String> {

@@ -79,6 +79,7 @@ pub struct CacheLabels {
 pub struct TokenLabels {
     pub region: String,
     pub tenant: String,
+    pub model_class: String,
     /// `in`, `out`.
     pub direction: String,
 }
@@ -361,12 +362,13 @@ impl Metrics {
         self.cache.get_or_create(&CacheLabels { region: self.region.as_str().into(), result: result.into() }).inc();
     }
 
-    pub fn tokens(&self, tenant: &str, usage: Usage) {
+    pub fn tokens(&self, tenant: &str, model_class: &str, usage: Usage) {
         for (direction, n) in [("in", usage.input), ("out", usage.output)] {
             self.tokens
                 .get_or_create(&TokenLabels {
                     region: self.region.as_str().into(),
                     tenant: tenant.into(),
+                    model_class: model_class.into(),
                     direction: direction.into(),
                 })
                 .inc_by(n);

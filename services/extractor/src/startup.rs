@@ -143,6 +143,7 @@ pub async fn build_with_provider(
         ),
         layout: conn.layout,
         store_retry: config.store_retry,
+        price: config.prices.get(&config.model_class).copied(),
         quarantine_raw_max: config.quarantine_raw_max,
         clock,
         faults: config.faults.clone(),

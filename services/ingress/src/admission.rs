@@ -27,16 +27,17 @@ pub struct LanePolicy {
     pub deadline: Duration,
 }
 
-/// The age a review submitted now is predicted to reach before it is served: the
-/// reviews waiting ahead of it over the lane's recent throughput (none waiting: zero; a
-/// lane that serves nothing: never).
-pub fn predicted_wait(waiting: u64, per_sec: Option<f64>) -> Duration {
-    if waiting == 0 {
-        return Duration::ZERO;
+/// How long a review submitted now is predicted to wait before it is served: the
+/// reviews waiting ahead of it over the lane's recent throughput. `None` when there is
+/// no prediction to act on: fewer waiting than `min_waiting` (cold start, as for
+/// admission), or no throughput measured yet. Only a prediction ends a job at admission.
+pub fn predicted_wait(waiting: u64, per_sec: Option<f64>, min_waiting: u64) -> Option<Duration> {
+    if waiting < min_waiting.max(1) {
+        return None;
     }
     match per_sec {
-        Some(r) if r > 0.0 => Duration::from_secs_f64((waiting as f64 / r).min(1e9)),
-        _ => Duration::MAX,
+        Some(r) if r > 0.0 => Some(Duration::from_secs_f64((waiting as f64 / r).min(1e9))),
+        _ => None,
     }
 }
 
@@ -227,10 +228,11 @@ mod tests {
 
     #[test]
     fn the_predicted_wait_is_the_backlog_over_the_throughput() {
-        assert_eq!(predicted_wait(0, None), Duration::ZERO);
-        assert_eq!(predicted_wait(30, Some(10.0)), Duration::from_secs(3));
-        assert_eq!(predicted_wait(5, Some(0.0)), Duration::MAX);
-        assert_eq!(predicted_wait(5, None), Duration::MAX);
+        assert_eq!(predicted_wait(30, Some(10.0), 4), Some(Duration::from_secs(3)));
+        // No prediction: cold start, nothing measured, nothing served lately.
+        assert_eq!(predicted_wait(3, Some(10.0), 4), None);
+        assert_eq!(predicted_wait(5, None, 4), None);
+        assert_eq!(predicted_wait(5, Some(0.0), 4), None);
     }
 
     #[test]

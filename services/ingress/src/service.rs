@@ -132,8 +132,8 @@ impl ReviewApi {
     /// The tenant's admission on a lane: its own reviews waiting against its weighted
     /// share of the lane's throughput, and its share of the lane's bound.
     /// The admission decision for a submit now, and how long its review is predicted to
-    /// wait before it is served.
-    fn admission(&self, tenant: &Tenant, lane: reviewlane_shared::Lane) -> (Decision, Duration) {
+    /// wait before it is served (when there is a prediction).
+    fn admission(&self, tenant: &Tenant, lane: reviewlane_shared::Lane) -> (Decision, Option<Duration>) {
         let region = tenant.region;
         let weights = self.weights.get(&region).map(Vec::as_slice).unwrap_or_default();
         let view = self.sampler.tenant(region, lane, &tenant.id, weights);
@@ -154,7 +154,7 @@ impl ReviewApi {
             Decision::Refuse { .. } => "refuse",
         };
         self.metrics.admission(region.as_str(), lane.as_str(), name);
-        (d, crate::admission::predicted_wait(view.waiting, view.lane_per_sec))
+        (d, crate::admission::predicted_wait(view.waiting, view.lane_per_sec, policy.min_waiting))
     }
 
     fn region(&self, r: Region) -> Result<&RegionHandle, ApiError> {
@@ -246,7 +246,8 @@ impl ReviewApi {
             },
         };
         span.record("review_depth", depth.as_str());
-        let late = submitted_at_ms.saturating_add(u64::try_from(predicted_wait.as_millis()).unwrap_or(u64::MAX));
+        let wait_ms = predicted_wait.map_or(0, |w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX));
+        let late = submitted_at_ms.saturating_add(wait_ms);
         // The message first, then the record: a crash between the two leaves a message
         // that carries the whole record (the extractor creates it), never a record whose
         // content is gone. A same-key retry publishes again (the lane drops the copy by

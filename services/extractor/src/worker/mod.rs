@@ -59,6 +59,8 @@ pub struct Worker {
     pub provider_timeout: Duration,
     /// Retries of a store write once an answer is paid for.
     pub store_retry: StoreRetry,
+    /// The model's price, for the estimated cost of each call (none: cost 0).
+    pub price: Option<crate::config::Price>,
     /// Largest raw item kept with a quarantined finding (its JSON text).
     pub quarantine_raw_max: usize,
     /// `CACHE_<R>`: validated results by (tenant, diff, schema, depth, provider,
@@ -92,11 +94,13 @@ pub struct Lease {
     /// Whether this lease made a provider call (a cache hit, an open circuit or a
     /// resumed answer do not).
     pub called: std::sync::atomic::AtomicBool,
+    /// The tokens of this lease's paid call, charged to the record with its next write.
+    pub tokens: std::sync::Mutex<Option<reviewlane_shared::job::Tokens>>,
 }
 
 impl Lease {
     pub fn new(rec: JobRecord) -> Self {
-        Lease { rec, called: Default::default() }
+        Lease { rec, called: Default::default(), tokens: Default::default() }
     }
 
     pub fn generation(&self) -> u32 {
@@ -229,7 +233,9 @@ impl Worker {
                 // Kept (or ended): now the shared scope state may learn from the answer.
                 self.quota.succeeded(job.scope, started_ms).await;
                 if let Some(u) = usage {
-                    self.metrics.tokens(&job.review.tenant, u);
+                    self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
+                    *lease.tokens.lock().expect("tokens lock") =
+                        Some(reviewlane_shared::job::Tokens { input: u.input, output: u.output });
                 }
                 if let Some(d) = slow_down
                     && let Err(e) = self.quota.pause(job.scope, d).await

@@ -159,12 +159,16 @@ impl Worker {
             ),
         };
         let validated = matches!(event, Event::Validated { .. });
+        // The lease's paid call is charged to the job in the same write.
+        let charge = lease
+            .and_then(|l| *l.tokens.lock().expect("tokens lock"))
+            .map(|t| (t, self.price.map_or(0, |p| p.cost_micro_usd(t))));
         let applied = self
             .with_store_retry(job, "record", || async {
                 if validated {
                     self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
                 }
-                self.jobs.apply(job.id(), &event).await
+                self.jobs.apply_charging(job.id(), None, &event, charge).await
             })
             .await;
         match applied {
