@@ -107,3 +107,18 @@ async fn a_retry_that_could_only_start_after_the_deadline_is_not_scheduled() {
     assert_eq!(stack.us.provider.stats().calls_by_job.get(&id), Some(&1), "one call, no retry");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn findings_that_reach_the_deadline_undelivered_are_not_delivered_late() {
+    let stack = Stack::start().await;
+    // The sink fails every delivery for a while; the publisher retries (100 ms doubling).
+    stack.webhook.answer_with([500; 30]);
+    let mut client = stack.client().await;
+    let job = client.submit_review(with_timeout("late-delivery", Duration::from_secs(1))).await.unwrap().into_inner();
+    let id = job.review.unwrap().job_id;
+    let last = wait_final(&mut client, US_KEY, &id).await;
+    assert_ended_late(&last);
+    assert_eq!(stack.us.provider.stats().paid_by_job.get(&id), Some(&1), "the answer was paid and kept");
+    assert!(stack.webhook.for_job(&id).is_empty(), "nothing delivered after the deadline");
+    stack.shutdown().await;
+}

@@ -254,6 +254,31 @@ async fn a_slow_lane_with_a_short_window_degrades_then_refuses() {
                 let r = r.into_inner().review.unwrap();
                 if r.review_depth == ReviewDepth::ChangedHunks as i32 && degraded.is_none() {
                     degraded = Some(r.job_id);
+                    // The predicted wait is now past the 1 s window: a review due in
+                    // 200 ms ends at admission, without reaching the lane.
+                    let mut due = submit_req(US_KEY, "due-soon", &sample_diff("due-soon"));
+                    due.get_mut().timeout = Some(prost_types::Duration { seconds: 0, nanos: 200_000_000 });
+                    let late = client.submit_review(due).await.unwrap().into_inner().review.unwrap();
+                    assert_eq!(
+                        (late.state, late.terminal_reason.as_str()),
+                        (JobState::Terminal as i32, "deadline_exceeded"),
+                        "{late:?}"
+                    );
+                    let subject = reviewlane_shared::layout::lane_subject(
+                        reviewlane_shared::Region::Us,
+                        reviewlane_shared::Lane::Interactive,
+                        "acme",
+                        &late.job_id,
+                    );
+                    let lane = stream_messages(
+                        stack.us.nats.url(),
+                        &reviewlane_shared::layout::lane_stream(
+                            reviewlane_shared::Region::Us,
+                            reviewlane_shared::Lane::Interactive,
+                        ),
+                    )
+                    .await;
+                    assert!(lane.iter().all(|(s, _, _)| *s != subject), "a review past its deadline was queued");
                 }
             }
             Err(status) => {
