@@ -38,5 +38,21 @@ async fn each_paid_call_is_charged_to_its_job_and_counted() {
         "reviewlane_tokens_total{region=\"us\",tenant=\"acme\",model_class=\"sim\",direction=\"in\"}",
     );
     assert_eq!(counted, 300.0, "{page}");
+
+    // The same review again: a result-cache hit, no call, no tokens charged; the tokens
+    // it saved are counted.
+    let calls = stack.us.provider.stats().total_calls;
+    let again = submit(&mut client, US_KEY, "one-call-again", &sample_diff("one")).await;
+    let again = wait_final(&mut client, US_KEY, &again.job_id).await;
+    assert_eq!(again.state, JobState::Published as i32);
+    assert_eq!(stack.us.provider.stats().total_calls, calls);
+    let t = again.tokens.unwrap();
+    assert_eq!((t.input, t.output, again.estimated_cost_usd), (0, 0, 0.0));
+    let page = http_get(admin, "/metrics").await;
+    let saved = metric_sum(
+        &page,
+        "reviewlane_tokens_saved_total{region=\"us\",tenant=\"acme\",model_class=\"sim\",direction=\"in\"}",
+    );
+    assert_eq!(saved, 100.0, "{page}");
     stack.shutdown().await;
 }

@@ -109,6 +109,7 @@ pub struct Metrics {
     pub findings: Family<RegionLabel, Counter>,
     pub cache: Family<CacheLabels, Counter>,
     pub tokens: Family<TokenLabels, Counter>,
+    pub tokens_saved: Family<TokenLabels, Counter>,
     pub terminal: TerminalJobs,
     /// Answers of a holder whose lease had been taken over: discarded, never recorded.
     pub stale_results: Family<RegionLabel, Counter>,
@@ -146,6 +147,7 @@ impl Metrics {
             findings: Family::default(),
             cache: Family::default(),
             tokens: Family::default(),
+            tokens_saved: Family::default(),
             terminal: TerminalJobs::register(registry),
             stale_results: Family::default(),
             store_retries: Family::default(),
@@ -237,7 +239,16 @@ impl Metrics {
         );
         registry.register("reviewlane_findings", "Findings validated for delivery", m.findings.clone());
         registry.register("reviewlane_result_cache", "Result cache look-ups by result", m.cache.clone());
-        registry.register("reviewlane_tokens", "Provider tokens by tenant and direction", m.tokens.clone());
+        registry.register(
+            "reviewlane_tokens",
+            "Provider tokens by tenant, model class and direction",
+            m.tokens.clone(),
+        );
+        registry.register(
+            "reviewlane_tokens_saved",
+            "Provider tokens result-cache hits saved (what the cached call cost), by tenant, model class and direction",
+            m.tokens_saved.clone(),
+        );
         m
     }
 
@@ -360,6 +371,20 @@ impl Metrics {
     pub fn cache(&self, hit: bool) {
         let result = if hit { "hit" } else { "miss" };
         self.cache.get_or_create(&CacheLabels { region: self.region.as_str().into(), result: result.into() }).inc();
+    }
+
+    /// Tokens a result-cache hit saved (what the cached call cost).
+    pub fn tokens_saved(&self, tenant: &str, model_class: &str, t: reviewlane_shared::job::Tokens) {
+        for (direction, n) in [("in", t.input), ("out", t.output)] {
+            self.tokens_saved
+                .get_or_create(&TokenLabels {
+                    region: self.region.as_str().into(),
+                    tenant: tenant.into(),
+                    model_class: model_class.into(),
+                    direction: direction.into(),
+                })
+                .inc_by(n);
+        }
     }
 
     pub fn tokens(&self, tenant: &str, model_class: &str, usage: Usage) {

@@ -96,7 +96,8 @@ impl Worker {
                 self.metrics.kept(at);
                 self.metrics.validated(n, v.quarantined.iter().map(|q| q.reason.as_str()));
                 if fresh {
-                    self.store_in_cache(job, &v).await;
+                    let tokens = *lease.tokens.lock().expect("tokens lock");
+                    self.store_in_cache(job, &v, tokens).await;
                 }
                 Decision::Validated { findings: n, quarantined: q }
             }

@@ -224,6 +224,11 @@ impl Worker {
         let status = Some(upstream.status_class().to_string());
         match upstream {
             UpstreamOutcome::Ok { output, slow_down, usage } => {
+                if let Some(u) = usage {
+                    self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
+                    *lease.tokens.lock().expect("tokens lock") =
+                        Some(reviewlane_shared::job::Tokens { input: u.input, output: u.output });
+                }
                 let decision = match self.validate(job, lease, &output) {
                     Ok(validated) => self.keep(job, lease, validated, true).await,
                     Err(invalid) => {
@@ -232,11 +237,6 @@ impl Worker {
                 };
                 // Kept (or ended): now the shared scope state may learn from the answer.
                 self.quota.succeeded(job.scope, started_ms).await;
-                if let Some(u) = usage {
-                    self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
-                    *lease.tokens.lock().expect("tokens lock") =
-                        Some(reviewlane_shared::job::Tokens { input: u.input, output: u.output });
-                }
                 if let Some(d) = slow_down
                     && let Err(e) = self.quota.pause(job.scope, d).await
                 {

@@ -296,7 +296,7 @@ impl Worker {
     pub(super) async fn cached(&self, job: &Job<'_>) -> Option<Validated> {
         let cache = self.cache.as_ref()?;
         let hit = match cache.get(self.cache_key(job)).await {
-            Ok(Some(v)) => serde_json::from_slice::<Validated>(&v).ok(),
+            Ok(Some(v)) => serde_json::from_slice::<CacheEntry>(&v).ok(),
             Ok(None) => None,
             Err(e) => {
                 tracing::warn!(error = %e, "result cache read failed");
@@ -304,16 +304,37 @@ impl Worker {
             }
         };
         self.metrics.cache(hit.is_some());
-        hit
+        let hit = hit?;
+        // The call the hit saves, in the tokens it cost when it was made.
+        if let Some(t) = hit.tokens {
+            self.metrics.tokens_saved(&job.review.tenant, &job.scope.model_class, t);
+        }
+        Some(hit.validated)
     }
 
-    pub(super) async fn store_in_cache(&self, job: &Job<'_>, v: &Validated) {
+    pub(super) async fn store_in_cache(
+        &self,
+        job: &Job<'_>,
+        v: &Validated,
+        tokens: Option<reviewlane_shared::job::Tokens>,
+    ) {
         let Some(cache) = &self.cache else { return };
-        let value = serde_json::to_vec(v).expect("validated findings serialize");
+        let entry = CacheEntry { validated: v.clone(), tokens };
+        let value = serde_json::to_vec(&entry).expect("validated findings serialize");
         if let Err(e) = cache.put(self.cache_key(job), value.into()).await {
             tracing::warn!(error = %e, "result cache write failed");
         }
     }
+}
+
+/// A result-cache value: the validated result, and the tokens the call that made it
+/// cost (absent in entries written before they were recorded).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct CacheEntry {
+    #[serde(flatten)]
+    validated: Validated,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokens: Option<reviewlane_shared::job::Tokens>,
 }
 
 pub(super) async fn ack(msg: &jetstream::Message, kind: AckKind) {
