@@ -238,7 +238,14 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         let body = serde_json::to_string(&*st.stats.lock().expect("stats lock")).expect("stats serialize");
         return Ok(respond(StatusCode::OK, &[], body));
     }
-    if req.method() != hyper::Method::POST || req.uri().path() != "/v1/chat/completions" {
+    // OpenAI-compatible chat completions, or Anthropic's Messages API (the answer then
+    // comes as a `tool_use` block, the key as `x-api-key`).
+    let anthropic = match req.uri().path() {
+        "/v1/chat/completions" => false,
+        "/v1/messages" => true,
+        _ => return Ok(respond(StatusCode::NOT_FOUND, &[], "{}".into())),
+    };
+    if req.method() != hyper::Method::POST {
         return Ok(respond(StatusCode::NOT_FOUND, &[], "{}".into()));
     }
     let job = req.headers().get(JOB_ID_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
@@ -247,6 +254,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()))
         .map(str::to_string);
     let bearer = key.is_some();
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
@@ -259,9 +267,13 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         .to_string();
     let shape = RequestShape {
         model: request["model"].as_str().unwrap_or_default().to_string(),
-        response_format: request["response_format"]["type"].as_str().unwrap_or_default().to_string(),
+        response_format: if anthropic {
+            request["tool_choice"]["type"].as_str().map(|t| format!("tool_choice:{t}")).unwrap_or_default()
+        } else {
+            request["response_format"]["type"].as_str().unwrap_or_default().to_string()
+        },
         strict: request["response_format"]["json_schema"]["strict"].as_bool().unwrap_or(false),
-        schema_has_findings: request["response_format"]["json_schema"]["schema"]["properties"]["findings"].is_object(),
+        schema_has_findings: schema_of(&request, anthropic)["properties"]["findings"].is_object(),
         bearer,
     };
     {
@@ -280,7 +292,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     }
 
     if let Some(dialect) = st.config.enforce_dialect {
-        let refused = schema_dialect::violations(&request["response_format"]["json_schema"]["schema"], dialect);
+        let refused = schema_dialect::violations(schema_of(&request, anthropic), dialect);
         if !refused.is_empty() {
             st.stats.lock().expect("stats lock").schemas_refused += 1;
             return Ok(respond(StatusCode::BAD_REQUEST, &[], schema_refusal(dialect, &refused)));
@@ -376,7 +388,32 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             answered_unix_ms: reviewlane_shared::telemetry::now_ms(),
         });
     }
-    Ok(respond(StatusCode::OK, &[], chat_completion(&output)))
+    let body = if anthropic { anthropic_message(&output) } else { chat_completion(&output) };
+    Ok(respond(StatusCode::OK, &[], body))
+}
+
+/// The JSON Schema a request asks the answer to follow.
+fn schema_of(request: &serde_json::Value, anthropic: bool) -> &serde_json::Value {
+    if anthropic { &request["tools"][0]["input_schema"] } else { &request["response_format"]["json_schema"]["schema"] }
+}
+
+/// An Anthropic Messages answer: the output as the input of a `report_findings` tool
+/// call when it is a JSON object, else as text.
+fn anthropic_message(output: &str) -> String {
+    let block = match serde_json::from_str::<serde_json::Value>(output) {
+        Ok(v) if v.is_object() => json!({"type": "tool_use", "id": "toolu_sim", "name": "report_findings", "input": v}),
+        _ => json!({"type": "text", "text": output}),
+    };
+    json!({
+        "id": "msg_sim",
+        "type": "message",
+        "role": "assistant",
+        "model": "sim",
+        "content": [block],
+        "stop_reason": "tool_use",
+        "usage": {"input_tokens": 100, "output_tokens": 50},
+    })
+    .to_string()
 }
 
 /// One finding per file with an added line, at its first added line, quoting it; plus

@@ -80,6 +80,7 @@ struct ExtractorKnobs {
     schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
     layout: reviewlane_shared::layout::LayoutConfig,
     prices: std::collections::HashMap<String, reviewlane_extractor::config::Price>,
+    anthropic: bool,
 }
 
 pub struct StackOptions {
@@ -90,6 +91,8 @@ pub struct StackOptions {
     pub us_cluster: bool,
     /// TLS for the ingress's gRPC listener.
     pub grpc_tls: Option<reviewlane_ingress::config::GrpcTls>,
+    /// The extractors call the simulated provider through the Anthropic Messages adapter.
+    pub anthropic: bool,
     /// The extractors' price table (`REVIEWLANE_MODEL_PRICES`); the simulated model is `sim`.
     pub model_prices: std::collections::HashMap<String, reviewlane_extractor::config::Price>,
     /// Sizes and retention of every region's streams and buckets.
@@ -131,6 +134,7 @@ impl Default for StackOptions {
             grpc_tls: None,
             us_cluster: false,
             model_prices: Default::default(),
+            anthropic: false,
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
@@ -259,6 +263,7 @@ impl Stack {
             schema_dialect: opts.schema_dialect,
             layout: layout.clone(),
             prices: opts.model_prices.clone(),
+            anthropic: opts.anthropic,
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -322,18 +327,25 @@ impl Stack {
     pub fn extractor_config(&self, region: Region) -> ExtractorConfig {
         let n = self.extractors.iter().filter(|(r, _, _)| *r == region).count();
         let rs = self.region(region);
-        let mut xc = ExtractorConfig::new(
-            region,
-            rs.url(),
-            self.tenants.clone(),
+        let api_key = Some(format!("sk-replica-{n}").into());
+        let provider = if self.opts.anthropic {
+            ProviderConfig::Anthropic {
+                base_url: format!("http://{}", rs.provider.addr()),
+                model: "sim".into(),
+                api_key,
+                endpoint_region: region,
+                max_tokens: 1024,
+            }
+        } else {
             ProviderConfig::OpenAi {
                 base_url: rs.provider.base_url(),
                 model: "sim".into(),
-                api_key: Some(format!("sk-replica-{n}").into()),
+                api_key,
                 endpoint_region: region,
                 schema_dialect: self.opts.schema_dialect,
-            },
-        );
+            }
+        };
+        let mut xc = ExtractorConfig::new(region, rs.url(), self.tenants.clone(), provider);
         xc.lease = self.opts.lease;
         xc.prices = self.opts.prices.clone();
         xc.layout = reviewlane_shared::layout::LayoutConfig { replicas: rs.replicas, ..self.opts.layout.clone() };

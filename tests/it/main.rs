@@ -2,6 +2,7 @@
 //! processes, a real simulated provider and a real webhook receiver.
 
 mod admin;
+mod anthropic;
 mod auth;
 mod chaos;
 mod cluster;

@@ -14,11 +14,12 @@
 //! | `REVIEWLANE_PROBE_EVERY_SECS` | `60` | a scope's window probes one call higher after this long without a 429 |
 //! | `REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS` | `5` | batch pulls no more than its minimum while interactive work waited longer |
 //! | `REVIEWLANE_BATCH_MIN_SLOTS` | `1` | call slots batch keeps whenever it has work (its aging bound: under an interactive backlog batch slows down, never stops) |
-//! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin` or `openai` (any OpenAI-compatible API) |
+//! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin`, `openai` (any OpenAI-compatible API) or `anthropic` (Messages API) |
 //! | `REVIEWLANE_OPENAI_BASE_URL` | for `openai` | e.g. `https://api.openai.com/v1` |
 //! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
 //! | `REVIEWLANE_OPENAI_API_KEY_FILE` (or `REVIEWLANE_OPENAI_API_KEY`) | optional | bearer key, from a file (a mounted Secret) or the variable (kept secret) |
 //! | `REVIEWLANE_PROVIDER_REGION` | for `openai` | region the endpoint is bound to; must equal `REVIEWLANE_REGION` |
+//! | `REVIEWLANE_ANTHROPIC_BASE_URL`, `_MODEL`, `_API_KEY_FILE` (or `_API_KEY`), `_MAX_TOKENS` | for `anthropic` (max tokens `4096`) | Anthropic Messages API endpoint (region-bound like any provider), model, key, output token limit |
 //! | `REVIEWLANE_OPENAI_SCHEMA_DIALECT` | `portable` | the JSON Schema subset the endpoint's structured outputs accept: `portable` (structure only, any provider), `openai`, `openai-fine-tuned`, `anthropic`, `full`; the answer is always checked against the full schema |
 //! | `REVIEWLANE_CONCURRENCY` | `8` | provider calls in flight in this process |
 //! | `REVIEWLANE_LEASE_SECS` | `30` | consumer ack wait; extended by progress acks during a call |
@@ -60,6 +61,14 @@ pub enum ProviderConfig {
         endpoint_region: Region,
         schema_dialect: SchemaDialect,
     },
+    /// Anthropic's Messages API.
+    Anthropic {
+        base_url: String,
+        model: String,
+        api_key: Option<SecretString>,
+        endpoint_region: Region,
+        max_tokens: u32,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +81,20 @@ pub struct Budgets {
 impl Default for Budgets {
     fn default() -> Self {
         Budgets { congestion: 5, transient: 3, schema: 2 }
+    }
+}
+
+/// A provider key from `<var>_FILE` (a mounted Secret) or `<var>`.
+fn api_key(r: &mut Reader<'_>, var: &str) -> Option<SecretString> {
+    match r.raw(&format!("{var}_FILE")) {
+        Some(path) => match std::fs::read_to_string(&path) {
+            Ok(k) => Some(SecretString::from(k.trim().to_string())),
+            Err(_) => {
+                r.error(format!("{var}_FILE names a file that cannot be read"));
+                None
+            }
+        },
+        None => r.raw(var).map(SecretString::from),
     }
 }
 
@@ -188,7 +211,7 @@ impl ExtractorConfig {
     pub fn new(region: Region, nats_url: impl Into<String>, tenants: Arc<Tenants>, provider: ProviderConfig) -> Self {
         let model_class = match &provider {
             ProviderConfig::Builtin => "builtin".to_string(),
-            ProviderConfig::OpenAi { model, .. } => model.clone(),
+            ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model.clone(),
         };
         ExtractorConfig {
             region,
@@ -239,17 +262,7 @@ impl ExtractorConfig {
                 let model: Option<String> = r.required("REVIEWLANE_OPENAI_MODEL", "model name");
                 let endpoint_region: Option<Region> =
                     r.required("REVIEWLANE_PROVIDER_REGION", "`us` or `eu`: where the endpoint processes data");
-                // As a file (a mounted Secret) or a variable.
-                let api_key = match r.raw("REVIEWLANE_OPENAI_API_KEY_FILE") {
-                    Some(path) => match std::fs::read_to_string(&path) {
-                        Ok(k) => Some(SecretString::from(k.trim().to_string())),
-                        Err(_) => {
-                            r.error("REVIEWLANE_OPENAI_API_KEY_FILE names a file that cannot be read");
-                            None
-                        }
-                    },
-                    None => r.raw("REVIEWLANE_OPENAI_API_KEY").map(SecretString::from),
-                };
+                let api_key = api_key(&mut r, "REVIEWLANE_OPENAI_API_KEY");
                 let schema_dialect = match r.raw("REVIEWLANE_OPENAI_SCHEMA_DIALECT") {
                     None => SchemaDialect::default(),
                     Some(v) => v.parse().unwrap_or_else(|()| {
@@ -271,13 +284,41 @@ impl ExtractorConfig {
                     _ => None,
                 }
             }
+            "anthropic" => {
+                let base_url: Option<String> = r.required(
+                    "REVIEWLANE_ANTHROPIC_BASE_URL",
+                    "http(s) URL of the API, e.g. https://api.anthropic.com",
+                );
+                let model: Option<String> = r.required("REVIEWLANE_ANTHROPIC_MODEL", "model name");
+                let endpoint_region: Option<Region> =
+                    r.required("REVIEWLANE_PROVIDER_REGION", "`us` or `eu`: where the endpoint processes data");
+                let api_key = api_key(&mut r, "REVIEWLANE_ANTHROPIC_API_KEY");
+                let max_tokens: u32 = r.or("REVIEWLANE_ANTHROPIC_MAX_TOKENS", 4096, "a token count");
+                if let Some(u) = &base_url
+                    && !(u.starts_with("http://") || u.starts_with("https://"))
+                {
+                    r.error("REVIEWLANE_ANTHROPIC_BASE_URL must be an http(s) URL");
+                }
+                match (base_url, model, endpoint_region) {
+                    (Some(base_url), Some(model), Some(endpoint_region)) => {
+                        Some(ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens })
+                    }
+                    _ => None,
+                }
+            }
             _ => {
-                r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin` or `openai`)");
+                r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin`, `openai` or `anthropic`)");
                 None
             }
         };
-        if let (Some(region), Some(ProviderConfig::OpenAi { endpoint_region, .. })) = (region, &provider)
-            && *endpoint_region != region
+        let endpoint_region = match &provider {
+            Some(
+                ProviderConfig::OpenAi { endpoint_region, .. } | ProviderConfig::Anthropic { endpoint_region, .. },
+            ) => Some(*endpoint_region),
+            _ => None,
+        };
+        if let (Some(region), Some(endpoint_region)) = (region, endpoint_region)
+            && endpoint_region != region
         {
             r.error(format!(
                 "provider endpoint belongs to region `{endpoint_region}` but this extractor serves `{region}`; refusing to send `{region}` content there"
@@ -353,7 +394,7 @@ impl ExtractorConfig {
         let provider = provider.expect("checked");
         let model_class = model_class.unwrap_or_else(|| match &provider {
             ProviderConfig::Builtin => "builtin".to_string(),
-            ProviderConfig::OpenAi { model, .. } => model.clone(),
+            ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model.clone(),
         });
         Ok(ExtractorConfig {
             region: region.expect("checked"),

@@ -69,6 +69,20 @@ pub async fn build_with_provider(
             )
             .with_schema_dialect(*schema_dialect),
         ),
+        (None, ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens }) => {
+            Arc::new(crate::provider::anthropic::AnthropicProvider::new(
+                crate::provider::anthropic::AnthropicEndpoint {
+                    base_url: base_url.clone(),
+                    model: model.clone(),
+                    api_key: api_key.clone(),
+                    region: *endpoint_region,
+                    max_tokens: *max_tokens,
+                },
+                config.provider_timeout,
+                config.hint_ceiling,
+                config.max_response_bytes,
+            ))
+        }
     };
     if provider.region() != config.region {
         return Err(StartError::Other(anyhow::anyhow!(

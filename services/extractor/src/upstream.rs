@@ -65,6 +65,48 @@ pub fn classify(status: u16, headers: &HeaderMap, body: &[u8], now: SystemTime, 
     }
 }
 
+/// Classifies an HTTP answer of Anthropic's Messages API. The output is the input of
+/// the first `tool_use` block (the findings tool the request forces), else the first
+/// text block; 529 (overloaded) is transient; 413 (request too large) and other 4xx
+/// are permanent. Rate-limit hints and headroom come from the same headers as for any
+/// provider (`retry-after`, `anthropic-ratelimit-*`).
+pub fn classify_anthropic(
+    status: u16,
+    headers: &HeaderMap,
+    body: &[u8],
+    now: SystemTime,
+    ceiling: Duration,
+) -> UpstreamOutcome {
+    match status {
+        200..=299 => {
+            let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+            let blocks = v["content"].as_array().cloned().unwrap_or_default();
+            let output = blocks
+                .iter()
+                .find(|b| b["type"] == "tool_use")
+                .map(|b| b["input"].to_string())
+                .or_else(|| {
+                    blocks.iter().find(|b| b["type"] == "text").and_then(|b| b["text"].as_str().map(str::to_string))
+                })
+                .unwrap_or_default();
+            let u = &v["usage"];
+            let usage = u["input_tokens"]
+                .as_u64()
+                .zip(u["output_tokens"].as_u64())
+                .map(|(input, output)| Usage { input, output });
+            UpstreamOutcome::Ok { output, slow_down: headroom_pause(headers, now, ceiling), usage }
+        }
+        429 => {
+            let hint = retry_hint(headers, now, ceiling);
+            UpstreamOutcome::RateLimited { retry_after: hint.map(|h| h.delay), capped: hint.is_some_and(|h| h.capped) }
+        }
+        529 => UpstreamOutcome::Transient { status_class: "529" },
+        408 => UpstreamOutcome::Transient { status_class: "408" },
+        500..=599 => UpstreamOutcome::Transient { status_class: "5xx" },
+        s => UpstreamOutcome::Permanent { status: s },
+    }
+}
+
 /// `choices[0].message.content` of a chat completion.
 fn chat_output(body: &[u8]) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
@@ -116,6 +158,38 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn anthropic_answers_are_classified_like_the_messages_api_defines_them() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let ceiling = Duration::from_secs(300);
+        let none = HeaderMap::new();
+        let ok = br#"{"content":[{"type":"tool_use","name":"report_findings","input":{"findings":[]}}],"usage":{"input_tokens":12,"output_tokens":3}}"#;
+        assert_eq!(
+            classify_anthropic(200, &none, ok, now, ceiling),
+            UpstreamOutcome::Ok {
+                output: r#"{"findings":[]}"#.into(),
+                slow_down: None,
+                usage: Some(Usage { input: 12, output: 3 })
+            }
+        );
+        let text = br#"{"content":[{"type":"text","text":"{\"findings\": []}"}]}"#;
+        assert!(
+            matches!(classify_anthropic(200, &none, text, now, ceiling), UpstreamOutcome::Ok { output, .. } if output == r#"{"findings": []}"#)
+        );
+        let mut h = HeaderMap::new();
+        h.insert("retry-after", "7".parse().unwrap());
+        assert_eq!(
+            classify_anthropic(429, &h, b"{}", now, ceiling),
+            UpstreamOutcome::RateLimited { retry_after: Some(Duration::from_secs(7)), capped: false }
+        );
+        assert_eq!(
+            classify_anthropic(529, &none, b"{}", now, ceiling),
+            UpstreamOutcome::Transient { status_class: "529" }
+        );
+        assert_eq!(classify_anthropic(413, &none, b"{}", now, ceiling), UpstreamOutcome::Permanent { status: 413 });
+        assert_eq!(classify_anthropic(400, &none, b"{}", now, ceiling), UpstreamOutcome::Permanent { status: 400 });
+    }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -1,6 +1,7 @@
 //! Provider adapters: one trait, one adapter per provider contract. An adapter is built
 //! for one region and refuses content of another.
 
+pub mod anthropic;
 pub mod builtin;
 pub mod openai;
 
@@ -22,7 +23,7 @@ pub struct ProviderRequest<'a> {
 }
 
 pub trait Provider: Send + Sync + 'static {
-    /// Short fixed name for labels: `builtin`, `openai`.
+    /// Short fixed name for labels: `builtin`, `openai`, `anthropic`.
     fn name(&self) -> &'static str;
     /// The region this adapter's endpoint belongs to.
     fn region(&self) -> Region;

@@ -17,7 +17,7 @@ use crate::upstream::{UpstreamOutcome, classify};
 /// Header carrying the job id (metadata) so a provider or proxy can correlate calls.
 pub const JOB_ID_HEADER: &str = "x-reviewlane-job-id";
 
-const SYSTEM_PROMPT: &str = "You are a meticulous code reviewer. Review the unified diff the user sends. \
+pub(super) const SYSTEM_PROMPT: &str = "You are a meticulous code reviewer. Review the unified diff the user sends. \
 Report only real problems in added lines: security issues (hard-coded secrets, injection, eval), \
 correctness and reliability bugs (panics, unchecked errors), leftover debug output, and TODO/FIXME notes. \
 For each finding give the file path exactly as on the diff's new side (`+++ b/<path>`, without `b/`), \
@@ -26,7 +26,7 @@ and the fix, and `evidence`: text copied verbatim from that line. Answer with JS
 an empty `findings` list is a valid answer.";
 
 /// Added at depth `changed_hunks`, when admission degraded the review under load.
-const CHANGED_HUNKS_PROMPT: &str = "The service is under load: review only the changed lines, report only problems \
+pub(super) const CHANGED_HUNKS_PROMPT: &str = "The service is under load: review only the changed lines, report only problems \
 of medium severity or higher, and keep messages short.";
 
 pub struct OpenAiProvider {
@@ -133,7 +133,7 @@ impl OpenAiProvider {
 }
 
 /// Reads at most `cap` bytes of the body; `true` when there was more.
-async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>, bool), reqwest::Error> {
+pub(super) async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>, bool), reqwest::Error> {
     let mut body = Vec::new();
     while let Some(chunk) = resp.chunk().await? {
         if body.len() + chunk.len() > cap {

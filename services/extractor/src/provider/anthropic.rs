@@ -1,0 +1,144 @@
+//! Anthropic's Messages API: the findings come back as the input of a forced tool call
+//! (`tool_choice` = the `report_findings` tool, whose `input_schema` is the findings
+//! schema in Anthropic's dialect); `anthropic-version` pinned; 429 with `retry-after`
+//! and the `anthropic-ratelimit-*` headers, 529 (overloaded) transient, 413 and other
+//! 4xx permanent (`upstream::classify_anthropic`).
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use reviewlane_shared::Region;
+use reviewlane_shared::findings;
+use reviewlane_shared::job::ReviewDepth;
+use reviewlane_shared::schema_dialect::{self, SchemaDialect};
+use secrecy::{ExposeSecret, SecretString};
+
+use super::openai::{CHANGED_HUNKS_PROMPT, JOB_ID_HEADER, SYSTEM_PROMPT, read_capped};
+use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
+use crate::upstream::{UpstreamOutcome, classify_anthropic};
+
+/// The API version this adapter speaks.
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+/// The tool the model must call with the findings.
+const TOOL: &str = "report_findings";
+
+pub struct AnthropicProvider {
+    http: reqwest::Client,
+    endpoint: String,
+    model: String,
+    api_key: Option<SecretString>,
+    region: Region,
+    hint_ceiling: Duration,
+    max_response_bytes: usize,
+    max_tokens: u32,
+    /// Each known schema version in Anthropic's dialect.
+    schemas: std::collections::HashMap<&'static str, serde_json::Value>,
+}
+
+/// Where and how to call.
+pub struct AnthropicEndpoint {
+    pub base_url: String,
+    pub model: String,
+    pub api_key: Option<SecretString>,
+    pub region: Region,
+    /// Output token limit of one call.
+    pub max_tokens: u32,
+}
+
+impl AnthropicProvider {
+    pub fn new(e: AnthropicEndpoint, timeout: Duration, hint_ceiling: Duration, max_response_bytes: usize) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(Duration::from_secs(10))
+            .pool_max_idle_per_host(64)
+            .build()
+            .expect("reqwest client builds");
+        AnthropicProvider {
+            http,
+            endpoint: format!("{}/v1/messages", e.base_url.trim_end_matches('/')),
+            model: e.model,
+            api_key: e.api_key,
+            region: e.region,
+            hint_ceiling,
+            max_response_bytes,
+            max_tokens: e.max_tokens,
+            schemas: findings::known_schemas()
+                .into_iter()
+                .filter_map(|v| {
+                    Some((v, schema_dialect::project(findings::schema_document(v)?, SchemaDialect::Anthropic)))
+                })
+                .collect(),
+        }
+    }
+
+    fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
+        let schema = self.schemas.get(req.schema_version).cloned().unwrap_or_default();
+        serde_json::json!({
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "system": match req.review_depth {
+                ReviewDepth::Full => SYSTEM_PROMPT.to_string(),
+                ReviewDepth::ChangedHunks => format!("{SYSTEM_PROMPT} {CHANGED_HUNKS_PROMPT}"),
+            },
+            "messages": [{"role": "user", "content": req.diff_text}],
+            "tools": [{
+                "name": TOOL,
+                "description": "Report the review's findings.",
+                "input_schema": schema,
+            }],
+            "tool_choice": {"type": "tool", "name": TOOL},
+        })
+    }
+
+    async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
+        let mut rb = self
+            .http
+            .post(&self.endpoint)
+            .header("anthropic-version", ANTHROPIC_VERSION)
+            .header(JOB_ID_HEADER, req.job_id)
+            .json(&self.body(req));
+        if let Some(key) = &self.api_key {
+            rb = rb.header("x-api-key", key.expose_secret());
+        }
+        let resp = match rb.send().await {
+            Ok(r) => r,
+            Err(e) if e.is_timeout() => return UpstreamOutcome::Transient { status_class: "timeout" },
+            Err(_) => return UpstreamOutcome::Transient { status_class: "connect" },
+        };
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let now = std::time::SystemTime::now();
+        match read_capped(resp, self.max_response_bytes).await {
+            Ok((body, false)) => classify_anthropic(status, &headers, &body, now, self.hint_ceiling),
+            Ok((_, true)) if (200..300).contains(&status) => {
+                tracing::warn!(
+                    cap = self.max_response_bytes,
+                    "provider answer over the size cap; treated as invalid output"
+                );
+                UpstreamOutcome::Ok { output: String::new(), slow_down: None, usage: None }
+            }
+            Ok((body, true)) => classify_anthropic(status, &headers, &body, now, self.hint_ceiling),
+            Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },
+            Err(_) => UpstreamOutcome::Transient { status_class: "reset" },
+        }
+    }
+}
+
+impl Provider for AnthropicProvider {
+    fn name(&self) -> &'static str {
+        "anthropic"
+    }
+
+    fn region(&self) -> Region {
+        self.region
+    }
+
+    fn review<'a>(&'a self, req: &'a ProviderRequest<'a>) -> BoxFuture<'a, UpstreamOutcome> {
+        if req.region != self.region {
+            return futures::future::ready(UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }).boxed();
+        }
+        self.call(req).boxed()
+    }
+}
