@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-use futures::FutureExt;
 use futures::future::BoxFuture;
 use reviewlane_shared::Region;
 use reviewlane_shared::findings;
@@ -14,8 +13,8 @@ use reviewlane_shared::job::ReviewDepth;
 use reviewlane_shared::schema_dialect::{self, SchemaDialect};
 use secrecy::{ExposeSecret, SecretString};
 
-use super::openai::{CHANGED_HUNKS_PROMPT, JOB_ID_HEADER, SYSTEM_PROMPT, read_capped};
-use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
+use super::openai::{CHANGED_HUNKS_PROMPT, JOB_ID_HEADER, SYSTEM_PROMPT};
+use super::{Provider, ProviderRequest};
 use crate::upstream::{UpstreamOutcome, classify_anthropic};
 
 /// The API version this adapter speaks.
@@ -48,12 +47,7 @@ pub struct AnthropicEndpoint {
 
 impl AnthropicProvider {
     pub fn new(e: AnthropicEndpoint, timeout: Duration, hint_ceiling: Duration, max_response_bytes: usize) -> Self {
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(Duration::from_secs(10))
-            .pool_max_idle_per_host(64)
-            .build()
-            .expect("reqwest client builds");
+        let http = super::http_client(timeout);
         AnthropicProvider {
             http,
             endpoint: format!("{}/v1/messages", e.base_url.trim_end_matches('/')),
@@ -102,27 +96,7 @@ impl AnthropicProvider {
         if let Some(key) = &self.api_key {
             rb = rb.header("x-api-key", key.expose_secret());
         }
-        let resp = match rb.send().await {
-            Ok(r) => r,
-            Err(e) if e.is_timeout() => return UpstreamOutcome::Transient { status_class: "timeout" },
-            Err(_) => return UpstreamOutcome::Transient { status_class: "connect" },
-        };
-        let status = resp.status().as_u16();
-        let headers = resp.headers().clone();
-        let now = std::time::SystemTime::now();
-        match read_capped(resp, self.max_response_bytes).await {
-            Ok((body, false)) => classify_anthropic(status, &headers, &body, now, self.hint_ceiling),
-            Ok((_, true)) if (200..300).contains(&status) => {
-                tracing::warn!(
-                    cap = self.max_response_bytes,
-                    "provider answer over the size cap; treated as invalid output"
-                );
-                UpstreamOutcome::Ok { output: String::new(), slow_down: None, usage: None }
-            }
-            Ok((body, true)) => classify_anthropic(status, &headers, &body, now, self.hint_ceiling),
-            Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },
-            Err(_) => UpstreamOutcome::Transient { status_class: "reset" },
-        }
+        super::send(rb, self.max_response_bytes, self.hint_ceiling, classify_anthropic).await
     }
 }
 
@@ -136,9 +110,6 @@ impl Provider for AnthropicProvider {
     }
 
     fn review<'a>(&'a self, req: &'a ProviderRequest<'a>) -> BoxFuture<'a, UpstreamOutcome> {
-        if req.region != self.region {
-            return futures::future::ready(UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }).boxed();
-        }
-        self.call(req).boxed()
+        super::in_region(self.region, req, self.call(req))
     }
 }

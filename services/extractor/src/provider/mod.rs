@@ -37,3 +37,74 @@ pub const PROMPT_VERSION: &str = "prompt.v1";
 
 /// Status of a request the adapter refuses to send (another region's content).
 pub const REFUSED_OTHER_REGION: u16 = 421;
+
+/// How an adapter turns a provider's HTTP answer into an outcome.
+pub type Classify = fn(u16, &http::HeaderMap, &[u8], std::time::SystemTime, std::time::Duration) -> UpstreamOutcome;
+
+/// The HTTP client every adapter calls with: a whole-call timeout, a connect timeout,
+/// pooled connections.
+pub(crate) fn http_client(timeout: std::time::Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(std::time::Duration::from_secs(10))
+        .pool_max_idle_per_host(64)
+        .build()
+        .expect("reqwest client builds")
+}
+
+/// Sends a prepared call and classifies the answer, reading at most `cap` bytes of it.
+/// An answer over the cap is unusable as output: the schema path decides (a retry within
+/// its budget), never an unbounded read; errors are classified from their headers and
+/// the start of their body.
+pub(crate) async fn send(
+    rb: reqwest::RequestBuilder,
+    cap: usize,
+    hint_ceiling: std::time::Duration,
+    classify: Classify,
+) -> UpstreamOutcome {
+    let resp = match rb.send().await {
+        Ok(r) => r,
+        Err(e) if e.is_timeout() => return UpstreamOutcome::Transient { status_class: "timeout" },
+        Err(_) => return UpstreamOutcome::Transient { status_class: "connect" },
+    };
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let now = std::time::SystemTime::now();
+    match read_capped(resp, cap).await {
+        Ok((body, false)) => classify(status, &headers, &body, now, hint_ceiling),
+        Ok((_, true)) if (200..300).contains(&status) => {
+            tracing::warn!(cap, "provider answer over the size cap; treated as invalid output");
+            UpstreamOutcome::Ok { output: String::new(), slow_down: None, usage: None }
+        }
+        Ok((body, true)) => classify(status, &headers, &body, now, hint_ceiling),
+        Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },
+        Err(_) => UpstreamOutcome::Transient { status_class: "reset" },
+    }
+}
+
+/// Reads at most `cap` bytes of the body; `true` when there was more.
+async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>, bool), reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > cap {
+            body.extend_from_slice(&chunk[..cap - body.len()]);
+            return Ok((body, true));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((body, false))
+}
+
+/// Runs `call` unless the request's content belongs to another region than the
+/// adapter's endpoint, which is refused without sending anything.
+pub(crate) fn in_region<'a>(
+    adapter: Region,
+    req: &'a ProviderRequest<'a>,
+    call: impl std::future::Future<Output = UpstreamOutcome> + Send + 'a,
+) -> BoxFuture<'a, UpstreamOutcome> {
+    use futures::FutureExt;
+    if req.region != adapter {
+        return futures::future::ready(UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }).boxed();
+    }
+    call.boxed()
+}

@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use futures::FutureExt;
 use futures::future::BoxFuture;
 use reviewlane_shared::Region;
 use reviewlane_shared::findings;
@@ -11,7 +10,7 @@ use reviewlane_shared::job::ReviewDepth;
 use reviewlane_shared::schema_dialect::{self, SchemaDialect};
 use secrecy::{ExposeSecret, SecretString};
 
-use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
+use super::{Provider, ProviderRequest};
 use crate::upstream::{UpstreamOutcome, classify};
 
 /// Header carrying the job id (metadata) so a provider or proxy can correlate calls.
@@ -52,12 +51,7 @@ impl OpenAiProvider {
         hint_ceiling: Duration,
         max_response_bytes: usize,
     ) -> Self {
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(Duration::from_secs(10))
-            .pool_max_idle_per_host(64)
-            .build()
-            .expect("reqwest client builds");
+        let http = super::http_client(timeout);
         OpenAiProvider {
             http,
             endpoint: format!("{}/chat/completions", base_url.trim_end_matches('/')),
@@ -106,43 +100,8 @@ impl OpenAiProvider {
         if let Some(key) = &self.api_key {
             rb = rb.bearer_auth(key.expose_secret());
         }
-        let resp = match rb.send().await {
-            Ok(r) => r,
-            Err(e) if e.is_timeout() => return UpstreamOutcome::Transient { status_class: "timeout" },
-            Err(_) => return UpstreamOutcome::Transient { status_class: "connect" },
-        };
-        let status = resp.status().as_u16();
-        let headers = resp.headers().clone();
-        match read_capped(resp, self.max_response_bytes).await {
-            Ok((body, false)) => classify(status, &headers, &body, std::time::SystemTime::now(), self.hint_ceiling),
-            // An answer over the cap is unusable as output: the schema path decides (a
-            // retry within its budget), never an unbounded read. Errors are classified
-            // from their headers and the start of their body.
-            Ok((_, true)) if (200..300).contains(&status) => {
-                tracing::warn!(
-                    cap = self.max_response_bytes,
-                    "provider answer over the size cap; treated as invalid output"
-                );
-                UpstreamOutcome::Ok { output: String::new(), slow_down: None, usage: None }
-            }
-            Ok((body, true)) => classify(status, &headers, &body, std::time::SystemTime::now(), self.hint_ceiling),
-            Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },
-            Err(_) => UpstreamOutcome::Transient { status_class: "reset" },
-        }
+        super::send(rb, self.max_response_bytes, self.hint_ceiling, classify).await
     }
-}
-
-/// Reads at most `cap` bytes of the body; `true` when there was more.
-pub(super) async fn read_capped(mut resp: reqwest::Response, cap: usize) -> Result<(Vec<u8>, bool), reqwest::Error> {
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await? {
-        if body.len() + chunk.len() > cap {
-            body.extend_from_slice(&chunk[..cap - body.len()]);
-            return Ok((body, true));
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok((body, false))
 }
 
 impl Provider for OpenAiProvider {
@@ -155,9 +114,6 @@ impl Provider for OpenAiProvider {
     }
 
     fn review<'a>(&'a self, req: &'a ProviderRequest<'a>) -> BoxFuture<'a, UpstreamOutcome> {
-        if req.region != self.region {
-            return futures::future::ready(UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }).boxed();
-        }
-        self.call(req).boxed()
+        super::in_region(self.region, req, self.call(req))
     }
 }
