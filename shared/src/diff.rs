@@ -434,6 +434,100 @@ fn checked(path: Option<String>, line: usize) -> Result<Option<String>, DiffErro
     Ok(path)
 }
 
+/// The diff with at most `context` unchanged lines around each change, hunks split where
+/// the unchanged run between changes is longer than twice that: what a review at
+/// degraded depth shows the model. Line numbers stay those of the original, so findings
+/// on it validate against the original; files without hunks (binary, mode or rename
+/// only) are left out.
+pub fn changed_lines_only(diff: &Diff, context: usize) -> String {
+    let mut out = String::new();
+    for f in diff.files.iter().filter(|f| !f.hunks.is_empty()) {
+        let old = f.old_path.as_deref().map(|p| format!("a/{}", quote_path(p)));
+        let new = f.new_path.as_deref().map(|p| format!("b/{}", quote_path(p)));
+        let either = old.clone().or(new.clone()).unwrap_or_default();
+        out.push_str(&format!(
+            "diff --git {} {}\n--- {}\n+++ {}\n",
+            old.as_deref().unwrap_or(&either),
+            new.as_deref().unwrap_or(&either),
+            old.as_deref().unwrap_or("/dev/null"),
+            new.as_deref().unwrap_or("/dev/null"),
+        ));
+        for h in &f.hunks {
+            // Each line with its old- and new-side numbers.
+            let (mut o, mut n) = (h.old_start, h.new_start);
+            let numbered: Vec<(&HunkLine, u32, u32)> = h
+                .lines
+                .iter()
+                .map(|l| {
+                    let at = (l, o, n);
+                    match l.kind {
+                        LineKind::Context => (o, n) = (o.saturating_add(1), n.saturating_add(1)),
+                        LineKind::Added => n = n.saturating_add(1),
+                        LineKind::Removed => o = o.saturating_add(1),
+                    }
+                    at
+                })
+                .collect();
+            // Keep changed lines and `context` lines either side of each.
+            let changed: Vec<usize> = numbered
+                .iter()
+                .enumerate()
+                .filter(|(_, (l, _, _))| l.kind != LineKind::Context)
+                .map(|(i, _)| i)
+                .collect();
+            let keep = |i: usize| changed.iter().any(|&c| c.abs_diff(i) <= context);
+            let mut i = 0;
+            while i < numbered.len() {
+                if !keep(i) {
+                    i += 1;
+                    continue;
+                }
+                let start = i;
+                while i < numbered.len() && keep(i) {
+                    i += 1;
+                }
+                let run = &numbered[start..i];
+                let old_len = run.iter().filter(|(l, _, _)| l.kind != LineKind::Added).count();
+                let new_len = run.iter().filter(|(l, _, _)| l.kind != LineKind::Removed).count();
+                let (_, old_start, new_start) = run[0];
+                out.push_str(&format!("@@ -{old_start},{old_len} +{new_start},{new_len} @@\n"));
+                for (l, _, _) in run {
+                    let mark = match l.kind {
+                        LineKind::Context => ' ',
+                        LineKind::Added => '+',
+                        LineKind::Removed => '-',
+                    };
+                    out.push(mark);
+                    out.push_str(&l.text);
+                    out.push('\n');
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A path as `git diff` writes it: C-quoted when it holds a quote, a backslash or a
+/// control character.
+fn quote_path(p: &str) -> String {
+    if !p.chars().any(|c| c == '"' || c == '\\' || c.is_control()) {
+        return p.to_string();
+    }
+    let mut q = String::from("\"");
+    for c in p.chars() {
+        match c {
+            '"' => q.push_str("\\\""),
+            '\\' => q.push_str("\\\\"),
+            '\t' => q.push_str("\\t"),
+            '\n' => q.push_str("\\n"),
+            c if c.is_control() => q.push_str(&format!("\\{:03o}", c as u32)),
+            c => q.push(c),
+        }
+    }
+    q.push('"');
+    q
+}
+
 /// `@@ -a[,b] +c[,d] @@ ...`
 fn parse_hunk_header(line: &str) -> Option<(u32, u32, u32, u32)> {
     let rest = line.strip_prefix("@@ -")?;
@@ -458,6 +552,29 @@ fn parse_hunk_header(line: &str) -> Option<(u32, u32, u32, u32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn changed_lines_only_keeps_the_numbers_and_drops_the_rest() {
+        let ctx: String = (1..=50).map(|i| format!(" keep {i}\n")).collect();
+        let d = format!(
+            "diff --git a/src/x y.rs b/src/x y.rs\n--- a/src/x y.rs\n+++ b/src/x y.rs\n@@ -1,101 +1,101 @@\n{ctx}-old\n+new\n{ctx}"
+        );
+        let full = parse(&d).unwrap();
+        let small = changed_lines_only(&full, 1);
+        let trimmed = parse(&small).unwrap_or_else(|e| panic!("{e}\n{small}"));
+        assert!(small.len() * 4 < d.len(), "{small}");
+        let f = &trimmed.files[0];
+        assert_eq!(f.new_path.as_deref(), Some("src/x y.rs"));
+        assert_eq!((f.hunks[0].old_start, f.hunks[0].new_start, f.hunks[0].lines.len()), (50, 50, 4));
+        // The added line keeps its number.
+        let (_, _, added) = trimmed.added_lines().next().unwrap();
+        assert_eq!(added.new_line, full.added_lines().next().unwrap().2.new_line);
+        // Two changes far apart: two hunks.
+        let d2 = format!("--- a/y\n+++ b/y\n@@ -1,102 +1,102 @@\n-a\n+b\n{ctx}{ctx}-c\n+d\n");
+        let two = parse(&changed_lines_only(&parse(&d2).unwrap(), 1)).unwrap();
+        assert_eq!(two.files[0].hunks.len(), 2);
+        assert_eq!(two.files[0].hunks[1].new_start, 101);
+    }
 
     const SAMPLE: &str = "diff --git a/src/lib.rs b/src/lib.rs
 index 1111111..2222222 100644

@@ -173,6 +173,20 @@ pub fn schema_document(version: &str) -> Option<&'static serde_json::Value> {
     schema(version).map(|s| &s.document)
 }
 
+/// The schema a review at degraded depth (`changed_hunks`) asks for: the same
+/// findings with shorter text (title 120, message 500, evidence 300 characters). An
+/// answer is still validated against the full schema of its version, which it meets.
+pub fn compact_schema_document(version: &str) -> Option<serde_json::Value> {
+    let mut doc = schema_document(version)?.clone();
+    let props = doc.pointer_mut("/properties/findings/items/properties")?.as_object_mut()?;
+    for (field, max) in [("title", 120), ("message", 500), ("evidence", 300)] {
+        if let Some(p) = props.get_mut(field).and_then(serde_json::Value::as_object_mut) {
+            p.insert("maxLength".into(), max.into());
+        }
+    }
+    Some(doc)
+}
+
 /// Validates a provider answer against the schema `version` and the submitted `diff`.
 pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, InvalidOutput> {
     let schema = schema(version).ok_or(InvalidOutput::UnknownSchema)?;

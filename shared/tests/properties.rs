@@ -152,3 +152,20 @@ proptest! {
         let _ = findings::validate(LATEST_SCHEMA, &output, &parsed);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// The degraded view of a diff keeps every added line, under its path and number.
+    #[test]
+    fn changed_lines_only_keeps_every_added_line((text, added) in generated_diff(), context in 0usize..3) {
+        let small = diff::changed_lines_only(&diff::parse(&text).unwrap(), context);
+        let trimmed = diff::parse(&small).map_err(|e| TestCaseError::fail(format!("{e}\n{small}")))?;
+        let found: Vec<(String, u32, String)> = trimmed
+            .added_lines()
+            .map(|(f, _, l)| (f.new_path.clone().unwrap(), l.new_line.unwrap(), l.text.clone()))
+            .collect();
+        prop_assert_eq!(found, added);
+        prop_assert!(small.len() <= text.len() + 64 * trimmed.files.len());
+    }
+}

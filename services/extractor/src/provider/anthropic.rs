@@ -31,8 +31,9 @@ pub struct AnthropicProvider {
     hint_ceiling: Duration,
     max_response_bytes: usize,
     max_tokens: u32,
-    /// Each known schema version in Anthropic's dialect.
-    schemas: std::collections::HashMap<&'static str, serde_json::Value>,
+    /// Each known schema version in Anthropic's dialect: full, and compact for reviews
+    /// at degraded depth.
+    schemas: std::collections::HashMap<&'static str, (serde_json::Value, serde_json::Value)>,
 }
 
 /// Where and how to call.
@@ -60,17 +61,26 @@ impl AnthropicProvider {
             schemas: findings::known_schemas()
                 .into_iter()
                 .filter_map(|v| {
-                    Some((v, schema_dialect::project(findings::schema_document(v)?, SchemaDialect::Anthropic)))
+                    let full = schema_dialect::project(findings::schema_document(v)?, SchemaDialect::Anthropic);
+                    let compact =
+                        schema_dialect::project(&findings::compact_schema_document(v)?, SchemaDialect::Anthropic);
+                    Some((v, (full, compact)))
                 })
                 .collect(),
         }
     }
 
     fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
-        let schema = self.schemas.get(req.schema_version).cloned().unwrap_or_default();
+        let degraded = req.review_depth == ReviewDepth::ChangedHunks;
+        let schema = self
+            .schemas
+            .get(req.schema_version)
+            .map(|(full, compact)| if degraded { compact.clone() } else { full.clone() })
+            .unwrap_or_default();
         serde_json::json!({
             "model": self.model,
-            "max_tokens": self.max_tokens,
+            // At degraded depth a quarter of the output budget.
+            "max_tokens": if degraded { (self.max_tokens / 4).max(256) } else { self.max_tokens },
             "temperature": 0,
             "system": match req.review_depth {
                 ReviewDepth::Full => SYSTEM_PROMPT.to_string(),

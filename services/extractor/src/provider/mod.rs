@@ -38,6 +38,19 @@ pub const PROMPT_VERSION: &str = "prompt.v1";
 /// Status of a request the adapter refuses to send (another region's content).
 pub const REFUSED_OTHER_REGION: u16 = 421;
 
+/// The diff text a provider is shown: as submitted, or at degraded depth
+/// (`changed_hunks`) only the changed lines with one line of context either side, line
+/// numbers unchanged (findings on it validate against the whole diff).
+pub fn prompt_diff<'a>(
+    review: &'a reviewlane_shared::messages::ReviewMessage,
+    diff: &Diff,
+) -> std::borrow::Cow<'a, str> {
+    match review.review_depth {
+        ReviewDepth::Full => review.diff_text(),
+        ReviewDepth::ChangedHunks => std::borrow::Cow::Owned(reviewlane_shared::diff::changed_lines_only(diff, 1)),
+    }
+}
+
 /// How an adapter turns a provider's HTTP answer into an outcome.
 pub type Classify = fn(u16, &http::HeaderMap, &[u8], std::time::SystemTime, std::time::Duration) -> UpstreamOutcome;
 

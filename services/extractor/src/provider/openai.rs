@@ -37,9 +37,14 @@ pub struct OpenAiProvider {
     hint_ceiling: Duration,
     /// Largest response body read; a longer one is cut there.
     max_response_bytes: usize,
-    /// Each known schema version as this endpoint's dialect accepts it.
-    schemas: std::collections::HashMap<&'static str, serde_json::Value>,
+    /// Each known schema version as this endpoint's dialect accepts it: full, and
+    /// compact for reviews at degraded depth.
+    schemas: std::collections::HashMap<&'static str, (serde_json::Value, serde_json::Value)>,
 }
+
+/// Output token limits of one call: full depth, and degraded depth (`changed_hunks`).
+pub const MAX_OUTPUT_TOKENS: u32 = 4096;
+pub const MAX_OUTPUT_TOKENS_DEGRADED: u32 = 1024;
 
 impl OpenAiProvider {
     pub fn new(
@@ -69,7 +74,11 @@ impl OpenAiProvider {
     pub fn with_schema_dialect(mut self, dialect: SchemaDialect) -> Self {
         self.schemas = findings::known_schemas()
             .into_iter()
-            .filter_map(|v| Some((v, schema_dialect::project(findings::schema_document(v)?, dialect))))
+            .filter_map(|v| {
+                let full = schema_dialect::project(findings::schema_document(v)?, dialect);
+                let compact = schema_dialect::project(&findings::compact_schema_document(v)?, dialect);
+                Some((v, (full, compact)))
+            })
             .collect();
         self
     }
@@ -77,10 +86,16 @@ impl OpenAiProvider {
     fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
         // The schema as this endpoint's dialect takes it; the answer is held to the full
         // schema by our validator.
-        let schema = self.schemas.get(req.schema_version).cloned().unwrap_or_default();
+        let degraded = req.review_depth == ReviewDepth::ChangedHunks;
+        let schema = self
+            .schemas
+            .get(req.schema_version)
+            .map(|(full, compact)| if degraded { compact.clone() } else { full.clone() })
+            .unwrap_or_default();
         serde_json::json!({
             "model": self.model,
             "temperature": 0,
+            "max_tokens": if degraded { MAX_OUTPUT_TOKENS_DEGRADED } else { MAX_OUTPUT_TOKENS },
             "messages": [
                 {"role": "system", "content": match req.review_depth {
                     ReviewDepth::Full => SYSTEM_PROMPT.to_string(),
@@ -115,5 +130,93 @@ impl Provider for OpenAiProvider {
 
     fn review<'a>(&'a self, req: &'a ProviderRequest<'a>) -> BoxFuture<'a, UpstreamOutcome> {
         super::in_region(self.region, req, self.call(req))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reviewlane_shared::diff;
+
+    /// A change of 3 lines in each of 3 places of a 150-line file, as `git diff -U20`
+    /// might show it.
+    fn wide_diff() -> String {
+        let mut d = String::from("diff --git a/src/lib.rs b/src/lib.rs\n--- a/src/lib.rs\n+++ b/src/lib.rs\n");
+        for k in 0..3u32 {
+            let start = 1 + k * 50;
+            d.push_str(&format!("@@ -{start},43 +{start},43 @@\n"));
+            for i in 0..20 {
+                d.push_str(&format!(" fn context_{k}_{i}() {{ let value = compute({i}); }}\n"));
+            }
+            for i in 0..3 {
+                d.push_str(&format!("-    old_call_{k}_{i}(value);\n+    new_call_{k}_{i}(value).unwrap();\n"));
+            }
+            for i in 0..20 {
+                d.push_str(&format!(" fn after_{k}_{i}() {{ let other = compute({i}); }}\n"));
+            }
+        }
+        d
+    }
+
+    fn review(depth: ReviewDepth, text: &str) -> reviewlane_shared::messages::ReviewMessage {
+        reviewlane_shared::messages::ReviewMessage {
+            job_id: "us_00000000000000000000000000000000".into(),
+            tenant: "acme".into(),
+            region: Region::Us,
+            lane: reviewlane_shared::Lane::Interactive,
+            schema_version: findings::LATEST_SCHEMA.into(),
+            review_depth: depth,
+            metadata: Default::default(),
+            diff: text.into(),
+            diff_bytes: None,
+            submitted_at_ms: 0,
+            input_digest: String::new(),
+            request_digest: String::new(),
+            deadline_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_degraded_review_sends_less_and_asks_for_less() {
+        let text = wide_diff();
+        let parsed = diff::parse(&text).unwrap();
+        let provider = OpenAiProvider::new(
+            "http://127.0.0.1:1/v1",
+            "m".into(),
+            None,
+            Region::Us,
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            1024,
+        )
+        .with_schema_dialect(SchemaDialect::Full);
+        let body = |depth| {
+            let r = review(depth, &text);
+            let prompt = super::super::prompt_diff(&r, &parsed).into_owned();
+            let req = ProviderRequest {
+                job_id: &r.job_id,
+                region: Region::Us,
+                schema_version: &r.schema_version,
+                diff_text: &prompt,
+                diff: &parsed,
+                review_depth: depth,
+            };
+            provider.body(&req)
+        };
+        let (full, degraded) = (body(ReviewDepth::Full), body(ReviewDepth::ChangedHunks));
+        // Fewer tokens in (estimated at 4 bytes a token): only the changed lines and one
+        // line of context go out.
+        let tokens = |b: &serde_json::Value| b.to_string().len() / 4;
+        assert!(tokens(&degraded) * 2 < tokens(&full), "{} vs {}", tokens(&degraded), tokens(&full));
+        // Fewer tokens out: a smaller limit and shorter texts in the schema.
+        assert_eq!((full["max_tokens"].as_u64(), degraded["max_tokens"].as_u64()), (Some(4096), Some(1024)));
+        let message = |b: &serde_json::Value| {
+            b["response_format"]["json_schema"]["schema"]["properties"]["findings"]["items"]["properties"]["message"]["maxLength"]
+                .as_u64()
+        };
+        assert_eq!((message(&full), message(&degraded)), (Some(4000), Some(500)));
+        // Every added line is still there, at its number: findings validate as before.
+        let shown = diff::parse(degraded["messages"][1]["content"].as_str().unwrap()).unwrap();
+        assert_eq!(shown.added_lines().count(), parsed.added_lines().count());
     }
 }

@@ -49,7 +49,7 @@ impl Worker {
             job_id: job.id(),
             region: job.review.region,
             schema_version: &job.review.schema_version,
-            diff_text: &job.review.diff_text(),
+            diff_text: &crate::provider::prompt_diff(job.review, diff),
             diff,
             review_depth: job.review.review_depth,
         };
