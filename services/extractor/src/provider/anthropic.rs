@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use reviewlane_shared::Region;
-use reviewlane_shared::findings;
 use reviewlane_shared::job::ReviewDepth;
-use reviewlane_shared::schema_dialect::{self, SchemaDialect};
+use reviewlane_shared::schema_dialect::SchemaDialect;
 use secrecy::{ExposeSecret, SecretString};
 
 use super::openai::{CHANGED_HUNKS_PROMPT, JOB_ID_HEADER, SYSTEM_PROMPT};
@@ -33,7 +32,7 @@ pub struct AnthropicProvider {
     max_tokens: u32,
     /// Each known schema version in Anthropic's dialect: full, and compact for reviews
     /// at degraded depth.
-    schemas: std::collections::HashMap<&'static str, (serde_json::Value, serde_json::Value)>,
+    schemas: super::DialectSchemas,
 }
 
 /// Where and how to call.
@@ -58,25 +57,13 @@ impl AnthropicProvider {
             hint_ceiling,
             max_response_bytes,
             max_tokens: e.max_tokens,
-            schemas: findings::known_schemas()
-                .into_iter()
-                .filter_map(|v| {
-                    let full = schema_dialect::project(findings::schema_document(v)?, SchemaDialect::Anthropic);
-                    let compact =
-                        schema_dialect::project(&findings::compact_schema_document(v)?, SchemaDialect::Anthropic);
-                    Some((v, (full, compact)))
-                })
-                .collect(),
+            schemas: super::DialectSchemas::new(SchemaDialect::Anthropic),
         }
     }
 
     fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
         let degraded = req.review_depth == ReviewDepth::ChangedHunks;
-        let schema = self
-            .schemas
-            .get(req.schema_version)
-            .map(|(full, compact)| if degraded { compact.clone() } else { full.clone() })
-            .unwrap_or_default();
+        let schema = self.schemas.for_request(req);
         serde_json::json!({
             "model": self.model,
             // At degraded depth a quarter of the output budget.

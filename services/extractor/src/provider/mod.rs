@@ -51,6 +51,37 @@ pub fn prompt_diff<'a>(
     }
 }
 
+/// Every known findings schema as one provider dialect accepts it, full and compact (for
+/// reviews at degraded depth), projected once. Answers are always held to the full
+/// schema by the validator.
+#[derive(Default)]
+pub struct DialectSchemas(std::collections::HashMap<&'static str, (serde_json::Value, serde_json::Value)>);
+
+impl DialectSchemas {
+    pub fn new(dialect: reviewlane_shared::schema_dialect::SchemaDialect) -> Self {
+        use reviewlane_shared::{findings, schema_dialect};
+        DialectSchemas(
+            findings::known_schemas()
+                .into_iter()
+                .filter_map(|v| {
+                    let full = schema_dialect::project(findings::schema_document(v)?, dialect);
+                    let compact = schema_dialect::project(&findings::compact_schema_document(v)?, dialect);
+                    Some((v, (full, compact)))
+                })
+                .collect(),
+        )
+    }
+
+    /// The schema a request is sent with.
+    pub fn for_request(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
+        let degraded = req.review_depth == ReviewDepth::ChangedHunks;
+        self.0
+            .get(req.schema_version)
+            .map(|(full, compact)| if degraded { compact.clone() } else { full.clone() })
+            .unwrap_or_default()
+    }
+}
+
 /// How an adapter turns a provider's HTTP answer into an outcome.
 pub type Classify = fn(u16, &http::HeaderMap, &[u8], std::time::SystemTime, std::time::Duration) -> UpstreamOutcome;
 

@@ -5,9 +5,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use reviewlane_shared::Region;
-use reviewlane_shared::findings;
 use reviewlane_shared::job::ReviewDepth;
-use reviewlane_shared::schema_dialect::{self, SchemaDialect};
+use reviewlane_shared::schema_dialect::SchemaDialect;
 use secrecy::{ExposeSecret, SecretString};
 
 use super::{Provider, ProviderRequest};
@@ -39,7 +38,7 @@ pub struct OpenAiProvider {
     max_response_bytes: usize,
     /// Each known schema version as this endpoint's dialect accepts it: full, and
     /// compact for reviews at degraded depth.
-    schemas: std::collections::HashMap<&'static str, (serde_json::Value, serde_json::Value)>,
+    schemas: super::DialectSchemas,
 }
 
 /// Output token limits of one call: full depth, and degraded depth (`changed_hunks`).
@@ -72,14 +71,7 @@ impl OpenAiProvider {
 
     /// Sends each schema as `dialect` accepts it.
     pub fn with_schema_dialect(mut self, dialect: SchemaDialect) -> Self {
-        self.schemas = findings::known_schemas()
-            .into_iter()
-            .filter_map(|v| {
-                let full = schema_dialect::project(findings::schema_document(v)?, dialect);
-                let compact = schema_dialect::project(&findings::compact_schema_document(v)?, dialect);
-                Some((v, (full, compact)))
-            })
-            .collect();
+        self.schemas = super::DialectSchemas::new(dialect);
         self
     }
 
@@ -87,11 +79,7 @@ impl OpenAiProvider {
         // The schema as this endpoint's dialect takes it; the answer is held to the full
         // schema by our validator.
         let degraded = req.review_depth == ReviewDepth::ChangedHunks;
-        let schema = self
-            .schemas
-            .get(req.schema_version)
-            .map(|(full, compact)| if degraded { compact.clone() } else { full.clone() })
-            .unwrap_or_default();
+        let schema = self.schemas.for_request(req);
         serde_json::json!({
             "model": self.model,
             "temperature": 0,
@@ -136,7 +124,7 @@ impl Provider for OpenAiProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reviewlane_shared::diff;
+    use reviewlane_shared::{diff, findings};
 
     /// A change of 3 lines in each of 3 places of a 150-line file, as `git diff -U20`
     /// might show it.
