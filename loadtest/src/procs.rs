@@ -252,11 +252,22 @@ impl ProcStack {
                 ("REVIEWLANE_TENANTS_FILE", tf.clone()),
             ];
             let mut env: Vec<(String, String)> = common.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-            env.extend(
+            let provider = if opts.anthropic {
                 [
-                    ("REVIEWLANE_PROVIDER", "openai".into()),
+                    ("REVIEWLANE_PROVIDER", "anthropic".to_string()),
+                    ("REVIEWLANE_ANTHROPIC_BASE_URL", format!("http://{}", rs.provider.addr())),
+                    ("REVIEWLANE_ANTHROPIC_MODEL", "sim".into()),
+                ]
+            } else {
+                [
+                    ("REVIEWLANE_PROVIDER", "openai".to_string()),
                     ("REVIEWLANE_OPENAI_BASE_URL", rs.provider.base_url()),
                     ("REVIEWLANE_OPENAI_MODEL", "sim".into()),
+                ]
+            };
+            env.extend(provider.map(|(k, v)| (k.to_string(), v)));
+            env.extend(
+                [
                     ("REVIEWLANE_PROVIDER_REGION", r.into()),
                     ("REVIEWLANE_CONCURRENCY", opts.extractor_concurrency.to_string()),
                     ("REVIEWLANE_KEY_LIMIT", opts.key_limit.to_string()),

@@ -1,4 +1,4 @@
-//! `cargo run --release -p loadtest -- <scenario> [--jobs N] [--secs N] [--in-process]`
+//! `cargo run --release -p loadtest -- <scenario> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]`
 //!
 //! Brings up what the scenario needs — two provisioned nats-servers, the simulated
 //! provider of each region with the scenario's knobs, a webhook receiver, and the
@@ -9,7 +9,9 @@
 //!
 //! Scenarios: lab, storm, dup, overhead, flood, fairness, soak (see `scenarios.rs`
 //! and BENCHMARKS.md). `--in-process` runs the services inside this process instead
-//! (no RSS figures).
+//! (no RSS figures). `--provider anthropic` runs the extractors through the Anthropic
+//! Messages adapter against the simulated provider's Anthropic mode (default: the
+//! OpenAI-compatible adapter).
 
 use std::path::Path;
 
@@ -20,7 +22,10 @@ use loadtest::stack::Stack;
 
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
-    format!("usage: loadtest <{}|chaos|replicas> [--jobs N] [--secs N] [--in-process]", names.join("|"))
+    format!(
+        "usage: loadtest <{}|chaos|replicas> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        names.join("|")
+    )
 }
 
 /// `replicas`: three extractor processes sharing one provider key.
@@ -79,17 +84,24 @@ async fn main() -> anyhow::Result<()> {
     let Some(scenario) = args.first().and_then(|a| Scenario::parse(a)) else { bail!(usage()) };
     let mut over = Overrides::default();
     let mut in_process = false;
+    let mut anthropic = false;
     let mut it = args.iter().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
             "--jobs" => over.jobs = Some(it.next().context("--jobs N")?.parse()?),
             "--secs" => over.duration = Some(std::time::Duration::from_secs(it.next().context("--secs N")?.parse()?)),
             "--in-process" => in_process = true,
+            "--provider" => match it.next().map(String::as_str) {
+                Some("anthropic") => anthropic = true,
+                Some("openai") => anthropic = false,
+                _ => bail!(usage()),
+            },
             _ => bail!(usage()),
         }
     }
     loadtest::procs::ensure_nats_server()?;
-    let opts = scenarios::options(scenario, Scale::Full);
+    let mut opts = scenarios::options(scenario, Scale::Full);
+    opts.anthropic = anthropic;
     let report = if in_process {
         let stack = Stack::start_with(opts).await;
         let report = scenarios::run(scenario, Scale::Full, over, &stack).await?;
