@@ -442,32 +442,9 @@ fn checked(path: Option<String>, line: usize) -> Result<Option<String>, DiffErro
 pub fn changed_lines_only(diff: &Diff, context: usize) -> String {
     let mut out = String::new();
     for f in diff.files.iter().filter(|f| !f.hunks.is_empty()) {
-        let old = f.old_path.as_deref().map(|p| format!("a/{}", quote_path(p)));
-        let new = f.new_path.as_deref().map(|p| format!("b/{}", quote_path(p)));
-        let either = old.clone().or(new.clone()).unwrap_or_default();
-        out.push_str(&format!(
-            "diff --git {} {}\n--- {}\n+++ {}\n",
-            old.as_deref().unwrap_or(&either),
-            new.as_deref().unwrap_or(&either),
-            old.as_deref().unwrap_or("/dev/null"),
-            new.as_deref().unwrap_or("/dev/null"),
-        ));
+        out.push_str(&f.header());
         for h in &f.hunks {
-            // Each line with its old- and new-side numbers.
-            let (mut o, mut n) = (h.old_start, h.new_start);
-            let numbered: Vec<(&HunkLine, u32, u32)> = h
-                .lines
-                .iter()
-                .map(|l| {
-                    let at = (l, o, n);
-                    match l.kind {
-                        LineKind::Context => (o, n) = (o.saturating_add(1), n.saturating_add(1)),
-                        LineKind::Added => n = n.saturating_add(1),
-                        LineKind::Removed => o = o.saturating_add(1),
-                    }
-                    at
-                })
-                .collect();
+            let numbered = h.numbered();
             // Keep changed lines and `context` lines either side of each.
             let changed: Vec<usize> = numbered
                 .iter()
@@ -486,23 +463,62 @@ pub fn changed_lines_only(diff: &Diff, context: usize) -> String {
                 while i < numbered.len() && keep(i) {
                     i += 1;
                 }
-                let run = &numbered[start..i];
-                let old_len = run.iter().filter(|(l, _, _)| l.kind != LineKind::Added).count();
-                let new_len = run.iter().filter(|(l, _, _)| l.kind != LineKind::Removed).count();
-                let (_, old_start, new_start) = run[0];
-                out.push_str(&format!("@@ -{old_start},{old_len} +{new_start},{new_len} @@\n"));
-                for (l, _, _) in run {
-                    let mark = match l.kind {
-                        LineKind::Context => ' ',
-                        LineKind::Added => '+',
-                        LineKind::Removed => '-',
-                    };
-                    out.push(mark);
-                    out.push_str(&l.text);
-                    out.push('\n');
-                }
+                out.push_str(&render_run(&numbered[start..i]));
             }
         }
+    }
+    out
+}
+
+impl FileDiff {
+    /// The file's `diff --git` and `---`/`+++` lines, paths quoted as git quotes them.
+    pub fn header(&self) -> String {
+        let old = self.old_path.as_deref().map(|p| format!("a/{}", quote_path(p)));
+        let new = self.new_path.as_deref().map(|p| format!("b/{}", quote_path(p)));
+        let either = old.clone().or(new.clone()).unwrap_or_default();
+        format!(
+            "diff --git {} {}\n--- {}\n+++ {}\n",
+            old.as_deref().unwrap_or(&either),
+            new.as_deref().unwrap_or(&either),
+            old.as_deref().unwrap_or("/dev/null"),
+            new.as_deref().unwrap_or("/dev/null"),
+        )
+    }
+}
+
+impl Hunk {
+    /// Each line with its old- and new-side numbers.
+    pub fn numbered(&self) -> Vec<(&HunkLine, u32, u32)> {
+        let (mut o, mut n) = (self.old_start, self.new_start);
+        self.lines
+            .iter()
+            .map(|l| {
+                let at = (l, o, n);
+                match l.kind {
+                    LineKind::Context => (o, n) = (o.saturating_add(1), n.saturating_add(1)),
+                    LineKind::Added => n = n.saturating_add(1),
+                    LineKind::Removed => o = o.saturating_add(1),
+                }
+                at
+            })
+            .collect()
+    }
+}
+
+/// A run of numbered lines (see `Hunk::numbered`) as one hunk, with its header.
+pub fn render_run(run: &[(&HunkLine, u32, u32)]) -> String {
+    let old_len = run.iter().filter(|(l, _, _)| l.kind != LineKind::Added).count();
+    let new_len = run.iter().filter(|(l, _, _)| l.kind != LineKind::Removed).count();
+    let (_, old_start, new_start) = run[0];
+    let mut out = format!("@@ -{old_start},{old_len} +{new_start},{new_len} @@\n");
+    for (l, _, _) in run {
+        out.push(match l.kind {
+            LineKind::Context => ' ',
+            LineKind::Added => '+',
+            LineKind::Removed => '-',
+        });
+        out.push_str(&l.text);
+        out.push('\n');
     }
     out
 }

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod chunk;
 pub mod clock;
 pub mod codec;
 pub mod config;

@@ -169,3 +169,24 @@ proptest! {
         prop_assert!(small.len() <= text.len() + 64 * trimmed.files.len());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Parts of any size: every added line in exactly one part, at its number; every part
+    /// parses; a part over the budget holds a single line that cannot be cut.
+    #[test]
+    fn parts_cover_every_added_line_once((text, added) in generated_diff(), max_tokens in 20usize..400) {
+        use reviewlane_shared::chunk::{PartLimits, split};
+        let limits = PartLimits { max_tokens, bytes_per_token: 1.0, fill: 1.0, overlap: 2 };
+        let parts = split(&diff::parse(&text).unwrap(), &limits);
+        let mut found = Vec::new();
+        for p in &parts {
+            let d = diff::parse(&p.text).map_err(|e| TestCaseError::fail(format!("{e}\n{}", p.text)))?;
+            found.extend(d.added_lines().map(|(f, _, l)| (f.new_path.clone().unwrap(), l.new_line.unwrap(), l.text.clone())));
+            let lines: usize = d.files.iter().flat_map(|f| &f.hunks).map(|h| h.lines.len()).sum();
+            prop_assert!(p.tokens <= max_tokens || lines <= 1 + limits.overlap, "{} tokens, {} lines", p.tokens, lines);
+        }
+        prop_assert_eq!(found, added);
+    }
+}
