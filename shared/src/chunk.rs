@@ -122,7 +122,7 @@ mod tests {
         let small = parse(&file("a.rs", 10)).unwrap();
         assert_eq!(split(&small, &PartLimits::default()).len(), 1);
 
-        // 40 files of 500 lines (~1.2 MB): many parts, each within the budget.
+        // 40 files of 500 lines (~0.6 MB): many parts, each within the budget.
         let text: String = (0..40).map(|i| file(&format!("src/f{i}.rs"), 500)).collect();
         let big = parse(&text).unwrap();
         let limits = PartLimits { max_tokens: 20_000, ..Default::default() };
