@@ -52,16 +52,7 @@ fi
 
 # Otherwise: Debian trixie's package, through a private sources list, unpacked into .tools/.
 log "distribution nats-server too old or missing; fetching Debian trixie's package into $tools"
-apt_dir="$tools/apt"
-mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial"
-echo "deb http://deb.debian.org/debian trixie main" > "$apt_dir/sources.list"
-opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
-      -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache::archives=$apt_dir/archives"
-      -o "APT::Get::List-Cleanup=0")
-apt-get "${opts[@]}" update -qq >&2
-(cd "$apt_dir" && apt-get "${opts[@]}" download nats-server >&2)
-deb="$(ls -t "$apt_dir"/nats-server_*.deb | head -n1)"
-dpkg -x "$deb" "$tools"
+bash "$root/scripts/fetch-debian-trixie.sh" nats-server
 version_ok "$tools/usr/sbin/nats-server" || { log "unpacked nats-server is not >= 2.10"; exit 1; }
 log "$("$tools/usr/sbin/nats-server" --version)"
 echo "$tools/usr/sbin"

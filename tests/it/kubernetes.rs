@@ -1,5 +1,5 @@
 //! The Kubernetes package, checked offline: every kustomization renders
-//! (`kubectl kustomize`), every object is valid against the Kubernetes API schemas
+//! (kustomize, standalone or in kubectl), every object is valid against the Kubernetes API schemas
 //! (kubernetes-validate) or its CRD's schema (vendored), checkov finds no failed check,
 //! and the properties the package promises hold object by object: default-deny network
 //! policies, secrets as files, images by digest, hardened containers, region placement.
@@ -25,9 +25,19 @@ fn tools() -> PathBuf {
     }
 }
 
-fn kubectl() -> PathBuf {
-    let local = root().join(".tools/usr/bin/kubectl");
-    if local.exists() { local } else { PathBuf::from("kubectl") }
+/// The command that renders a kustomization: a standalone kustomize in .tools/ (what
+/// `scripts/install-k8s-tools.sh` fetches when the machine has no kubectl), else
+/// `kubectl kustomize`.
+fn kustomize() -> Command {
+    let local = root().join(".tools/usr/bin/kustomize");
+    if local.exists() {
+        let mut c = Command::new(local);
+        c.arg("build");
+        return c;
+    }
+    let mut c = Command::new("kubectl");
+    c.arg("kustomize");
+    c
 }
 
 const KUSTOMIZATIONS: [&str; 5] =
@@ -35,7 +45,7 @@ const KUSTOMIZATIONS: [&str; 5] =
 
 /// The rendered YAML of a kustomization, and its objects as JSON.
 fn render(dir: &str) -> (String, Vec<Value>) {
-    let out = Command::new(kubectl()).args(["kustomize", dir]).current_dir(root()).output().expect("kubectl runs");
+    let out = kustomize().arg(dir).current_dir(root()).output().expect("kustomize runs");
     assert!(out.status.success(), "{dir}: {}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
     let objects = serde_yaml_ng::Deserializer::from_str(&text)

@@ -374,22 +374,17 @@ impl Metrics {
     }
 
     /// Tokens a result-cache hit saved (what the cached call cost).
-    pub fn tokens_saved(&self, tenant: &str, model_class: &str, t: reviewlane_shared::job::Tokens) {
-        for (direction, n) in [("in", t.input), ("out", t.output)] {
-            self.tokens_saved
-                .get_or_create(&TokenLabels {
-                    region: self.region.as_str().into(),
-                    tenant: tenant.into(),
-                    model_class: model_class.into(),
-                    direction: direction.into(),
-                })
-                .inc_by(n);
-        }
+    pub fn tokens_saved(&self, tenant: &str, model_class: &str, t: Usage) {
+        self.count_tokens(&self.tokens_saved, tenant, model_class, t);
     }
 
     pub fn tokens(&self, tenant: &str, model_class: &str, usage: Usage) {
-        for (direction, n) in [("in", usage.input), ("out", usage.output)] {
-            self.tokens
+        self.count_tokens(&self.tokens, tenant, model_class, usage);
+    }
+
+    fn count_tokens(&self, family: &Family<TokenLabels, Counter>, tenant: &str, model_class: &str, t: Usage) {
+        for (direction, n) in [("in", t.input), ("out", t.output)] {
+            family
                 .get_or_create(&TokenLabels {
                     region: self.region.as_str().into(),
                     tenant: tenant.into(),

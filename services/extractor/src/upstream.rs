@@ -26,12 +26,9 @@ pub enum UpstreamOutcome {
     Permanent { status: u16 },
 }
 
-/// Tokens a call consumed, as the provider reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Usage {
-    pub input: u64,
-    pub output: u64,
-}
+/// Tokens a call consumed, as the provider reports them: the same count a job is
+/// charged with.
+pub use reviewlane_shared::job::Tokens as Usage;
 
 impl UpstreamOutcome {
     /// Content-free status class for records, logs and labels.

@@ -226,8 +226,7 @@ impl Worker {
             UpstreamOutcome::Ok { output, slow_down, usage } => {
                 if let Some(u) = usage {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
-                    *lease.tokens.lock().expect("tokens lock") =
-                        Some(reviewlane_shared::job::Tokens { input: u.input, output: u.output });
+                    *lease.tokens.lock().expect("tokens lock") = Some(u);
                 }
                 let decision = match self.validate(job, lease, &output) {
                     Ok(validated) => self.keep(job, lease, validated, true).await,
