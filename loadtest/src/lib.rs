@@ -5,6 +5,7 @@
 pub mod chaos;
 pub mod corpus;
 pub mod http;
+pub mod large;
 pub mod load;
 pub mod procs;
 pub mod replicas;

@@ -24,6 +24,7 @@ use serde_json::json;
 use tokio::sync::Semaphore;
 
 pub const JOB_ID_HEADER: &str = "x-reviewlane-job-id";
+pub const PART_HEADER: &str = "x-reviewlane-part";
 
 /// What to do with a call over the concurrency cap.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,6 +95,10 @@ pub struct Stats {
     pub call_times_by_key: BTreeMap<String, Vec<u64>>,
     /// Calls in flight when each call started, and its start time: (start_ms, end_ms).
     pub call_spans_ms: Vec<(u64, u64)>,
+    /// Calls and paid calls per part of a split review (`<job id>/<part>`, from
+    /// `x-reviewlane-part`).
+    pub calls_by_part: BTreeMap<String, u64>,
+    pub paid_by_part: BTreeMap<String, u64>,
     /// Every paid answer: job id, bearer key (one per extractor replica), and when it was
     /// sent (ms since the Unix epoch) — to tell a repeat caused by a fault on the
     /// caller from one that should not have happened.
@@ -249,6 +254,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         return Ok(respond(StatusCode::NOT_FOUND, &[], "{}".into()));
     }
     let job = req.headers().get(JOB_ID_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+    let part = req.headers().get(PART_HEADER).and_then(|v| v.to_str().ok()).map(|p| format!("{job}/{p}"));
     let key = req
         .headers()
         .get("authorization")
@@ -281,6 +287,9 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         s.total_calls += 1;
         s.last_request = Some(shape);
         *s.calls_by_job.entry(job.clone()).or_default() += 1;
+        if let Some(p) = &part {
+            *s.calls_by_part.entry(p.clone()).or_default() += 1;
+        }
         let at = st.started.elapsed().as_millis() as u64;
         s.call_times_ms.entry(job.clone()).or_default().push(at);
         s.call_times_by_key.entry(key.clone().unwrap_or_default()).or_default().push(at);
@@ -374,13 +383,23 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             if rand::random::<f64>() < st.config.malformed_rate {
                 "Sure! Here are the findings: [oops".to_string()
             } else {
-                findings_for(&prompt, st.config.outside_diff).to_string()
+                let v2 =
+                    schema_of(&request, anthropic)["properties"]["findings"]["items"]["properties"]["suggested_action"]
+                        .is_object();
+                let mut out = findings_for(&prompt, st.config.outside_diff);
+                if v2 {
+                    actionable(&mut out);
+                }
+                out.to_string()
             }
         }
     };
     {
         let mut s = st.stats.lock().expect("stats lock");
         *s.paid_by_job.entry(job.clone()).or_default() += 1;
+        if let Some(p) = part {
+            *s.paid_by_part.entry(p).or_default() += 1;
+        }
         s.paid_calls.push(PaidCall {
             job,
             key: key.unwrap_or_default(),
@@ -414,6 +433,15 @@ fn anthropic_message(output: &str) -> String {
         "usage": {"input_tokens": 100, "output_tokens": 50},
     })
     .to_string()
+}
+
+/// Makes `findings_for`'s answer a `findings.v2` one: each finding gets a suggested
+/// action and a confidence.
+pub fn actionable(out: &mut serde_json::Value) {
+    for f in out["findings"].as_array_mut().into_iter().flatten() {
+        f["suggested_action"] = json!("Look at this line again.");
+        f["confidence"] = json!("medium");
+    }
 }
 
 /// One finding per file with an added line, at its first added line, quoting it; plus

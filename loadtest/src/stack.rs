@@ -81,6 +81,7 @@ struct ExtractorKnobs {
     layout: reviewlane_shared::layout::LayoutConfig,
     prices: std::collections::HashMap<String, reviewlane_extractor::config::Price>,
     anthropic: bool,
+    context_tokens: Option<usize>,
 }
 
 pub struct StackOptions {
@@ -101,6 +102,8 @@ pub struct StackOptions {
     pub schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
     pub canaries: Vec<String>,
     pub max_diff_bytes: usize,
+    /// The extractors' `REVIEWLANE_CONTEXT_TOKENS` (`None`: the default).
+    pub context_tokens: Option<usize>,
     pub extractor_concurrency: usize,
     /// The extractor's lease (consumer ack wait).
     pub lease: Duration,
@@ -138,6 +141,7 @@ impl Default for StackOptions {
             eu_provider: SimConfig::default(),
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
+            context_tokens: None,
             extractor_concurrency: 8,
             lease: Duration::from_secs(5),
             lane_max_messages: None,
@@ -264,6 +268,7 @@ impl Stack {
             layout: layout.clone(),
             prices: opts.model_prices.clone(),
             anthropic: opts.anthropic,
+            context_tokens: opts.context_tokens,
         };
         let ingress = reviewlane_ingress::build(IngressConfig {
             grpc_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -361,6 +366,9 @@ impl Stack {
         xc.interactive_wait_limit = self.opts.interactive_wait_limit;
         xc.store_retry.base = Duration::from_millis(20);
         xc.admin_addr = "127.0.0.1:0".parse().expect("addr");
+        if let Some(t) = self.opts.context_tokens {
+            xc.parts.plan.limits.max_tokens = t;
+        }
         xc
     }
 

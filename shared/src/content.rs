@@ -9,21 +9,24 @@ use crate::layout::{self, RegionLayout};
 use crate::store::StoreError;
 
 /// Removes the job's review from its lane, its results (inline and as objects, every
-/// generation) and any dead-letter content. Each removal is idempotent; what is already
+/// generation and part) and any dead-letter content. Each removal is idempotent; what is already
 /// gone is skipped.
 pub async fn drop_content(layout: &RegionLayout, rec: &JobRecord) -> Result<(), StoreError> {
     let (r, tenant, id) = (rec.region, rec.tenant.as_str(), rec.job_id.as_str());
     let purges = [
         (layout::lane_stream(r, rec.lane), layout::lane_subject(r, rec.lane, tenant, id)),
         (layout::findings_stream(r), format!("findings.{}.{tenant}.{id}.>", r.as_str())),
+        (layout::parts_stream(r), format!("parts.{}.{tenant}.{id}.>", r.as_str())),
         (layout::deadletter_content_stream(r), layout::deadletter_content_subject(r, tenant, id)),
     ];
     for (stream, subject) in purges {
         let s = layout.js.get_stream(&stream).await.map_err(StoreError::other)?;
         s.purge().filter(subject).await.map_err(StoreError::other)?;
     }
-    for generation in 1..=rec.generation() {
-        match layout.objects.delete(format!("{id}.{generation}")).await {
+    let parts = rec.parts.as_ref().map_or(0, |p| p.total);
+    let names = (1..=rec.generation()).map(|g| format!("{id}.{g}")).chain((0..parts).map(|i| format!("{id}.part{i}")));
+    for name in names {
+        match layout.objects.delete(name).await {
             Ok(()) => {}
             Err(e) if e.kind() == object_store::DeleteErrorKind::NotFound => {}
             Err(e) => return Err(StoreError::other(e)),

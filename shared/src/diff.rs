@@ -81,6 +81,11 @@ impl Diff {
         self.files.iter().find(|f| f.new_path.as_deref() == Some(path))
     }
 
+    /// The file whose old side is `path` (a deleted or renamed file by its old name).
+    pub fn file_by_old_path(&self, path: &str) -> Option<&FileDiff> {
+        self.files.iter().find(|f| f.old_path.as_deref() == Some(path))
+    }
+
     /// Added lines of the diff, in order: (file, hunk, line).
     pub fn added_lines(&self) -> impl Iterator<Item = (&FileDiff, &Hunk, &HunkLine)> {
         self.files.iter().flat_map(|f| {
@@ -96,11 +101,24 @@ impl FileDiff {
     pub fn hunk_for_new_line(&self, line: u32) -> Option<&Hunk> {
         self.hunks.iter().find(|h| h.covers_new_line(line))
     }
+
+    pub fn hunk_for_old_line(&self, line: u32) -> Option<&Hunk> {
+        self.hunks.iter().find(|h| h.covers_old_line(line))
+    }
 }
 
 impl Hunk {
     pub fn covers_new_line(&self, line: u32) -> bool {
         self.lines.iter().any(|l| l.new_line == Some(line))
+    }
+
+    pub fn covers_old_line(&self, line: u32) -> bool {
+        self.numbered().iter().any(|(l, old, _)| l.kind != LineKind::Added && *old == line)
+    }
+
+    /// Whether `needle` occurs in the old side of this hunk (context and removed lines).
+    pub fn contains_old_side_text(&self, needle: &str) -> bool {
+        Self::contains(self.lines.iter().filter(|l| l.kind != LineKind::Added), needle)
     }
 
     /// Whether `needle` occurs in the text of this hunk (either side, one line or
@@ -446,13 +464,24 @@ pub fn changed_lines_only(diff: &Diff, context: usize) -> String {
         for h in &f.hunks {
             let numbered = h.numbered();
             // Keep changed lines and `context` lines either side of each.
-            let changed: Vec<usize> = numbered
-                .iter()
-                .enumerate()
-                .filter(|(_, (l, _, _))| l.kind != LineKind::Context)
-                .map(|(i, _)| i)
-                .collect();
-            let keep = |i: usize| changed.iter().any(|&c| c.abs_diff(i) <= context);
+            // Distance to the nearest changed line, in two linear passes.
+            let n = numbered.len();
+            let mut near = vec![usize::MAX; n];
+            let mut last = None;
+            for (i, (l, _, _)) in numbered.iter().enumerate() {
+                if l.kind != LineKind::Context {
+                    last = Some(i);
+                }
+                near[i] = last.map_or(usize::MAX, |c| i - c);
+            }
+            let mut next = None;
+            for i in (0..n).rev() {
+                if numbered[i].0.kind != LineKind::Context {
+                    next = Some(i);
+                }
+                near[i] = near[i].min(next.map_or(usize::MAX, |c| c - i));
+            }
+            let keep = |i: usize| near[i] <= context;
             let mut i = 0;
             while i < numbered.len() {
                 if !keep(i) {

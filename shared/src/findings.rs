@@ -14,22 +14,80 @@ use serde::{Deserialize, Serialize};
 use crate::diff::Diff;
 
 pub const FINDINGS_V1: &str = "findings.v1";
-/// The version used when a request names none.
+/// Findings a developer can act on: a line range and side, a suggested action and an
+/// optional replacement, a confidence, and a fingerprint reviewlane computes.
+pub const FINDINGS_V2: &str = "findings.v2";
+/// The version used when a request names none. (v1 stays the default so that callers
+/// who never named a version keep getting what they parse; v2 is asked for by name.)
 pub const LATEST_SCHEMA: &str = FINDINGS_V1;
 
 const FINDINGS_V1_JSON: &str = include_str!("../schemas/findings.v1.json");
+const FINDINGS_V2_JSON: &str = include_str!("../schemas/findings.v2.json");
 
-/// One finding, as every schema version so far defines it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Which side of the diff a finding's lines are on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Side {
+    /// The file after the change (line numbers of `+` and context lines).
+    #[default]
+    New,
+    /// The file before the change (line numbers of `-` and context lines).
+    Old,
+}
+
+/// One finding: the fields of `findings.v1`, and the optional ones `findings.v2` adds
+/// (absent in v1 results). `fingerprint` is never the model's: reviewlane computes it
+/// after validation.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Finding {
     pub path: String,
     pub line: u32,
+    /// Last line of the range the finding covers (`line` when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_line: Option<u32>,
+    /// The side `line..end_line` count on (new when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub side: Option<Side>,
     pub severity: String,
     pub category: String,
     pub title: String,
     pub message: String,
     pub evidence: String,
+    /// What the developer should do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suggested_action: Option<String>,
+    /// Lines that replace `line..=end_line` on the new side (checked to apply).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suggested_replacement: Option<String>,
+    /// `low`, `medium` or `high`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confidence: Option<String>,
+    /// Stable identity of the finding across runs: digest of path, category and
+    /// normalised evidence (see [`fingerprint`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
+}
+
+impl Finding {
+    /// The lines the finding covers.
+    pub fn lines(&self) -> std::ops::RangeInclusive<u32> {
+        self.line..=self.end_line.unwrap_or(self.line).max(self.line)
+    }
+
+    pub fn side(&self) -> Side {
+        self.side.unwrap_or_default()
+    }
+}
+
+/// The finding's fingerprint: sha256 of its path, category and evidence with
+/// whitespace runs collapsed (so re-indenting the code does not change it), first 32
+/// hex digits. Independent of line numbers, which move between revisions.
+pub fn fingerprint(f: &Finding) -> String {
+    let evidence = f.evidence.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut digest = crate::job_id::sha256_hex(&[f.path.as_bytes(), f.category.as_bytes(), evidence.as_bytes()]);
+    digest.truncate(32);
+    digest
 }
 
 /// Why a finding was quarantined. Names only, never content.
@@ -46,6 +104,10 @@ pub enum QuarantineReason {
     EvidenceNotInHunk,
     /// The evidence quotes only removed lines, but the finding's line is on the new side.
     EvidenceNotOnLineSide,
+    /// `end_line` is before `line`, or not in the same hunk on the same side.
+    RangeOutsideHunk,
+    /// A suggested replacement for lines that are not on the new side of the diff.
+    ReplacementNotApplicable,
 }
 
 impl QuarantineReason {
@@ -56,6 +118,8 @@ impl QuarantineReason {
             QuarantineReason::LineOutsideHunks => "line_outside_hunks",
             QuarantineReason::EvidenceNotInHunk => "evidence_not_in_hunk",
             QuarantineReason::EvidenceNotOnLineSide => "evidence_not_on_line_side",
+            QuarantineReason::RangeOutsideHunk => "range_outside_hunk",
+            QuarantineReason::ReplacementNotApplicable => "replacement_not_applicable",
         }
     }
 }
@@ -138,7 +202,7 @@ struct Schema {
 fn registry() -> &'static [Schema] {
     static REGISTRY: OnceLock<Vec<Schema>> = OnceLock::new();
     REGISTRY.get_or_init(|| {
-        [(FINDINGS_V1, FINDINGS_V1_JSON)]
+        [(FINDINGS_V1, FINDINGS_V1_JSON), (FINDINGS_V2, FINDINGS_V2_JSON)]
             .into_iter()
             .map(|(version, text)| {
                 let document: serde_json::Value = serde_json::from_str(text).expect("bundled schema is JSON");
@@ -174,12 +238,14 @@ pub fn schema_document(version: &str) -> Option<&'static serde_json::Value> {
 }
 
 /// The schema a review at degraded depth (`changed_hunks`) asks for: the same
-/// findings with shorter text (title 120, message 500, evidence 300 characters). An
-/// answer is still validated against the full schema of its version, which it meets.
+/// findings with shorter text (title 120, message 500, evidence and suggested action
+/// 300 characters) and no suggested replacement. An answer is still validated against
+/// the full schema of its version, which it meets.
 pub fn compact_schema_document(version: &str) -> Option<serde_json::Value> {
     let mut doc = schema_document(version)?.clone();
     let props = doc.pointer_mut("/properties/findings/items/properties")?.as_object_mut()?;
-    for (field, max) in [("title", 120), ("message", 500), ("evidence", 300)] {
+    props.remove("suggested_replacement");
+    for (field, max) in [("title", 120), ("message", 500), ("evidence", 300), ("suggested_action", 300)] {
         if let Some(p) = props.get_mut(field).and_then(serde_json::Value::as_object_mut) {
             p.insert("maxLength".into(), max.into());
         }
@@ -212,8 +278,9 @@ pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, I
             Some(QuarantineReason::Schema)
         } else {
             match serde_json::from_value::<Finding>(raw.clone()) {
-                Ok(f) => match semantic_check(&f, diff) {
+                Ok(mut f) => match semantic_check(&f, diff) {
                     Ok(()) => {
+                        f.fingerprint = Some(fingerprint(&f));
                         out.findings.push(f);
                         None
                     }
@@ -236,15 +303,42 @@ pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, I
     Ok(out)
 }
 
-/// Step 3: the finding must point into the diff and quote it.
+/// Step 3: the finding must point into the diff and quote it: its lines in one hunk
+/// on their side, the evidence on that side of that hunk, and a replacement only for
+/// lines of the new side.
 pub fn semantic_check(f: &Finding, diff: &Diff) -> Result<(), QuarantineReason> {
-    let file = diff.file_by_new_path(&f.path).ok_or(QuarantineReason::PathNotInDiff)?;
-    let hunk = file.hunk_for_new_line(f.line).ok_or(QuarantineReason::LineOutsideHunks)?;
+    let side = f.side();
+    let file = match side {
+        Side::New => diff.file_by_new_path(&f.path),
+        Side::Old => diff.file_by_old_path(&f.path),
+    }
+    .ok_or(QuarantineReason::PathNotInDiff)?;
+    let hunk = match side {
+        Side::New => file.hunk_for_new_line(f.line),
+        Side::Old => file.hunk_for_old_line(f.line),
+    }
+    .ok_or(QuarantineReason::LineOutsideHunks)?;
+    if let Some(end) = f.end_line {
+        let last = match side {
+            Side::New => file.hunk_for_new_line(end),
+            Side::Old => file.hunk_for_old_line(end),
+        };
+        if end < f.line || !last.is_some_and(|h| std::ptr::eq(h, hunk)) {
+            return Err(QuarantineReason::RangeOutsideHunk);
+        }
+    }
     if !hunk.contains_text(&f.evidence) {
         return Err(QuarantineReason::EvidenceNotInHunk);
     }
-    if !hunk.contains_new_side_text(&f.evidence) {
+    let on_side = match side {
+        Side::New => hunk.contains_new_side_text(&f.evidence),
+        Side::Old => hunk.contains_old_side_text(&f.evidence),
+    };
+    if !on_side {
         return Err(QuarantineReason::EvidenceNotOnLineSide);
+    }
+    if f.suggested_replacement.is_some() && side != Side::New {
+        return Err(QuarantineReason::ReplacementNotApplicable);
     }
     Ok(())
 }
@@ -364,11 +458,83 @@ mod tests {
         assert_eq!(validate("findings.v9", r#"{"findings": []}"#, &d), Err(InvalidOutput::UnknownSchema));
     }
 
+    fn v2(path: &str, line: u32, evidence: &str) -> serde_json::Value {
+        let mut f = finding(path, line, evidence);
+        f["suggested_action"] = json!("Handle the error.");
+        f["confidence"] = json!("high");
+        f
+    }
+
     #[test]
-    fn registry_knows_v1_only() {
+    fn v2_findings_carry_a_range_a_side_an_action_and_a_fingerprint() {
+        let d = crate::diff::parse(
+            "--- a/src/app.rs\n+++ b/src/app.rs\n@@ -1,3 +1,4 @@\n fn main() {\n-    let old = secret();\n+    let new = token();\n+    use_it(new);\n }\n",
+        )
+        .unwrap();
+        let mut ranged = v2("src/app.rs", 2, "let new = token();");
+        ranged["end_line"] = json!(3);
+        ranged["suggested_replacement"] = json!("    let new = token()?;\n    use_it(new);");
+        let mut old_side = v2("src/app.rs", 2, "let old = secret();");
+        old_side["side"] = json!("old");
+        // OpenAI's strict mode sends optional fields as null.
+        let mut nulls = v2("src/app.rs", 3, "use_it(new);");
+        nulls["end_line"] = json!(null);
+        nulls["side"] = json!(null);
+        nulls["suggested_replacement"] = json!(null);
+        let out = json!({"findings": [ranged, old_side, nulls]});
+        let v = validate(FINDINGS_V2, &out.to_string(), &d).unwrap();
+        assert!(v.quarantined.is_empty(), "{:?}", v.quarantined);
+        assert_eq!(v.findings[0].lines(), 2..=3);
+        assert_eq!(v.findings[1].side(), Side::Old);
+        assert_eq!(v.findings[0].suggested_action.as_deref(), Some("Handle the error."));
+        assert_eq!((v.findings[2].end_line, v.findings[2].side), (None, None));
+        // The fingerprint ignores line numbers and whitespace layout, not the evidence.
+        let fp = |f: &Finding| f.fingerprint.clone().unwrap();
+        let mut moved = v.findings[0].clone();
+        moved.line = 40;
+        moved.evidence = "let  new =\ttoken();".into();
+        assert_eq!(fingerprint(&moved), fp(&v.findings[0]));
+        assert_ne!(fp(&v.findings[0]), fp(&v.findings[2]));
+        assert_eq!(fp(&v.findings[0]).len(), 32);
+    }
+
+    #[test]
+    fn v2_ranges_and_replacements_must_fit_the_diff() {
+        let d = diff();
+        let mut backwards = v2("src/app.rs", 2, "y.unwrap()");
+        backwards["end_line"] = json!(1);
+        let mut across_hunks = v2("src/app.rs", 2, "y.unwrap()");
+        across_hunks["end_line"] = json!(22);
+        let mut old_replacement = v2("src/app.rs", 1, "fn main()");
+        old_replacement["side"] = json!("old");
+        old_replacement["suggested_replacement"] = json!("fn main() -> Result<()> {");
+        let mut no_action = v2("src/app.rs", 2, "y.unwrap()");
+        no_action.as_object_mut().unwrap().remove("suggested_action");
+        let out =
+            json!({"findings": [backwards, across_hunks, old_replacement, no_action, v2("src/app.rs", 22, "TODO")]});
+        let v = validate(FINDINGS_V2, &out.to_string(), &d).unwrap();
+        let reasons: Vec<_> = v.quarantined.iter().map(|q| (q.index, q.reason)).collect();
+        assert_eq!(
+            reasons,
+            vec![
+                (0, QuarantineReason::RangeOutsideHunk),
+                (1, QuarantineReason::RangeOutsideHunk),
+                (2, QuarantineReason::ReplacementNotApplicable),
+                (3, QuarantineReason::Schema),
+            ]
+        );
+        assert_eq!(v.findings.len(), 1);
+        // v1 stays as it was: the v2 fields are not part of it.
+        let out = json!({"findings": [v2("src/app.rs", 2, "y.unwrap()")]});
+        assert_eq!(validate(FINDINGS_V1, &out.to_string(), &d), Err(InvalidOutput::AllFindingsInvalid));
+    }
+
+    #[test]
+    fn registry_knows_v1_and_v2() {
         assert!(is_known_schema("findings.v1"));
-        assert!(!is_known_schema("findings.v2"));
-        assert_eq!(known_schemas(), vec!["findings.v1"]);
+        assert!(is_known_schema("findings.v2"));
+        assert!(!is_known_schema("findings.v3"));
+        assert_eq!(known_schemas(), vec!["findings.v1", "findings.v2"]);
         assert!(schema_document(LATEST_SCHEMA).is_some());
     }
 

@@ -61,6 +61,8 @@ pub enum TerminalReason {
     StoreBudgetExhausted,
     /// The reconciler found the job with no message, no live lease and no kept result.
     Lost,
+    /// The review needs more parts than the extractor's limit (`REVIEWLANE_MAX_PARTS`).
+    TooLarge,
 }
 
 impl TerminalReason {
@@ -78,6 +80,7 @@ impl TerminalReason {
             TerminalReason::DeliveryBudgetExhausted => "delivery_budget_exhausted",
             TerminalReason::StoreBudgetExhausted => "store_budget_exhausted",
             TerminalReason::Lost => "lost",
+            TerminalReason::TooLarge => "too_large",
         }
     }
 }
@@ -199,6 +202,50 @@ pub struct JobRecord {
     /// price of the model (0 when no price is configured).
     #[serde(default)]
     pub cost_micro_usd: u64,
+    /// A review larger than the model's context is split into parts (see `chunk`): the
+    /// plan and the parts done. `None` for a review of one part.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parts: Option<Parts>,
+    /// Findings over the configured cap, left out of the result.
+    #[serde(default)]
+    pub findings_dropped: u32,
+}
+
+/// How a review was split and which parts are done: the checkpoint that lets a crash, a
+/// 429 or a schema retry redo only the parts not done, and no part be paid twice.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parts {
+    pub total: u32,
+    /// What the review was split with: every later holder splits it alike.
+    pub plan: crate::chunk::Plan,
+    /// Done parts, by index.
+    #[serde(default)]
+    pub done: Vec<PartDone>,
+}
+
+impl Parts {
+    /// The first part not done yet.
+    pub fn next(&self) -> Option<u32> {
+        (0..self.total).find(|i| !self.done.iter().any(|d| d.index == *i))
+    }
+
+    pub fn complete(&self) -> bool {
+        self.next().is_none()
+    }
+}
+
+/// A part whose answer is validated and kept (on `PARTS_<R>` at `seq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartDone {
+    pub index: u32,
+    /// Stream sequence of the kept part result: the findings reference.
+    pub seq: u64,
+    pub findings: u32,
+    pub quarantined: u32,
+    /// Tokens of the call that answered this part (zero when it was resumed from a
+    /// result kept before a crash).
+    #[serde(default)]
+    pub tokens: Tokens,
 }
 
 /// Input and output tokens.
@@ -235,9 +282,15 @@ pub enum Event {
         /// Why the output was invalid (schema budget): a class, never content.
         invalid_output: Option<String>,
     },
-    /// The output passed validation and the findings of this generation are kept on
-    /// `FINDINGS_<R>`.
-    Validated { generation: u32, findings: u32, quarantined: u32 },
+    /// The review is split into parts (once; the plan every later holder follows).
+    Planned { generation: u32, total: u32, plan: crate::chunk::Plan },
+    /// One part's answer is validated and kept. `release`: the holder gives its lease up
+    /// (the next part is another delivery, admitted like any call).
+    PartDone { generation: u32, part: PartDone, release: bool },
+    /// The output passed validation (for a split review: every part's, merged) and the
+    /// findings of this generation are kept on `FINDINGS_<R>`; `dropped` findings were
+    /// over the cap.
+    Validated { generation: u32, findings: u32, quarantined: u32, dropped: u32 },
     /// A publisher claimed the delivery of the validated result.
     Delivering,
     /// The findings were delivered.
@@ -314,6 +367,8 @@ impl JobRecord {
             deadline_ms: None,
             tokens: Tokens::default(),
             cost_micro_usd: 0,
+            parts: None,
+            findings_dropped: 0,
         }
     }
 }
@@ -335,6 +390,8 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
         Event::Extended { generation, .. }
         | Event::RetryScheduled { generation, .. }
         | Event::Validated { generation, .. }
+        | Event::Planned { generation, .. }
+        | Event::PartDone { generation, .. }
         | Event::Terminate { generation: Some(generation), .. } => Some(*generation),
         _ => None,
     };
@@ -381,11 +438,38 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
                 next.last_invalid_output = invalid_output.clone();
             }
         }
-        (_, Event::Validated { findings, quarantined, .. }) => {
+        (_, Event::Planned { total, plan, .. }) => {
             running()?;
+            match &rec.parts {
+                None => next.parts = Some(Parts { total: *total, plan: *plan, done: Vec::new() }),
+                Some(p) if p.total == *total && p.plan == *plan => {}
+                Some(_) => return Err(TransitionError::NotAllowed(rec.state)),
+            }
+        }
+        (_, Event::PartDone { part, release, .. }) => {
+            running()?;
+            let parts = next.parts.as_mut().ok_or(TransitionError::NotAllowed(rec.state))?;
+            if part.index >= parts.total {
+                return Err(TransitionError::NotAllowed(rec.state));
+            }
+            if !parts.done.iter().any(|d| d.index == part.index) {
+                parts.done.push(*part);
+                parts.done.sort_by_key(|d| d.index);
+            }
+            if *release {
+                next.lease_expires_at_ms = Some(now_ms);
+            }
+        }
+        (_, Event::Validated { findings, quarantined, dropped, .. }) => {
+            running()?;
+            // A split review is validated only once every part is.
+            if rec.parts.as_ref().is_some_and(|p| !p.complete()) {
+                return Err(TransitionError::NotAllowed(rec.state));
+            }
             next.state = Validated;
             next.findings_count = *findings;
             next.quarantined_count = *quarantined;
+            next.findings_dropped = *dropped;
             next.lease_expires_at_ms = None;
             next.last_upstream_status = Some("2xx".into());
         }
@@ -466,7 +550,7 @@ mod tests {
         let r = apply(&r, lease("a", 30_100));
         assert_eq!(r.state, JobState::Running);
         assert_eq!((r.lease_expires_at_ms, r.owner.as_deref(), r.generation()), (Some(30_100), Some("a"), 1));
-        let r = apply(&r, Event::Validated { generation: 1, findings: 3, quarantined: 2 });
+        let r = apply(&r, Event::Validated { generation: 1, findings: 3, quarantined: 2, dropped: 0 });
         assert_eq!((r.state, r.findings_count, r.quarantined_count), (JobState::Validated, 3, 2));
         assert_eq!(r.lease_expires_at_ms, None);
         let r = apply(&r, Event::Published);
@@ -503,7 +587,7 @@ mod tests {
     fn a_stale_holder_can_neither_record_nor_retry_nor_end_the_job() {
         let a = apply(&rec(), lease("a", 50));
         let b = apply(&a, lease("b", 500));
-        let stale = Event::Validated { generation: 1, findings: 1, quarantined: 0 };
+        let stale = Event::Validated { generation: 1, findings: 1, quarantined: 0, dropped: 0 };
         assert_eq!(transition(&b, &stale, 100), Err(TransitionError::Fenced { writer: 1, newest: 2 }));
         assert_eq!(
             transition(&b, &retry(1, Budget::Transient, 9), 100),
@@ -517,11 +601,11 @@ mod tests {
         // The newest holder's writes go through.
         let extended = apply(&b, Event::Extended { generation: 2, lease_expires_at_ms: 900 });
         assert_eq!(extended.lease_expires_at_ms, Some(900));
-        let done = apply(&extended, Event::Validated { generation: 2, findings: 1, quarantined: 0 });
+        let done = apply(&extended, Event::Validated { generation: 2, findings: 1, quarantined: 0, dropped: 0 });
         assert_eq!(done.state, JobState::Validated);
         // Once validated, nothing of a lease holder applies any more.
         assert_eq!(
-            transition(&done, &Event::Validated { generation: 2, findings: 1, quarantined: 0 }, 100),
+            transition(&done, &Event::Validated { generation: 2, findings: 1, quarantined: 0, dropped: 0 }, 100),
             Err(TransitionError::NotAllowed(JobState::Validated))
         );
         // A stale holder is told it lost its lease even after the job is final.
@@ -540,7 +624,7 @@ mod tests {
     fn terminal_from_every_non_final_state_and_nothing_after_final() {
         let waiting = rec();
         let running = apply(&waiting, lease("a", 5));
-        let validated = apply(&running, Event::Validated { generation: 1, findings: 0, quarantined: 0 });
+        let validated = apply(&running, Event::Validated { generation: 1, findings: 0, quarantined: 0, dropped: 0 });
         for r in [waiting, running.clone(), validated.clone()] {
             let t = apply(&r, cancel());
             assert_eq!((t.state, t.reason), (JobState::Terminal, Some(TerminalReason::Cancelled)));
@@ -554,8 +638,10 @@ mod tests {
 
     #[test]
     fn a_cancel_ends_the_job_until_its_delivery_has_started() {
-        let validated =
-            apply(&apply(&rec(), lease("a", 5)), Event::Validated { generation: 1, findings: 1, quarantined: 0 });
+        let validated = apply(
+            &apply(&rec(), lease("a", 5)),
+            Event::Validated { generation: 1, findings: 1, quarantined: 0, dropped: 0 },
+        );
         let cancelled = apply(&validated, Event::Cancel);
         assert_eq!((cancelled.state, cancelled.reason), (JobState::Terminal, Some(TerminalReason::Cancelled)));
         let delivering = apply(&validated, Event::Delivering);
@@ -573,11 +659,45 @@ mod tests {
     }
 
     #[test]
+    fn a_split_review_is_validated_only_once_every_part_is_done() {
+        let plan = crate::chunk::Plan {
+            limits: crate::chunk::PartLimits::default(),
+            tokenizer: crate::chunk::Tokenizer::Estimate { milli_bytes_per_token: 3500 },
+        };
+        let r = apply(&rec(), lease("a", 500));
+        let r = apply(&r, Event::Planned { generation: 1, total: 2, plan });
+        assert_eq!(r.parts.as_ref().map(|p| (p.total, p.next())), Some((2, Some(0))));
+        let part = |index, seq| PartDone { index, seq, findings: 1, quarantined: 0, tokens: Tokens::default() };
+        let validated = Event::Validated { generation: 1, findings: 2, quarantined: 0, dropped: 0 };
+        assert_eq!(transition(&r, &validated, 100), Err(TransitionError::NotAllowed(JobState::Running)));
+        // The holder gives the lease up after a part: the next one may be leased at once.
+        let r = apply(&r, Event::PartDone { generation: 1, part: part(0, 7), release: true });
+        assert_eq!((r.state, r.lease_expires_at_ms), (JobState::Running, Some(100)));
+        let r = transition(&r, &lease("b", 900), 100).unwrap();
+        // A repeat of a done part changes nothing; a part beyond the plan is refused.
+        let again = apply(&r, Event::PartDone { generation: 2, part: part(0, 9), release: false });
+        assert_eq!(again.parts.as_ref().unwrap().done, vec![part(0, 7)]);
+        let beyond = Event::PartDone { generation: 2, part: part(2, 9), release: false };
+        assert!(matches!(transition(&r, &beyond, 100), Err(TransitionError::NotAllowed(_))));
+        // A stale holder's part is fenced like any of its writes.
+        let stale = Event::PartDone { generation: 1, part: part(1, 8), release: true };
+        assert_eq!(transition(&r, &stale, 100), Err(TransitionError::Fenced { writer: 1, newest: 2 }));
+        // Another plan for the same job is refused; the same one is a no-op.
+        let other = Event::Planned { generation: 2, total: 3, plan };
+        assert!(matches!(transition(&r, &other, 100), Err(TransitionError::NotAllowed(_))));
+        let r = apply(&r, Event::Planned { generation: 2, total: 2, plan });
+        let r = apply(&r, Event::PartDone { generation: 2, part: part(1, 8), release: false });
+        assert!(r.parts.as_ref().unwrap().complete());
+        let done = apply(&r, Event::Validated { generation: 2, findings: 2, quarantined: 0, dropped: 3 });
+        assert_eq!((done.state, done.findings_dropped), (JobState::Validated, 3));
+    }
+
+    #[test]
     fn out_of_order_events_are_refused() {
         let r = rec();
         assert!(matches!(transition(&r, &Event::Published, 1), Err(TransitionError::NotAllowed(_))));
         assert!(matches!(
-            transition(&r, &Event::Validated { generation: 0, findings: 1, quarantined: 0 }, 1),
+            transition(&r, &Event::Validated { generation: 0, findings: 1, quarantined: 0, dropped: 0 }, 1),
             Err(TransitionError::NotAllowed(_))
         ));
         let running = apply(&r, lease("a", 5));

@@ -40,6 +40,15 @@ pub fn findings_stream(r: Region) -> String {
 pub fn findings_subject(r: Region, tenant: &str, job_id: &str, generation: u32) -> String {
     format!("findings.{}.{}.{}.{}", r.as_str(), tenant, job_id, generation)
 }
+/// The kept results of a split review's parts (see `chunk`): read back by the holder
+/// that merges them, never delivered.
+pub fn parts_stream(r: Region) -> String {
+    format!("PARTS_{}", r.upper())
+}
+/// `parts.<r>.<tenant>.<job id>.<part index>`: one subject per part of a job.
+pub fn parts_subject(r: Region, tenant: &str, job_id: &str, index: u32) -> String {
+    format!("parts.{}.{}.{}.{}", r.as_str(), tenant, job_id, index)
+}
 /// Object store of results too large for one message: `FINDINGS_<R>` (stream
 /// `OBJ_FINDINGS_<R>`), object name `<job id>.<generation>`.
 pub fn findings_objects(r: Region) -> String {
@@ -449,6 +458,11 @@ fn specs(region: Region, cfg: &LayoutConfig) -> Vec<Spec> {
         Managed { max_age: cfg.findings_max_age, max_bytes: cfg.findings_max_bytes, ..base.clone() },
     ));
     out.push(stream_spec(
+        parts_stream(region),
+        vec![format!("parts.{}.>", region.as_str())],
+        Managed { max_age: cfg.findings_max_age, max_bytes: cfg.findings_max_bytes, ..base.clone() },
+    ));
+    out.push(stream_spec(
         deadletter_stream(region),
         vec![format!("deadletter.{}.>", region.as_str())],
         Managed { max_age: cfg.deadletter_max_age, ..base.clone() },
@@ -614,6 +628,7 @@ mod tests {
         assert_eq!(lane_filter(Region::Us, Lane::Batch, "acme"), "reviews.us.batch.acme.>");
         assert_eq!(lane_subject(Region::Us, Lane::Batch, "acme", "us_1"), "reviews.us.batch.acme.us_1");
         assert_eq!(findings_subject(Region::Eu, "t", "eu_1", 2), "findings.eu.t.eu_1.2");
+        assert_eq!(parts_subject(Region::Us, "t", "us_1", 3), "parts.us.t.us_1.3");
         assert_eq!(jobs_bucket(Region::Us), "JOBS_US");
         assert_eq!(region_bucket(Region::Eu), "REGION_EU");
     }

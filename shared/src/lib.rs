@@ -4,6 +4,7 @@
 //! no I/O; `layout` is the one place that knows the NATS names of a region.
 
 pub mod admin;
+pub mod aggregate;
 pub mod api;
 pub mod chunk;
 pub mod clock;

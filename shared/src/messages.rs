@@ -96,6 +96,16 @@ pub struct FindingsMessage {
     pub findings: Vec<Finding>,
     pub quarantined: Vec<Quarantined>,
     pub submitted_at_ms: u64,
+    /// The part of a split review this result answers (on `PARTS_<R>`; never delivered).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<u32>,
+    /// Findings over the cap, left out of a split review's merged result.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub findings_dropped: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A dead letter's reference on `DEADLETTER_<R>`: what an operator needs to decide and
@@ -133,6 +143,9 @@ pub struct Delivery {
     pub metadata: ReviewMetadata,
     pub findings: Vec<Finding>,
     pub quarantined_count: u32,
+    /// Findings left out because the merged result of a split review was over the cap.
+    #[serde(default)]
+    pub findings_dropped: u32,
 }
 
 impl Delivery {
@@ -147,6 +160,7 @@ impl Delivery {
             metadata: m.metadata.clone(),
             findings: m.findings.clone(),
             quarantined_count: m.quarantined.len() as u32,
+            findings_dropped: m.findings_dropped,
         }
     }
 }

@@ -177,9 +177,9 @@ proptest! {
     /// parses; a part over the budget holds a single line that cannot be cut.
     #[test]
     fn parts_cover_every_added_line_once((text, added) in generated_diff(), max_tokens in 20usize..400) {
-        use reviewlane_shared::chunk::{PartLimits, split};
-        let limits = PartLimits { max_tokens, bytes_per_token: 1.0, fill: 1.0, overlap: 2 };
-        let parts = split(&diff::parse(&text).unwrap(), &limits);
+        use reviewlane_shared::chunk::{Estimate, PartLimits, split};
+        let limits = PartLimits { max_tokens, fill_percent: 100, overlap: 2 };
+        let parts = split(&diff::parse(&text).unwrap(), &limits, &Estimate { bytes_per_token: 1.0 });
         let mut found = Vec::new();
         for p in &parts {
             let d = diff::parse(&p.text).map_err(|e| TestCaseError::fail(format!("{e}\n{}", p.text)))?;

@@ -56,6 +56,8 @@ pub fn result(rec: &JobRecord, generation: u32) -> FindingsMessage {
         findings: Vec::new(),
         quarantined: Vec::new(),
         submitted_at_ms: rec.created_at_ms,
+        part: None,
+        findings_dropped: 0,
     }
 }
 
@@ -66,6 +68,6 @@ pub async fn validated(s: &RegionStores, key: &str, now_ms: u64) -> (JobRecord, 
     s.jobs.create(&rec).await.unwrap();
     let lease = Event::Leased { owner: "test".into(), lease_expires_at_ms: now_ms + 60_000 };
     let generation = s.jobs.apply(&rec.job_id, &lease).await.unwrap().generation();
-    s.jobs.apply(&rec.job_id, &Event::Validated { generation, findings: 0, quarantined: 0 }).await.unwrap();
+    s.jobs.apply(&rec.job_id, &Event::Validated { generation, findings: 0, quarantined: 0, dropped: 0 }).await.unwrap();
     (rec, generation)
 }

@@ -218,6 +218,7 @@ async fn a_provider_answer_over_the_size_cap_is_never_read_whole() {
         diff_text: &text,
         diff: &diff,
         review_depth: Default::default(),
+        part: None,
     };
     let small = r#"{"findings":[]}"#.to_string();
     sim.script([

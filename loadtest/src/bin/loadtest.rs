@@ -8,7 +8,7 @@
 //! object as its last line. Exits 1 when correctness is violated.
 //!
 //! Scenarios: lab, storm, dup, overhead, flood, fairness, soak (see `scenarios.rs`
-//! and BENCHMARKS.md). `--in-process` runs the services inside this process instead
+//! and BENCHMARKS.md); `chaos`, `replicas`, and `large` (one review split into parts). `--in-process` runs the services inside this process instead
 //! (no RSS figures). `--provider anthropic` runs the extractors through the Anthropic
 //! Messages adapter against the simulated provider's Anthropic mode (default: the
 //! OpenAI-compatible adapter).
@@ -23,7 +23,7 @@ use loadtest::stack::Stack;
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
     format!(
-        "usage: loadtest <{}|chaos|replicas> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        "usage: loadtest <{}|chaos|replicas|large> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
         names.join("|")
     )
 }
@@ -42,6 +42,23 @@ async fn replicas() -> anyhow::Result<()> {
     loadtest::replicas::print(&report);
     println!("{}", serde_json::to_string(&report)?);
     if report.lost > 0 || report.paid_twice > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// `large`: one review far larger than the model's context, end to end.
+async fn large() -> anyhow::Result<()> {
+    let cfg = loadtest::large::LargeConfig::full();
+    loadtest::procs::ensure_nats_server()?;
+    ensure_built()?;
+    let stack = ProcStack::start(cfg.options()).await?;
+    let report = loadtest::large::run(&stack, &cfg).await;
+    let _ = stack.shutdown();
+    let report = report?;
+    loadtest::large::print(&report);
+    println!("{}", serde_json::to_string(&report)?);
+    if !report.published || report.deliveries != 1 || report.paid_calls != u64::from(report.parts) {
         std::process::exit(1);
     }
     Ok(())
@@ -80,6 +97,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.first().map(String::as_str) == Some("replicas") {
         return replicas().await;
+    }
+    if args.first().map(String::as_str) == Some("large") {
+        return large().await;
     }
     let Some(scenario) = args.first().and_then(|a| Scenario::parse(a)) else { bail!(usage()) };
     let mut over = Overrides::default();

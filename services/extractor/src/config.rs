@@ -36,6 +36,13 @@
 //! | `REVIEWLANE_RESULT_INLINE_MAX_BYTES` | the server's message limit | results larger than this go whole to the `FINDINGS_<R>` object store |
 //! | `REVIEWLANE_QUARANTINE_RAW_MAX_BYTES` | `4096` | raw item kept with a quarantined finding; longer ones are cut (digest and length kept) |
 //! | `REVIEWLANE_RECONCILE_EVERY_SECS` | `30` | how often the reconciler looks for stranded jobs |
+//! | `REVIEWLANE_CONTEXT_TOKENS` | `100000` | the model's context budget for the diff; a larger review is split into parts, each its own call |
+//! | `REVIEWLANE_PART_FILL_PERCENT` | `80` | share of that budget a part fills (the rest is the count's margin) |
+//! | `REVIEWLANE_PART_OVERLAP_LINES` | `3` | unchanged lines repeated before each range of a hunk cut across parts |
+//! | `REVIEWLANE_TOKENIZER` | `auto` | how parts are counted: `o200k`, `cl100k` (OpenAI's tokenizers), `estimate`, or `auto` (the model's tokenizer when it is an OpenAI model, else `estimate`) |
+//! | `REVIEWLANE_BYTES_PER_TOKEN` | `3.0` | the estimate's ratio (code is about 3.5 with OpenAI's and Anthropic's tokenizers; lower is safer) |
+//! | `REVIEWLANE_MAX_PARTS` | `64` | a review needing more parts ends `too_large` without a call |
+//! | `REVIEWLANE_FINDINGS_CAP` | `500` | findings kept of a split review's merged result (most severe first); the rest are counted as dropped |
 //! | `REVIEWLANE_RECONCILE_GRACE_SECS` | `120` | how long a job may go without a message or live lease before it counts as stranded |
 
 use std::time::Duration;
@@ -204,6 +211,32 @@ pub struct ExtractorConfig {
     pub prices: std::collections::HashMap<String, Price>,
     /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
     pub nats: reviewlane_shared::nats_client::NatsClientConfig,
+    /// Splitting reviews larger than the model's context into parts.
+    pub parts: PartConfig,
+}
+
+/// How reviews larger than the model's context are split (see
+/// `reviewlane_shared::chunk`) and merged.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PartConfig {
+    /// Limits and tokenizer of new splits (a split job keeps the plan it started with).
+    pub plan: reviewlane_shared::chunk::Plan,
+    pub max_parts: u32,
+    pub findings_cap: u32,
+}
+
+impl PartConfig {
+    /// Defaults for a model: its tokenizer when tiktoken knows it, else the estimate.
+    pub fn for_model(model: &str) -> Self {
+        PartConfig {
+            plan: reviewlane_shared::chunk::Plan {
+                limits: Default::default(),
+                tokenizer: crate::tokenizer::for_model(model).unwrap_or_default(),
+            },
+            max_parts: 64,
+            findings_cap: 500,
+        }
+    }
 }
 
 impl ExtractorConfig {
@@ -213,6 +246,7 @@ impl ExtractorConfig {
             ProviderConfig::Builtin => "builtin".to_string(),
             ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model.clone(),
         };
+        let parts = PartConfig::for_model(&model_class);
         ExtractorConfig {
             region,
             admin_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9465)),
@@ -247,6 +281,7 @@ impl ExtractorConfig {
             layout: Default::default(),
             nats: Default::default(),
             prices: Default::default(),
+            parts,
         }
     }
 
@@ -386,6 +421,7 @@ impl ExtractorConfig {
         if reconcile.every.is_zero() {
             r.error("REVIEWLANE_RECONCILE_EVERY_SECS must be positive");
         }
+        let parts = read_parts(&mut r, &provider);
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
@@ -438,8 +474,51 @@ impl ExtractorConfig {
             layout,
             nats,
             prices,
+            parts,
         })
     }
+}
+
+/// `REVIEWLANE_CONTEXT_TOKENS` and the rest of the split settings.
+fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConfig {
+    use reviewlane_shared::chunk::{PartLimits, Plan, Tokenizer};
+    let model = match provider {
+        Some(ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. }) => model.as_str(),
+        _ => "builtin",
+    };
+    let d = PartConfig::for_model(model);
+    let limits = PartLimits {
+        max_tokens: r.or("REVIEWLANE_CONTEXT_TOKENS", d.plan.limits.max_tokens, "a token count"),
+        fill_percent: r.or("REVIEWLANE_PART_FILL_PERCENT", d.plan.limits.fill_percent, "a percentage"),
+        overlap: r.or("REVIEWLANE_PART_OVERLAP_LINES", d.plan.limits.overlap, "a line count"),
+    };
+    if limits.max_tokens < 1000 {
+        r.error("REVIEWLANE_CONTEXT_TOKENS must be at least 1000");
+    }
+    if !(1..=100).contains(&limits.fill_percent) {
+        r.error("REVIEWLANE_PART_FILL_PERCENT must be between 1 and 100");
+    }
+    let bytes_per_token: f64 = r.or("REVIEWLANE_BYTES_PER_TOKEN", 3.0, "a number");
+    if !(0.5..=16.0).contains(&bytes_per_token) {
+        r.error("REVIEWLANE_BYTES_PER_TOKEN must be between 0.5 and 16");
+    }
+    let estimate = Tokenizer::Estimate { milli_bytes_per_token: (bytes_per_token * 1000.0) as u32 };
+    let tokenizer = match r.raw("REVIEWLANE_TOKENIZER").as_deref().unwrap_or("auto") {
+        "auto" => crate::tokenizer::for_model(model).unwrap_or(estimate),
+        "o200k" => Tokenizer::O200k,
+        "cl100k" => Tokenizer::Cl100k,
+        "estimate" => estimate,
+        _ => {
+            r.error("REVIEWLANE_TOKENIZER must be `auto`, `o200k`, `cl100k` or `estimate`");
+            estimate
+        }
+    };
+    let max_parts: u32 = r.or("REVIEWLANE_MAX_PARTS", d.max_parts, "a count");
+    let findings_cap: u32 = r.or("REVIEWLANE_FINDINGS_CAP", d.findings_cap, "a count");
+    if max_parts == 0 || findings_cap == 0 {
+        r.error("REVIEWLANE_MAX_PARTS and REVIEWLANE_FINDINGS_CAP must be positive");
+    }
+    PartConfig { plan: Plan { limits, tokenizer }, max_parts, findings_cap }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ pub mod reconcile;
 pub mod retry_hint;
 pub mod schedule;
 pub mod startup;
+pub mod tokenizer;
 pub mod upstream;
 pub mod worker;
 

@@ -99,6 +99,7 @@ impl Reconciler {
                     generation,
                     findings: kept.findings.len() as u32,
                     quarantined: kept.quarantined.len() as u32,
+                    dropped: kept.findings_dropped,
                 },
                 "resumed",
             ),

@@ -161,6 +161,7 @@ pub async fn build_with_provider(
         quarantine_raw_max: config.quarantine_raw_max,
         clock,
         faults: config.faults.clone(),
+        parts: config.parts,
         provider,
         quota: quota.clone(),
         metrics,

@@ -12,7 +12,6 @@ use reviewlane_shared::job::ReviewDepth;
 use reviewlane_shared::schema_dialect::SchemaDialect;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::openai::{CHANGED_HUNKS_PROMPT, JOB_ID_HEADER, SYSTEM_PROMPT};
 use super::{Provider, ProviderRequest};
 use crate::upstream::{UpstreamOutcome, classify_anthropic};
 
@@ -69,10 +68,7 @@ impl AnthropicProvider {
             // At degraded depth a quarter of the output budget.
             "max_tokens": if degraded { (self.max_tokens / 4).max(256) } else { self.max_tokens },
             "temperature": 0,
-            "system": match req.review_depth {
-                ReviewDepth::Full => SYSTEM_PROMPT.to_string(),
-                ReviewDepth::ChangedHunks => format!("{SYSTEM_PROMPT} {CHANGED_HUNKS_PROMPT}"),
-            },
+            "system": super::instructions(req),
             "messages": [{"role": "user", "content": req.diff_text}],
             "tools": [{
                 "name": TOOL,
@@ -84,11 +80,8 @@ impl AnthropicProvider {
     }
 
     async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
-        let mut rb = self
-            .http
-            .post(&self.endpoint)
+        let mut rb = super::identify(self.http.post(&self.endpoint), req)
             .header("anthropic-version", ANTHROPIC_VERSION)
-            .header(JOB_ID_HEADER, req.job_id)
             .json(&self.body(req));
         if let Some(key) = &self.api_key {
             rb = rb.header("x-api-key", key.expose_secret());

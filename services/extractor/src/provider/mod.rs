@@ -20,6 +20,20 @@ pub struct ProviderRequest<'a> {
     pub diff_text: &'a str,
     pub diff: &'a Diff,
     pub review_depth: ReviewDepth,
+    /// The part of a split review this call answers (`None`: the whole review).
+    pub part: Option<u32>,
+}
+
+/// Header naming the part of a split review a call answers (an index, never content).
+pub const PART_HEADER: &str = "x-reviewlane-part";
+
+/// Names the job (and the part) on a provider call, for the provider's logs and support.
+pub(crate) fn identify(rb: reqwest::RequestBuilder, req: &ProviderRequest<'_>) -> reqwest::RequestBuilder {
+    let rb = rb.header(openai::JOB_ID_HEADER, req.job_id);
+    match req.part {
+        Some(i) => rb.header(PART_HEADER, i.to_string()),
+        None => rb,
+    }
 }
 
 pub trait Provider: Send + Sync + 'static {
@@ -33,7 +47,23 @@ pub trait Provider: Send + Sync + 'static {
 
 /// Version of the instructions the adapters send; part of the result-cache key, so a
 /// changed prompt never serves answers to the old one. Bump it with any prompt change.
-pub const PROMPT_VERSION: &str = "prompt.v1";
+pub const PROMPT_VERSION: &str = "prompt.v2";
+
+/// The instructions a call is sent with: the reviewer's task, then what the depth, the
+/// schema version and a split review add.
+pub(crate) fn instructions(req: &ProviderRequest<'_>) -> String {
+    let mut text = openai::SYSTEM_PROMPT.to_string();
+    if req.review_depth == ReviewDepth::ChangedHunks {
+        text = format!("{text} {}", openai::CHANGED_HUNKS_PROMPT);
+    }
+    if req.schema_version == reviewlane_shared::findings::FINDINGS_V2 {
+        text = format!("{text} {}", openai::V2_PROMPT);
+    }
+    if req.part.is_some() {
+        text = format!("{text} {}", openai::PART_PROMPT);
+    }
+    text
+}
 
 /// Status of a request the adapter refuses to send (another region's content).
 pub const REFUSED_OTHER_REGION: u16 = 421;

@@ -27,6 +27,14 @@ an empty `findings` list is a valid answer.";
 pub(super) const CHANGED_HUNKS_PROMPT: &str = "The service is under load: review only the changed lines, report only problems \
 of medium severity or higher, and keep messages short.";
 
+/// Added for `findings.v2`.
+pub(super) const V2_PROMPT: &str = "For each finding also give `suggested_action` (what to do), your `confidence`, \
+`end_line` when it spans several lines of one hunk, `side` `old` only when the lines are removed ones, and \
+`suggested_replacement` only when you can give the exact new lines that replace `line` to `end_line`.";
+
+/// Added when the diff is one part of a larger one.
+pub(super) const PART_PROMPT: &str = "The diff is one part of a larger change; review what it shows.";
+
 pub struct OpenAiProvider {
     http: reqwest::Client,
     endpoint: String,
@@ -85,10 +93,7 @@ impl OpenAiProvider {
             "temperature": 0,
             "max_tokens": if degraded { MAX_OUTPUT_TOKENS_DEGRADED } else { MAX_OUTPUT_TOKENS },
             "messages": [
-                {"role": "system", "content": match req.review_depth {
-                    ReviewDepth::Full => SYSTEM_PROMPT.to_string(),
-                    ReviewDepth::ChangedHunks => format!("{SYSTEM_PROMPT} {CHANGED_HUNKS_PROMPT}"),
-                }},
+                {"role": "system", "content": super::instructions(req)},
                 {"role": "user", "content": req.diff_text},
             ],
             "response_format": {
@@ -99,7 +104,7 @@ impl OpenAiProvider {
     }
 
     async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
-        let mut rb = self.http.post(&self.endpoint).header(JOB_ID_HEADER, req.job_id).json(&self.body(req));
+        let mut rb = super::identify(self.http.post(&self.endpoint), req).json(&self.body(req));
         if let Some(key) = &self.api_key {
             rb = rb.bearer_auth(key.expose_secret());
         }
@@ -188,6 +193,7 @@ mod tests {
                 diff_text: &prompt,
                 diff: &parsed,
                 review_depth: depth,
+                part: None,
             };
             provider.body(&req)
         };

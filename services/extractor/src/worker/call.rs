@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use super::{Job, Lease, Worker};
+use super::{Job, Lease, Target, Worker};
 use crate::provider::ProviderRequest;
 use crate::upstream::UpstreamOutcome;
 
@@ -42,16 +42,17 @@ impl Worker {
         &self,
         job: &Job<'_>,
         lease: &Lease,
+        target: &Target<'_>,
         abort: &CancellationToken,
     ) -> Result<Answer, StoreError> {
-        let diff = job.diff.as_ref().expect("trip checked the diff");
         let req = ProviderRequest {
             job_id: job.id(),
             region: job.review.region,
             schema_version: &job.review.schema_version,
-            diff_text: &crate::provider::prompt_diff(job.review, diff),
-            diff,
+            diff_text: &target.text,
+            diff: target.diff,
             review_depth: job.review.review_depth,
+            part: target.part,
         };
         let started_ms = self.clock.now_ms();
         // Time the job waited while eligible: since submit, or since its retry delay ended.
@@ -60,6 +61,7 @@ impl Worker {
             "provider.attempt",
             otel.kind = "client",
             attempt = lease.generation(),
+            part = target.part.map(i64::from).unwrap_or(-1),
             provider = self.provider.name(),
             model_class = %job.scope.model_class,
             queue_wait_ms = started_ms.saturating_sub(eligible_at_ms),

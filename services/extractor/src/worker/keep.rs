@@ -19,8 +19,13 @@ use super::{Job, Lease, Worker};
 
 impl Worker {
     /// JSON, JSON Schema, then the diff: `Err` when the whole output is unusable.
-    pub(super) fn validate(&self, job: &Job<'_>, lease: &Lease, output: &str) -> Result<Validated, InvalidOutput> {
-        let diff = job.diff.as_ref().expect("trip checked the diff");
+    pub(super) fn validate(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        diff: &reviewlane_shared::diff::Diff,
+        output: &str,
+    ) -> Result<Validated, InvalidOutput> {
         let span = tracing::info_span!(
             "validate",
             schema_version = %job.review.schema_version,
@@ -47,28 +52,23 @@ impl Worker {
         }
     }
 
-    /// Stores the validated result of this lease's generation; a fresh answer (not one
-    /// from the result cache) also goes into the cache.
-    pub(super) async fn keep(&self, job: &Job<'_>, lease: &Lease, v: Validated, fresh: bool) -> Decision {
+    /// Stores the validated result of this lease's generation (`dropped`: findings a
+    /// split review's merge left out). `cache`: a fresh result, not one from the result
+    /// cache, goes into the cache with the tokens its calls cost.
+    pub(super) async fn keep(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        v: Validated,
+        dropped: u32,
+        cache: Option<Option<reviewlane_shared::job::Tokens>>,
+    ) -> Decision {
         let (n, q) = (v.findings.len(), v.quarantined.len());
         for reason in v.quarantined.iter().map(|q| q.reason.as_str()) {
             tracing::info!(reason, "finding quarantined");
         }
         let review = job.review;
-        let result = FindingsMessage {
-            job_id: review.job_id.clone(),
-            generation: lease.generation(),
-            stored_as: None,
-            tenant: review.tenant.clone(),
-            region: review.region,
-            lane: review.lane,
-            schema_version: review.schema_version.clone(),
-            review_depth: review.review_depth,
-            metadata: review.metadata.clone(),
-            findings: v.findings.clone(),
-            quarantined: v.quarantined.iter().cloned().map(|q| q.bounded(self.quarantine_raw_max)).collect(),
-            submitted_at_ms: review.submitted_at_ms,
-        };
+        let result = FindingsMessage { findings_dropped: dropped, ..self.result_message(job, lease, &v) };
         let span = tracing::info_span!(
             "findings.publish",
             otel.kind = "producer",
@@ -95,11 +95,10 @@ impl Worker {
                 span.record("stored", if at == reviewlane_shared::results::Kept::Inline { "inline" } else { "object" });
                 self.metrics.kept(at);
                 self.metrics.validated(n, v.quarantined.iter().map(|q| q.reason.as_str()));
-                if fresh {
-                    let tokens = *lease.tokens.lock().expect("tokens lock");
+                if let Some(tokens) = cache {
                     self.store_in_cache(job, &v, tokens).await;
                 }
-                Decision::Validated { findings: n, quarantined: q }
+                Decision::Validated { findings: n, quarantined: q, dropped }
             }
             Err(e) => {
                 tracing::error!(error = %e, kind = e.kind(), "a paid answer could not be kept");

@@ -55,8 +55,11 @@ impl Worker {
                 let generation = rec.generation();
                 if let Some(kept) = self.results.read(&rec.tenant, id, generation).await? {
                     tracing::info!(generation, "finishing from the answer a previous holder kept");
-                    let decision =
-                        Decision::Validated { findings: kept.findings.len(), quarantined: kept.quarantined.len() };
+                    let decision = Decision::Validated {
+                        findings: kept.findings.len(),
+                        quarantined: kept.quarantined.len(),
+                        dropped: kept.findings_dropped,
+                    };
                     let lease = Lease::new(rec);
                     return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
                 }

@@ -7,11 +7,13 @@
 //! `lease` (take the job, or find it needs nothing), `call` (the provider, with the
 //! lease kept alive and watched), `keep` (validate, then store the answer before any
 //! other write), `settle` (the one place that records a decision and settles the
-//! message).
+//! message). A review larger than the model's context goes through `parts`: one part
+//! per delivery, then the merge.
 
 mod call;
 mod keep;
 mod lease;
+mod parts;
 mod settle;
 
 use std::sync::Arc;
@@ -69,6 +71,17 @@ pub struct Worker {
     /// Lease times and eligibility.
     pub clock: SharedClock,
     pub faults: Faults,
+    /// Splitting reviews larger than the model's context.
+    pub parts: crate::config::PartConfig,
+}
+
+/// What one call reviews: the whole diff, or one part of a split review.
+pub struct Target<'a> {
+    /// What findings are validated against.
+    pub diff: &'a Diff,
+    /// What the model is shown.
+    pub text: std::borrow::Cow<'a, str>,
+    pub part: Option<u32>,
 }
 
 /// One delivery of a review being worked on.
@@ -186,31 +199,44 @@ impl Worker {
         }
     }
 
-    /// lease -> call (or the result cache) -> keep -> settle.
+    /// lease -> call (or the result cache) -> keep -> settle; or, for a review larger
+    /// than the model's context, lease -> one part -> settle (-> merge -> settle).
     async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<Outcome, StoreError> {
         let lease = match self.lease(job).await? {
             lease::Leased::Held(lease) => lease,
             lease::Leased::Settled(outcome) => return Ok(outcome),
         };
-        if job.diff.is_none() {
+        let Some(diff) = job.diff.as_ref() else {
             let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
             return self.settle(job, Some(&lease), decision).await;
-        }
-        let answer = match self.cached(job).await {
-            Some(hit) => Answer::Cached(hit),
-            None => self.call(job, &lease, abort).await?,
         };
-        let decision = self.decide(job, &lease, answer).await;
+        let whole = Target { diff, text: crate::provider::prompt_diff(job.review, diff), part: None };
+        // A split review under way is finished part by part, never from the cache.
+        if lease.rec.parts.is_none()
+            && let Some(hit) = self.cached(job).await
+        {
+            let decision = self.decide(job, &lease, &whole, Answer::Cached(hit)).await;
+            return self.settle(job, Some(&lease), decision).await;
+        }
+        match self.plan(job, &lease).await? {
+            parts::Planned::Whole => {}
+            parts::Planned::Split(parts, progress) => {
+                return self.split_trip(job, &lease, parts, progress, abort).await;
+            }
+            parts::Planned::Decided(decision) => return self.settle(job, Some(&lease), decision).await,
+        }
+        let answer = self.call(job, &lease, &whole, abort).await?;
+        let decision = self.decide(job, &lease, &whole, answer).await;
         self.settle(job, Some(&lease), decision).await
     }
 
     /// What an answer means for the job. A usable answer is validated and kept here,
     /// before any other write.
-    async fn decide(&self, job: &Job<'_>, lease: &Lease, answer: Answer) -> Decision {
+    async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
         let (upstream, started_ms) = match answer {
             Answer::Cached(hit) => {
                 tracing::info!("result cache hit");
-                return self.keep(job, lease, hit, false).await;
+                return self.keep(job, lease, hit, 0, None).await;
             }
             Answer::Upstream { outcome, started_ms } => (outcome, started_ms),
             Answer::Aborted => return Decision::Release(None),
@@ -228,8 +254,14 @@ impl Worker {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
                     *lease.tokens.lock().expect("tokens lock") = Some(u);
                 }
-                let decision = match self.validate(job, lease, &output) {
-                    Ok(validated) => self.keep(job, lease, validated, true).await,
+                let decision = match self.validate(job, lease, target.diff, &output) {
+                    Ok(validated) => match target.part {
+                        None => {
+                            let tokens = *lease.tokens.lock().expect("tokens lock");
+                            self.keep(job, lease, validated, 0, Some(tokens)).await
+                        }
+                        Some(index) => self.keep_part(job, lease, index, validated).await,
+                    },
                     Err(invalid) => {
                         Decision::Retry { budget: Budget::Schema, hint: None, status, invalid: Some(invalid.as_str()) }
                     }

@@ -22,6 +22,18 @@ pub enum Decision {
     Validated {
         findings: usize,
         quarantined: usize,
+        /// Findings the merge of a split review left out (over the cap).
+        dropped: u32,
+    },
+    /// One part of a split review is kept on `PARTS_<R>` at `seq`: record it done.
+    /// `release`: parts remain, so the lease is given up and the message handed back
+    /// at once for the next part.
+    PartDone {
+        index: u32,
+        seq: u64,
+        findings: usize,
+        quarantined: usize,
+        release: bool,
     },
     /// Spend one unit of `budget` and try again after the hint (else backoff).
     Retry {
@@ -63,6 +75,11 @@ pub enum Outcome {
     Stale,
     /// Handed back without delay (shutdown) or after an infrastructure error.
     Released,
+    /// A part of a split review is recorded done; `parts` as recorded. Unless they are
+    /// all done, the message went back for the next part.
+    PartDone {
+        parts: reviewlane_shared::job::Parts,
+    },
 }
 
 impl Outcome {
@@ -76,6 +93,7 @@ impl Outcome {
             Outcome::Deferred(_) => "deferred",
             Outcome::Stale => "stale",
             Outcome::Released => "released",
+            Outcome::PartDone { .. } => "part_done",
         }
     }
 }
@@ -115,15 +133,30 @@ impl Worker {
                 ack(job.msg, AckKind::Ack).await;
                 return Ok(Outcome::Terminal(reason));
             }
-            Decision::Validated { findings, quarantined } => (
+            Decision::Validated { findings, quarantined, dropped } => (
                 Event::Validated {
                     generation: generation.expect("a validated result has a lease"),
                     findings: findings as u32,
                     quarantined: quarantined as u32,
+                    dropped,
                 },
                 Outcome::Validated { findings, quarantined },
                 AckKind::Ack,
             ),
+            Decision::PartDone { index, seq, findings, quarantined, release } => {
+                let tokens = lease.and_then(|l| *l.tokens.lock().expect("tokens lock")).unwrap_or_default();
+                let part = reviewlane_shared::job::PartDone {
+                    index,
+                    seq,
+                    findings: findings as u32,
+                    quarantined: quarantined as u32,
+                    tokens,
+                };
+                let generation = generation.expect("a part is answered under a lease");
+                // The outcome's parts are filled in from the record below.
+                let outcome = Outcome::PartDone { parts: Default::default() };
+                (Event::PartDone { generation, part, release }, outcome, AckKind::Nak(None))
+            }
             Decision::Retry { budget, hint, status, invalid } => {
                 let lease = lease.expect("a retry follows a call");
                 let used = lease.rec.attempts.get(budget);
@@ -158,7 +191,7 @@ impl Worker {
                 AckKind::Ack,
             ),
         };
-        let validated = matches!(event, Event::Validated { .. });
+        let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The lease's paid call is charged to the job in the same write.
         let charge = lease
             .and_then(|l| *l.tokens.lock().expect("tokens lock"))
@@ -173,7 +206,23 @@ impl Worker {
             .await;
         match applied {
             Ok(rec) => {
+                // Charged: a later write of this lease (a split review's merge) must not
+                // charge the same call again.
+                if charge.is_some()
+                    && let Some(l) = lease
+                {
+                    l.tokens.lock().expect("tokens lock").take();
+                }
                 let calls = lease.map_or(0, |l| l.calls(&rec));
+                if let Outcome::PartDone { .. } = outcome {
+                    let parts = rec.parts.clone().expect("a part done is recorded in a split job");
+                    tracing::info!(done = parts.done.len(), total = parts.total, "part recorded");
+                    // The last part: no hand-back, the merge follows under this lease.
+                    if !parts.complete() {
+                        ack(job.msg, kind).await;
+                    }
+                    return Ok(Outcome::PartDone { parts });
+                }
                 match &outcome {
                     Outcome::Validated { findings, quarantined } => {
                         self.metrics.finished(job.review.lane, calls, None);
