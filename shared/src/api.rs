@@ -1,9 +1,12 @@
 //! Conversions between the job model and the gRPC API types.
 
 use crate::findings::{Finding, Side};
-use crate::job::{JobRecord, JobState, ReviewDepth};
+use crate::job::{JobRecord, JobState, ReviewDepth, TerminalReason};
 use crate::proto;
 use crate::region::Lane;
+
+/// `google.rpc.ErrorInfo.domain` of every error reviewlane returns.
+pub const ERROR_DOMAIN: &str = "reviewlane";
 
 pub fn lane_from_proto(v: i32) -> Option<Lane> {
     match proto::Lane::try_from(v).ok()? {
@@ -28,6 +31,25 @@ pub fn state_to_proto(s: JobState) -> proto::JobState {
         JobState::Validated => proto::JobState::Validated,
         JobState::Published => proto::JobState::Published,
         JobState::Terminal => proto::JobState::Terminal,
+    }
+}
+
+pub fn reason_to_proto(r: TerminalReason) -> proto::TerminalReason {
+    use proto::TerminalReason as P;
+    match r {
+        TerminalReason::RateLimitBudgetExhausted => P::RateLimitBudgetExhausted,
+        TerminalReason::TransientBudgetExhausted => P::TransientBudgetExhausted,
+        TerminalReason::InvalidOutput => P::InvalidOutput,
+        TerminalReason::UpstreamRejected => P::UpstreamRejected,
+        TerminalReason::Cancelled => P::Cancelled,
+        TerminalReason::DeadlineExceeded => P::DeadlineExceeded,
+        TerminalReason::InsufficientQuota => P::InsufficientQuota,
+        TerminalReason::InvalidInput => P::InvalidInput,
+        TerminalReason::DeliveryRejected => P::DeliveryRejected,
+        TerminalReason::DeliveryBudgetExhausted => P::DeliveryBudgetExhausted,
+        TerminalReason::StoreBudgetExhausted => P::StoreBudgetExhausted,
+        TerminalReason::Lost => P::Lost,
+        TerminalReason::TooLarge => P::TooLarge,
     }
 }
 
@@ -122,5 +144,38 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
         parts_total: parts_progress(rec).0,
         parts_done: parts_progress(rec).1,
         findings_dropped: rec.findings_dropped,
+        terminal_reason_enum: rec.reason.map_or(proto::TerminalReason::Unspecified, reason_to_proto) as i32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_terminal_reason_has_its_enum_with_the_same_name() {
+        use crate::job::TerminalReason as R;
+        let all = [
+            R::RateLimitBudgetExhausted,
+            R::TransientBudgetExhausted,
+            R::InvalidOutput,
+            R::UpstreamRejected,
+            R::Cancelled,
+            R::DeadlineExceeded,
+            R::InsufficientQuota,
+            R::InvalidInput,
+            R::DeliveryRejected,
+            R::DeliveryBudgetExhausted,
+            R::StoreBudgetExhausted,
+            R::Lost,
+            R::TooLarge,
+        ];
+        for r in all {
+            let name = reason_to_proto(r).as_str_name();
+            assert_eq!(name, format!("TERMINAL_REASON_{}", r.as_str().to_uppercase()));
+        }
+        assert_eq!(severity_to_proto("critical"), proto::Severity::Critical);
+        assert_eq!(category_to_proto("style"), proto::Category::Style);
+        assert_eq!(severity_to_proto("catastrophic"), proto::Severity::Unspecified);
     }
 }

@@ -58,16 +58,19 @@ impl<U: Message + Default> Decoder for ApiDecoder<U> {
     }
 }
 
-/// The status for a message that does not decode.
+/// The status for a message that does not decode (with `ErrorInfo` reason
+/// `MALFORMED_REQUEST`).
 pub fn decode_status(e: &prost::DecodeError) -> Status {
+    use tonic_types::{ErrorDetails, StatusExt};
     let what = e.to_string();
-    if what.contains("invalid string value") {
-        Status::invalid_argument(format!(
-            "{what}; a diff that is not UTF-8 goes in `diff_bytes`, exactly as git produced it"
-        ))
+    let message = if what.contains("invalid string value") {
+        format!("{what}; a diff that is not UTF-8 goes in `diff_bytes`, exactly as git produced it")
     } else {
-        Status::invalid_argument(what)
-    }
+        what
+    };
+    let details =
+        ErrorDetails::with_error_info("MALFORMED_REQUEST", crate::api::ERROR_DOMAIN, std::collections::HashMap::new());
+    Status::with_error_details(tonic::Code::InvalidArgument, message, details)
 }
 
 #[cfg(test)]

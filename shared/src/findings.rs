@@ -530,6 +530,19 @@ mod tests {
     }
 
     #[test]
+    fn the_compact_schema_asks_for_less_and_its_answers_meet_the_full_schema() {
+        let compact = compact_schema_document(FINDINGS_V2).unwrap();
+        let props = &compact["properties"]["findings"]["items"]["properties"];
+        assert!(props.get("suggested_replacement").is_none());
+        assert_eq!(props["message"]["maxLength"], 500);
+        assert_eq!(props["suggested_action"]["maxLength"], 300);
+        // What the compact schema allows, the full one accepts.
+        let answer = json!({"findings": [v2("src/app.rs", 2, "y.unwrap()")]});
+        assert!(jsonschema::validator_for(&compact).unwrap().is_valid(&answer));
+        assert_eq!(validate(FINDINGS_V2, &answer.to_string(), &diff()).unwrap().findings.len(), 1);
+    }
+
+    #[test]
     fn registry_knows_v1_and_v2() {
         assert!(is_known_schema("findings.v1"));
         assert!(is_known_schema("findings.v2"));

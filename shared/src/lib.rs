@@ -27,6 +27,7 @@ pub mod results;
 pub mod schema_dialect;
 pub mod startup;
 pub mod store;
+pub mod surfaces;
 pub mod telemetry;
 pub mod tenants;
 #[cfg(feature = "testing")]

@@ -29,5 +29,6 @@ mod replicas;
 mod residency;
 mod scenarios;
 mod scheduling;
+mod surfaces;
 mod telemetry;
 mod tokens;

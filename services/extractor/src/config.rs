@@ -499,8 +499,10 @@ fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConf
         r.error("REVIEWLANE_PART_FILL_PERCENT must be between 1 and 100");
     }
     let bytes_per_token: f64 = r.or("REVIEWLANE_BYTES_PER_TOKEN", 3.0, "a number");
-    if !(0.5..=16.0).contains(&bytes_per_token) {
-        r.error("REVIEWLANE_BYTES_PER_TOKEN must be between 0.5 and 16");
+    // At least 1: no tokenizer makes more tokens than bytes, which is what lets a diff
+    // no longer in bytes than the budget skip counting.
+    if !(1.0..=16.0).contains(&bytes_per_token) {
+        r.error("REVIEWLANE_BYTES_PER_TOKEN must be between 1 and 16");
     }
     let estimate = Tokenizer::Estimate { milli_bytes_per_token: (bytes_per_token * 1000.0) as u32 };
     let tokenizer = match r.raw("REVIEWLANE_TOKENIZER").as_deref().unwrap_or("auto") {
@@ -577,6 +579,37 @@ mod tests {
         let r = StoreRetry { tries: 5, base: Duration::from_millis(100), cap: Duration::from_millis(500) };
         let delays: Vec<_> = (1..=5).map(|n| r.delay(n).as_millis()).collect();
         assert_eq!(delays, [100, 200, 400, 500, 500]);
+    }
+
+    #[test]
+    fn split_settings_default_by_model_and_are_checked() {
+        use reviewlane_shared::chunk::Tokenizer;
+        let base = [
+            ("REVIEWLANE_REGION", "eu"),
+            ("REVIEWLANE_NATS_URL", "nats://x"),
+            ("REVIEWLANE_PROVIDER", "openai"),
+            ("REVIEWLANE_OPENAI_BASE_URL", "https://api.example/v1"),
+            ("REVIEWLANE_OPENAI_MODEL", "gpt-4o-mini"),
+            ("REVIEWLANE_PROVIDER_REGION", "eu"),
+        ];
+        let c = ExtractorConfig::from_env(&env(&base)).unwrap();
+        assert_eq!(c.parts.plan.tokenizer, Tokenizer::O200k);
+        assert_eq!((c.parts.plan.limits.max_tokens, c.parts.max_parts, c.parts.findings_cap), (100_000, 64, 500));
+        let mut set = base.to_vec();
+        set.extend([("REVIEWLANE_TOKENIZER", "estimate"), ("REVIEWLANE_BYTES_PER_TOKEN", "3.5")]);
+        set.push(("REVIEWLANE_CONTEXT_TOKENS", "20000"));
+        let c = ExtractorConfig::from_env(&env(&set)).unwrap();
+        assert_eq!(c.parts.plan.tokenizer, Tokenizer::Estimate { milli_bytes_per_token: 3500 });
+        assert_eq!(c.parts.plan.limits.max_tokens, 20_000);
+        let mut bad = base.to_vec();
+        bad.extend([
+            ("REVIEWLANE_TOKENIZER", "words"),
+            ("REVIEWLANE_BYTES_PER_TOKEN", "0.5"),
+            ("REVIEWLANE_PART_FILL_PERCENT", "0"),
+            ("REVIEWLANE_MAX_PARTS", "0"),
+        ]);
+        let errs = ExtractorConfig::from_env(&env(&bad)).unwrap_err();
+        assert_eq!(errs.0.len(), 4, "{errs}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use tonic::Request;
 use tonic::codegen::{BoxFuture, Service};
 use tonic::server::NamedService;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, AuthFailure};
 use crate::rpc::{Metrics, method_of};
 
 #[derive(Clone)]
@@ -42,15 +42,15 @@ impl Authenticator {
 
     /// The tenant a request's `authorization` header names; records it on the span.
     pub fn from_headers(&self, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
-        let header = headers.get("authorization").ok_or(ApiError::Unauthenticated("missing bearer API key"))?;
+        let header = headers.get("authorization").ok_or(ApiError::Unauthenticated(AuthFailure::Missing))?;
         let key = header
             .to_str()
             .ok()
             .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
             .map(str::trim)
             .filter(|k| !k.is_empty())
-            .ok_or(ApiError::Unauthenticated("malformed authorization header (expected `Bearer <key>`)"))?;
-        let tenant = self.tenants.authenticate(key).ok_or(ApiError::Unauthenticated("unknown API key"))?;
+            .ok_or(ApiError::Unauthenticated(AuthFailure::Malformed))?;
+        let tenant = self.tenants.authenticate(key).ok_or(ApiError::Unauthenticated(AuthFailure::Unknown))?;
         let span = tracing::Span::current();
         span.record("tenant", tenant.id.as_str()).record("region", tenant.region.as_str());
         Ok(tenant)

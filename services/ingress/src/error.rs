@@ -8,20 +8,55 @@ use reviewlane_shared::job_store::StoreError;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use reviewlane_shared::api::ERROR_DOMAIN as DOMAIN;
+
+/// How long a caller should wait before retrying after `UNAVAILABLE`.
+const UNAVAILABLE_RETRY: Duration = Duration::from_secs(1);
+
+/// Why a caller is not authenticated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    Missing,
+    Malformed,
+    Unknown,
+}
+
+impl AuthFailure {
+    fn message(self) -> &'static str {
+        match self {
+            AuthFailure::Missing => "missing bearer API key",
+            AuthFailure::Malformed => "malformed authorization header (expected `Bearer <key>`)",
+            AuthFailure::Unknown => "unknown API key",
+        }
+    }
+
+    fn reason(self) -> &'static str {
+        match self {
+            AuthFailure::Missing => "API_KEY_MISSING",
+            AuthFailure::Malformed => "API_KEY_MALFORMED",
+            AuthFailure::Unknown => "API_KEY_INVALID",
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    #[error("{0}")]
-    Unauthenticated(&'static str),
+    #[error("{}", .0.message())]
+    Unauthenticated(AuthFailure),
     #[error("{field}: {description}")]
     InvalidArgument { field: &'static str, description: String },
     #[error("review not found")]
     NotFound,
     #[error("idempotency key already used for a different request")]
     AlreadyExists,
+    /// `reason`: the `ErrorInfo` reason (`LANE_FULL`, `LANE_OVER_WINDOW`, ...).
     #[error("{what}; retry later")]
-    ResourceExhausted { what: &'static str, retry_after: Duration },
+    ResourceExhausted { reason: &'static str, what: &'static str, retry_after: Duration },
     #[error("region store unavailable")]
     Unavailable(#[source] anyhow::Error),
+    /// The server cannot go on with a stream (shutting down, store connection lost).
+    #[error("{what}")]
+    StreamInterrupted { reason: &'static str, what: &'static str },
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
 }
@@ -42,29 +77,67 @@ impl From<StoreError> for ApiError {
     }
 }
 
+/// A status with `ErrorInfo` (reason, domain, content-free metadata) and, when set,
+/// `RetryInfo`.
+fn status(
+    code: Code,
+    message: impl Into<String>,
+    reason: &str,
+    metadata: &[(&str, &str)],
+    retry: Option<Duration>,
+    mut details: ErrorDetails,
+) -> Status {
+    let metadata: std::collections::HashMap<String, String> =
+        metadata.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    details.set_error_info(reason, DOMAIN, metadata);
+    if let Some(delay) = retry {
+        details.set_retry_info(Some(delay));
+    }
+    Status::with_error_details(code, message, details)
+}
+
 impl From<ApiError> for Status {
     fn from(e: ApiError) -> Status {
+        let none = ErrorDetails::new;
         match e {
-            ApiError::Unauthenticated(m) => Status::unauthenticated(m),
-            ApiError::InvalidArgument { field, description } => Status::with_error_details(
+            ApiError::Unauthenticated(f) => status(Code::Unauthenticated, f.message(), f.reason(), &[], None, none()),
+            ApiError::InvalidArgument { field, description } => status(
                 Code::InvalidArgument,
                 format!("{field}: {description}"),
+                "INVALID_FIELD",
+                &[("field", field)],
+                None,
                 ErrorDetails::with_bad_request_violation(field, description),
             ),
-            ApiError::NotFound => Status::not_found("review not found"),
-            ApiError::AlreadyExists => Status::already_exists("idempotency key already used for a different request"),
-            ApiError::ResourceExhausted { what, retry_after } => Status::with_error_details(
-                Code::ResourceExhausted,
-                format!("{what}; retry later"),
-                ErrorDetails::with_retry_info(Some(retry_after)),
+            ApiError::NotFound => status(Code::NotFound, "review not found", "REVIEW_NOT_FOUND", &[], None, none()),
+            ApiError::AlreadyExists => status(
+                Code::AlreadyExists,
+                "idempotency key already used for a different request",
+                "IDEMPOTENCY_KEY_REUSED",
+                &[],
+                None,
+                none(),
             ),
+            ApiError::ResourceExhausted { reason, what, retry_after } => {
+                status(Code::ResourceExhausted, format!("{what}; retry later"), reason, &[], Some(retry_after), none())
+            }
             ApiError::Unavailable(cause) => {
                 tracing::warn!(error = %cause, "region store unavailable");
-                Status::unavailable("region store unavailable; retry with the same idempotency key")
+                status(
+                    Code::Unavailable,
+                    "region store unavailable; retry with the same idempotency key",
+                    "REGION_STORE_UNAVAILABLE",
+                    &[],
+                    Some(UNAVAILABLE_RETRY),
+                    none(),
+                )
+            }
+            ApiError::StreamInterrupted { reason, what } => {
+                status(Code::Unavailable, what, reason, &[], Some(UNAVAILABLE_RETRY), none())
             }
             ApiError::Internal(cause) => {
                 tracing::error!(error = %cause, "internal error");
-                Status::internal("internal error")
+                status(Code::Internal, "internal error", "INTERNAL", &[], None, none())
             }
         }
     }
@@ -84,14 +157,47 @@ mod tests {
 
     #[test]
     fn resource_exhausted_carries_retry_info() {
-        let s: Status = ApiError::ResourceExhausted { what: "lane full", retry_after: Duration::from_secs(3) }.into();
+        let s: Status =
+            ApiError::ResourceExhausted { reason: "LANE_FULL", what: "lane full", retry_after: Duration::from_secs(3) }
+                .into();
         assert_eq!(s.code(), Code::ResourceExhausted);
         assert_eq!(s.get_details_retry_info().unwrap().retry_delay, Some(Duration::from_secs(3)));
+        let info = s.get_details_error_info().unwrap();
+        assert_eq!((info.reason.as_str(), info.domain.as_str()), ("LANE_FULL", DOMAIN));
     }
 
     #[test]
     fn internal_is_opaque() {
         let s: Status = ApiError::Internal(anyhow::anyhow!("secret detail")).into();
         assert_eq!(s.message(), "internal error");
+        assert_eq!(s.get_details_error_info().unwrap().reason, "INTERNAL");
+    }
+
+    #[test]
+    fn every_error_carries_error_info_and_every_unavailable_retry_info() {
+        let all: Vec<ApiError> = vec![
+            ApiError::Unauthenticated(AuthFailure::Unknown),
+            ApiError::invalid("diff", "diff is empty"),
+            ApiError::NotFound,
+            ApiError::AlreadyExists,
+            ApiError::ResourceExhausted {
+                reason: "LANE_FULL",
+                what: "lane is full",
+                retry_after: Duration::from_secs(1),
+            },
+            ApiError::Unavailable(anyhow::anyhow!("timed out")),
+            ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" },
+            ApiError::Internal(anyhow::anyhow!("x")),
+        ];
+        for e in all {
+            let s: Status = e.into();
+            let info = s.get_details_error_info().unwrap_or_else(|| panic!("{s:?}"));
+            assert!(!info.reason.is_empty() && info.domain == DOMAIN, "{s:?}");
+            if matches!(s.code(), Code::Unavailable | Code::ResourceExhausted) {
+                assert!(s.get_details_retry_info().is_some(), "{s:?}");
+            }
+        }
+        let s: Status = ApiError::invalid("diff", "diff is empty").into();
+        assert_eq!(s.get_details_error_info().unwrap().metadata.get("field").map(String::as_str), Some("diff"));
     }
 }

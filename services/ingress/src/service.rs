@@ -108,6 +108,7 @@ impl ReviewApi {
             .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.limits.max_watches_per_tenant)))
             .clone();
         sem.try_acquire_owned().map_err(|_| ApiError::ResourceExhausted {
+            reason: "TOO_MANY_WATCHES",
             what: "too many open watches for this tenant",
             retry_after: Duration::from_secs(5),
         })
@@ -239,6 +240,7 @@ impl ReviewApi {
                 _ => {
                     tracing::info!(retry_after_ms = retry_after.as_millis() as u64, "refused: lane over its window");
                     return Err(ApiError::ResourceExhausted {
+                        reason: "LANE_OVER_WINDOW",
                         what: "the tenant's share of the lane is over its service window",
                         retry_after,
                     });
@@ -361,7 +363,7 @@ async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiEr
     match ack {
         Ok(_) => Ok(()),
         Err(e) if is_stream_full(&e) => {
-            Err(ApiError::ResourceExhausted { what: "lane is full", retry_after: LANE_FULL_RETRY })
+            Err(ApiError::ResourceExhausted { reason: "LANE_FULL", what: "lane is full", retry_after: LANE_FULL_RETRY })
         }
         Err(e) => Err(ApiError::Unavailable(e.into())),
     }
@@ -541,7 +543,11 @@ impl ReviewApi {
                                 return;
                             }
                             None => {
-                                let _ = tx.send(Err(Status::unavailable("region store connection lost; watch again"))).await;
+                                let lost = ApiError::StreamInterrupted {
+                                    reason: "REGION_STORE_UNAVAILABLE",
+                                    what: "region store connection lost; watch again",
+                                };
+                                let _ = tx.send(Err(lost.into())).await;
                                 return;
                             }
                             Some(Err(e)) => {
@@ -551,7 +557,8 @@ impl ReviewApi {
                         },
                         _ = keepalive.tick() => {}
                         _ = shutdown.cancelled() => {
-                            let _ = tx.send(Err(Status::unavailable("server shutting down; watch again"))).await;
+                            let down = ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" };
+                            let _ = tx.send(Err(down.into())).await;
                             return;
                         }
                         _ = tx.closed() => return,
