@@ -120,6 +120,7 @@ pub fn request(job: &Job) -> tonic::Request<SubmitReviewRequest> {
                 repository: format!("load/{}", job.tenant.id()),
                 base_revision: "a1b2c3d".into(),
                 head_revision: "e4f5a6b".into(),
+                ..Default::default()
             }),
 
             ..Default::default()

@@ -445,6 +445,7 @@ pub fn submit_req(key: &str, idem: &str, diff: &str) -> tonic::Request<SubmitRev
                 repository: "example/repo".into(),
                 base_revision: "aaaa".into(),
                 head_revision: "bbbb".into(),
+                ..Default::default()
             }),
 
             ..Default::default()

@@ -13,17 +13,7 @@ pub struct Merged {
     pub dropped: u32,
 }
 
-/// Severity rank, highest first when sorted descending (unknown values rank lowest).
-fn rank(severity: &str) -> u8 {
-    match severity {
-        "critical" => 5,
-        "high" => 4,
-        "medium" => 3,
-        "low" => 2,
-        "info" => 1,
-        _ => 0,
-    }
-}
+use crate::findings::severity_rank as rank;
 
 /// Evidence compared without its whitespace layout.
 fn normalised(evidence: &str) -> String {

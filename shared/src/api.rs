@@ -110,6 +110,30 @@ pub fn finding_to_proto(f: &Finding) -> proto::Finding {
     }
 }
 
+/// A finding of the API as the job model's (for review surfaces built from an API
+/// answer: SARIF, rdjson).
+pub fn finding_from_proto(f: &proto::Finding) -> Finding {
+    let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
+    Finding {
+        path: f.path.clone(),
+        line: f.line,
+        end_line: f.end_line,
+        side: match proto::Side::try_from(f.side) {
+            Ok(proto::Side::Old) => Some(Side::Old),
+            _ => None,
+        },
+        severity: f.severity.clone(),
+        category: f.category.clone(),
+        title: f.title.clone(),
+        message: f.message.clone(),
+        evidence: f.evidence.clone(),
+        suggested_action: some(&f.suggested_action),
+        suggested_replacement: f.suggested_replacement.clone(),
+        confidence: some(&f.confidence),
+        fingerprint: some(&f.fingerprint),
+    }
+}
+
 /// Parts of the review and how many are done (a review of one part: 1, and 1 once its
 /// result is validated).
 pub fn parts_progress(rec: &JobRecord) -> (u32, u32) {

@@ -80,6 +80,18 @@ impl Finding {
     }
 }
 
+/// Rank of a severity: `critical` 5 down to `info` 1; anything else 0.
+pub fn severity_rank(severity: &str) -> u8 {
+    match severity {
+        "critical" => 5,
+        "high" => 4,
+        "medium" => 3,
+        "low" => 2,
+        "info" => 1,
+        _ => 0,
+    }
+}
+
 /// The finding's fingerprint: sha256 of its path, category and evidence with
 /// whitespace runs collapsed (so re-indenting the code does not change it), first 32
 /// hex digits. Independent of line numbers, which move between revisions.

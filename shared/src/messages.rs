@@ -15,6 +15,9 @@ pub struct ReviewMetadata {
     pub base_revision: String,
     #[serde(default)]
     pub head_revision: String,
+    /// The pull request number (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pull_request: u32,
 }
 
 /// A review on `REVIEWS_<R>_<LANE>`. It is stored before its job record, and carries

@@ -27,6 +27,7 @@ mod rate_limits;
 mod raw_input;
 mod replicas;
 mod residency;
+mod reviewctl;
 mod scenarios;
 mod scheduling;
 mod surfaces;

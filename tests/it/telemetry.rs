@@ -160,6 +160,7 @@ fn canary_req(idem: &str, diff: String) -> tonic::Request<SubmitReviewRequest> {
                 repository: CANARY_REPO.into(),
                 base_revision: format!("base-{CANARY}"),
                 head_revision: format!("head-{CANARY}"),
+                ..Default::default()
             }),
             ..Default::default()
         },

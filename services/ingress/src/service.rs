@@ -220,14 +220,21 @@ impl ReviewApi {
         span.record("job_id", id.as_str())
             .record("lane", lane.as_str())
             .record("schema_version", schema_version.as_str());
-        let request_digest = job_id::sha256_hex(&[
+        // The pull request counts only when set, so digests of requests without one are
+        // what they always were.
+        let pull_request = metadata.pull_request.to_be_bytes();
+        let mut digested: Vec<&[u8]> = vec![
             lane.as_str().as_bytes(),
             schema_version.as_bytes(),
             diff.bytes(),
             metadata.repository.as_bytes(),
             metadata.base_revision.as_bytes(),
             metadata.head_revision.as_bytes(),
-        ]);
+        ];
+        if metadata.pull_request != 0 {
+            digested.push(&pull_request);
+        }
+        let request_digest = job_id::sha256_hex(&digested);
         // Admission on predicted queue age; a retry of a job we hold is answered anyway.
         let (decision, predicted_wait) = self.admission(tenant, lane);
         let depth = match decision {
@@ -265,6 +272,7 @@ impl ReviewApi {
                 repository: metadata.repository,
                 base_revision: metadata.base_revision,
                 head_revision: metadata.head_revision,
+                pull_request: metadata.pull_request,
             },
             input_digest: job_id::sha256_hex(&[diff.bytes()]),
             diff: diff.utf8,

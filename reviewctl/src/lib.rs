@@ -1,0 +1,351 @@
+//! `reviewctl`: reviewlane's command line. `main_with` parses, connects and runs one
+//! command, and returns the documented exit code (see `exit`).
+
+pub mod cli;
+pub mod exit;
+pub mod output;
+pub mod settings;
+
+use std::ffi::OsString;
+use std::io::{IsTerminal, Read};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{CommandFactory, Parser};
+use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
+use reviewlane_shared::proto::{
+    self, CancelReviewRequest, GetReviewRequest, JobState, SubmitReviewRequest, WatchReviewRequest,
+};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+use tonic_types::StatusExt;
+
+use crate::cli::{Cli, Command, LaneArg, SubmitArgs, WaitArgs};
+use crate::settings::Settings;
+
+type Client = ReviewServiceClient<Channel>;
+
+/// Why a command failed.
+enum Failure {
+    /// The service answered with an error.
+    Status(tonic::Status),
+    Other(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(e: anyhow::Error) -> Self {
+        Failure::Other(e)
+    }
+}
+
+impl From<tonic::Status> for Failure {
+    fn from(s: tonic::Status) -> Self {
+        Failure::Status(s)
+    }
+}
+
+/// Runs `reviewctl` with `args` (the program name first).
+pub fn main_with<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { exit::USAGE } else { exit::CLEAN });
+        }
+    };
+    if let Command::Completions { shell } = cli.command {
+        clap_complete::generate(shell, &mut Cli::command(), "reviewctl", &mut std::io::stdout());
+        return ExitCode::SUCCESS;
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    let code = match runtime.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(Failure::Status(s)) => {
+            eprintln!("reviewctl: {}", describe(&s));
+            exit::for_status(&s)
+        }
+        Err(Failure::Other(e)) => {
+            eprintln!("reviewctl: {e:#}");
+            exit::REQUEST_FAILED
+        }
+    };
+    ExitCode::from(code)
+}
+
+/// An error answer in one line: the code, the message, the reason, the retry delay.
+fn describe(s: &tonic::Status) -> String {
+    let mut text = match s.code() {
+        tonic::Code::ResourceExhausted => format!("refused: {}", s.message()),
+        code => format!("{code:?}: {}", s.message()),
+    };
+    if let Some(info) = s.get_details_error_info() {
+        text.push_str(&format!(" [{}]", info.reason));
+    }
+    if let Some(delay) = s.get_details_retry_info().and_then(|r| r.retry_delay) {
+        text.push_str(&format!("; retry in {:.1} s", delay.as_secs_f64()));
+    }
+    text
+}
+
+async fn run(cli: Cli) -> Result<u8, Failure> {
+    let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
+    let xdg = std::env::var_os("XDG_CONFIG_HOME").map(std::path::PathBuf::from);
+    let file = match settings::config_path(&cli.conn, home.as_deref(), xdg.as_deref()) {
+        Some(path) => settings::read_config(&path)?,
+        None => Default::default(),
+    };
+    let settings = settings::resolve(&cli.conn, &file)?;
+    let mut client = connect(&settings).await?;
+    let key = settings.api_key.as_str();
+    match cli.command {
+        Command::Submit(args) => submit(&mut client, key, args).await,
+        Command::Get { job_id, format } => {
+            let r = get(&mut client, key, &job_id).await?;
+            eprintln!("{}", output::status_line(&r));
+            output::write(&r, format).context("writing the findings")?;
+            Ok(exit::CLEAN)
+        }
+        Command::Watch { job_id, wait } => wait_and_report(&mut client, key, &job_id, &wait).await,
+        Command::Cancel { job_id } => {
+            let r = client
+                .cancel_review(authed(key, CancelReviewRequest { job_id }))
+                .await?
+                .into_inner()
+                .review
+                .context("the service answered without the review")?;
+            eprintln!("{}", output::status_line(&r));
+            Ok(exit::CLEAN)
+        }
+        Command::Completions { .. } => unreachable!("handled before connecting"),
+    }
+}
+
+async fn connect(s: &Settings) -> anyhow::Result<Client> {
+    let mut endpoint = Channel::from_shared(s.endpoint.clone()).context("the endpoint is not a URI")?;
+    if s.endpoint.starts_with("https://") {
+        let mut tls = ClientTlsConfig::new().with_webpki_roots();
+        if let Some(ca) = &s.tls_ca_file {
+            let pem = std::fs::read(ca).with_context(|| format!("reading {}", ca.display()))?;
+            tls = tls.ca_certificate(Certificate::from_pem(pem));
+        }
+        endpoint = endpoint.tls_config(tls)?;
+    }
+    let channel = endpoint
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {s}"))?;
+    Ok(ReviewServiceClient::new(channel).max_decoding_message_size(64 * 1024 * 1024))
+}
+
+fn authed<T>(key: &str, msg: T) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(msg);
+    if let Ok(v) = format!("Bearer {key}").parse() {
+        req.metadata_mut().insert("authorization", v);
+    }
+    req
+}
+
+async fn get(client: &mut Client, key: &str, job_id: &str) -> Result<proto::Review, Failure> {
+    let r = client.get_review(authed(key, GetReviewRequest { job_id: job_id.to_string() })).await?;
+    Ok(r.into_inner().review.context("the service answered without the review")?)
+}
+
+/// The diff to review, as bytes, and the revisions it was taken between (for `--git`).
+fn read_diff(args: &SubmitArgs) -> anyhow::Result<(Vec<u8>, Option<String>, Option<String>)> {
+    if let Some(range) = &args.git {
+        let out = std::process::Command::new("git")
+            .args(["diff", "--no-color", "--no-ext-diff", range])
+            .output()
+            .context("running git diff")?;
+        if !out.status.success() {
+            bail!("git diff {range} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        let (base, head) = revisions(range);
+        return Ok((out.stdout, base, head));
+    }
+    let mut bytes = Vec::new();
+    match args.file.as_deref() {
+        None if std::io::stdin().is_terminal() => bail!("no diff: give a file, pipe one in, or use --git <range>"),
+        None => std::io::stdin().read_to_end(&mut bytes).map(|_| ()).context("reading stdin")?,
+        Some(p) if p.as_os_str() == "-" => {
+            std::io::stdin().read_to_end(&mut bytes).map(|_| ()).context("reading stdin")?
+        }
+        Some(p) => bytes = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+    }
+    Ok((bytes, None, None))
+}
+
+/// The commits a `git diff` range compares: `A..B` (A and B), `A...B` (their merge base
+/// and B), `A` (A and the working tree: no head).
+fn revisions(range: &str) -> (Option<String>, Option<String>) {
+    let rev = |r: &str| {
+        let r = if r.is_empty() { "HEAD" } else { r };
+        std::process::Command::new("git")
+            .args(["rev-parse", "--verify", "--quiet", &format!("{r}^{{commit}}")])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    if let Some((a, b)) = range.split_once("...") {
+        let head = rev(b);
+        let base = std::process::Command::new("git")
+            .args(["merge-base", if a.is_empty() { "HEAD" } else { a }, if b.is_empty() { "HEAD" } else { b }])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+        (base, head)
+    } else if let Some((a, b)) = range.split_once("..") {
+        (rev(a), rev(b))
+    } else {
+        (rev(range), None)
+    }
+}
+
+/// The idempotency key of a submit: the same diff with the same options is the same
+/// review, so re-running a CI step does not pay twice.
+pub fn derived_key(diff: &[u8], lane: &str, schema: &str, meta: &proto::ReviewMetadata) -> String {
+    let digest = reviewlane_shared::job_id::sha256_hex(&[
+        b"reviewctl.v1",
+        diff,
+        lane.as_bytes(),
+        schema.as_bytes(),
+        meta.repository.as_bytes(),
+        &meta.pull_request.to_be_bytes(),
+        meta.base_revision.as_bytes(),
+        meta.head_revision.as_bytes(),
+    ]);
+    format!("reviewctl-{}", &digest[..40])
+}
+
+async fn submit(client: &mut Client, key: &str, args: SubmitArgs) -> Result<u8, Failure> {
+    let (bytes, base, head) = read_diff(&args)?;
+    let metadata = proto::ReviewMetadata {
+        repository: args.repository.clone().unwrap_or_default(),
+        base_revision: args.base.clone().or(base).unwrap_or_default(),
+        head_revision: args.head.clone().or(head).unwrap_or_default(),
+        pull_request: args.pr.unwrap_or(0),
+    };
+    let lane = match args.lane {
+        LaneArg::Interactive => proto::Lane::Interactive,
+        LaneArg::Batch => proto::Lane::Batch,
+    };
+    let idempotency_key = args
+        .idempotency_key
+        .clone()
+        .unwrap_or_else(|| derived_key(&bytes, lane.as_str_name(), &args.schema, &metadata));
+    let (diff, diff_bytes) = match String::from_utf8(bytes) {
+        Ok(text) => (text, Vec::new()),
+        Err(e) => (String::new(), e.into_bytes()),
+    };
+    let req = SubmitReviewRequest {
+        idempotency_key,
+        lane: lane as i32,
+        diff,
+        diff_bytes,
+        schema_version: args.schema.clone(),
+        metadata: Some(metadata),
+        timeout: args.timeout_secs.map(|s| prost_types::Duration { seconds: s as i64, nanos: 0 }),
+        ..Default::default()
+    };
+    let review = client.submit_review(authed(key, req)).await?.into_inner().review.context("no review")?;
+    if !args.wait {
+        eprintln!("{}", output::status_line(&review));
+        println!("{}", review.job_id);
+        return Ok(exit::CLEAN);
+    }
+    wait_and_report(client, key, &review.job_id, &args.waiting).await
+}
+
+fn is_final(r: &proto::Review) -> bool {
+    matches!(JobState::try_from(r.state), Ok(JobState::Published | JobState::Terminal))
+}
+
+/// Follows the review until it is final (or the wait runs out), showing progress on
+/// stderr — a spinner on a terminal, a line per change otherwise — then writes its
+/// findings and returns the exit code.
+async fn wait_and_report(client: &mut Client, key: &str, job_id: &str, wait: &WaitArgs) -> Result<u8, Failure> {
+    let progress = std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new_spinner();
+        bar.enable_steady_tick(Duration::from_millis(120));
+        bar
+    });
+    let mut last_line = String::new();
+    let mut show = |r: &proto::Review| {
+        let line = output::status_line(r);
+        match &progress {
+            Some(bar) => bar.set_message(line.clone()),
+            None if line != last_line => eprintln!("{line}"),
+            None => {}
+        }
+        last_line = line;
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(wait.wait_timeout);
+    let mut last = get(client, key, job_id).await?;
+    show(&last);
+    // A watch the server ends (restart, lost store connection) is opened again, until
+    // the review is final or the wait runs out.
+    while !is_final(&last) && tokio::time::Instant::now() < deadline {
+        let followed = tokio::time::timeout_at(deadline, async {
+            let mut stream =
+                client.watch_review(authed(key, WatchReviewRequest { job_id: job_id.to_string() })).await?.into_inner();
+            while let Some(msg) = stream.message().await? {
+                if let Some(r) = msg.review {
+                    show(&r);
+                    last = r;
+                }
+            }
+            Ok::<(), tonic::Status>(())
+        })
+        .await;
+        match followed {
+            Err(_) => break,
+            Ok(Ok(())) => {}
+            Ok(Err(s)) if s.code() == tonic::Code::Unavailable => {
+                let delay = s.get_details_retry_info().and_then(|r| r.retry_delay).unwrap_or(Duration::from_secs(1));
+                tokio::time::sleep_until((tokio::time::Instant::now() + delay).min(deadline)).await;
+            }
+            Ok(Err(s)) => return Err(Failure::Status(s)),
+        }
+    }
+    if let Some(bar) = &progress {
+        bar.finish_and_clear();
+    }
+    eprintln!("{}", output::status_line(&last));
+    if is_final(&last) && last.state == JobState::Published as i32 {
+        output::write(&last, wait.format).context("writing the findings")?;
+    }
+    if !is_final(&last) {
+        eprintln!("reviewctl: still not final after {} s", wait.wait_timeout);
+    }
+    Ok(exit::for_review(&last, wait.fail_on.map(|s| s.as_str())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_derived_key_follows_the_diff_and_the_options() {
+        let meta = proto::ReviewMetadata::default();
+        let a = derived_key(b"diff", "LANE_INTERACTIVE", "findings.v2", &meta);
+        assert_eq!(a, derived_key(b"diff", "LANE_INTERACTIVE", "findings.v2", &meta));
+        assert_ne!(a, derived_key(b"diff2", "LANE_INTERACTIVE", "findings.v2", &meta));
+        assert_ne!(a, derived_key(b"diff", "LANE_BATCH", "findings.v2", &meta));
+        let pr = proto::ReviewMetadata { pull_request: 7, ..Default::default() };
+        assert_ne!(a, derived_key(b"diff", "LANE_INTERACTIVE", "findings.v2", &pr));
+        assert!(a.starts_with("reviewctl-") && a.len() == 50);
+    }
+
+    #[test]
+    fn usage_errors_exit_64_and_help_exits_0() {
+        assert_eq!(main_with(["reviewctl", "submit", "--no-such-flag"]), ExitCode::from(exit::USAGE));
+        assert_eq!(main_with(["reviewctl", "--help"]), ExitCode::from(exit::CLEAN));
+    }
+}

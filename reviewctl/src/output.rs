@@ -1,0 +1,159 @@
+//! A review written for people (text, grouped by file, coloured on a terminal) or for
+//! tools (JSON, SARIF 2.1.0, reviewdog rdjsonl).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use anstyle::{AnsiColor, Style};
+use reviewlane_shared::api;
+use reviewlane_shared::proto::{self, JobState};
+use reviewlane_shared::surfaces::{Report, rdjson, sarif};
+use serde_json::{Value, json};
+
+use crate::cli::Format;
+
+fn state_name(state: i32) -> &'static str {
+    match JobState::try_from(state) {
+        Ok(JobState::Accepted) => "accepted",
+        Ok(JobState::Waiting) => "waiting",
+        Ok(JobState::Running) => "running",
+        Ok(JobState::RetryScheduled) => "retry_scheduled",
+        Ok(JobState::Validated) => "validated",
+        Ok(JobState::Published) => "published",
+        Ok(JobState::Terminal) => "terminal",
+        _ => "unknown",
+    }
+}
+
+/// One line on the review's state, for stderr and progress.
+pub fn status_line(r: &proto::Review) -> String {
+    let mut line = format!("{} {}", r.job_id, state_name(r.state));
+    if !r.terminal_reason.is_empty() {
+        line.push_str(&format!(" ({})", r.terminal_reason));
+    }
+    if r.parts_total > 1 {
+        line.push_str(&format!(", part {}/{}", r.parts_done, r.parts_total));
+    }
+    if matches!(JobState::try_from(r.state), Ok(JobState::Published)) {
+        line.push_str(&format!(", {} findings", r.findings.len()));
+        if r.findings_dropped > 0 {
+            line.push_str(&format!(" ({} more over the cap)", r.findings_dropped));
+        }
+    }
+    line
+}
+
+fn report<'a>(r: &'a proto::Review, findings: &'a [reviewlane_shared::findings::Finding]) -> Report<'a> {
+    Report { job_id: &r.job_id, schema_version: &r.schema_version, repository: "", head_revision: "", findings }
+}
+
+/// The review as JSON (the API's fields, enums as names).
+pub fn review_json(r: &proto::Review) -> Value {
+    let findings: Vec<Value> = r
+        .findings
+        .iter()
+        .map(|f| serde_json::to_value(api::finding_from_proto(f)).expect("findings serialize"))
+        .collect();
+    let tokens = r.tokens.unwrap_or_default();
+    json!({
+        "job_id": r.job_id,
+        "state": state_name(r.state),
+        "terminal_reason": r.terminal_reason,
+        "region": r.region,
+        "schema_version": r.schema_version,
+        "parts_total": r.parts_total,
+        "parts_done": r.parts_done,
+        "findings": findings,
+        "findings_dropped": r.findings_dropped,
+        "quarantined_count": r.quarantined_count,
+        "tokens": {"input": tokens.input, "output": tokens.output},
+        "estimated_cost_usd": r.estimated_cost_usd,
+    })
+}
+
+fn severity_style(severity: &str) -> Style {
+    match severity {
+        "critical" | "high" => Style::new().fg_color(Some(AnsiColor::Red.into())).bold(),
+        "medium" => Style::new().fg_color(Some(AnsiColor::Yellow.into())),
+        _ => Style::new().dimmed(),
+    }
+}
+
+/// Findings grouped by file, in line order; styles are stripped when `out` is not a
+/// terminal (anstream).
+pub fn text(r: &proto::Review, out: &mut dyn Write) -> std::io::Result<()> {
+    let mut by_file: BTreeMap<&str, Vec<&proto::Finding>> = BTreeMap::new();
+    for f in &r.findings {
+        by_file.entry(f.path.as_str()).or_default().push(f);
+    }
+    let bold = Style::new().bold();
+    for (path, mut findings) in by_file {
+        findings.sort_by_key(|f| f.line);
+        writeln!(out, "{bold}{path}{bold:#}")?;
+        for f in findings {
+            let lines = match f.end_line {
+                Some(end) if end > f.line => format!("{}-{end}", f.line),
+                _ => f.line.to_string(),
+            };
+            let style = severity_style(&f.severity);
+            writeln!(out, "  {lines:>7}  {style}{:<8}{style:#}  {:<15}  {}", f.severity, f.category, f.title)?;
+            writeln!(out, "           {}", f.message)?;
+            if !f.suggested_action.is_empty() {
+                writeln!(out, "           -> {}", f.suggested_action)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes the review's findings in `format` to stdout.
+pub fn write(r: &proto::Review, format: Format) -> std::io::Result<()> {
+    let mut out = anstream::stdout();
+    let findings: Vec<_> = r.findings.iter().map(api::finding_from_proto).collect();
+    match format {
+        Format::Text => text(r, &mut out),
+        Format::Json => writeln!(out, "{:#}", review_json(r)),
+        Format::Sarif => writeln!(out, "{:#}", sarif::log(&report(r, &findings))),
+        Format::Rdjsonl => write!(out, "{}", rdjson::lines(&report(r, &findings))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_groups_by_file_in_line_order() {
+        let f = |path: &str, line: u32, title: &str| proto::Finding {
+            path: path.into(),
+            line,
+            severity: "high".into(),
+            category: "security".into(),
+            title: title.into(),
+            message: "m".into(),
+            ..Default::default()
+        };
+        let r = proto::Review {
+            findings: vec![f("b.rs", 3, "third"), f("a.rs", 9, "second"), f("a.rs", 2, "first")],
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        text(&r, &mut out).unwrap();
+        let plain = String::from_utf8(out).unwrap();
+        let order: Vec<usize> =
+            ["a.rs", "first", "second", "b.rs", "third"].iter().map(|s| plain.find(s).unwrap()).collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{plain}");
+    }
+
+    #[test]
+    fn the_status_line_shows_parts_and_findings() {
+        let r = proto::Review {
+            job_id: "us_1".into(),
+            state: JobState::Running as i32,
+            parts_total: 5,
+            parts_done: 2,
+            ..Default::default()
+        };
+        assert_eq!(status_line(&r), "us_1 running, part 2/5");
+    }
+}

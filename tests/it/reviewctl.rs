@@ -1,0 +1,192 @@
+//! `reviewctl`, the real binary, against the real stack: submit from stdin, a file or
+//! `git diff`, wait, and exit with the documented code; findings as JSON, SARIF (valid
+//! against the OASIS schema), rdjsonl and text; a terminal failure, a refusal and an
+//! unknown key.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use loadtest::simprovider::{Scripted, SimConfig};
+use tokio::io::AsyncWriteExt;
+
+use crate::harness::*;
+
+/// Builds `reviewctl` in the test's profile (a no-op when up to date) and returns it.
+fn reviewctl() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = std::process::Command::new(cargo);
+            cmd.current_dir(root).args(["build", "--quiet", "-p", "reviewctl"]);
+            if !cfg!(debug_assertions) {
+                cmd.arg("--release");
+            }
+            assert!(cmd.status().expect("cargo build").success(), "reviewctl builds");
+            loadtest::procs::bin_dir().unwrap().join("reviewctl")
+        })
+        .clone()
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `reviewctl args` against `stack` with `key`, feeding `stdin`, in `dir`.
+async fn run(stack: &Stack, key: &str, args: &[&str], stdin: Option<&str>, dir: Option<&std::path::Path>) -> Run {
+    let mut cmd = tokio::process::Command::new(reviewctl());
+    cmd.args(args)
+        .env("REVIEWLANE_ENDPOINT", format!("http://{}", stack.ingress))
+        .env("REVIEWLANE_API_KEY", key)
+        .env_remove("REVIEWLANE_API_KEY_FILE")
+        .env("HOME", std::env::temp_dir())
+        .env_remove("XDG_CONFIG_HOME")
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    if let Some(d) = dir {
+        cmd.current_dir(d);
+    }
+    let mut child = cmd.spawn().expect("reviewctl starts");
+    if let Some(text) = stdin {
+        let mut pipe = child.stdin.take().unwrap();
+        pipe.write_all(text.as_bytes()).await.unwrap();
+        drop(pipe);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("reviewctl finishes within 60 s")
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_wait_exits_by_the_findings_and_writes_every_format() {
+    let stack = Stack::start().await;
+    let diff = sample_diff("cli");
+    // The simulated provider reports low-severity findings.
+    let json =
+        run(&stack, US_KEY, &["submit", "--wait", "--fail-on", "high", "--format", "json"], Some(&diff), None).await;
+    assert_eq!(json.code, 0, "{}", json.stderr);
+    let review: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+    assert_eq!(review["state"], "published");
+    assert_eq!(review["schema_version"], "findings.v2");
+    let finding = &review["findings"][0];
+    assert_eq!((finding["path"].as_str(), finding["severity"].as_str()), (Some("src/handler.rs"), Some("low")));
+    assert!(finding["suggested_action"].is_string() && finding["fingerprint"].is_string(), "{finding}");
+
+    // The same submit again is the same review (the key comes from the diff): at or
+    // above `low` it fails the build.
+    let low =
+        run(&stack, US_KEY, &["submit", "--wait", "--fail-on", "low", "--format", "json"], Some(&diff), None).await;
+    assert_eq!(low.code, 1, "{}", low.stderr);
+    let again: serde_json::Value = serde_json::from_str(&low.stdout).unwrap();
+    assert_eq!(again["job_id"], review["job_id"]);
+    assert_eq!(stack.us.provider.stats().total_calls, 1, "the repeat was not reviewed again");
+
+    // SARIF, valid against the OASIS schema; rdjsonl; text grouped by file.
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), &diff).unwrap();
+    let path = file.path().to_str().unwrap();
+    let sarif = run(&stack, US_KEY, &["submit", path, "--wait", "--format", "sarif"], None, None).await;
+    assert_eq!(sarif.code, 0, "{}", sarif.stderr);
+    let log: serde_json::Value = serde_json::from_str(&sarif.stdout).unwrap();
+    let schema =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/vendor/sarif/sarif-schema-2.1.0.json")).unwrap();
+    let validator = jsonschema::validator_for(&serde_json::from_str(&schema).unwrap()).unwrap();
+    let errors: Vec<String> = validator.iter_errors(&log).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(
+        log["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"],
+        "src/handler.rs"
+    );
+    let rd = run(&stack, US_KEY, &["get", review["job_id"].as_str().unwrap(), "--format", "rdjsonl"], None, None).await;
+    assert_eq!(rd.code, 0, "{}", rd.stderr);
+    let line: serde_json::Value = serde_json::from_str(rd.stdout.lines().next().unwrap()).unwrap();
+    assert_eq!(line["location"]["path"], "src/handler.rs");
+    let text = run(&stack, US_KEY, &["get", review["job_id"].as_str().unwrap()], None, None).await;
+    assert!(text.stdout.starts_with("src/handler.rs\n") && text.stdout.contains("low"), "{}", text.stdout);
+    assert!(!text.stdout.contains('\u{1b}'), "no colour when stdout is not a terminal");
+
+    // Without --wait: the job id on stdout, exit 0.
+    let bare = run(&stack, US_KEY, &["submit", "--lane", "batch"], Some(&sample_diff("bare")), None).await;
+    assert_eq!(bare.code, 0, "{}", bare.stderr);
+    assert!(bare.stdout.trim().starts_with("us_"), "{}", bare.stdout);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn git_ranges_failures_and_unknown_keys_have_their_exit_codes() {
+    let stack = Stack::start().await;
+    // `--git`: reviewctl runs `git diff` itself, with the range's revisions as metadata.
+    let repo = tempfile::tempdir().unwrap();
+    let git = |args: &[&str]| {
+        let ok = std::process::Command::new("git")
+            .args(["-c", "user.email=t@example.invalid", "-c", "user.name=t", "-c", "init.defaultBranch=main"])
+            .args(args)
+            .current_dir(repo.path())
+            .output()
+            .unwrap();
+        assert!(ok.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
+    };
+    git(&["init", "-q"]);
+    std::fs::write(repo.path().join("lib.rs"), "fn a() {}\n").unwrap();
+    git(&["add", "."]);
+    git(&["commit", "-qm", "one"]);
+    std::fs::write(repo.path().join("lib.rs"), "fn a() {}\nfn b() { panic!(\"todo\") }\n").unwrap();
+    git(&["commit", "-qam", "two"]);
+    let ranged = run(
+        &stack,
+        US_KEY,
+        &["submit", "--git", "HEAD~1..HEAD", "--wait", "--format", "json"],
+        None,
+        Some(repo.path()),
+    )
+    .await;
+    assert_eq!(ranged.code, 0, "{}", ranged.stderr);
+    let review: serde_json::Value = serde_json::from_str(&ranged.stdout).unwrap();
+    assert_eq!(review["findings"][0]["path"], "lib.rs");
+
+    // A terminal failure: the provider rejects the request.
+    stack.us.provider.script([Scripted::Status { status: 400, headers: vec![], body: "{}".into() }]);
+    let failed = run(&stack, US_KEY, &["submit", "--wait"], Some(&sample_diff("rejected")), None).await;
+    assert_eq!(failed.code, 2, "{}", failed.stderr);
+    assert!(failed.stderr.contains("upstream_rejected"), "{}", failed.stderr);
+
+    // An unknown key: the request fails.
+    let unknown = run(&stack, "key-nobody", &["submit"], Some(&sample_diff("x")), None).await;
+    assert_eq!(unknown.code, 5, "{}", unknown.stderr);
+    assert!(unknown.stderr.contains("API_KEY_INVALID"), "{}", unknown.stderr);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_exits_3_with_the_retry_delay() {
+    // Two messages fill the lane while the one being processed is not yet acked.
+    let stack = Stack::start_with(StackOptions {
+        lane_max_messages: Some(2),
+        extractor_concurrency: 1,
+        us_provider: SimConfig { latency: Duration::from_millis(3000), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    // Built before the lane is filled, so the fill is still there when it runs.
+    reviewctl();
+    let mut client = stack.client().await;
+    submit(&mut client, US_KEY, "fill-a", &sample_diff("a")).await;
+    submit(&mut client, US_KEY, "fill-b", &sample_diff("b")).await;
+    let refused = run(&stack, US_KEY, &["submit", "--wait"], Some(&sample_diff("c")), None).await;
+    assert_eq!(refused.code, 3, "{}", refused.stderr);
+    assert!(refused.stderr.contains("refused") && refused.stderr.contains("retry in"), "{}", refused.stderr);
+    assert!(refused.stderr.contains("LANE_FULL"), "{}", refused.stderr);
+    stack.shutdown().await;
+}
