@@ -77,6 +77,8 @@ pub enum Command {
     },
     /// Cancel a review (unless its delivery has started)
     Cancel { job_id: String },
+    /// List your reviews, newest first
+    List(ListArgs),
     /// Print shell completions
     Completions { shell: clap_complete::Shell },
 }
@@ -130,6 +132,41 @@ pub struct WaitArgs {
     /// Stop waiting after this many seconds (exit 4)
     #[arg(long, default_value_t = 3600)]
     pub wait_timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// Only reviews in these states (repeatable)
+    #[arg(long = "state", value_enum)]
+    pub states: Vec<StateArg>,
+    #[arg(long, value_enum)]
+    pub lane: Option<LaneArg>,
+    #[arg(long)]
+    pub repository: Option<String>,
+    /// Only reviews created in the last this many seconds
+    #[arg(long, value_name = "SECS")]
+    pub since_secs: Option<u64>,
+    #[arg(long, default_value_t = 20)]
+    pub page_size: i32,
+    /// Continue a listing (the token the previous page printed)
+    #[arg(long)]
+    pub page_token: Option<String>,
+    /// Every page, not just one
+    #[arg(long)]
+    pub all: bool,
+    /// One JSON object a line instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StateArg {
+    Waiting,
+    Running,
+    RetryScheduled,
+    Validated,
+    Published,
+    Terminal,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -20,7 +20,7 @@ use reviewlane_shared::proto::{
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use tonic_types::StatusExt;
 
-use crate::cli::{Cli, Command, LaneArg, SubmitArgs, WaitArgs};
+use crate::cli::{Cli, Command, LaneArg, ListArgs, StateArg, SubmitArgs, WaitArgs};
 use crate::settings::Settings;
 
 type Client = ReviewServiceClient<Channel>;
@@ -120,6 +120,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
             eprintln!("{}", output::status_line(&r));
             Ok(exit::CLEAN)
         }
+        Command::List(args) => list(&mut client, key, args).await,
         Command::Completions { .. } => unreachable!("handled before connecting"),
     }
 }
@@ -261,6 +262,55 @@ async fn submit(client: &mut Client, key: &str, args: SubmitArgs) -> Result<u8, 
         return Ok(exit::CLEAN);
     }
     wait_and_report(client, key, &review.job_id, &args.waiting).await
+}
+
+async fn list(client: &mut Client, key: &str, args: ListArgs) -> Result<u8, Failure> {
+    let states = args
+        .states
+        .iter()
+        .map(|s| match s {
+            StateArg::Waiting => JobState::Waiting,
+            StateArg::Running => JobState::Running,
+            StateArg::RetryScheduled => JobState::RetryScheduled,
+            StateArg::Validated => JobState::Validated,
+            StateArg::Published => JobState::Published,
+            StateArg::Terminal => JobState::Terminal,
+        } as i32)
+        .collect();
+    let lane = match args.lane {
+        None => proto::Lane::Unspecified,
+        Some(LaneArg::Interactive) => proto::Lane::Interactive,
+        Some(LaneArg::Batch) => proto::Lane::Batch,
+    };
+    let created_after = args.since_secs.map(|s| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        prost_types::Timestamp { seconds: now.as_secs().saturating_sub(s) as i64, nanos: 0 }
+    });
+    let mut req = proto::ListReviewsRequest {
+        page_size: args.page_size,
+        page_token: args.page_token.clone().unwrap_or_default(),
+        states,
+        lane: lane as i32,
+        repository: args.repository.clone().unwrap_or_default(),
+        created_after,
+        created_before: None,
+    };
+    let mut out = anstream::stdout();
+    loop {
+        let page = client.list_reviews(authed(key, req.clone())).await?.into_inner();
+        for r in &page.reviews {
+            let line = if args.json { output::review_json(r).to_string() } else { output::list_line(r) };
+            std::io::Write::write_all(&mut out, format!("{line}\n").as_bytes()).context("writing the list")?;
+        }
+        if page.next_page_token.is_empty() {
+            return Ok(exit::CLEAN);
+        }
+        if !args.all {
+            eprintln!("more: reviewctl list --page-token {} (same filters)", page.next_page_token);
+            return Ok(exit::CLEAN);
+        }
+        req.page_token = page.next_page_token;
+    }
 }
 
 fn is_final(r: &proto::Review) -> bool {

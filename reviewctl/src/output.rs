@@ -43,6 +43,24 @@ pub fn status_line(r: &proto::Review) -> String {
     line
 }
 
+/// One review in a listing: id, state, lane, when, findings.
+pub fn list_line(r: &proto::Review) -> String {
+    let lane = match proto::Lane::try_from(r.lane) {
+        Ok(proto::Lane::Batch) => "batch",
+        _ => "interactive",
+    };
+    let created = r.created_at.map(|t| t.seconds).unwrap_or_default();
+    let when = time::OffsetDateTime::from_unix_timestamp(created)
+        .ok()
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .unwrap_or_default();
+    let state = match r.terminal_reason.as_str() {
+        "" => state_name(r.state).to_string(),
+        reason => format!("{} ({reason})", state_name(r.state)),
+    };
+    format!("{}  {:<28}  {:<11}  {}", r.job_id, state, lane, when)
+}
+
 fn report<'a>(r: &'a proto::Review, findings: &'a [reviewlane_shared::findings::Finding]) -> Report<'a> {
     Report { job_id: &r.job_id, schema_version: &r.schema_version, repository: "", head_revision: "", findings }
 }

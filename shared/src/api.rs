@@ -34,6 +34,20 @@ pub fn state_to_proto(s: JobState) -> proto::JobState {
     }
 }
 
+/// The job model's state of an API state (`None`: unspecified).
+pub fn state_from_proto(s: proto::JobState) -> Option<JobState> {
+    Some(match s {
+        proto::JobState::Unspecified => return None,
+        proto::JobState::Accepted => JobState::Accepted,
+        proto::JobState::Waiting => JobState::Waiting,
+        proto::JobState::Running => JobState::Running,
+        proto::JobState::RetryScheduled => JobState::RetryScheduled,
+        proto::JobState::Validated => JobState::Validated,
+        proto::JobState::Published => JobState::Published,
+        proto::JobState::Terminal => JobState::Terminal,
+    })
+}
+
 pub fn reason_to_proto(r: TerminalReason) -> proto::TerminalReason {
     use proto::TerminalReason as P;
     match r {

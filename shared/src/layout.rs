@@ -49,6 +49,15 @@ pub fn parts_stream(r: Region) -> String {
 pub fn parts_subject(r: Region, tenant: &str, job_id: &str, index: u32) -> String {
     format!("parts.{}.{}.{}.{}", r.as_str(), tenant, job_id, index)
 }
+/// The job index (see `job_index`): one entry per job, kept as long as job records.
+pub fn index_stream(r: Region) -> String {
+    format!("INDEX_{}", r.upper())
+}
+/// `index.<r>.<tenant>.<hour>`: a tenant's jobs created in one hour (hours since the
+/// Unix epoch).
+pub fn index_subject(r: Region, tenant: &str, hour: u64) -> String {
+    format!("index.{}.{}.{}", r.as_str(), tenant, hour)
+}
 /// Object store of results too large for one message: `FINDINGS_<R>` (stream
 /// `OBJ_FINDINGS_<R>`), object name `<job id>.<generation>`.
 pub fn findings_objects(r: Region) -> String {
@@ -456,6 +465,11 @@ fn specs(region: Region, cfg: &LayoutConfig) -> Vec<Spec> {
         findings_stream(region),
         vec![format!("findings.{}.>", region.as_str())],
         Managed { max_age: cfg.findings_max_age, max_bytes: cfg.findings_max_bytes, ..base.clone() },
+    ));
+    out.push(stream_spec(
+        index_stream(region),
+        vec![format!("index.{}.>", region.as_str())],
+        Managed { max_age: cfg.jobs_max_age, ..base.clone() },
     ));
     out.push(stream_spec(
         parts_stream(region),

@@ -16,6 +16,7 @@ pub mod faults;
 pub mod findings;
 pub mod job;
 pub mod job_id;
+pub mod job_index;
 pub mod job_metrics;
 pub mod job_store;
 pub mod layout;

@@ -18,6 +18,7 @@ mod invalid_argument;
 mod kubernetes;
 mod large_reviews;
 mod lifecycle;
+mod list_reviews;
 mod manual;
 mod nats_auth;
 mod pipeline;

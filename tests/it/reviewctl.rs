@@ -121,6 +121,19 @@ async fn submit_wait_exits_by_the_findings_and_writes_every_format() {
     let bare = run(&stack, US_KEY, &["submit", "--lane", "batch"], Some(&sample_diff("bare")), None).await;
     assert_eq!(bare.code, 0, "{}", bare.stderr);
     assert!(bare.stdout.trim().starts_with("us_"), "{}", bare.stdout);
+
+    // `list`: the tenant's two reviews (the repeats were the same review), newest first.
+    let listed = run(&stack, US_KEY, &["list", "--all", "--json"], None, None).await;
+    assert_eq!(listed.code, 0, "{}", listed.stderr);
+    let ids: Vec<String> = listed
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["job_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, vec![bare.stdout.trim().to_string(), review["job_id"].as_str().unwrap().to_string()]);
+    let batch = run(&stack, US_KEY, &["list", "--lane", "batch"], None, None).await;
+    assert_eq!(batch.stdout.lines().count(), 1, "{}", batch.stdout);
+    assert!(batch.stdout.contains("batch"), "{}", batch.stdout);
     stack.shutdown().await;
 }
 

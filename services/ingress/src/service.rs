@@ -15,12 +15,14 @@ use reviewlane_shared::faults::{Faults, point};
 use reviewlane_shared::findings::{self, Finding};
 use reviewlane_shared::job::{Event, JobRecord, JobState, ReviewDepth};
 use reviewlane_shared::job_id;
+use reviewlane_shared::job_index;
 use reviewlane_shared::job_store::{Created, JobStore, StoreError};
 use reviewlane_shared::layout::{self, RegionLayout};
 use reviewlane_shared::messages::{ReviewMessage, ReviewMetadata};
 use reviewlane_shared::proto::{
-    self, CancelReviewRequest, CancelReviewResponse, GetReviewRequest, GetReviewResponse, SubmitReviewRequest,
-    SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
+    self, CancelReviewRequest, CancelReviewResponse, GetReviewRequest, GetReviewResponse, ListReviewsRequest,
+    ListReviewsResponse, SubmitReviewRequest, SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse,
+    review_service_server::ReviewService,
 };
 use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
@@ -40,6 +42,11 @@ const MAX_IDEMPOTENCY_KEY: usize = 256;
 const MAX_METADATA_FIELD: usize = 1024;
 /// How long a client is told to wait when a lane is full.
 const LANE_FULL_RETRY: Duration = Duration::from_secs(5);
+
+/// The region's job index.
+fn index(handle: &RegionHandle) -> job_index::JobIndex {
+    job_index::JobIndex::new(handle.layout.js.clone(), handle.layout.region)
+}
 
 /// One region as the ingress sees it.
 #[derive(Clone)]
@@ -178,6 +185,47 @@ impl ReviewApi {
         }
     }
 
+    /// A page of the tenant's reviews from the region's job index.
+    async fn list(&self, tenant: &Tenant, req: ListReviewsRequest) -> Result<ListReviewsResponse, ApiError> {
+        const DEFAULT_PAGE: usize = 20;
+        const MAX_PAGE: usize = 100;
+        let limit = match req.page_size {
+            n if n < 0 => return Err(ApiError::invalid("page_size", "must not be negative")),
+            0 => DEFAULT_PAGE,
+            n => (n as usize).min(MAX_PAGE),
+        };
+        let mut states = Vec::new();
+        for s in &req.states {
+            let state = proto::JobState::try_from(*s)
+                .ok()
+                .and_then(api::state_from_proto)
+                .ok_or_else(|| ApiError::invalid("states", "unknown job state"))?;
+            states.push(state);
+        }
+        let lane = match proto::Lane::try_from(req.lane) {
+            Ok(proto::Lane::Unspecified) => None,
+            Ok(_) => api::lane_from_proto(req.lane),
+            Err(_) => return Err(ApiError::invalid("lane", "unknown lane")),
+        };
+        let ms = |t: &prost_types::Timestamp| (t.seconds.max(0) as u64) * 1000 + (t.nanos.max(0) as u64) / 1_000_000;
+        let query = job_index::Query {
+            states,
+            lane,
+            repository: (!req.repository.is_empty()).then(|| job_index::repository_digest(&tenant.id, &req.repository)),
+            created_after_ms: req.created_after.as_ref().map(ms),
+            created_before_ms: req.created_before.as_ref().map(ms),
+        };
+        let cursor = job_index::Cursor::from_token(&req.page_token, &query)
+            .map_err(|e| ApiError::invalid("page_token", e.to_string()))?;
+        let handle = self.region(tenant.region)?;
+        let index = job_index::JobIndex::new(handle.layout.js.clone(), tenant.region);
+        let page = index.page(&handle.jobs, &tenant.id, &query, cursor, limit).await?;
+        Ok(ListReviewsResponse {
+            reviews: page.records.iter().map(|r| api::review(r, &[])).collect(),
+            next_page_token: page.next.map(|c| c.token(&query)).unwrap_or_default(),
+        })
+    }
+
     /// Runs inside the RPC span (see `rpc::span_for`), which it fills in.
     async fn submit(&self, tenant: &Tenant, mut req: SubmitReviewRequest) -> Result<proto::Review, ApiError> {
         let lane = api::lane_from_proto(req.lane).ok_or_else(|| ApiError::invalid("lane", "unknown lane"))?;
@@ -296,6 +344,8 @@ impl ReviewApi {
             }
             Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
+        // Listed from here (a retry adds it again, in case the first try died before).
+        index(handle).add(&rec, &msg.metadata.repository).await?;
         tracing::info!(state = rec.state.as_str(), "review accepted");
         Ok(api::review(&rec, &[]))
     }
@@ -311,6 +361,7 @@ impl ReviewApi {
             }
             Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
+        index(handle).add(&rec, &msg.metadata.repository).await?;
         let ended = Event::Terminate {
             reason: reviewlane_shared::job::TerminalReason::DeadlineExceeded,
             upstream_status: None,
@@ -497,6 +548,16 @@ impl ReviewService for ReviewApi {
         let started = Instant::now();
         let res = self.cancel(req).await;
         self.metrics.finish("CancelReview", started, res)
+    }
+
+    async fn list_reviews(&self, req: Request<ListReviewsRequest>) -> Result<Response<ListReviewsResponse>, Status> {
+        let started = Instant::now();
+        let res = async {
+            let tenant = self.auth.tenant(&req)?;
+            Ok(Response::new(self.list(&tenant, req.into_inner()).await?))
+        }
+        .await;
+        self.metrics.finish("ListReviews", started, res)
     }
 }
 

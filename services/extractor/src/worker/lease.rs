@@ -33,6 +33,8 @@ impl Worker {
             None => match self.jobs.create(&job.review.record()).await? {
                 Created::New(rec, revision) => {
                     tracing::info!("job record created from its lane message");
+                    let index = reviewlane_shared::job_index::JobIndex::new(self.layout.js.clone(), self.region);
+                    index.add(&rec, &job.review.metadata.repository).await?;
                     (rec, revision)
                 }
                 Created::Exists(_) => self.jobs.get(id).await?.ok_or(StoreError::NotFound)?,
