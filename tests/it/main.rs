@@ -22,6 +22,7 @@ mod list_reviews;
 mod manual;
 mod nats_auth;
 mod pipeline;
+mod proto_api;
 mod publish_once;
 mod quarantine;
 mod rate_limits;
