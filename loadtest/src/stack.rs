@@ -25,6 +25,8 @@ pub const US2_KEY: &str = "key-beta-us";
 pub const EU_KEY: &str = "key-euro-eu";
 /// Tenant `gamma` (us), whose loopback webhook is refused: no `allow_private_webhook`.
 pub const STRICT_KEY: &str = "key-gamma-us";
+/// The US operator's key (tenant `gamma`, `role = "operator"`).
+pub const OPERATOR_KEY: &str = STRICT_KEY;
 pub const US_SECRET: &str = "whsec-acme";
 pub const EU_SECRET: &str = "whsec-euro";
 
@@ -185,12 +187,14 @@ api_key_sha256 = ["{eu}"]
 sink = {{ kind = "webhook", url = "{url}", secret = "{eu_secret}" }}
 allow_private_webhook = true
 
-# Not allowed to deliver to a private address: its loopback webhook is refused.
+# Not allowed to deliver to a private address: its loopback webhook is refused. Also
+# the region's operator: it sees every tenant's dead letters.
 [[tenants]]
 id = "gamma"
 region = "us"
 api_key_sha256 = ["{strict}"]
 sink = {{ kind = "webhook", url = "{url}", secret = "{us_secret}" }}
+role = "operator"
 "#,
         us = hash_api_key(US_KEY),
         us2 = hash_api_key(US2_KEY),

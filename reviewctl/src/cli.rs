@@ -79,6 +79,9 @@ pub enum Command {
     Cancel { job_id: String },
     /// List your reviews, newest first
     List(ListArgs),
+    /// Dead letters: reviews that ended without findings (an operator key sees its region's)
+    #[command(subcommand)]
+    Dlq(DlqCommand),
     /// Print shell completions
     Completions { shell: clap_complete::Shell },
 }
@@ -132,6 +135,30 @@ pub struct WaitArgs {
     /// Stop waiting after this many seconds (exit 4)
     #[arg(long, default_value_t = 3600)]
     pub wait_timeout: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List dead letters, oldest first
+    List {
+        /// Every page, not just the first 100
+        #[arg(long)]
+        all: bool,
+        /// One JSON object a line instead of a table
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter (and whether its content is still kept for a replay)
+    Show { job_id: String },
+    /// Submit a dead letter's review again as a new job (idempotent); prints the new job
+    Replay {
+        job_id: String,
+        /// Wait for the new job (exit codes as `submit --wait`)
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        waiting: WaitArgs,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -20,7 +20,7 @@ use reviewlane_shared::proto::{
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use tonic_types::StatusExt;
 
-use crate::cli::{Cli, Command, LaneArg, ListArgs, StateArg, SubmitArgs, WaitArgs};
+use crate::cli::{Cli, Command, DlqCommand, LaneArg, ListArgs, StateArg, SubmitArgs, WaitArgs};
 use crate::settings::Settings;
 
 type Client = ReviewServiceClient<Channel>;
@@ -121,6 +121,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
             Ok(exit::CLEAN)
         }
         Command::List(args) => list(&mut client, key, args).await,
+        Command::Dlq(cmd) => dlq(&mut client, key, cmd).await,
         Command::Completions { .. } => unreachable!("handled before connecting"),
     }
 }
@@ -310,6 +311,48 @@ async fn list(client: &mut Client, key: &str, args: ListArgs) -> Result<u8, Fail
             return Ok(exit::CLEAN);
         }
         req.page_token = page.next_page_token;
+    }
+}
+
+async fn dlq(client: &mut Client, key: &str, cmd: DlqCommand) -> Result<u8, Failure> {
+    match cmd {
+        DlqCommand::List { all, json } => {
+            let mut req = proto::ListDeadLettersRequest { page_size: 100, page_token: String::new() };
+            loop {
+                let page = client.list_dead_letters(authed(key, req.clone())).await?.into_inner();
+                for d in &page.dead_letters {
+                    println!(
+                        "{}",
+                        if json { output::dead_letter_json(d).to_string() } else { output::dead_letter_line(d) }
+                    );
+                }
+                if page.next_page_token.is_empty() {
+                    return Ok(exit::CLEAN);
+                }
+                if !all {
+                    eprintln!("more: reviewctl dlq list --all");
+                    return Ok(exit::CLEAN);
+                }
+                req.page_token = page.next_page_token;
+            }
+        }
+        DlqCommand::Show { job_id } => {
+            let req = proto::GetDeadLetterRequest { job_id };
+            let d =
+                client.get_dead_letter(authed(key, req)).await?.into_inner().dead_letter.context("no dead letter")?;
+            println!("{:#}", output::dead_letter_json(&d));
+            Ok(exit::CLEAN)
+        }
+        DlqCommand::Replay { job_id, wait, waiting } => {
+            let req = proto::ReplayDeadLetterRequest { job_id };
+            let r = client.replay_dead_letter(authed(key, req)).await?.into_inner().review.context("no review")?;
+            if !wait {
+                eprintln!("{}", output::status_line(&r));
+                println!("{}", r.job_id);
+                return Ok(exit::CLEAN);
+            }
+            wait_and_report(client, key, &r.job_id, &waiting).await
+        }
     }
 }
 

@@ -61,6 +61,27 @@ pub fn list_line(r: &proto::Review) -> String {
     format!("{}  {:<28}  {:<11}  {}", r.job_id, state, lane, when)
 }
 
+/// A dead letter as JSON.
+pub fn dead_letter_json(d: &proto::DeadLetter) -> Value {
+    let attempts = d.attempts.unwrap_or_default();
+    json!({
+        "job_id": d.job_id,
+        "tenant": d.tenant,
+        "region": d.region,
+        "terminal_reason": d.terminal_reason,
+        "schema_version": d.schema_version,
+        "attempts": {"congestion": attempts.congestion, "transient": attempts.transient, "schema": attempts.schema},
+        "submitted_at": d.submitted_at.map(|t| t.seconds),
+        "dead_at": d.dead_at.map(|t| t.seconds),
+        "content_available": d.content_available,
+    })
+}
+
+/// One dead letter in a listing.
+pub fn dead_letter_line(d: &proto::DeadLetter) -> String {
+    format!("{}  {:<10}  {}", d.job_id, d.tenant, d.terminal_reason)
+}
+
 fn report<'a>(r: &'a proto::Review, findings: &'a [reviewlane_shared::findings::Finding]) -> Report<'a> {
     Report { job_id: &r.job_id, schema_version: &r.schema_version, repository: "", head_revision: "", findings }
 }

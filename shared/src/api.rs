@@ -74,7 +74,7 @@ pub fn depth_to_proto(d: ReviewDepth) -> proto::ReviewDepth {
     }
 }
 
-fn timestamp(ms: u64) -> prost_types::Timestamp {
+pub fn timestamp(ms: u64) -> prost_types::Timestamp {
     prost_types::Timestamp { seconds: (ms / 1000) as i64, nanos: ((ms % 1000) * 1_000_000) as i32 }
 }
 
@@ -183,6 +183,30 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
         parts_done: parts_progress(rec).1,
         findings_dropped: rec.findings_dropped,
         terminal_reason_enum: rec.reason.map_or(proto::TerminalReason::Unspecified, reason_to_proto) as i32,
+        replay_of: rec.replay_of.clone().unwrap_or_default(),
+    }
+}
+
+/// The API view of a dead letter's reference; `content_available` when its content is
+/// still kept.
+pub fn dead_letter(d: &crate::messages::DeadLetter, content_available: bool) -> proto::DeadLetter {
+    let reason = TerminalReason::parse(&d.reason);
+    proto::DeadLetter {
+        job_id: d.job_id.clone(),
+        tenant: d.tenant.clone(),
+        region: d.region.as_str().to_string(),
+        lane: lane_to_proto(d.lane) as i32,
+        terminal_reason: d.reason.clone(),
+        terminal_reason_enum: reason.map_or(proto::TerminalReason::Unspecified, reason_to_proto) as i32,
+        attempts: Some(proto::Attempts {
+            congestion: d.attempts.congestion,
+            transient: d.attempts.transient,
+            schema: d.attempts.schema,
+        }),
+        schema_version: d.schema_version.clone(),
+        submitted_at: Some(timestamp(d.submitted_at_ms)),
+        dead_at: Some(timestamp(d.dead_at_ms)),
+        content_available,
     }
 }
 
@@ -192,23 +216,9 @@ mod tests {
 
     #[test]
     fn every_terminal_reason_has_its_enum_with_the_same_name() {
-        use crate::job::TerminalReason as R;
-        let all = [
-            R::RateLimitBudgetExhausted,
-            R::TransientBudgetExhausted,
-            R::InvalidOutput,
-            R::UpstreamRejected,
-            R::Cancelled,
-            R::DeadlineExceeded,
-            R::InsufficientQuota,
-            R::InvalidInput,
-            R::DeliveryRejected,
-            R::DeliveryBudgetExhausted,
-            R::StoreBudgetExhausted,
-            R::Lost,
-            R::TooLarge,
-        ];
+        let all = crate::job::TerminalReason::ALL;
         for r in all {
+            assert_eq!(crate::job::TerminalReason::parse(r.as_str()), Some(r));
             let name = reason_to_proto(r).as_str_name();
             assert_eq!(name, format!("TERMINAL_REASON_{}", r.as_str().to_uppercase()));
         }

@@ -66,6 +66,27 @@ pub enum TerminalReason {
 }
 
 impl TerminalReason {
+    pub const ALL: [TerminalReason; 13] = [
+        TerminalReason::RateLimitBudgetExhausted,
+        TerminalReason::TransientBudgetExhausted,
+        TerminalReason::InvalidOutput,
+        TerminalReason::UpstreamRejected,
+        TerminalReason::Cancelled,
+        TerminalReason::DeadlineExceeded,
+        TerminalReason::InsufficientQuota,
+        TerminalReason::InvalidInput,
+        TerminalReason::DeliveryRejected,
+        TerminalReason::DeliveryBudgetExhausted,
+        TerminalReason::StoreBudgetExhausted,
+        TerminalReason::Lost,
+        TerminalReason::TooLarge,
+    ];
+
+    /// The reason named `s` (as `as_str` writes it).
+    pub fn parse(s: &str) -> Option<TerminalReason> {
+        TerminalReason::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             TerminalReason::RateLimitBudgetExhausted => "rate_limit_budget_exhausted",
@@ -209,6 +230,9 @@ pub struct JobRecord {
     /// Findings over the configured cap, left out of the result.
     #[serde(default)]
     pub findings_dropped: u32,
+    /// The dead-lettered job this one replays (`ReplayDeadLetter`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_of: Option<String>,
 }
 
 /// How a review was split and which parts are done: the checkpoint that lets a crash, a
@@ -369,6 +393,7 @@ impl JobRecord {
             cost_micro_usd: 0,
             parts: None,
             findings_dropped: 0,
+            replay_of: None,
         }
     }
 }

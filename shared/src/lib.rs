@@ -11,6 +11,7 @@ pub mod clock;
 pub mod codec;
 pub mod config;
 pub mod content;
+pub mod dead_letters;
 pub mod diff;
 pub mod faults;
 pub mod findings;

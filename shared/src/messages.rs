@@ -47,6 +47,9 @@ pub struct ReviewMessage {
     /// The job's deadline (see `JobRecord::deadline_ms`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_ms: Option<u64>,
+    /// The dead-lettered job this one replays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_of: Option<String>,
 }
 
 impl ReviewMessage {
@@ -73,6 +76,7 @@ impl ReviewMessage {
             self.submitted_at_ms,
         );
         rec.deadline_ms = self.deadline_ms;
+        rec.replay_of = self.replay_of.clone();
         rec
     }
 }

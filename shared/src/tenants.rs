@@ -13,6 +13,7 @@
 //! # or: sink = { kind = "file", dir = "/var/lib/reviewlane/acme" }   # one <job id>.json per job
 //! allow_private_webhook = false # optional: let the webhook point at loopback/private addresses
 //! lane_share = 0.5              # optional: share of each lane's bound (default: equal among the region's tenants)
+//! role = "operator"             # optional: may also list, read and replay every tenant's dead letters of its region
 //! ```
 
 use std::collections::HashMap;
@@ -74,6 +75,19 @@ pub struct Tenant {
     /// addresses (local stacks, in-cluster receivers). Off: such targets are refused.
     #[serde(default)]
     pub allow_private_webhook: bool,
+    /// `operator`: may also list, read and replay every tenant's dead letters of its
+    /// region (an operator's own reviews are still its own).
+    #[serde(default)]
+    pub role: Role,
+}
+
+/// What a key may do beyond its own tenant's reviews.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    #[default]
+    Tenant,
+    Operator,
 }
 
 fn default_weight() -> u32 {

@@ -7,6 +7,7 @@ mod auth;
 mod chaos;
 mod cluster;
 mod compose;
+mod dead_letters;
 mod deadlines;
 mod delivery;
 mod faults;

@@ -175,6 +175,26 @@ async fn git_ranges_failures_and_unknown_keys_have_their_exit_codes() {
     assert_eq!(failed.code, 2, "{}", failed.stderr);
     assert!(failed.stderr.contains("upstream_rejected"), "{}", failed.stderr);
 
+    // The failure is a dead letter; replayed, it is published (the provider answers now).
+    let terminal = run(&stack, US_KEY, &["list", "--state", "terminal", "--json"], None, None).await;
+    let dead: serde_json::Value = serde_json::from_str(terminal.stdout.lines().next().unwrap()).unwrap();
+    let dead_id = dead["job_id"].as_str().unwrap().to_string();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let dlq = run(&stack, US_KEY, &["dlq", "list"], None, None).await;
+        if dlq.stdout.contains(&dead_id) {
+            assert!(dlq.stdout.contains("upstream_rejected"), "{}", dlq.stdout);
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not dead-lettered: {}", dlq.stdout);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let replayed = run(&stack, US_KEY, &["dlq", "replay", &dead_id, "--wait", "--format", "json"], None, None).await;
+    assert_eq!(replayed.code, 0, "{}", replayed.stderr);
+    let new: serde_json::Value = serde_json::from_str(&replayed.stdout).unwrap();
+    assert_eq!(new["state"], "published");
+    assert_ne!(new["job_id"], dead["job_id"]);
+
     // An unknown key: the request fails.
     let unknown = run(&stack, "key-nobody", &["submit"], Some(&sample_diff("x")), None).await;
     assert_eq!(unknown.code, 5, "{}", unknown.stderr);

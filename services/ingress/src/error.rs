@@ -57,6 +57,9 @@ pub enum ApiError {
     /// The server cannot go on with a stream (shutting down, store connection lost).
     #[error("{what}")]
     StreamInterrupted { reason: &'static str, what: &'static str },
+    /// The request cannot be served as things stand (`reason`: the `ErrorInfo` reason).
+    #[error("{what}")]
+    FailedPrecondition { reason: &'static str, what: &'static str },
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
 }
@@ -135,6 +138,9 @@ impl From<ApiError> for Status {
             ApiError::StreamInterrupted { reason, what } => {
                 status(Code::Unavailable, what, reason, &[], Some(UNAVAILABLE_RETRY), none())
             }
+            ApiError::FailedPrecondition { reason, what } => {
+                status(Code::FailedPrecondition, what, reason, &[], None, none())
+            }
             ApiError::Internal(cause) => {
                 tracing::error!(error = %cause, "internal error");
                 status(Code::Internal, "internal error", "INTERNAL", &[], None, none())
@@ -187,6 +193,7 @@ mod tests {
             },
             ApiError::Unavailable(anyhow::anyhow!("timed out")),
             ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" },
+            ApiError::FailedPrecondition { reason: "CONTENT_EXPIRED", what: "content expired" },
             ApiError::Internal(anyhow::anyhow!("x")),
         ];
         for e in all {

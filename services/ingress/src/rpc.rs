@@ -17,7 +17,16 @@ use tonic::Status;
 use tracing::field::Empty;
 
 /// The review service's methods; anything else is `unknown` in a span name.
-const METHODS: [&str; 5] = ["SubmitReview", "GetReview", "WatchReview", "CancelReview", "ListReviews"];
+const METHODS: [&str; 8] = [
+    "SubmitReview",
+    "GetReview",
+    "WatchReview",
+    "CancelReview",
+    "ListReviews",
+    "ListDeadLetters",
+    "GetDeadLetter",
+    "ReplayDeadLetter",
+];
 const SERVICE: &str = "reviewlane.v1.ReviewService";
 
 /// The span of one incoming request (none for health checks, which probes call every

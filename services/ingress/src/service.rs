@@ -18,15 +18,16 @@ use reviewlane_shared::job_id;
 use reviewlane_shared::job_index;
 use reviewlane_shared::job_store::{Created, JobStore, StoreError};
 use reviewlane_shared::layout::{self, RegionLayout};
-use reviewlane_shared::messages::{ReviewMessage, ReviewMetadata};
+use reviewlane_shared::messages::{DeadLetter, ReviewMessage, ReviewMetadata};
 use reviewlane_shared::proto::{
-    self, CancelReviewRequest, CancelReviewResponse, GetReviewRequest, GetReviewResponse, ListReviewsRequest,
-    ListReviewsResponse, SubmitReviewRequest, SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse,
-    review_service_server::ReviewService,
+    self, CancelReviewRequest, CancelReviewResponse, GetDeadLetterRequest, GetDeadLetterResponse, GetReviewRequest,
+    GetReviewResponse, ListDeadLettersRequest, ListDeadLettersResponse, ListReviewsRequest, ListReviewsResponse,
+    ReplayDeadLetterRequest, ReplayDeadLetterResponse, SubmitReviewRequest, SubmitReviewResponse, WatchReviewRequest,
+    WatchReviewResponse, review_service_server::ReviewService,
 };
 use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
-use reviewlane_shared::tenants::Tenant;
+use reviewlane_shared::tenants::{Role, Tenant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -42,6 +43,11 @@ const MAX_IDEMPOTENCY_KEY: usize = 256;
 const MAX_METADATA_FIELD: usize = 1024;
 /// How long a client is told to wait when a lane is full.
 const LANE_FULL_RETRY: Duration = Duration::from_secs(5);
+
+/// The region's dead letters.
+fn dead_letters(handle: &RegionHandle) -> reviewlane_shared::dead_letters::DeadLetters {
+    reviewlane_shared::dead_letters::DeadLetters::new(handle.layout.js.clone(), handle.layout.region)
+}
 
 /// The region's job index.
 fn index(handle: &RegionHandle) -> job_index::JobIndex {
@@ -183,6 +189,78 @@ impl ReviewApi {
             Some((rec, _)) if rec.tenant == tenant.id => Ok((handle, rec)),
             _ => Err(ApiError::NotFound),
         }
+    }
+
+    /// A page of dead letters the caller may see: its own, or an operator's region's.
+    async fn list_dead(
+        &self,
+        caller: &Tenant,
+        req: ListDeadLettersRequest,
+    ) -> Result<ListDeadLettersResponse, ApiError> {
+        let limit = match req.page_size {
+            n if n < 0 => return Err(ApiError::invalid("page_size", "must not be negative")),
+            0 => 20,
+            n => (n as usize).min(100),
+        };
+        let start = reviewlane_shared::dead_letters::from_token(&req.page_token)
+            .ok_or_else(|| ApiError::invalid("page_token", "not a token this service issued"))?;
+        let handle = self.region(caller.region)?;
+        let tenant = (caller.role != Role::Operator).then_some(caller.id.as_str());
+        let page = dead_letters(handle).page(tenant, start, limit).await?;
+        Ok(ListDeadLettersResponse {
+            dead_letters: page.dead_letters.iter().map(|d| api::dead_letter(d, false)).collect(),
+            next_page_token: page.next.unwrap_or_default(),
+        })
+    }
+
+    /// A dead letter the caller may see: of its own job, or (operator) of its region.
+    async fn dead_letter(&self, caller: &Tenant, id: &str) -> Result<(&RegionHandle, DeadLetter), ApiError> {
+        tracing::Span::current().record("job_id", span_id(id));
+        let region = job_id::region_of(id).map_err(|e| ApiError::invalid("job_id", e.to_string()))?;
+        if region != caller.region {
+            return Err(ApiError::NotFound);
+        }
+        let handle = self.region(region)?;
+        let rec = match handle.jobs.get(id).await? {
+            Some((rec, _)) if rec.tenant == caller.id || caller.role == Role::Operator => rec,
+            _ => return Err(ApiError::NotFound),
+        };
+        let dead = dead_letters(handle).get(&rec.tenant, id).await?.ok_or(ApiError::NotFound)?;
+        Ok((handle, dead))
+    }
+
+    /// Submits a dead letter's review again as a new job linked to the dead one (see
+    /// the proto): idempotent per dead letter.
+    async fn replay(&self, caller: &Tenant, id: &str) -> Result<proto::Review, ApiError> {
+        let (handle, dead) = self.dead_letter(caller, id).await?;
+        let new_id = job_id::derive(dead.region, &dead.tenant, &format!("replay:{id}"));
+        if let Some((existing, _)) = handle.jobs.get(&new_id).await? {
+            return Ok(api::review(&existing, &[]));
+        }
+        let Some(old) = dead_letters(handle).content(&dead).await? else {
+            return Err(ApiError::FailedPrecondition {
+                reason: "CONTENT_EXPIRED",
+                what: "the dead letter's content is no longer kept (its retention ended); submit the review again",
+            });
+        };
+        let now = now_ms();
+        let lane_deadline = self.policies[usize::from(old.lane == reviewlane_shared::Lane::Batch)].deadline;
+        let msg = ReviewMessage {
+            job_id: new_id,
+            submitted_at_ms: now,
+            deadline_ms: Some(now + lane_deadline.as_millis() as u64),
+            request_digest: job_id::sha256_hex(&[b"replay", id.as_bytes(), old.request_digest.as_bytes()]),
+            replay_of: Some(id.to_string()),
+            ..old
+        };
+        enqueue(handle, &msg).await?;
+        let rec = match handle.jobs.create(&msg.record()).await? {
+            Created::New(rec, _) => rec,
+            Created::Exists(existing) => existing,
+        };
+        index(handle).add(&rec, &msg.metadata.repository).await?;
+        tracing::info!(replay_of = id, "dead letter replayed as a new job");
+        Ok(api::review(&rec, &[]))
     }
 
     /// A page of the tenant's reviews from the region's job index.
@@ -328,6 +406,7 @@ impl ReviewApi {
             submitted_at_ms,
             request_digest,
             deadline_ms: Some(deadline_ms),
+            replay_of: None,
         };
         if late >= deadline_ms {
             return self.too_late(handle, &msg).await;
@@ -548,6 +627,48 @@ impl ReviewService for ReviewApi {
         let started = Instant::now();
         let res = self.cancel(req).await;
         self.metrics.finish("CancelReview", started, res)
+    }
+
+    async fn list_dead_letters(
+        &self,
+        req: Request<ListDeadLettersRequest>,
+    ) -> Result<Response<ListDeadLettersResponse>, Status> {
+        let started = Instant::now();
+        let res = async {
+            let caller = self.auth.tenant(&req)?;
+            Ok(Response::new(self.list_dead(&caller, req.into_inner()).await?))
+        }
+        .await;
+        self.metrics.finish("ListDeadLetters", started, res)
+    }
+
+    async fn get_dead_letter(
+        &self,
+        req: Request<GetDeadLetterRequest>,
+    ) -> Result<Response<GetDeadLetterResponse>, Status> {
+        let started = Instant::now();
+        let res = async {
+            let caller = self.auth.tenant(&req)?;
+            let (handle, dead) = self.dead_letter(&caller, &req.get_ref().job_id).await?;
+            let kept = dead_letters(handle).content(&dead).await.map_err(ApiError::from)?.is_some();
+            Ok(Response::new(GetDeadLetterResponse { dead_letter: Some(api::dead_letter(&dead, kept)) }))
+        }
+        .await;
+        self.metrics.finish("GetDeadLetter", started, res)
+    }
+
+    async fn replay_dead_letter(
+        &self,
+        req: Request<ReplayDeadLetterRequest>,
+    ) -> Result<Response<ReplayDeadLetterResponse>, Status> {
+        let started = Instant::now();
+        let res = async {
+            let caller = self.auth.tenant(&req)?;
+            let review = self.replay(&caller, &req.get_ref().job_id).await?;
+            Ok(Response::new(ReplayDeadLetterResponse { review: Some(review) }))
+        }
+        .await;
+        self.metrics.finish("ReplayDeadLetter", started, res)
     }
 
     async fn list_reviews(&self, req: Request<ListReviewsRequest>) -> Result<Response<ListReviewsResponse>, Status> {

@@ -166,6 +166,7 @@ mod tests {
             input_digest: String::new(),
             request_digest: String::new(),
             deadline_ms: None,
+            replay_of: None,
         }
     }
 
