@@ -11,6 +11,7 @@
 //! weight = 1                    # optional: share against other tenants of a lane
 //! scope_limit = 4               # optional: provider calls in flight, all replicas
 //! # or: sink = { kind = "file", dir = "/var/lib/reviewlane/acme" }   # one <job id>.json per job
+//! #     (format = "sarif" or "rdjson": one <job id>.sarif / .rdjson instead)
 //! allow_private_webhook = false # optional: let the webhook point at loopback/private addresses
 //! lane_share = 0.5              # optional: share of each lane's bound (default: equal among the region's tenants)
 //! role = "operator"             # optional: may also list, read and replay every tenant's dead letters of its region
@@ -33,10 +34,36 @@ pub enum SinkConfig {
         url: String,
         secret: SecretString,
     },
-    /// One file per job, `<dir>/<job id>.json`, written atomically.
+    /// One file per job, `<dir>/<job id>.<extension>`, written atomically.
     File {
         dir: PathBuf,
+        /// What the file holds (default: the delivery as JSON).
+        #[serde(default)]
+        format: FileFormat,
     },
+}
+
+/// What a file sink writes for a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileFormat {
+    /// The delivery (the webhook's body): `<job id>.json`.
+    #[default]
+    Json,
+    /// A SARIF 2.1.0 log: `<job id>.sarif`.
+    Sarif,
+    /// A reviewdog rdjson document: `<job id>.rdjson`.
+    Rdjson,
+}
+
+impl FileFormat {
+    pub fn extension(self) -> &'static str {
+        match self {
+            FileFormat::Json => "json",
+            FileFormat::Sarif => "sarif",
+            FileFormat::Rdjson => "rdjson",
+        }
+    }
 }
 
 impl SinkConfig {

@@ -147,7 +147,7 @@ impl Sinks {
                     Err(_) => SinkOutcome::Transient("connect"),
                 }
             }
-            SinkConfig::File { dir } => match write_atomically(dir, job_id, body).await {
+            SinkConfig::File { dir, format } => match write_atomically(dir, job_id, format.extension(), body).await {
                 Ok(()) => SinkOutcome::Delivered,
                 Err(_) => SinkOutcome::Transient("io"),
             },
@@ -155,10 +155,31 @@ impl Sinks {
     }
 }
 
-/// `<dir>/<job id>.json` via a temporary file, fsync, rename and a sync of the folder.
-async fn write_atomically(dir: &Path, job_id: &str, body: &[u8]) -> std::io::Result<()> {
+/// The body a sink gets for a delivery: the delivery as JSON, or for a file sink in
+/// another format, the findings as SARIF or rdjson.
+pub fn body_for(sink: &SinkConfig, d: &reviewlane_shared::messages::Delivery) -> Vec<u8> {
+    use reviewlane_shared::surfaces::{Report, rdjson, sarif};
+    use reviewlane_shared::tenants::FileFormat;
+    let report = || Report {
+        job_id: &d.job_id,
+        schema_version: &d.schema_version,
+        repository: &d.metadata.repository,
+        head_revision: &d.metadata.head_revision,
+        findings: &d.findings,
+    };
+    match sink {
+        SinkConfig::File { format: FileFormat::Sarif, .. } => serde_json::to_vec_pretty(&sarif::log(&report())),
+        SinkConfig::File { format: FileFormat::Rdjson, .. } => serde_json::to_vec(&rdjson::result(&report())),
+        _ => serde_json::to_vec(d),
+    }
+    .expect("a delivery serializes")
+}
+
+/// `<dir>/<job id>.<extension>` via a temporary file, fsync, rename and a sync of the
+/// folder.
+async fn write_atomically(dir: &Path, job_id: &str, extension: &str, body: &[u8]) -> std::io::Result<()> {
     let dir = dir.to_path_buf();
-    let name = format!("{job_id}.json");
+    let name = format!("{job_id}.{extension}");
     let body = body.to_vec();
     tokio::task::spawn_blocking(move || {
         use std::io::Write;
@@ -204,7 +225,7 @@ mod tests {
     async fn file_sink_writes_one_whole_file_per_job_and_a_repeat_replaces_it() {
         let dir = tempfile::tempdir().unwrap();
         let sinks = Sinks::new(Duration::from_secs(1));
-        let sink = SinkConfig::File { dir: dir.path().join("acme") };
+        let sink = SinkConfig::File { dir: dir.path().join("acme"), format: Default::default() };
         assert_eq!(sinks.deliver(&sink, false, "us_1", b"{\"a\":1}").await, SinkOutcome::Delivered);
         assert_eq!(sinks.deliver(&sink, false, "us_2", b"{\"a\":2}").await, SinkOutcome::Delivered);
         assert_eq!(sinks.deliver(&sink, false, "us_1", b"{\"a\":1}").await, SinkOutcome::Delivered);
@@ -213,6 +234,53 @@ mod tests {
         names.sort();
         assert_eq!(names, ["us_1.json", "us_2.json"], "no temporary file left behind");
         assert_eq!(std::fs::read_to_string(dir.path().join("acme/us_1.json")).unwrap(), "{\"a\":1}\n");
+    }
+
+    #[tokio::test]
+    async fn a_file_sink_can_write_sarif_or_rdjson_instead() {
+        use reviewlane_shared::messages::Delivery;
+        use reviewlane_shared::tenants::FileFormat;
+        let delivery = Delivery {
+            job_id: "us_1".into(),
+            tenant: "acme".into(),
+            region: reviewlane_shared::Region::Us,
+            lane: reviewlane_shared::Lane::Interactive,
+            schema_version: "findings.v1".into(),
+            review_depth: Default::default(),
+            metadata: Default::default(),
+            findings: vec![reviewlane_shared::findings::Finding {
+                path: "a.rs".into(),
+                line: 3,
+                severity: "high".into(),
+                category: "security".into(),
+                title: "t".into(),
+                message: "m".into(),
+                evidence: "e".into(),
+                ..Default::default()
+            }],
+            quarantined_count: 0,
+            findings_dropped: 0,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let sinks = Sinks::new(Duration::from_secs(1));
+        for (format, file) in [(FileFormat::Sarif, "us_1.sarif"), (FileFormat::Rdjson, "us_1.rdjson")] {
+            let sink = SinkConfig::File { dir: dir.path().to_path_buf(), format };
+            let body = body_for(&sink, &delivery);
+            assert_eq!(sinks.deliver(&sink, false, "us_1", &body).await, SinkOutcome::Delivered);
+            let written: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(dir.path().join(file)).unwrap()).unwrap();
+            match format {
+                FileFormat::Sarif => {
+                    assert_eq!(written["version"], "2.1.0");
+                    assert_eq!(written["runs"][0]["results"][0]["level"], "error");
+                }
+                _ => assert_eq!(written["diagnostics"][0]["location"]["path"], "a.rs"),
+            }
+        }
+        // The default is the delivery itself.
+        let json = SinkConfig::File { dir: dir.path().to_path_buf(), format: FileFormat::Json };
+        let body: serde_json::Value = serde_json::from_slice(&body_for(&json, &delivery)).unwrap();
+        assert_eq!(body["job_id"], "us_1");
     }
 
     #[tokio::test]

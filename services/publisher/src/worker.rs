@@ -213,9 +213,9 @@ impl Worker {
 
         let tenant = self.tenants.get(&f.tenant);
         let delivery = Delivery::from_findings(f);
-        let body = serde_json::to_vec(&delivery).expect("delivery serializes");
         let outcome = match tenant.as_ref().and_then(|t| t.sink.clone()) {
             Some(sink) => {
+                let body = crate::sink::body_for(&sink, &delivery);
                 let allow_private = tenant.as_ref().is_some_and(|t| t.allow_private_webhook);
                 let span = tracing::info_span!(
                     "sink.deliver",
