@@ -82,6 +82,12 @@ pub enum Command {
     /// Dead letters: reviews that ended without findings (an operator key sees its region's)
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Each lane of your region: depth, oldest review's age, throughput, predicted wait (operator keys)
+    Lanes {
+        /// One JSON object a line instead of a table
+        #[arg(long)]
+        json: bool,
+    },
     /// Print shell completions
     Completions { shell: clap_complete::Shell },
 }

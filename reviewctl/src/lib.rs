@@ -122,6 +122,16 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
         }
         Command::List(args) => list(&mut client, key, args).await,
         Command::Dlq(cmd) => dlq(&mut client, key, cmd).await,
+        Command::Lanes { json } => {
+            let lanes = client.list_lanes(authed(key, proto::ListLanesRequest {})).await?.into_inner().lanes;
+            if !json {
+                println!("{}", output::LANE_HEADER);
+            }
+            for l in &lanes {
+                println!("{}", if json { output::lane_json(l).to_string() } else { output::lane_line(l) });
+            }
+            Ok(exit::CLEAN)
+        }
         Command::Completions { .. } => unreachable!("handled before connecting"),
     }
 }

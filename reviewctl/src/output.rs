@@ -61,6 +61,39 @@ pub fn list_line(r: &proto::Review) -> String {
     format!("{}  {:<28}  {:<11}  {}", r.job_id, state, lane, when)
 }
 
+fn secs(d: Option<prost_types::Duration>) -> Option<f64> {
+    d.map(|d| d.seconds as f64 + f64::from(d.nanos) / 1e9)
+}
+
+fn lane_name(lane: i32) -> &'static str {
+    match proto::Lane::try_from(lane) {
+        Ok(proto::Lane::Batch) => "batch",
+        _ => "interactive",
+    }
+}
+
+pub const LANE_HEADER: &str = "region  lane         depth/bound      oldest   per_sec  predicted wait";
+
+/// One lane in the `lanes` table.
+pub fn lane_line(l: &proto::LaneStatus) -> String {
+    let age = secs(l.oldest_age).map_or("-".to_string(), |s| format!("{s:.1}s"));
+    let wait = secs(l.predicted_wait).map_or("-".to_string(), |s| format!("{s:.1}s"));
+    let depth = format!("{}/{}", l.depth, l.bound);
+    format!("{:<6}  {:<11}  {depth:<15}  {age:>7}  {:>7.2}  {wait:>14}", l.region, lane_name(l.lane), l.per_second)
+}
+
+pub fn lane_json(l: &proto::LaneStatus) -> Value {
+    json!({
+        "region": l.region,
+        "lane": lane_name(l.lane),
+        "depth": l.depth,
+        "bound": l.bound,
+        "oldest_age_secs": secs(l.oldest_age),
+        "per_second": l.per_second,
+        "predicted_wait_secs": secs(l.predicted_wait),
+    })
+}
+
 /// A dead letter as JSON.
 pub fn dead_letter_json(d: &proto::DeadLetter) -> Value {
     let attempts = d.attempts.unwrap_or_default();

@@ -221,5 +221,20 @@ async fn a_refusal_exits_3_with_the_retry_delay() {
     assert_eq!(refused.code, 3, "{}", refused.stderr);
     assert!(refused.stderr.contains("refused") && refused.stderr.contains("retry in"), "{}", refused.stderr);
     assert!(refused.stderr.contains("LANE_FULL"), "{}", refused.stderr);
+
+    // An operator sees the full lane; a tenant key may not look.
+    let lanes = run(&stack, OPERATOR_KEY, &["lanes", "--json"], None, None).await;
+    assert_eq!(lanes.code, 0, "{}", lanes.stderr);
+    let interactive: serde_json::Value = lanes
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|l| l["lane"] == "interactive")
+        .unwrap();
+    assert_eq!((interactive["depth"].as_u64(), interactive["bound"].as_u64()), (Some(2), Some(2)), "{interactive}");
+    assert!(interactive["oldest_age_secs"].as_f64().is_some());
+    let denied = run(&stack, US_KEY, &["lanes"], None, None).await;
+    assert_eq!(denied.code, 5, "{}", denied.stderr);
+    assert!(denied.stderr.contains("OPERATOR_ROLE_REQUIRED"), "{}", denied.stderr);
     stack.shutdown().await;
 }

@@ -57,6 +57,9 @@ pub enum ApiError {
     /// The server cannot go on with a stream (shutting down, store connection lost).
     #[error("{what}")]
     StreamInterrupted { reason: &'static str, what: &'static str },
+    /// The caller's key may not do this (`reason`: the `ErrorInfo` reason).
+    #[error("{what}")]
+    PermissionDenied { reason: &'static str, what: &'static str },
     /// The request cannot be served as things stand (`reason`: the `ErrorInfo` reason).
     #[error("{what}")]
     FailedPrecondition { reason: &'static str, what: &'static str },
@@ -138,6 +141,9 @@ impl From<ApiError> for Status {
             ApiError::StreamInterrupted { reason, what } => {
                 status(Code::Unavailable, what, reason, &[], Some(UNAVAILABLE_RETRY), none())
             }
+            ApiError::PermissionDenied { reason, what } => {
+                status(Code::PermissionDenied, what, reason, &[], None, none())
+            }
             ApiError::FailedPrecondition { reason, what } => {
                 status(Code::FailedPrecondition, what, reason, &[], None, none())
             }
@@ -194,6 +200,7 @@ mod tests {
             ApiError::Unavailable(anyhow::anyhow!("timed out")),
             ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" },
             ApiError::FailedPrecondition { reason: "CONTENT_EXPIRED", what: "content expired" },
+            ApiError::PermissionDenied { reason: "OPERATOR_ROLE_REQUIRED", what: "operators only" },
             ApiError::Internal(anyhow::anyhow!("x")),
         ];
         for e in all {

@@ -17,7 +17,7 @@ use tonic::Status;
 use tracing::field::Empty;
 
 /// The review service's methods; anything else is `unknown` in a span name.
-const METHODS: [&str; 8] = [
+const METHODS: [&str; 9] = [
     "SubmitReview",
     "GetReview",
     "WatchReview",
@@ -26,6 +26,7 @@ const METHODS: [&str; 8] = [
     "ListDeadLetters",
     "GetDeadLetter",
     "ReplayDeadLetter",
+    "ListLanes",
 ];
 const SERVICE: &str = "reviewlane.v1.ReviewService";
 

@@ -21,9 +21,9 @@ use reviewlane_shared::layout::{self, RegionLayout};
 use reviewlane_shared::messages::{DeadLetter, ReviewMessage, ReviewMetadata};
 use reviewlane_shared::proto::{
     self, CancelReviewRequest, CancelReviewResponse, GetDeadLetterRequest, GetDeadLetterResponse, GetReviewRequest,
-    GetReviewResponse, ListDeadLettersRequest, ListDeadLettersResponse, ListReviewsRequest, ListReviewsResponse,
-    ReplayDeadLetterRequest, ReplayDeadLetterResponse, SubmitReviewRequest, SubmitReviewResponse, WatchReviewRequest,
-    WatchReviewResponse, review_service_server::ReviewService,
+    GetReviewResponse, ListDeadLettersRequest, ListDeadLettersResponse, ListLanesRequest, ListLanesResponse,
+    ListReviewsRequest, ListReviewsResponse, ReplayDeadLetterRequest, ReplayDeadLetterResponse, SubmitReviewRequest,
+    SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
 };
 use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
@@ -189,6 +189,41 @@ impl ReviewApi {
             Some((rec, _)) if rec.tenant == tenant.id => Ok((handle, rec)),
             _ => Err(ApiError::NotFound),
         }
+    }
+
+    /// Each lane of `region` as it stands.
+    async fn lanes(&self, region: Region) -> Result<Vec<proto::LaneStatus>, ApiError> {
+        let handle = self.region(region)?;
+        let mut out = Vec::new();
+        for lane in reviewlane_shared::Lane::ALL {
+            let mut stream = handle
+                .layout
+                .js
+                .get_stream(layout::lane_stream(region, lane))
+                .await
+                .map_err(|e| ApiError::Unavailable(e.into()))?;
+            let info = stream.info().await.map_err(|e| ApiError::Unavailable(e.into()))?;
+            let depth = info.state.messages;
+            let oldest_age = (depth > 0).then(|| {
+                let age = time::OffsetDateTime::now_utc() - info.state.first_timestamp;
+                let age = Duration::try_from(age).unwrap_or_default();
+                prost_types::Duration { seconds: age.as_secs() as i64, nanos: age.subsec_nanos() as i32 }
+            });
+            let (_, per_sec) = self.sampler.get(region, lane);
+            let policy = &self.policies[usize::from(lane == reviewlane_shared::Lane::Batch)];
+            let wait = crate::admission::predicted_wait(depth, per_sec, policy.min_waiting);
+            out.push(proto::LaneStatus {
+                region: region.as_str().to_string(),
+                lane: api::lane_to_proto(lane) as i32,
+                depth,
+                bound: u64::try_from(info.config.max_messages).unwrap_or(u64::MAX),
+                oldest_age,
+                per_second: per_sec.unwrap_or(0.0),
+                predicted_wait: wait
+                    .map(|w| prost_types::Duration { seconds: w.as_secs() as i64, nanos: w.subsec_nanos() as i32 }),
+            });
+        }
+        Ok(out)
     }
 
     /// A page of dead letters the caller may see: its own, or an operator's region's.
@@ -669,6 +704,23 @@ impl ReviewService for ReviewApi {
         }
         .await;
         self.metrics.finish("ReplayDeadLetter", started, res)
+    }
+
+    async fn list_lanes(&self, req: Request<ListLanesRequest>) -> Result<Response<ListLanesResponse>, Status> {
+        let started = Instant::now();
+        let res = async {
+            let caller = self.auth.tenant(&req)?;
+            if caller.role != Role::Operator {
+                return Err(ApiError::PermissionDenied {
+                    reason: "OPERATOR_ROLE_REQUIRED",
+                    what: "listing lanes needs an operator key",
+                }
+                .into());
+            }
+            Ok(Response::new(ListLanesResponse { lanes: self.lanes(caller.region).await? }))
+        }
+        .await;
+        self.metrics.finish("ListLanes", started, res)
     }
 
     async fn list_reviews(&self, req: Request<ListReviewsRequest>) -> Result<Response<ListReviewsResponse>, Status> {
