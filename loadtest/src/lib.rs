@@ -4,6 +4,7 @@
 
 pub mod chaos;
 pub mod corpus;
+pub mod fakegithub;
 pub mod http;
 pub mod large;
 pub mod load;

@@ -106,6 +106,8 @@ pub struct StackOptions {
     pub max_diff_bytes: usize,
     /// The extractors' `REVIEWLANE_CONTEXT_TOKENS` (`None`: the default).
     pub context_tokens: Option<usize>,
+    /// More `[[tenants]]` entries, appended to the test tenants.
+    pub extra_tenants: String,
     pub extractor_concurrency: usize,
     /// The extractor's lease (consumer ack wait).
     pub lease: Duration,
@@ -144,6 +146,7 @@ impl Default for StackOptions {
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
             context_tokens: None,
+            extra_tenants: String::new(),
             extractor_concurrency: 8,
             lease: Duration::from_secs(5),
             lane_max_messages: None,
@@ -214,7 +217,8 @@ impl Stack {
     pub async fn start_with(opts: StackOptions) -> Stack {
         init_test_log();
         let webhook = WebhookReceiver::start().await;
-        let tenants = Arc::new(Tenants::parse(&tenants_toml(&webhook.url())).expect("test tenants parse"));
+        let toml = format!("{}\n{}", tenants_toml(&webhook.url()), opts.extra_tenants);
+        let tenants = Arc::new(Tenants::parse(&toml).expect("test tenants parse"));
         let us = if opts.us_cluster {
             // Three JetStream nodes; every stream and bucket of the region on all three.
             let cluster = reviewlane_shared::testing::NatsCluster::start().await;

@@ -12,6 +12,8 @@
 //! scope_limit = 4               # optional: provider calls in flight, all replicas
 //! # or: sink = { kind = "file", dir = "/var/lib/reviewlane/acme" }   # one <job id>.json per job
 //! #     (format = "sarif" or "rdjson": one <job id>.sarif / .rdjson instead)
+//! # or: sink = { kind = "github", token_file = "/run/secrets/github-token", max_comments = 20 }
+//! #     (api_url = "https://ghe.example/api/v3" for GitHub Enterprise)
 //! allow_private_webhook = false # optional: let the webhook point at loopback/private addresses
 //! lane_share = 0.5              # optional: share of each lane's bound (default: equal among the region's tenants)
 //! role = "operator"             # optional: may also list, read and replay every tenant's dead letters of its region
@@ -34,6 +36,20 @@ pub enum SinkConfig {
         url: String,
         secret: SecretString,
     },
+    /// A review on the pull request the review's metadata names (repository
+    /// `owner/repo`, pull request number, head revision): line comments for up to
+    /// `max_comments` findings, the rest in the review's summary.
+    #[serde(rename = "github")]
+    GitHub {
+        /// The REST API's base URL (GitHub Enterprise: `https://<host>/api/v3`).
+        #[serde(default = "github_api")]
+        api_url: String,
+        /// A file holding a personal access token or an installation token (a
+        /// mounted Secret; read at each delivery, so a rotated token is picked up).
+        token_file: PathBuf,
+        #[serde(default = "default_max_comments")]
+        max_comments: usize,
+    },
     /// One file per job, `<dir>/<job id>.<extension>`, written atomically.
     File {
         dir: PathBuf,
@@ -41,6 +57,14 @@ pub enum SinkConfig {
         #[serde(default)]
         format: FileFormat,
     },
+}
+
+fn github_api() -> String {
+    "https://api.github.com".into()
+}
+
+fn default_max_comments() -> usize {
+    20
 }
 
 /// What a file sink writes for a job.
@@ -72,6 +96,7 @@ impl SinkConfig {
         match self {
             SinkConfig::Webhook { .. } => "webhook",
             SinkConfig::File { .. } => "file",
+            SinkConfig::GitHub { .. } => "github",
         }
     }
 }

@@ -13,6 +13,7 @@ mod delivery;
 mod faults;
 mod fencing;
 mod findings_v2;
+mod github;
 mod harness;
 mod idempotency;
 mod invalid_argument;

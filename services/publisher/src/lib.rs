@@ -3,6 +3,7 @@
 
 pub mod claim;
 pub mod config;
+pub mod github;
 pub mod metrics;
 pub mod sink;
 pub mod startup;

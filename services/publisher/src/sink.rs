@@ -5,9 +5,10 @@
 //!   targets on loopback, private, link-local or metadata addresses are refused unless
 //!   the tenant allows them (`target`), and at most `RESPONSE_CAP` bytes of an answer
 //!   are read.
-//! - File: one file per job, `<dir>/<job id>.json`, written to a temporary file, synced
-//!   and renamed into place: a reader never sees half a delivery, and a repeat of the
-//!   same job replaces the file with the same content.
+//! - File: one file per job, `<dir>/<job id>.json` (or `.sarif`, `.rdjson`), written to
+//!   a temporary file, synced and renamed into place: a reader never sees half a
+//!   delivery, and a repeat of the same job replaces the file with the same content.
+//! - GitHub: a pull-request review (`github`).
 
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -39,6 +40,8 @@ pub enum SinkOutcome {
     Permanent(u16),
     /// We refused to send it: the target is not allowed for this tenant.
     Refused(&'static str),
+    /// The receiver's rate limit: try again after this long (not before).
+    RetryAfter(Duration),
 }
 
 impl SinkOutcome {
@@ -49,6 +52,7 @@ impl SinkOutcome {
             SinkOutcome::Transient(class) => class,
             SinkOutcome::Permanent(_) => "rejected",
             SinkOutcome::Refused(why) => why,
+            SinkOutcome::RetryAfter(_) => "rate_limited",
         }
     }
 }
@@ -99,6 +103,7 @@ pub struct Sinks {
     public: reqwest::Client,
     /// For tenants that allow private targets (local stacks, in-cluster receivers).
     any: reqwest::Client,
+    github: crate::github::GitHub,
 }
 
 impl Sinks {
@@ -111,7 +116,28 @@ impl Sinks {
             let b = if public_only { b.dns_resolver(target::resolver()) } else { b };
             b.build().expect("reqwest client builds")
         };
-        Sinks { public: client(true), any: client(false) }
+        Sinks { public: client(true), any: client(false), github: crate::github::GitHub::new() }
+    }
+
+    /// Delivers `delivery` to `sink`: rendered for a webhook or a file, or posted as a
+    /// pull-request review.
+    pub async fn deliver_review(
+        &self,
+        sink: &SinkConfig,
+        allow_private: bool,
+        delivery: &reviewlane_shared::messages::Delivery,
+    ) -> SinkOutcome {
+        match sink {
+            SinkConfig::GitHub { api_url, token_file, max_comments } => {
+                let Ok(url) = reqwest::Url::parse(api_url) else { return SinkOutcome::Refused("invalid_url") };
+                if !allow_private && !target::allowed(&url).await {
+                    return SinkOutcome::Refused("forbidden_target");
+                }
+                let http = if allow_private { &self.any } else { &self.public };
+                self.github.deliver(http, api_url, token_file, *max_comments, delivery).await
+            }
+            other => self.deliver(other, allow_private, &delivery.job_id, &body_for(other, delivery)).await,
+        }
     }
 
     /// Delivers one serialized `Delivery` body for `job_id`.
@@ -151,6 +177,7 @@ impl Sinks {
                 Ok(()) => SinkOutcome::Delivered,
                 Err(_) => SinkOutcome::Transient("io"),
             },
+            SinkConfig::GitHub { .. } => SinkOutcome::Refused("github_needs_the_delivery"),
         }
     }
 }

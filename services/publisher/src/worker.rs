@@ -215,7 +215,6 @@ impl Worker {
         let delivery = Delivery::from_findings(f);
         let outcome = match tenant.as_ref().and_then(|t| t.sink.clone()) {
             Some(sink) => {
-                let body = crate::sink::body_for(&sink, &delivery);
                 let allow_private = tenant.as_ref().is_some_and(|t| t.allow_private_webhook);
                 let span = tracing::info_span!(
                     "sink.deliver",
@@ -225,7 +224,7 @@ impl Worker {
                     attempt = claim.attempt,
                     result = Empty,
                 );
-                let outcome = self.sinks.deliver(&sink, allow_private, id, &body).instrument(span.clone()).await;
+                let outcome = self.sinks.deliver_review(&sink, allow_private, &delivery).instrument(span.clone()).await;
                 span.record("result", outcome.as_str());
                 outcome
             }
@@ -270,6 +269,21 @@ impl Worker {
                     attempt = claim.attempt,
                     delay_ms = delay.as_millis() as u64,
                     "delivery failed; retry scheduled"
+                );
+                self.claims.settle(id, &claim, PublicationState::Publishing).await?;
+                self.metrics.retry(delay);
+                settle(msg, AckKind::Nak(Some(delay))).await;
+                Ok(Outcome::RetryScheduled(delay))
+            }
+            SinkOutcome::RetryAfter(delay) => {
+                // The receiver's own limit: its delay, within the same delivery budget.
+                if claim.attempt >= self.delivery_attempts {
+                    return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
+                }
+                tracing::warn!(
+                    attempt = claim.attempt,
+                    delay_ms = delay.as_millis() as u64,
+                    "sink rate-limited; retry scheduled"
                 );
                 self.claims.settle(id, &claim, PublicationState::Publishing).await?;
                 self.metrics.retry(delay);

@@ -1,0 +1,407 @@
+//! The GitHub pull-request review sink: one review per job on the pull request the
+//! review's metadata names, with line comments for findings on lines of the pull
+//! request's diff (up to `max_comments`) and the rest in the review's summary.
+//!
+//! - Each finding carries a hidden marker with its fingerprint; the comments and reviews
+//!   already on the pull request are listed first, so a re-run posts only what is new
+//!   (and nothing when nothing is).
+//! - The pull request's files are listed to know which lines GitHub accepts comments
+//!   on; should GitHub still answer 422, the review is posted again with every finding
+//!   in its summary rather than failing.
+//! - GitHub's limits are obeyed like a provider's: a 403/429 with `retry-after`
+//!   (secondary limit) or with `x-ratelimit-remaining: 0` (primary limit, until
+//!   `x-ratelimit-reset`), and a success that leaves no requests, pause every delivery
+//!   to that account in this process until then; the job's delivery is handed back
+//!   with that delay. No request is sent while paused.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use reviewlane_shared::findings::{Finding, Side};
+use reviewlane_shared::messages::Delivery;
+use serde_json::{Value, json};
+
+use crate::sink::SinkOutcome;
+
+/// The hidden marker a finding's comment or summary line carries.
+pub fn marker(fingerprint: &str) -> String {
+    format!("<!-- reviewlane:fingerprint={fingerprint} -->")
+}
+
+/// Fingerprints of the markers in `text`.
+pub fn markers(text: &str) -> impl Iterator<Item = &str> {
+    text.split("<!-- reviewlane:fingerprint=").skip(1).filter_map(|rest| rest.split_once(" -->").map(|(fp, _)| fp))
+}
+
+fn fingerprint(f: &Finding) -> String {
+    f.fingerprint.clone().unwrap_or_else(|| reviewlane_shared::findings::fingerprint(f))
+}
+
+/// GitHub's side of a finding.
+fn side(f: &Finding) -> &'static str {
+    match f.side() {
+        Side::New => "RIGHT",
+        Side::Old => "LEFT",
+    }
+}
+
+/// A line comment's body: what, why, what to do, a suggestion when there is a
+/// replacement, and the marker.
+pub fn comment_body(f: &Finding) -> String {
+    let mut text = format!("**{}** · {} · {}\n\n{}", f.severity, f.category, f.title, f.message);
+    if let Some(action) = &f.suggested_action {
+        text.push_str(&format!("\n\n**Suggested action:** {action}"));
+    }
+    if let Some(replacement) = f.suggested_replacement.as_ref().filter(|_| f.side() == Side::New) {
+        text.push_str(&format!("\n\n```suggestion\n{}\n```", replacement.trim_end_matches('\n')));
+    }
+    text.push_str(&format!("\n\n{}", marker(&fingerprint(f))));
+    text
+}
+
+/// The review to post: its summary and its line comments. `None`: nothing new.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReviewPlan {
+    pub body: String,
+    pub comments: Vec<Value>,
+    /// Findings in the summary only.
+    pub summarised: usize,
+}
+
+/// Plans the review of `findings` (sorted, most severe first) given the fingerprints
+/// already on the pull request and the lines GitHub takes comments on: new findings on
+/// commentable lines become line comments, up to `max_comments`; the rest are listed in
+/// the summary. `all_in_summary`: no line comments at all (after a 422).
+pub fn plan(
+    findings: &[Finding],
+    existing: &HashSet<String>,
+    commentable: &HashSet<(String, u32, &'static str)>,
+    max_comments: usize,
+    all_in_summary: bool,
+) -> Option<ReviewPlan> {
+    let new: Vec<&Finding> = findings.iter().filter(|f| !existing.contains(&fingerprint(f))).collect();
+    if new.is_empty() {
+        return None;
+    }
+    let mut comments = Vec::new();
+    let mut summary = Vec::new();
+    for f in new {
+        let lines = f.lines();
+        let fits = !all_in_summary
+            && comments.len() < max_comments
+            && lines.clone().all(|l| commentable.contains(&(f.path.clone(), l, side(f))));
+        if fits {
+            let mut c = json!({"path": f.path, "line": lines.end(), "side": side(f), "body": comment_body(f)});
+            if lines.start() < lines.end() {
+                c["start_line"] = json!(lines.start());
+                c["start_side"] = json!(side(f));
+            }
+            comments.push(c);
+        } else {
+            summary.push(f);
+        }
+    }
+    let mut body = format!(
+        "reviewlane found {} new finding{}.",
+        comments.len() + summary.len(),
+        if comments.len() + summary.len() == 1 { "" } else { "s" }
+    );
+    if !summary.is_empty() {
+        body.push_str("\n\nNot on a line of this diff, or over the comment limit:\n");
+        for f in &summary {
+            body.push_str(&format!(
+                "\n- `{}:{}` **{}** {}: {} {}",
+                f.path,
+                f.line,
+                f.severity,
+                f.category,
+                f.title,
+                marker(&fingerprint(f))
+            ));
+        }
+    }
+    Some(ReviewPlan { body, summarised: summary.len(), comments })
+}
+
+/// How long GitHub asks us to wait, from an answer: `retry-after` on a 403/429
+/// (secondary limit), or the reset of an exhausted primary limit (on a 403/429, or on a
+/// success that used the last request). `None`: no wait.
+pub fn limit_delay(status: u16, headers: &reqwest::header::HeaderMap, now_unix: u64) -> Option<Duration> {
+    let header =
+        |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok());
+    let limited = matches!(status, 403 | 429);
+    if limited && let Some(secs) = header("retry-after") {
+        return Some(Duration::from_secs(secs.max(1)));
+    }
+    if header("x-ratelimit-remaining") == Some(0) {
+        let reset = header("x-ratelimit-reset").unwrap_or(now_unix + 60);
+        return Some(Duration::from_secs(reset.saturating_sub(now_unix).max(1)));
+    }
+    // A secondary limit without a hint: GitHub says wait at least a minute. (A 403
+    // without either header is a permission problem, not a limit.)
+    (status == 429).then_some(Duration::from_secs(60))
+}
+
+/// The commentable lines of a pull request's files (from their patches).
+fn commentable_lines(files: &[Value]) -> HashSet<(String, u32, &'static str)> {
+    use reviewlane_shared::diff::{LineKind, parse};
+    let mut out = HashSet::new();
+    for file in files {
+        let (Some(name), Some(patch)) = (file["filename"].as_str(), file["patch"].as_str()) else { continue };
+        let Ok(d) = parse(&format!("--- a/{name}\n+++ b/{name}\n{patch}\n")) else { continue };
+        for h in d.files.iter().flat_map(|f| &f.hunks) {
+            for (l, old, new) in h.numbered() {
+                if l.kind != LineKind::Removed {
+                    out.insert((name.to_string(), new, "RIGHT"));
+                }
+                if l.kind != LineKind::Added {
+                    out.insert((name.to_string(), old, "LEFT"));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Pages of a list endpoint read at most (100 items each).
+const MAX_PAGES: usize = 10;
+
+pub struct GitHub {
+    /// Accounts (API URL and token) paused until a limit resets.
+    paused: Mutex<HashMap<String, Instant>>,
+}
+
+/// Why a delivery stopped early.
+enum Stop {
+    Outcome(SinkOutcome),
+}
+
+impl GitHub {
+    pub fn new() -> Self {
+        GitHub { paused: Mutex::new(HashMap::new()) }
+    }
+
+    fn pause(&self, account: &str, d: Duration) {
+        let until = Instant::now() + d;
+        let mut p = self.paused.lock().expect("pause lock");
+        let e = p.entry(account.to_string()).or_insert(until);
+        *e = (*e).max(until);
+    }
+
+    fn paused_for(&self, account: &str) -> Option<Duration> {
+        let p = self.paused.lock().expect("pause lock");
+        p.get(account).map(|until| until.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
+    }
+
+    /// One request, with the limit rules applied to its answer.
+    async fn send(&self, account: &str, rb: reqwest::RequestBuilder) -> Result<(u16, Value), Stop> {
+        let resp = match rb.send().await {
+            Ok(r) => r,
+            Err(e) if e.is_timeout() => return Err(Stop::Outcome(SinkOutcome::Transient("timeout"))),
+            Err(_) => return Err(Stop::Outcome(SinkOutcome::Transient("connect"))),
+        };
+        let status = resp.status().as_u16();
+        let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let wait = limit_delay(status, resp.headers(), now_unix);
+        let body: Value = resp.json().await.unwrap_or(Value::Null);
+        if let Some(d) = wait {
+            self.pause(account, d);
+            if matches!(status, 403 | 429) {
+                tracing::warn!(
+                    status,
+                    wait_ms = d.as_millis() as u64,
+                    "GitHub rate limit; deliveries to the account paused"
+                );
+                return Err(Stop::Outcome(SinkOutcome::RetryAfter(d)));
+            }
+        }
+        match status {
+            200..=299 | 422 => Ok((status, body)),
+            401 | 403 | 404 => Err(Stop::Outcome(SinkOutcome::Permanent(status))),
+            408 | 429 | 500..=599 => Err(Stop::Outcome(SinkOutcome::Transient("5xx"))),
+            s => Err(Stop::Outcome(SinkOutcome::Permanent(s))),
+        }
+    }
+
+    /// Every page of a list endpoint (bounded).
+    async fn list(&self, account: &str, http: &reqwest::Client, token: &str, url: &str) -> Result<Vec<Value>, Stop> {
+        let mut out = Vec::new();
+        for page in 1..=MAX_PAGES {
+            let rb = authed(http.get(format!("{url}?per_page=100&page={page}")), token);
+            let (_, body) = self.send(account, rb).await?;
+            let items = body.as_array().cloned().unwrap_or_default();
+            let last = items.len() < 100;
+            out.extend(items);
+            if last {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    pub async fn deliver(
+        &self,
+        http: &reqwest::Client,
+        api_url: &str,
+        token_file: &Path,
+        max_comments: usize,
+        d: &Delivery,
+    ) -> SinkOutcome {
+        match self.try_deliver(http, api_url, token_file, max_comments, d).await {
+            Ok(o) | Err(Stop::Outcome(o)) => o,
+        }
+    }
+
+    async fn try_deliver(
+        &self,
+        http: &reqwest::Client,
+        api_url: &str,
+        token_file: &Path,
+        max_comments: usize,
+        d: &Delivery,
+    ) -> Result<SinkOutcome, Stop> {
+        let repo = &d.metadata.repository;
+        let valid_repo = repo.split_once('/').is_some_and(|(o, r)| {
+            let ok = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+            ok(o) && ok(r)
+        });
+        if !valid_repo || d.metadata.pull_request == 0 || d.metadata.head_revision.is_empty() {
+            return Ok(SinkOutcome::Refused("not_a_pull_request"));
+        }
+        let Ok(token) = std::fs::read_to_string(token_file).map(|t| t.trim().to_string()) else {
+            return Ok(SinkOutcome::Transient("token_unreadable"));
+        };
+        let account = format!("{api_url}#{}", reviewlane_shared::job_id::sha256_hex(&[token.as_bytes()]));
+        if let Some(wait) = self.paused_for(&account) {
+            return Ok(SinkOutcome::RetryAfter(wait));
+        }
+        let base = format!("{}/repos/{repo}/pulls/{}", api_url.trim_end_matches('/'), d.metadata.pull_request);
+        let mut existing = HashSet::new();
+        for c in self.list(&account, http, &token, &format!("{base}/comments")).await? {
+            existing.extend(markers(c["body"].as_str().unwrap_or_default()).map(String::from));
+        }
+        for r in self.list(&account, http, &token, &format!("{base}/reviews")).await? {
+            existing.extend(markers(r["body"].as_str().unwrap_or_default()).map(String::from));
+        }
+        let files = self.list(&account, http, &token, &format!("{base}/files")).await?;
+        let commentable = commentable_lines(&files);
+        for all_in_summary in [false, true] {
+            let Some(review) = plan(&d.findings, &existing, &commentable, max_comments, all_in_summary) else {
+                tracing::info!("every finding is already on the pull request; nothing posted");
+                return Ok(SinkOutcome::Delivered);
+            };
+            let payload = json!({
+                "commit_id": d.metadata.head_revision,
+                "event": "COMMENT",
+                "body": review.body,
+                "comments": review.comments,
+            });
+            let rb = authed(http.post(format!("{base}/reviews")), &token).json(&payload);
+            match self.send(&account, rb).await? {
+                (422, _) if !review.comments.is_empty() => {
+                    tracing::warn!(
+                        comments = review.comments.len(),
+                        "GitHub refused a line comment; posting them in the summary"
+                    );
+                }
+                (422, _) => return Ok(SinkOutcome::Permanent(422)),
+                _ => {
+                    tracing::info!(
+                        comments = review.comments.len(),
+                        summarised = review.summarised,
+                        "pull request review posted"
+                    );
+                    return Ok(SinkOutcome::Delivered);
+                }
+            }
+        }
+        Ok(SinkOutcome::Permanent(422))
+    }
+}
+
+impl Default for GitHub {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn authed(rb: reqwest::RequestBuilder, token: &str) -> reqwest::RequestBuilder {
+    rb.header("authorization", format!("Bearer {token}"))
+        .header("accept", "application/vnd.github+json")
+        .header("x-github-api-version", "2022-11-28")
+        .header("user-agent", "reviewlane")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finding(path: &str, line: u32, severity: &str) -> Finding {
+        let mut f = Finding {
+            path: path.into(),
+            line,
+            severity: severity.into(),
+            category: "security".into(),
+            title: "t".into(),
+            message: "m".into(),
+            evidence: format!("e{line}"),
+            ..Default::default()
+        };
+        f.fingerprint = Some(reviewlane_shared::findings::fingerprint(&f));
+        f
+    }
+
+    #[test]
+    fn new_findings_on_diff_lines_become_comments_the_rest_the_summary() {
+        let on = finding("a.rs", 2, "high");
+        let off = finding("a.rs", 90, "medium");
+        let seen = finding("b.rs", 3, "low");
+        let mut ranged = finding("a.rs", 3, "low");
+        ranged.end_line = Some(4);
+        ranged.suggested_replacement = Some("fixed();".into());
+        let commentable: HashSet<_> = (1..=5).map(|l| ("a.rs".to_string(), l, "RIGHT")).collect();
+        let existing: HashSet<String> = [seen.fingerprint.clone().unwrap()].into();
+        let p =
+            plan(&[on.clone(), off.clone(), seen.clone(), ranged.clone()], &existing, &commentable, 20, false).unwrap();
+        assert_eq!(p.comments.len(), 2);
+        assert_eq!((p.comments[0]["line"].as_u64(), p.comments[0]["side"].as_str()), (Some(2), Some("RIGHT")));
+        assert_eq!((p.comments[1]["start_line"].as_u64(), p.comments[1]["line"].as_u64()), (Some(3), Some(4)));
+        assert!(p.comments[1]["body"].as_str().unwrap().contains("```suggestion\nfixed();\n```"));
+        assert_eq!(p.summarised, 1);
+        assert!(p.body.contains(&marker(off.fingerprint.as_deref().unwrap())));
+        assert!(!p.body.contains(&marker(seen.fingerprint.as_deref().unwrap())));
+        // Every marker can be read back.
+        let all: HashSet<&str> =
+            p.comments.iter().flat_map(|c| markers(c["body"].as_str().unwrap())).chain(markers(&p.body)).collect();
+        assert_eq!(all.len(), 3);
+        // The limit, and the fallback with everything in the summary.
+        assert_eq!(plan(&[on.clone(), ranged.clone()], &existing, &commentable, 1, false).unwrap().summarised, 1);
+        let fallback = plan(std::slice::from_ref(&on), &existing, &commentable, 20, true).unwrap();
+        assert!(fallback.comments.is_empty() && fallback.summarised == 1);
+        // Nothing new: nothing to post.
+        assert_eq!(plan(&[seen], &existing, &commentable, 20, false), None);
+    }
+
+    #[test]
+    fn limits_are_read_from_githubs_headers() {
+        let h = |pairs: &[(&'static str, &str)]| {
+            let mut m = reqwest::header::HeaderMap::new();
+            for (k, v) in pairs {
+                m.insert(*k, v.parse().unwrap());
+            }
+            m
+        };
+        assert_eq!(limit_delay(429, &h(&[("retry-after", "7")]), 1000), Some(Duration::from_secs(7)));
+        assert_eq!(limit_delay(403, &h(&[("retry-after", "2")]), 1000), Some(Duration::from_secs(2)));
+        let primary = h(&[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "1030")]);
+        assert_eq!(limit_delay(403, &primary, 1000), Some(Duration::from_secs(30)));
+        // A success that used the last request: wait for the reset before the next.
+        assert_eq!(limit_delay(200, &primary, 1000), Some(Duration::from_secs(30)));
+        assert_eq!(limit_delay(200, &h(&[("x-ratelimit-remaining", "12")]), 1000), None);
+        assert_eq!(limit_delay(429, &h(&[]), 1000), Some(Duration::from_secs(60)));
+        assert_eq!(limit_delay(404, &h(&[]), 1000), None);
+        assert_eq!(limit_delay(403, &h(&[("x-ratelimit-remaining", "40")]), 1000), None, "forbidden, not limited");
+    }
+}

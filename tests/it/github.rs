@@ -1,0 +1,133 @@
+//! The GitHub pull-request review sink against a fake GitHub API that enforces the real
+//! one's rules: line comments only on the pull request's diff, a marker per finding so
+//! a re-run posts nothing twice, a 422 moved into the summary, and both rate limits
+//! obeyed without a retry storm.
+
+use std::time::Duration;
+
+use loadtest::fakegithub::{FakeGitHub, PullRequest};
+use reviewlane_shared::proto::{self, JobState};
+
+use crate::harness::*;
+
+const OCTO_KEY: &str = "key-octo-us";
+
+fn file(name: &str, text: &str) -> String {
+    format!(
+        "diff --git a/{name} b/{name}\n--- a/{name}\n+++ b/{name}\n@@ -1,2 +1,3 @@\n fn keep() {{}}\n+{text}\n fn end() {{}}\n"
+    )
+}
+
+async fn review(stack: &Stack, idem: &str, diff: &str, pr: u32) -> proto::Review {
+    let mut client = stack.client().await;
+    let mut req = submit_req(OCTO_KEY, idem, diff);
+    let meta = req.get_mut().metadata.as_mut().unwrap();
+    meta.repository = "octo/app".into();
+    meta.pull_request = pr;
+    meta.head_revision = "c0ffee".into();
+    let job = client.submit_review(req).await.unwrap().into_inner().review.unwrap();
+    wait_final_within(&mut client, OCTO_KEY, &job.job_id, Duration::from_secs(60)).await
+}
+
+async fn stack_for(fake: &FakeGitHub, token_file: &std::path::Path) -> Stack {
+    let tenant = format!(
+        "[[tenants]]\nid = \"octo\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nallow_private_webhook = true\nsink = {{ kind = \"github\", api_url = \"{}\", token_file = \"{}\", max_comments = 20 }}\n",
+        reviewlane_shared::tenants::hash_api_key(OCTO_KEY),
+        fake.url(),
+        token_file.display()
+    );
+    Stack::start_with(StackOptions { extra_tenants: tenant, ..Default::default() }).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn findings_become_one_review_with_line_comments_and_a_rerun_posts_nothing_twice() {
+    let (a, b, g) = (
+        file("src/a.rs", "let a = x.unwrap();"),
+        file("src/b.rs", "let b = y.unwrap();"),
+        file("src/g.rs", "let g = u.unwrap();"),
+    );
+    let fake = FakeGitHub::start(PullRequest {
+        repository: "octo/app".into(),
+        number: 7,
+        head: "c0ffee".into(),
+        diff: format!("{a}{b}{g}"),
+        token: "ghp-test".into(),
+    })
+    .await;
+    let token = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(token.path(), "ghp-test\n").unwrap();
+    let stack = stack_for(&fake, token.path()).await;
+
+    // The reviewed diff has a file the pull request's diff does not show.
+    let diff = format!("{a}{b}{}", file("src/c.rs", "let c = z.unwrap();"));
+    let done = review(&stack, "pr-7", &diff, 7).await;
+    assert_eq!(done.state, JobState::Published as i32, "{done:?}");
+    let posted = fake.reviews();
+    assert_eq!(posted.len(), 1);
+    let paths: Vec<&str> = posted[0].comments.iter().map(|c| c["path"].as_str().unwrap()).collect();
+    assert_eq!(paths, ["src/a.rs", "src/b.rs"]);
+    assert!(posted[0].comments.iter().all(|c| c["side"] == "RIGHT" && c["line"] == 2));
+    let c_fp = done.findings.iter().find(|f| f.path == "src/c.rs").unwrap().fingerprint.clone();
+    assert!(posted[0].body.contains(&format!("<!-- reviewlane:fingerprint={c_fp} -->")), "{}", posted[0].body);
+
+    // The same findings again (another job): all already there, nothing posted.
+    let again = review(&stack, "pr-7-again", &diff, 7).await;
+    assert_eq!(again.state, JobState::Published as i32);
+    assert_eq!(fake.reviews().len(), 1);
+
+    // A new finding on a line of the pull request's diff, which GitHub refuses (422):
+    // the review is posted with it in its summary instead of failing.
+    fake.refuse_comments();
+    let moved = review(&stack, "pr-7-moved", &g, 7).await;
+    assert_eq!(moved.state, JobState::Published as i32, "{moved:?}");
+    let refused = fake.requests().iter().filter(|r| r.1 == "POST" && r.3 == 422).count();
+    assert_eq!(refused, 1);
+    assert_eq!(fake.reviews().len(), 2);
+    let last = fake.reviews().last().cloned().unwrap();
+    assert!(last.comments.is_empty());
+    assert!(last.body.contains("src/g.rs"), "{}", last.body);
+
+    // A review that names no pull request cannot be posted: delivery_rejected.
+    let no_pr = review(&stack, "no-pr", &file("src/e.rs", "let e = v.unwrap();"), 0).await;
+    assert_eq!((no_pr.state, no_pr.terminal_reason.as_str()), (JobState::Terminal as i32, "delivery_rejected"));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_storm() {
+    let pr_diff = file("src/a.rs", "let a = x.unwrap();");
+    let fake = FakeGitHub::start(PullRequest {
+        repository: "octo/app".into(),
+        number: 9,
+        head: "c0ffee".into(),
+        diff: pr_diff.clone(),
+        token: "ghp-test".into(),
+    })
+    .await;
+    let token = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(token.path(), "ghp-test").unwrap();
+    let stack = stack_for(&fake, token.path()).await;
+
+    // Secondary limit: the review is refused 429 with retry-after 1, once.
+    fake.secondary_limit([1]);
+    let done = review(&stack, "secondary", &pr_diff, 9).await;
+    assert_eq!(done.state, JobState::Published as i32, "{done:?}");
+    let posts: Vec<_> = fake.requests().into_iter().filter(|r| r.1 == "POST").collect();
+    assert_eq!(posts.len(), 2, "{posts:?}");
+    assert_eq!(posts[0].3, 429);
+    assert!(posts[1].0 - posts[0].0 >= Duration::from_secs(1), "retried before retry-after");
+
+    // Primary limit: the next request is refused 403 with no requests left until the
+    // reset 2 s later; nothing is sent to GitHub before then.
+    fake.primary_limit(0, Duration::from_secs(2));
+    let before = fake.requests().len();
+    let done = review(&stack, "primary", &file("src/a.rs", "let b = y.unwrap();").replace("a.rs", "f.rs"), 9).await;
+    assert_eq!(done.state, JobState::Published as i32, "{done:?}");
+    let after: Vec<_> = fake.requests().into_iter().skip(before).collect();
+    let limited: Vec<_> = after.iter().filter(|r| r.3 == 403).collect();
+    assert_eq!(limited.len(), 1, "requests sent while limited: {after:?}");
+    let resumed = after.iter().find(|r| r.3 == 200).expect("delivered after the reset");
+    assert!(resumed.0 - limited[0].0 >= Duration::from_secs(1), "{after:?}");
+    assert_eq!(fake.reviews().len(), 2);
+    stack.shutdown().await;
+}
