@@ -30,6 +30,9 @@ pub struct PullRequest {
     /// The pull request's diff (its files' patches are served from it).
     pub diff: String,
     pub token: String,
+    /// A GitHub App that may mint `token` as an installation token: its id, its
+    /// installation, and its public key (PEM) to verify the App's JWTs with.
+    pub app: Option<(String, u64, Vec<u8>)>,
 }
 
 /// A review posted to the fake.
@@ -47,6 +50,8 @@ struct State {
     requests: Vec<(Instant, String, String, u16)>,
     /// Answer every review with line comments 422 (a diff GitHub sees differently).
     refuse_comments: bool,
+    /// Installation tokens minted.
+    minted: usize,
     /// Requests left before the primary limit, and how long until it resets once hit.
     primary: Option<(u32, Duration)>,
     /// The primary limit's reset, once hit.
@@ -82,6 +87,11 @@ impl FakeGitHub {
 
     pub fn requests(&self) -> Vec<(Instant, String, String, u16)> {
         self.state.lock().expect("fake lock").requests.clone()
+    }
+
+    /// Installation tokens minted for the App.
+    pub fn minted(&self) -> usize {
+        self.state.lock().expect("fake lock").minted
     }
 
     /// From now on, every review with line comments is answered 422.
@@ -144,15 +154,43 @@ async fn handle(
     let method = req.method().to_string();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or_default().to_string();
-    let authorized = req
+    let bearer = req
         .headers()
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v == format!("Bearer {}", pr.token) || v == format!("token {}", pr.token));
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("token ")))
+        .unwrap_or_default()
+        .to_string();
+    // An App's installation token, minted on a valid JWT of the App.
+    if let Some((app_id, installation, public_pem)) = &pr.app
+        && method_is_post(&req)
+        && req.uri().path() == format!("/app/installations/{installation}/access_tokens")
+    {
+        let mut validation = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::RS256);
+        validation.set_issuer(&[app_id]);
+        validation.set_required_spec_claims(&["exp", "iat", "iss"]);
+        let verified = jsonwebtoken::DecodingKey::from_rsa_pem(public_pem)
+            .ok()
+            .is_some_and(|key| jsonwebtoken::decode::<Value>(&bearer, &key, &validation).is_ok());
+        let mut s = st.lock().expect("fake lock");
+        let answer = if verified {
+            s.minted += 1;
+            respond(StatusCode::CREATED, &[], json!({"token": pr.token, "expires_at": "2099-01-01T00:00:00Z"}))
+        } else {
+            respond(StatusCode::UNAUTHORIZED, &[], json!({"message": "A JSON web token could not be decoded"}))
+        };
+        s.requests.push((Instant::now(), "POST".into(), req.uri().path().to_string(), answer.status().as_u16()));
+        return Ok(answer);
+    }
+    let authorized = bearer == pr.token;
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let answer = answer(&pr, &st, &method, &path, &query, authorized, &body);
     st.lock().expect("fake lock").requests.push((Instant::now(), method, path, answer.status().as_u16()));
     Ok(answer)
+}
+
+fn method_is_post(req: &Request<Incoming>) -> bool {
+    req.method() == hyper::Method::POST
 }
 
 fn answer(

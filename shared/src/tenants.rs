@@ -13,6 +13,7 @@
 //! # or: sink = { kind = "file", dir = "/var/lib/reviewlane/acme" }   # one <job id>.json per job
 //! #     (format = "sarif" or "rdjson": one <job id>.sarif / .rdjson instead)
 //! # or: sink = { kind = "github", token_file = "/run/secrets/github-token", max_comments = 20 }
+//! #     (or app = { app_id = "123", installation_id = 456, private_key_file = "/run/secrets/app.pem" })
 //! #     (api_url = "https://ghe.example/api/v3" for GitHub Enterprise)
 //! allow_private_webhook = false # optional: let the webhook point at loopback/private addresses
 //! lane_share = 0.5              # optional: share of each lane's bound (default: equal among the region's tenants)
@@ -46,7 +47,11 @@ pub enum SinkConfig {
         api_url: String,
         /// A file holding a personal access token or an installation token (a
         /// mounted Secret; read at each delivery, so a rotated token is picked up).
-        token_file: PathBuf,
+        #[serde(default)]
+        token_file: Option<PathBuf>,
+        /// Or a GitHub App: installation tokens are minted from its private key.
+        #[serde(default)]
+        app: Option<GitHubApp>,
         #[serde(default = "default_max_comments")]
         max_comments: usize,
     },
@@ -57,6 +62,17 @@ pub enum SinkConfig {
         #[serde(default)]
         format: FileFormat,
     },
+}
+
+/// A GitHub App installation a sink posts as.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GitHubApp {
+    /// The App's id (or client id): the JWT's issuer.
+    pub app_id: String,
+    pub installation_id: u64,
+    /// The App's PEM private key (a mounted Secret).
+    pub private_key_file: PathBuf,
 }
 
 fn github_api() -> String {
@@ -204,6 +220,11 @@ impl Tenants {
             {
                 errors.push(format!("tenant `{}`: webhook url must be http(s)", tenant.id));
             }
+            if let Some(SinkConfig::GitHub { token_file, app, .. }) = &tenant.sink
+                && token_file.is_some() == app.is_some()
+            {
+                errors.push(format!("tenant `{}`: a github sink needs exactly one of token_file and app", tenant.id));
+            }
             if !(1..=16).contains(&tenant.weight) {
                 errors.push(format!("tenant `{}`: weight must be 1 to 16", tenant.id));
             }
@@ -268,6 +289,30 @@ mod tests {
         assert!(errs.iter().all(|e| !e.contains("s3cr3t")));
         let errs = Tenants::parse("[[tenants]]\nid = \"a\"\nregion = \"apac\"\nsecret = \"s3cr3t\"\n").unwrap_err();
         assert!(errs.iter().all(|e| !e.contains("s3cr3t")), "{errs:?}");
+    }
+
+    #[test]
+    fn a_github_sink_takes_a_token_file_or_an_app_and_roles_parse() {
+        let sink = |auth: &str| {
+            Tenants::parse(&format!(
+                "[[tenants]]\nid = \"a\"\nregion = \"us\"\nrole = \"operator\"\nsink = {{ kind = \"github\"{auth} }}\n"
+            ))
+        };
+        let t = sink(", token_file = \"/run/t\"").unwrap();
+        assert_eq!(t.get("a").unwrap().role, Role::Operator);
+        let app = sink(", app = { app_id = \"1\", installation_id = 2, private_key_file = \"/run/k.pem\" }").unwrap();
+        match &app.get("a").unwrap().sink {
+            Some(SinkConfig::GitHub { api_url, app: Some(a), max_comments, .. }) => {
+                assert_eq!((api_url.as_str(), a.installation_id, *max_comments), ("https://api.github.com", 2, 20));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(sink("").is_err(), "neither");
+        assert!(
+            sink(", token_file = \"/t\", app = { app_id = \"1\", installation_id = 2, private_key_file = \"/k\" }")
+                .is_err(),
+            "both"
+        );
     }
 
     #[test]

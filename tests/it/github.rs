@@ -1,7 +1,8 @@
 //! The GitHub pull-request review sink against a fake GitHub API that enforces the real
 //! one's rules: line comments only on the pull request's diff, a marker per finding so
 //! a re-run posts nothing twice, a 422 moved into the summary, and both rate limits
-//! obeyed without a retry storm.
+//! obeyed without a retry storm; a token from a file, or a GitHub App's installation
+//! token minted from its private key.
 
 use std::time::Duration;
 
@@ -29,14 +30,29 @@ async fn review(stack: &Stack, idem: &str, diff: &str, pr: u32) -> proto::Review
     wait_final_within(&mut client, OCTO_KEY, &job.job_id, Duration::from_secs(60)).await
 }
 
-async fn stack_for(fake: &FakeGitHub, token_file: &std::path::Path) -> Stack {
+/// A stack whose tenant `octo` posts to `fake` with `auth` (the sink's `token_file = ...`
+/// or `app = {...}`).
+async fn stack_for(fake: &FakeGitHub, auth: &str) -> Stack {
     let tenant = format!(
-        "[[tenants]]\nid = \"octo\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nallow_private_webhook = true\nsink = {{ kind = \"github\", api_url = \"{}\", token_file = \"{}\", max_comments = 20 }}\n",
+        "[[tenants]]\nid = \"octo\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nallow_private_webhook = true\nsink = {{ kind = \"github\", api_url = \"{}\", {auth}, max_comments = 20 }}\n",
         reviewlane_shared::tenants::hash_api_key(OCTO_KEY),
         fake.url(),
-        token_file.display()
     );
     Stack::start_with(StackOptions { extra_tenants: tenant, ..Default::default() }).await
+}
+
+/// An RSA key pair as a GitHub App has (PKCS#1 private key, SPKI public key), made by
+/// openssl: (private key file, public key PEM).
+fn app_key(dir: &std::path::Path) -> (std::path::PathBuf, Vec<u8>) {
+    let key = dir.join("app.pem");
+    let public = dir.join("app.pub.pem");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl").args(args).output().expect("openssl runs");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    run(&["genrsa", "-traditional", "-out", key.to_str().unwrap(), "2048"]);
+    run(&["rsa", "-in", key.to_str().unwrap(), "-pubout", "-out", public.to_str().unwrap()]);
+    (key, std::fs::read(public).unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,11 +68,12 @@ async fn findings_become_one_review_with_line_comments_and_a_rerun_posts_nothing
         head: "c0ffee".into(),
         diff: format!("{a}{b}{g}"),
         token: "ghp-test".into(),
+        app: None,
     })
     .await;
     let token = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(token.path(), "ghp-test\n").unwrap();
-    let stack = stack_for(&fake, token.path()).await;
+    let stack = stack_for(&fake, &format!("token_file = \"{}\"", token.path().display())).await;
 
     // The reviewed diff has a file the pull request's diff does not show.
     let diff = format!("{a}{b}{}", file("src/c.rs", "let c = z.unwrap();"));
@@ -95,24 +112,28 @@ async fn findings_become_one_review_with_line_comments_and_a_rerun_posts_nothing
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_storm() {
+    // This sink posts as a GitHub App: installation tokens minted from its private key.
+    let dir = tempfile::tempdir().unwrap();
+    let (key, public) = app_key(dir.path());
     let pr_diff = file("src/a.rs", "let a = x.unwrap();");
     let fake = FakeGitHub::start(PullRequest {
         repository: "octo/app".into(),
         number: 9,
         head: "c0ffee".into(),
         diff: pr_diff.clone(),
-        token: "ghp-test".into(),
+        token: "ghs-installation".into(),
+        app: Some(("31337".into(), 42, public)),
     })
     .await;
-    let token = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(token.path(), "ghp-test").unwrap();
-    let stack = stack_for(&fake, token.path()).await;
+    let auth =
+        format!("app = {{ app_id = \"31337\", installation_id = 42, private_key_file = \"{}\" }}", key.display());
+    let stack = stack_for(&fake, &auth).await;
 
     // Secondary limit: the review is refused 429 with retry-after 1, once.
     fake.secondary_limit([1]);
     let done = review(&stack, "secondary", &pr_diff, 9).await;
     assert_eq!(done.state, JobState::Published as i32, "{done:?}");
-    let posts: Vec<_> = fake.requests().into_iter().filter(|r| r.1 == "POST").collect();
+    let posts: Vec<_> = fake.requests().into_iter().filter(|r| r.1 == "POST" && r.2.ends_with("/reviews")).collect();
     assert_eq!(posts.len(), 2, "{posts:?}");
     assert_eq!(posts[0].3, 429);
     assert!(posts[1].0 - posts[0].0 >= Duration::from_secs(1), "retried before retry-after");
@@ -129,5 +150,7 @@ async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_stor
     let resumed = after.iter().find(|r| r.3 == 200).expect("delivered after the reset");
     assert!(resumed.0 - limited[0].0 >= Duration::from_secs(1), "{after:?}");
     assert_eq!(fake.reviews().len(), 2);
+    // One installation token served both deliveries.
+    assert_eq!(fake.minted(), 1);
     stack.shutdown().await;
 }

@@ -171,6 +171,33 @@ const MAX_PAGES: usize = 10;
 pub struct GitHub {
     /// Accounts (API URL and token) paused until a limit resets.
     paused: Mutex<HashMap<String, Instant>>,
+    /// Installation tokens minted for Apps, by (API URL, App, installation), until a
+    /// few minutes before they expire.
+    installation_tokens: Mutex<HashMap<String, (String, Instant)>>,
+}
+
+/// How a sink authenticates.
+pub enum Auth<'a> {
+    /// A token read from this file.
+    TokenFile(&'a Path),
+    /// Installation tokens of this App.
+    App(&'a reviewlane_shared::tenants::GitHubApp),
+}
+
+/// The claims of a GitHub App's JWT: issued a minute ago (clock drift), valid nine
+/// minutes (GitHub allows ten).
+#[derive(serde::Serialize)]
+struct AppClaims {
+    iat: u64,
+    exp: u64,
+    iss: String,
+}
+
+/// A GitHub App's JWT, RS256 over the App's private key.
+pub fn app_jwt(app_id: &str, private_key_pem: &[u8], now_unix: u64) -> Result<String, jsonwebtoken::errors::Error> {
+    let key = jsonwebtoken::EncodingKey::from_rsa_pem(private_key_pem)?;
+    let claims = AppClaims { iat: now_unix.saturating_sub(60), exp: now_unix + 540, iss: app_id.to_string() };
+    jsonwebtoken::encode(&jsonwebtoken::Header::new(jsonwebtoken::Algorithm::RS256), &claims, &key)
 }
 
 /// Why a delivery stopped early.
@@ -180,7 +207,44 @@ enum Stop {
 
 impl GitHub {
     pub fn new() -> Self {
-        GitHub { paused: Mutex::new(HashMap::new()) }
+        GitHub { paused: Mutex::new(HashMap::new()), installation_tokens: Mutex::new(HashMap::new()) }
+    }
+
+    /// The token to call with: read from its file, or an installation token of the
+    /// App (minted when there is none still valid for five minutes).
+    async fn token(&self, http: &reqwest::Client, api_url: &str, auth: &Auth<'_>) -> Result<String, Stop> {
+        let app = match auth {
+            Auth::TokenFile(path) => {
+                return std::fs::read_to_string(path)
+                    .map(|t| t.trim().to_string())
+                    .map_err(|_| Stop::Outcome(SinkOutcome::Transient("token_unreadable")));
+            }
+            Auth::App(app) => app,
+        };
+        let cache_key = format!("{api_url}#{}#{}", app.app_id, app.installation_id);
+        if let Some((token, until)) = self.installation_tokens.lock().expect("token lock").get(&cache_key)
+            && Instant::now() < *until
+        {
+            return Ok(token.clone());
+        }
+        let pem = std::fs::read(&app.private_key_file)
+            .map_err(|_| Stop::Outcome(SinkOutcome::Transient("app_key_unreadable")))?;
+        let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let jwt =
+            app_jwt(&app.app_id, &pem, now_unix).map_err(|_| Stop::Outcome(SinkOutcome::Refused("app_key_invalid")))?;
+        let url = format!("{}/app/installations/{}/access_tokens", api_url.trim_end_matches('/'), app.installation_id);
+        let rb = authed(http.post(url), &jwt);
+        let account = format!("{api_url}#app#{}", app.app_id);
+        if let Some(wait) = self.paused_for(&account) {
+            return Err(Stop::Outcome(SinkOutcome::RetryAfter(wait)));
+        }
+        let (_, body) = self.send(&account, rb).await?;
+        let token = body["token"].as_str().ok_or(Stop::Outcome(SinkOutcome::Transient("no_token")))?.to_string();
+        // Installation tokens live an hour; use one for 50 minutes at most.
+        let until = Instant::now() + Duration::from_secs(50 * 60);
+        self.installation_tokens.lock().expect("token lock").insert(cache_key, (token.clone(), until));
+        tracing::info!("GitHub App installation token minted");
+        Ok(token)
     }
 
     fn pause(&self, account: &str, d: Duration) {
@@ -219,7 +283,11 @@ impl GitHub {
         }
         match status {
             200..=299 | 422 => Ok((status, body)),
-            401 | 403 | 404 => Err(Stop::Outcome(SinkOutcome::Permanent(status))),
+            401 | 403 | 404 => {
+                // A rejected installation token may be a revoked one: mint anew next time.
+                self.installation_tokens.lock().expect("token lock").clear();
+                Err(Stop::Outcome(SinkOutcome::Permanent(status)))
+            }
             408 | 429 | 500..=599 => Err(Stop::Outcome(SinkOutcome::Transient("5xx"))),
             s => Err(Stop::Outcome(SinkOutcome::Permanent(s))),
         }
@@ -245,11 +313,11 @@ impl GitHub {
         &self,
         http: &reqwest::Client,
         api_url: &str,
-        token_file: &Path,
+        auth: Auth<'_>,
         max_comments: usize,
         d: &Delivery,
     ) -> SinkOutcome {
-        match self.try_deliver(http, api_url, token_file, max_comments, d).await {
+        match self.try_deliver(http, api_url, auth, max_comments, d).await {
             Ok(o) | Err(Stop::Outcome(o)) => o,
         }
     }
@@ -258,7 +326,7 @@ impl GitHub {
         &self,
         http: &reqwest::Client,
         api_url: &str,
-        token_file: &Path,
+        auth: Auth<'_>,
         max_comments: usize,
         d: &Delivery,
     ) -> Result<SinkOutcome, Stop> {
@@ -270,9 +338,7 @@ impl GitHub {
         if !valid_repo || d.metadata.pull_request == 0 || d.metadata.head_revision.is_empty() {
             return Ok(SinkOutcome::Refused("not_a_pull_request"));
         }
-        let Ok(token) = std::fs::read_to_string(token_file).map(|t| t.trim().to_string()) else {
-            return Ok(SinkOutcome::Transient("token_unreadable"));
-        };
+        let token = self.token(http, api_url, &auth).await?;
         let account = format!("{api_url}#{}", reviewlane_shared::job_id::sha256_hex(&[token.as_bytes()]));
         if let Some(wait) = self.paused_for(&account) {
             return Ok(SinkOutcome::RetryAfter(wait));

@@ -128,13 +128,18 @@ impl Sinks {
         delivery: &reviewlane_shared::messages::Delivery,
     ) -> SinkOutcome {
         match sink {
-            SinkConfig::GitHub { api_url, token_file, max_comments } => {
+            SinkConfig::GitHub { api_url, token_file, app, max_comments } => {
                 let Ok(url) = reqwest::Url::parse(api_url) else { return SinkOutcome::Refused("invalid_url") };
                 if !allow_private && !target::allowed(&url).await {
                     return SinkOutcome::Refused("forbidden_target");
                 }
                 let http = if allow_private { &self.any } else { &self.public };
-                self.github.deliver(http, api_url, token_file, *max_comments, delivery).await
+                let auth = match (token_file, app) {
+                    (Some(file), None) => crate::github::Auth::TokenFile(file),
+                    (None, Some(app)) => crate::github::Auth::App(app),
+                    _ => return SinkOutcome::Refused("github_auth_misconfigured"),
+                };
+                self.github.deliver(http, api_url, auth, *max_comments, delivery).await
             }
             other => self.deliver(other, allow_private, &delivery.job_id, &body_for(other, delivery)).await,
         }
