@@ -417,10 +417,16 @@ async fn wait_and_report(client: &mut Client, key: &str, job_id: &str, wait: &Wa
             Ok(Err(s)) => return Err(Failure::Status(s)),
         }
     }
-    if let Some(bar) = &progress {
-        bar.finish_and_clear();
+    let final_line = output::status_line(&last);
+    match &progress {
+        Some(bar) => {
+            bar.finish_and_clear();
+            eprintln!("{final_line}");
+        }
+        // Already printed as the last change.
+        None if final_line == last_line => {}
+        None => eprintln!("{final_line}"),
     }
-    eprintln!("{}", output::status_line(&last));
     if is_final(&last) && last.state == JobState::Published as i32 {
         output::write(&last, wait.format).context("writing the findings")?;
     }

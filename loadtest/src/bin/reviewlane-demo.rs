@@ -165,6 +165,29 @@ async fn main() -> anyhow::Result<()> {
         println!("  file sink of `{}`: {} delivery file(s) in {}", s.tenant, files, path.display());
     }
 
+    // The same US review through the command line, as a CI job would run it, written as
+    // SARIF for code scanning.
+    let sarif = work.as_path().join("acme-review.sarif");
+    let out = Command::new(bin_dir.join("reviewctl"))
+        .args(["submit", "samples/us-payments.diff", "--repository", "acme/sample", "--wait"])
+        .args(["--fail-on", "critical", "--format", "sarif"])
+        .current_dir(&root)
+        .env("REVIEWLANE_ENDPOINT", format!("http://127.0.0.1:{port}"))
+        .env("REVIEWLANE_API_KEY", &submissions[0].key)
+        .env_remove("REVIEWLANE_API_KEY_FILE")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("running reviewctl")?;
+    std::fs::write(&sarif, &out.stdout)?;
+    let log: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let results = log["runs"][0]["results"].as_array().map_or(0, Vec::len);
+    println!(
+        "  reviewctl submit samples/us-payments.diff --wait --fail-on critical --format sarif: exit {}, {results} SARIF results in {}",
+        out.status.code().map_or("killed".into(), |c| c.to_string()),
+        sarif.display()
+    );
+    let cli_ok = matches!(out.status.code(), Some(0 | 1)) && results > 0;
+
     println!();
     let mut clean = true;
     for s in services.iter_mut().rev() {
@@ -176,10 +199,14 @@ async fn main() -> anyhow::Result<()> {
     drop(eu);
     println!("  stopped both nats-servers");
     let published = rows.iter().all(|(_, _, r)| r.state == proto::JobState::Published as i32);
-    if !published || !clean {
+    if !published || !clean || !cli_ok {
         bail!("demo did not complete cleanly (logs in {})", work.display());
     }
-    let _ = std::fs::remove_dir_all(&work);
+    if std::env::args().any(|a| a == "--keep") {
+        println!("  kept {}", work.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&work);
+    }
     Ok(())
 }
 

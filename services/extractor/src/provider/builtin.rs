@@ -208,6 +208,29 @@ pub fn analyze(diff: &Diff) -> serde_json::Value {
     analyze_at(diff, ReviewDepth::Full)
 }
 
+/// The fix a rule's message gives (its sentences after the first), for `findings.v2`'s
+/// `suggested_action`.
+fn action(message: &str) -> &str {
+    match message.split_once(". ") {
+        Some((_, rest)) if !rest.trim().is_empty() => rest.trim(),
+        _ => message,
+    }
+}
+
+/// `analyze_at` for a schema version: `findings.v2` answers also carry a suggested
+/// action and a confidence (high for the credential patterns, which rarely misfire).
+pub fn analyze_for(diff: &Diff, depth: ReviewDepth, schema_version: &str) -> serde_json::Value {
+    let mut out = analyze_at(diff, depth);
+    if schema_version == reviewlane_shared::findings::FINDINGS_V2 {
+        for f in out["findings"].as_array_mut().into_iter().flatten() {
+            let message = f["message"].as_str().unwrap_or_default().to_string();
+            f["suggested_action"] = json!(action(&message));
+            f["confidence"] = json!(if f["severity"] == "critical" { "high" } else { "medium" });
+        }
+    }
+    out
+}
+
 /// At depth `changed_hunks` (admission degraded the review under load) only findings
 /// of medium severity and above are reported.
 pub fn analyze_at(diff: &Diff, depth: ReviewDepth) -> serde_json::Value {
@@ -280,7 +303,7 @@ impl Provider for BuiltinAnalyzer {
             UpstreamOutcome::Permanent { status: REFUSED_OTHER_REGION }
         } else {
             UpstreamOutcome::Ok {
-                output: analyze_at(req.diff, req.review_depth).to_string(),
+                output: analyze_for(req.diff, req.review_depth, req.schema_version).to_string(),
                 slow_down: None,
                 // No model, no tokens.
                 usage: None,
@@ -294,7 +317,26 @@ impl Provider for BuiltinAnalyzer {
 mod tests {
     use super::*;
     use reviewlane_shared::diff::parse;
-    use reviewlane_shared::findings::{FINDINGS_V1, validate};
+    use reviewlane_shared::findings::{FINDINGS_V1, FINDINGS_V2, validate};
+
+    #[test]
+    fn v2_answers_carry_an_action_and_a_confidence_and_validate() {
+        let text = "--- a/src/lib.rs\n+++ b/src/lib.rs\n@@ -1,1 +1,3 @@\n fn a() {}\n+let v = x.unwrap();\n+let key = \"AKIAABCDEFGHIJKLMNOP\";\n";
+        let d = parse(text).unwrap();
+        let out = analyze_for(&d, ReviewDepth::Full, FINDINGS_V2);
+        let v = validate(FINDINGS_V2, &out.to_string(), &d).unwrap();
+        assert!(v.quarantined.is_empty() && v.findings.len() >= 2, "{v:?}");
+        let unwrap = v.findings.iter().find(|f| f.title.starts_with("unwrap")).unwrap();
+        assert_eq!(unwrap.suggested_action.as_deref(), Some("Propagate the error with `?` or handle it."));
+        assert!(v.findings.iter().any(|f| f.confidence.as_deref() == Some("high")));
+        // v1 answers stay v1.
+        assert!(
+            validate(FINDINGS_V1, &analyze_for(&d, ReviewDepth::Full, FINDINGS_V1).to_string(), &d)
+                .unwrap()
+                .quarantined
+                .is_empty()
+        );
+    }
 
     fn titles(diff: &str) -> Vec<(String, u64, String)> {
         let d = parse(diff).unwrap();
@@ -395,7 +437,26 @@ mod tests {
 mod sample_tests {
     use super::*;
     use reviewlane_shared::diff::parse;
-    use reviewlane_shared::findings::{FINDINGS_V1, validate};
+    use reviewlane_shared::findings::{FINDINGS_V1, FINDINGS_V2, validate};
+
+    #[test]
+    fn v2_answers_carry_an_action_and_a_confidence_and_validate() {
+        let text = "--- a/src/lib.rs\n+++ b/src/lib.rs\n@@ -1,1 +1,3 @@\n fn a() {}\n+let v = x.unwrap();\n+let key = \"AKIAABCDEFGHIJKLMNOP\";\n";
+        let d = parse(text).unwrap();
+        let out = analyze_for(&d, ReviewDepth::Full, FINDINGS_V2);
+        let v = validate(FINDINGS_V2, &out.to_string(), &d).unwrap();
+        assert!(v.quarantined.is_empty() && v.findings.len() >= 2, "{v:?}");
+        let unwrap = v.findings.iter().find(|f| f.title.starts_with("unwrap")).unwrap();
+        assert_eq!(unwrap.suggested_action.as_deref(), Some("Propagate the error with `?` or handle it."));
+        assert!(v.findings.iter().any(|f| f.confidence.as_deref() == Some("high")));
+        // v1 answers stay v1.
+        assert!(
+            validate(FINDINGS_V1, &analyze_for(&d, ReviewDepth::Full, FINDINGS_V1).to_string(), &d)
+                .unwrap()
+                .quarantined
+                .is_empty()
+        );
+    }
 
     /// The demo's sample diffs parse, and every rule family shows up in them.
     #[test]
