@@ -152,5 +152,18 @@ async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_stor
     assert_eq!(fake.reviews().len(), 2);
     // One installation token served both deliveries.
     assert_eq!(fake.minted(), 1);
+    // The pause was shared with the region's other publishers (PUBLISHED_US).
+    let js = async_nats::jetstream::new(async_nats::connect(stack.us.url()).await.unwrap());
+    let published =
+        js.get_key_value(reviewlane_shared::layout::published_bucket(reviewlane_shared::Region::Us)).await.unwrap();
+    let mut keys = published.keys().await.unwrap();
+    let mut shared = Vec::new();
+    while let Some(k) = futures::StreamExt::next(&mut keys).await {
+        let k = k.unwrap();
+        if k.starts_with("github-pause.") {
+            shared.push(k);
+        }
+    }
+    assert!(!shared.is_empty(), "no shared pause recorded");
     stack.shutdown().await;
 }

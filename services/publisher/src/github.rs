@@ -11,8 +11,10 @@
 //! - GitHub's limits are obeyed like a provider's: a 403/429 with `retry-after`
 //!   (secondary limit) or with `x-ratelimit-remaining: 0` (primary limit, until
 //!   `x-ratelimit-reset`), and a success that leaves no requests, pause every delivery
-//!   to that account in this process until then; the job's delivery is handed back
-//!   with that delay. No request is sent while paused.
+//!   to that account until then — in this process, and in the region's other
+//!   publishers through `PUBLISHED_<R>` (as the extractors share a provider's pause);
+//!   the job's delivery is handed back with that delay. No request is sent while
+//!   paused.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -174,6 +176,20 @@ pub struct GitHub {
     /// Installation tokens minted for Apps, by (API URL, App, installation), until a
     /// few minutes before they expire.
     installation_tokens: Mutex<HashMap<String, (String, Instant)>>,
+    /// Where pauses are shared with the region's other publishers (`PUBLISHED_<R>`, key
+    /// `github-pause.<digest of the account>`, value: until when, Unix milliseconds).
+    shared: Option<async_nats::jetstream::kv::Store>,
+}
+
+fn now_unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// The KV key of an account's shared pause (no token in it: a digest).
+fn pause_key(account: &str) -> String {
+    let mut d = reviewlane_shared::job_id::sha256_hex(&[account.as_bytes()]);
+    d.truncate(32);
+    format!("github-pause.{d}")
 }
 
 /// How a sink authenticates.
@@ -207,7 +223,39 @@ enum Stop {
 
 impl GitHub {
     pub fn new() -> Self {
-        GitHub { paused: Mutex::new(HashMap::new()), installation_tokens: Mutex::new(HashMap::new()) }
+        GitHub { paused: Mutex::new(HashMap::new()), installation_tokens: Mutex::new(HashMap::new()), shared: None }
+    }
+
+    /// Pauses are shared with every publisher of the region through `kv`.
+    pub fn with_shared_pauses(mut self, kv: async_nats::jetstream::kv::Store) -> Self {
+        self.shared = Some(kv);
+        self
+    }
+
+    /// Records a pause for the whole fleet (best effort: this process keeps its own).
+    async fn share_pause(&self, account: &str, d: Duration) {
+        let Some(kv) = &self.shared else { return };
+        let until = now_unix_ms() + d.as_millis() as u64;
+        if let Err(e) = kv.put(pause_key(account), until.to_string().into()).await {
+            tracing::warn!(error = %e, "sharing a GitHub pause failed");
+        }
+    }
+
+    /// The pause of an account, this process's or another publisher's.
+    async fn pause_of(&self, account: &str) -> Option<Duration> {
+        if let Some(d) = self.paused_for(account) {
+            return Some(d);
+        }
+        let kv = self.shared.as_ref()?;
+        let until: u64 = match kv.get(pause_key(account)).await {
+            Ok(Some(v)) => std::str::from_utf8(&v).ok()?.parse().ok()?,
+            _ => return None,
+        };
+        let left = Duration::from_millis(until.saturating_sub(now_unix_ms()));
+        (!left.is_zero()).then(|| {
+            self.pause(account, left);
+            left
+        })
     }
 
     /// The token to call with: read from its file, or an installation token of the
@@ -235,7 +283,7 @@ impl GitHub {
         let url = format!("{}/app/installations/{}/access_tokens", api_url.trim_end_matches('/'), app.installation_id);
         let rb = authed(http.post(url), &jwt);
         let account = format!("{api_url}#app#{}", app.app_id);
-        if let Some(wait) = self.paused_for(&account) {
+        if let Some(wait) = self.pause_of(&account).await {
             return Err(Stop::Outcome(SinkOutcome::RetryAfter(wait)));
         }
         let (_, body) = self.send(&account, rb).await?;
@@ -272,6 +320,7 @@ impl GitHub {
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         if let Some(d) = wait {
             self.pause(account, d);
+            self.share_pause(account, d).await;
             if matches!(status, 403 | 429) {
                 tracing::warn!(
                     status,
@@ -340,7 +389,7 @@ impl GitHub {
         }
         let token = self.token(http, api_url, &auth).await?;
         let account = format!("{api_url}#{}", reviewlane_shared::job_id::sha256_hex(&[token.as_bytes()]));
-        if let Some(wait) = self.paused_for(&account) {
+        if let Some(wait) = self.pause_of(&account).await {
             return Ok(SinkOutcome::RetryAfter(wait));
         }
         let base = format!("{}/repos/{repo}/pulls/{}", api_url.trim_end_matches('/'), d.metadata.pull_request);

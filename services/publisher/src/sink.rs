@@ -119,6 +119,12 @@ impl Sinks {
         Sinks { public: client(true), any: client(false), github: crate::github::GitHub::new() }
     }
 
+    /// GitHub rate-limit pauses shared with the region's other publishers through `kv`.
+    pub fn with_shared_pauses(mut self, kv: async_nats::jetstream::kv::Store) -> Self {
+        self.github = self.github.with_shared_pauses(kv);
+        self
+    }
+
     /// Delivers `delivery` to `sink`: rendered for a webhook or a file, or posted as a
     /// pull-request review.
     pub async fn deliver_review(

@@ -58,7 +58,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
             clock: reviewlane_shared::clock::system(),
         },
         tenants: config.tenants.clone(),
-        sinks: Sinks::new(config.sink_timeout),
+        sinks: Sinks::new(config.sink_timeout).with_shared_pauses(conn.layout.published.clone()),
         delivery_attempts: config.delivery_attempts,
         backoff_base: config.delivery_backoff_base,
         backoff_cap: config.delivery_backoff_cap,
