@@ -471,10 +471,12 @@ fn specs(region: Region, cfg: &LayoutConfig) -> Vec<Spec> {
         vec![format!("index.{}.>", region.as_str())],
         Managed { max_age: cfg.jobs_max_age, ..base.clone() },
     ));
+    // Bounded by age only, like the dead letters: a byte limit is reserved on the
+    // server's disk up front, and parts are read back within minutes of being kept.
     out.push(stream_spec(
         parts_stream(region),
         vec![format!("parts.{}.>", region.as_str())],
-        Managed { max_age: cfg.findings_max_age, max_bytes: cfg.findings_max_bytes, ..base.clone() },
+        Managed { max_age: cfg.findings_max_age, ..base.clone() },
     ));
     out.push(stream_spec(
         deadletter_stream(region),

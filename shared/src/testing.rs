@@ -57,10 +57,13 @@ impl NatsServer {
 fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
     let conf = dir.join("nats.conf");
     // max_payload: a 1 MiB diff plus its JSON envelope exceeds the 1 MiB default.
+    // max_file_store: the streams' byte limits are reserved up front against it, and
+    // its default (75 % of the disk's free space) would make the tests depend on how
+    // full the disk is; tests write little.
     std::fs::write(
         &conf,
         format!(
-            "listen: 127.0.0.1:{port}\nmax_payload: 8MB\nports_file_dir: \"{dir}\"\njetstream {{ store_dir: \"{dir}/js\" }}\n{extra}\n",
+            "listen: 127.0.0.1:{port}\nmax_payload: 8MB\nports_file_dir: \"{dir}\"\njetstream {{ store_dir: \"{dir}/js\", max_file_store: 1TB }}\n{extra}\n",
             dir = dir.display()
         ),
     )
