@@ -255,3 +255,56 @@ fn the_operator_rules_are_the_rules_promtool_tests() {
     let rule = objects.iter().find(|o| kind(o) == "PrometheusRule").unwrap();
     assert_eq!(rule["spec"]["groups"], serde_json::to_value(&plain["groups"]).unwrap());
 }
+
+/// Kubernetes quantities and NATS sizes, in bytes (`20Gi`, `18GB`: the decimal reading
+/// for NATS's `GB`, the smaller of the two, so the check errs on the safe side).
+fn bytes(q: &str) -> u64 {
+    let (n, unit) = q.trim().split_at(q.trim().find(|c: char| !c.is_ascii_digit()).unwrap_or(q.trim().len()));
+    let n: u64 = n.parse().unwrap();
+    n * match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => panic!("unit {other}"),
+    }
+}
+
+#[test]
+fn every_regions_stream_byte_limits_fit_its_nats_nodes() {
+    // JetStream reserves each byte-limited stream's limit on every node holding a
+    // replica: both lanes, the results stream and its object store.
+    let defaults = reviewlane_shared::layout::LayoutConfig::default();
+    for dir in ["k8s/regions/us", "k8s/regions/eu"] {
+        let (_, objects) = render(dir);
+        let region = objects
+            .iter()
+            .find(|o| kind(o) == "ConfigMap" && o["data"]["REVIEWLANE_REGION"].is_string())
+            .unwrap_or_else(|| panic!("{dir}: no region config"));
+        let limit = |var: &str, default: i64| {
+            region["data"][var].as_str().map_or(default as u64, |v| v.parse::<u64>().unwrap())
+        };
+        let reserved = 2 * limit("REVIEWLANE_LANE_MAX_BYTES", defaults.lane_max_bytes)
+            + 2 * limit("REVIEWLANE_FINDINGS_MAX_BYTES", defaults.findings_max_bytes);
+        let conf = objects
+            .iter()
+            .find_map(|o| o["data"]["nats.conf"].as_str())
+            .unwrap_or_else(|| panic!("{dir}: no nats.conf"));
+        let store = conf
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("max_file_store:"))
+            .map(bytes)
+            .unwrap_or_else(|| panic!("{dir}: nats.conf sets no max_file_store"));
+        assert!(reserved <= store, "{dir}: streams reserve {reserved} bytes, max_file_store is {store}");
+        let volume = objects
+            .iter()
+            .find(|o| kind(o) == "StatefulSet")
+            .and_then(|s| s["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"].as_str())
+            .map(bytes)
+            .unwrap_or_else(|| panic!("{dir}: no NATS volume"));
+        assert!(store <= volume, "{dir}: max_file_store {store} is larger than the volume {volume}");
+    }
+}
