@@ -34,6 +34,24 @@ pub trait Deployment: Sync {
     fn nats_url(&self, region: Region) -> &str {
         self.region(region).nats.url()
     }
+    /// Each service's admin address (`/metrics`).
+    fn admin(&self) -> Vec<(String, SocketAddr)>;
+}
+
+/// Messages each service has sent to NATS so far (`reviewlane_nats_messages_total`,
+/// direction `sent`): every JetStream request, publish, acknowledgement and pull.
+async fn nats_messages_sent(d: &dyn Deployment) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for (name, addr) in d.admin() {
+        let page = crate::stack::http_get(addr, "/metrics").await;
+        let sent: f64 = page
+            .lines()
+            .filter(|l| l.starts_with("reviewlane_nats_messages_total{") && l.contains("direction=\"sent\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        *out.entry(name).or_default() += sent;
+    }
+    out
 }
 
 impl Deployment for crate::stack::Stack {
@@ -49,6 +67,12 @@ impl Deployment for crate::stack::Stack {
     fn rss(&self) -> Vec<(String, f64, f64)> {
         Vec::new()
     }
+    fn admin(&self) -> Vec<(String, SocketAddr)> {
+        let mut out = vec![("ingress".to_string(), self.ingress_admin)];
+        out.extend(self.extractor_admin.iter().map(|(r, a)| (format!("extractor-{r}"), *a)));
+        out.extend(self.publisher_admin.iter().map(|(r, a)| (format!("publisher-{r}"), *a)));
+        out
+    }
 }
 
 impl Deployment for crate::procs::ProcStack {
@@ -63,6 +87,9 @@ impl Deployment for crate::procs::ProcStack {
     }
     fn rss(&self) -> Vec<(String, f64, f64)> {
         crate::procs::ProcStack::rss(self)
+    }
+    fn admin(&self) -> Vec<(String, SocketAddr)> {
+        self.admin.clone()
     }
 }
 
@@ -195,6 +222,7 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
     let rss_idle: BTreeMap<String, f64> = d.rss().into_iter().map(|(n, now, _)| (n, round(now, 1))).collect();
     let channel = load::connect(d.ingress()).await?;
     let ci = scale == Scale::Ci;
+    let sent_before = nats_messages_sent(d).await;
     let start = Instant::now();
     let mut extra = Map::new();
     let opts = options(s, scale);
@@ -374,6 +402,18 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
         .collect();
     let completed = accepted.iter().filter(|id| finals.contains_key(**id)).count();
     let lost = accepted.len() - completed;
+    // NATS messages sent per finished job, by service (idle polling included: a bound on
+    // the round trips a job costs, tight under load).
+    let sent_after = nats_messages_sent(d).await;
+    let per_job: BTreeMap<String, f64> = sent_after
+        .iter()
+        .map(|(name, after)| {
+            let before = sent_before.get(name).copied().unwrap_or(0.0);
+            (name.clone(), round((after - before) / completed.max(1) as f64, 2))
+        })
+        .collect();
+    extra.insert("nats_messages_sent_per_job_total".into(), json!(round(per_job.values().sum::<f64>(), 2)));
+    extra.insert("nats_messages_sent_per_job".into(), json!(per_job));
     let e2e_of = |id: &str| -> Option<f64> {
         let (_, at) = deliveries.get(id)?;
         Some(ms(at.duration_since(first.get(id)?.started)))

@@ -100,7 +100,11 @@ async fn handle(
 }
 
 /// `reviewlane_nats_connected{region}`: 1 while this service's connection to the
-/// region's NATS is up, 0 while it is not; read from the client at each scrape.
+/// region's NATS is up, 0 while it is not; and `reviewlane_nats_messages_total{region,
+/// direction}`: messages this service sent to and received from that NATS (every
+/// JetStream request, publish, acknowledgement and pull is one sent; its answer one
+/// received) — what the round trips per job are measured with. Read from the client at
+/// each scrape.
 #[derive(Debug)]
 pub struct NatsConnected(pub Vec<(crate::region::Region, async_nats::Client)>);
 
@@ -118,6 +122,21 @@ impl prometheus_client::collector::Collector for NatsConnected {
             let up = client.connection_state() == async_nats::connection::State::Connected;
             let labels = [("region", region.as_str())];
             ConstGauge::new(i64::from(up)).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "reviewlane_nats_messages",
+            "Messages sent to and received from the region's NATS",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (region, client) in &self.0 {
+            let stats = client.statistics();
+            let sent = stats.out_messages.load(std::sync::atomic::Ordering::Relaxed);
+            let received = stats.in_messages.load(std::sync::atomic::Ordering::Relaxed);
+            for (direction, n) in [("sent", sent), ("received", received)] {
+                let labels = [("region", region.as_str()), ("direction", direction)];
+                prometheus_client::metrics::counter::ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+            }
         }
         Ok(())
     }

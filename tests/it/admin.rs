@@ -188,3 +188,29 @@ async fn every_metric_the_alerts_and_dashboard_use_is_exposed_after_a_workload()
     }
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_counts_the_messages_it_sends_to_nats() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let sent = |page: String| {
+        page.lines()
+            .filter(|l| l.starts_with("reviewlane_nats_messages_total{") && l.contains("direction=\"sent\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let us = |list: &Vec<(reviewlane_shared::Region, std::net::SocketAddr)>| {
+        list.iter().find(|(r, _)| *r == reviewlane_shared::Region::Us).unwrap().1
+    };
+    let before = sent(http_get(stack.ingress_admin, "/metrics").await);
+    let job = submit(&mut client, US_KEY, "counted", &sample_diff("counted")).await;
+    wait_final(&mut client, US_KEY, &job.job_id).await;
+    // The submit wrote the lane message, the job record and the index entry: three
+    // requests at least.
+    let after = sent(http_get(stack.ingress_admin, "/metrics").await);
+    assert!(after - before >= 3.0, "ingress sent {before} -> {after}");
+    for addr in [us(&stack.extractor_admin), us(&stack.publisher_admin)] {
+        assert!(sent(http_get(addr, "/metrics").await) > 0.0);
+    }
+    stack.shutdown().await;
+}
