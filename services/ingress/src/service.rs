@@ -448,7 +448,15 @@ impl ReviewApi {
         }
         enqueue(handle, &msg).await?;
         self.faults.check(point::INGRESS_BEFORE_RECORD)?;
-        let rec = match handle.jobs.create(&msg.record()).await? {
+        // The record and its index entry in parallel: the index write is not on the
+        // answer's critical path. (A retry adds the entry again, in case the first try
+        // died before; listing drops repeats. An entry whose record was not written is
+        // skipped by listing.)
+        let record = msg.record();
+        let index = index(handle);
+        let (created, ()) =
+            tokio::try_join!(handle.jobs.create(&record), index.add(&record, &msg.metadata.repository))?;
+        let rec = match created {
             Created::New(rec, _) => rec,
             // A retry of a request we hold, or a worker that created the record from the
             // message first: the job as it stands.
@@ -458,8 +466,6 @@ impl ReviewApi {
             }
             Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
-        // Listed from here (a retry adds it again, in case the first try died before).
-        index(handle).add(&rec, &msg.metadata.repository).await?;
         tracing::info!(state = rec.state.as_str(), "review accepted");
         Ok(api::review(&rec, &[]))
     }
