@@ -12,17 +12,9 @@ use serde_json::{Value, json};
 
 use crate::cli::Format;
 
+/// The state's name as the job model writes it (`published`, `retry_scheduled`, ...).
 fn state_name(state: i32) -> &'static str {
-    match JobState::try_from(state) {
-        Ok(JobState::Accepted) => "accepted",
-        Ok(JobState::Waiting) => "waiting",
-        Ok(JobState::Running) => "running",
-        Ok(JobState::RetryScheduled) => "retry_scheduled",
-        Ok(JobState::Validated) => "validated",
-        Ok(JobState::Published) => "published",
-        Ok(JobState::Terminal) => "terminal",
-        _ => "unknown",
-    }
+    JobState::try_from(state).ok().and_then(api::state_from_proto).map_or("unknown", |s| s.as_str())
 }
 
 /// One line on the review's state, for stderr and progress.

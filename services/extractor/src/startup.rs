@@ -162,6 +162,7 @@ pub async fn build_with_provider(
         clock,
         faults: config.faults.clone(),
         parts: config.parts,
+        split_cache: Default::default(),
         provider,
         quota: quota.clone(),
         metrics,

@@ -216,11 +216,6 @@ pub fn app_jwt(app_id: &str, private_key_pem: &[u8], now_unix: u64) -> Result<St
     jsonwebtoken::encode(&jsonwebtoken::Header::new(jsonwebtoken::Algorithm::RS256), &claims, &key)
 }
 
-/// Why a delivery stopped early.
-enum Stop {
-    Outcome(SinkOutcome),
-}
-
 impl GitHub {
     pub fn new() -> Self {
         GitHub { paused: Mutex::new(HashMap::new()), installation_tokens: Mutex::new(HashMap::new()), shared: None }
@@ -260,12 +255,12 @@ impl GitHub {
 
     /// The token to call with: read from its file, or an installation token of the
     /// App (minted when there is none still valid for five minutes).
-    async fn token(&self, http: &reqwest::Client, api_url: &str, auth: &Auth<'_>) -> Result<String, Stop> {
+    async fn token(&self, http: &reqwest::Client, api_url: &str, auth: &Auth<'_>) -> Result<String, SinkOutcome> {
         let app = match auth {
             Auth::TokenFile(path) => {
                 return std::fs::read_to_string(path)
                     .map(|t| t.trim().to_string())
-                    .map_err(|_| Stop::Outcome(SinkOutcome::Transient("token_unreadable")));
+                    .map_err(|_| SinkOutcome::Transient("token_unreadable"));
             }
             Auth::App(app) => app,
         };
@@ -275,19 +270,17 @@ impl GitHub {
         {
             return Ok(token.clone());
         }
-        let pem = std::fs::read(&app.private_key_file)
-            .map_err(|_| Stop::Outcome(SinkOutcome::Transient("app_key_unreadable")))?;
+        let pem = std::fs::read(&app.private_key_file).map_err(|_| SinkOutcome::Transient("app_key_unreadable"))?;
         let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let jwt =
-            app_jwt(&app.app_id, &pem, now_unix).map_err(|_| Stop::Outcome(SinkOutcome::Refused("app_key_invalid")))?;
+        let jwt = app_jwt(&app.app_id, &pem, now_unix).map_err(|_| SinkOutcome::Refused("app_key_invalid"))?;
         let url = format!("{}/app/installations/{}/access_tokens", api_url.trim_end_matches('/'), app.installation_id);
         let rb = authed(http.post(url), &jwt);
         let account = format!("{api_url}#app#{}", app.app_id);
         if let Some(wait) = self.pause_of(&account).await {
-            return Err(Stop::Outcome(SinkOutcome::RetryAfter(wait)));
+            return Err(SinkOutcome::RetryAfter(wait));
         }
         let (_, body) = self.send(&account, rb).await?;
-        let token = body["token"].as_str().ok_or(Stop::Outcome(SinkOutcome::Transient("no_token")))?.to_string();
+        let token = body["token"].as_str().ok_or(SinkOutcome::Transient("no_token"))?.to_string();
         // Installation tokens live an hour; use one for 50 minutes at most.
         let until = Instant::now() + Duration::from_secs(50 * 60);
         self.installation_tokens.lock().expect("token lock").insert(cache_key, (token.clone(), until));
@@ -308,11 +301,11 @@ impl GitHub {
     }
 
     /// One request, with the limit rules applied to its answer.
-    async fn send(&self, account: &str, rb: reqwest::RequestBuilder) -> Result<(u16, Value), Stop> {
+    async fn send(&self, account: &str, rb: reqwest::RequestBuilder) -> Result<(u16, Value), SinkOutcome> {
         let resp = match rb.send().await {
             Ok(r) => r,
-            Err(e) if e.is_timeout() => return Err(Stop::Outcome(SinkOutcome::Transient("timeout"))),
-            Err(_) => return Err(Stop::Outcome(SinkOutcome::Transient("connect"))),
+            Err(e) if e.is_timeout() => return Err(SinkOutcome::Transient("timeout")),
+            Err(_) => return Err(SinkOutcome::Transient("connect")),
         };
         let status = resp.status().as_u16();
         let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -327,7 +320,7 @@ impl GitHub {
                     wait_ms = d.as_millis() as u64,
                     "GitHub rate limit; deliveries to the account paused"
                 );
-                return Err(Stop::Outcome(SinkOutcome::RetryAfter(d)));
+                return Err(SinkOutcome::RetryAfter(d));
             }
         }
         match status {
@@ -335,15 +328,21 @@ impl GitHub {
             401 | 403 | 404 => {
                 // A rejected installation token may be a revoked one: mint anew next time.
                 self.installation_tokens.lock().expect("token lock").clear();
-                Err(Stop::Outcome(SinkOutcome::Permanent(status)))
+                Err(SinkOutcome::Permanent(status))
             }
-            408 | 429 | 500..=599 => Err(Stop::Outcome(SinkOutcome::Transient("5xx"))),
-            s => Err(Stop::Outcome(SinkOutcome::Permanent(s))),
+            408 | 429 | 500..=599 => Err(SinkOutcome::Transient("5xx")),
+            s => Err(SinkOutcome::Permanent(s)),
         }
     }
 
     /// Every page of a list endpoint (bounded).
-    async fn list(&self, account: &str, http: &reqwest::Client, token: &str, url: &str) -> Result<Vec<Value>, Stop> {
+    async fn list(
+        &self,
+        account: &str,
+        http: &reqwest::Client,
+        token: &str,
+        url: &str,
+    ) -> Result<Vec<Value>, SinkOutcome> {
         let mut out = Vec::new();
         for page in 1..=MAX_PAGES {
             let rb = authed(http.get(format!("{url}?per_page=100&page={page}")), token);
@@ -367,7 +366,7 @@ impl GitHub {
         d: &Delivery,
     ) -> SinkOutcome {
         match self.try_deliver(http, api_url, auth, max_comments, d).await {
-            Ok(o) | Err(Stop::Outcome(o)) => o,
+            Ok(o) | Err(o) => o,
         }
     }
 
@@ -378,7 +377,7 @@ impl GitHub {
         auth: Auth<'_>,
         max_comments: usize,
         d: &Delivery,
-    ) -> Result<SinkOutcome, Stop> {
+    ) -> Result<SinkOutcome, SinkOutcome> {
         let repo = &d.metadata.repository;
         let valid_repo = repo.split_once('/').is_some_and(|(o, r)| {
             let ok = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));

@@ -13,7 +13,7 @@
 mod call;
 mod keep;
 mod lease;
-mod parts;
+pub mod parts;
 mod settle;
 
 use std::sync::Arc;
@@ -73,6 +73,8 @@ pub struct Worker {
     pub faults: Faults,
     /// Splitting reviews larger than the model's context.
     pub parts: crate::config::PartConfig,
+    /// The parts of the last few split reviews (see `parts`).
+    pub split_cache: parts::SplitCache,
 }
 
 /// What one call reviews: the whole diff, or one part of a split review.

@@ -26,12 +26,18 @@ use tokio_util::sync::CancellationToken;
 use super::settle::{Decision, Outcome};
 use super::{Job, Lease, Target, Worker};
 
+/// Split reviews whose parts a worker keeps (each about the size of its diff).
+pub(super) const SPLIT_CACHE: usize = 4;
+
+/// Recently split reviews: (job id, plan) and their parts.
+pub type SplitCache = std::sync::Mutex<std::collections::VecDeque<((String, chunk::Plan), std::sync::Arc<Vec<Part>>)>>;
+
 /// How a review is answered.
 pub(super) enum Planned {
     /// In one call.
     Whole,
     /// In parts: the parts, and which are done.
-    Split(Vec<Part>, Parts),
+    Split(std::sync::Arc<Vec<Part>>, Parts),
     /// Not at all: the decision says why.
     Decided(Decision),
 }
@@ -51,14 +57,7 @@ impl Worker {
                 return Ok(Planned::Whole);
             }
         }
-        // At degraded depth the parts are cut from what a call would be shown.
-        let degraded = match job.review.review_depth {
-            ReviewDepth::Full => None,
-            ReviewDepth::ChangedHunks => diff::parse(&diff::changed_lines_only(diff, 1)).ok(),
-        };
-        let source = degraded.as_ref().unwrap_or(diff);
-        let counter = crate::tokenizer::counter(plan.tokenizer);
-        let parts = chunk::split(source, &plan.limits, counter.as_ref());
+        let parts = self.split(job, diff, plan);
         let progress = match recorded {
             Some(p) if p.total as usize == parts.len() => p,
             Some(p) => {
@@ -99,13 +98,38 @@ impl Worker {
         Ok(Planned::Split(parts, progress))
     }
 
+    /// The review's parts under `plan`. Each part's delivery needs them, so the last few
+    /// reviews' are kept: a split costs a pass of the tokenizer over the whole diff.
+    fn split(&self, job: &Job<'_>, diff: &diff::Diff, plan: chunk::Plan) -> std::sync::Arc<Vec<Part>> {
+        let key = (job.id().to_string(), plan);
+        if let Some((_, parts)) = self.split_cache.lock().expect("split cache lock").iter().find(|(k, _)| *k == key) {
+            return parts.clone();
+        }
+        // At degraded depth the parts are cut from what a call would be shown.
+        let degraded = match job.review.review_depth {
+            ReviewDepth::Full => None,
+            ReviewDepth::ChangedHunks => diff::parse(&diff::changed_lines_only(diff, 1)).ok(),
+        };
+        let source = degraded.as_ref().unwrap_or(diff);
+        let counter = crate::tokenizer::counter(plan.tokenizer);
+        let parts = std::sync::Arc::new(chunk::split(source, &plan.limits, counter.as_ref()));
+        if parts.len() > 1 {
+            let mut cache = self.split_cache.lock().expect("split cache lock");
+            if cache.len() == SPLIT_CACHE {
+                cache.pop_front();
+            }
+            cache.push_back((key, parts.clone()));
+        }
+        parts
+    }
+
     /// One delivery of a split review: the next part (resumed from a kept result, or
     /// called), then — when it was the last — the merge.
     pub(super) async fn split_trip(
         &self,
         job: &Job<'_>,
         lease: &Lease,
-        parts: Vec<Part>,
+        parts: std::sync::Arc<Vec<Part>>,
         mut progress: Parts,
         abort: &CancellationToken,
     ) -> Result<Outcome, StoreError> {
