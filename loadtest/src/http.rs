@@ -46,6 +46,9 @@ where
                 _ = &mut stopped => return,
             };
             let Ok((stream, _)) = accepted else { continue };
+            // As servers in front of real providers and receivers do: an answer written in
+            // two parts must not wait for the client's delayed ACK.
+            let _ = stream.set_nodelay(true);
             let handler = handler.clone();
             tokio::spawn(async move {
                 let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service_fn(handler)).await;

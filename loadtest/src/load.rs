@@ -210,6 +210,24 @@ pub async fn follow(
     }
 }
 
+/// Follows one job with `WatchReview` until it is final, for up to `within`.
+pub async fn watch_final(channel: &Channel, job: &Job, within: Duration) -> Option<Final> {
+    let mut client = ReviewServiceClient::new(channel.clone());
+    let watch = async {
+        let req = authed(job.tenant.key(), proto::WatchReviewRequest { job_id: job.job_id() });
+        let mut stream = client.watch_review(req).await.ok()?.into_inner();
+        while let Some(Ok(update)) = stream.next().await {
+            let Some(r) = update.review else { continue };
+            let state = JobState::try_from(r.state).unwrap_or(JobState::Unspecified);
+            if matches!(state, JobState::Published | JobState::Terminal) {
+                return Some(Final { state, reason: r.terminal_reason });
+            }
+        }
+        None
+    };
+    tokio::time::timeout(within, watch).await.ok().flatten()
+}
+
 /// Deliveries per job id at the webhook, and the first one's arrival.
 pub fn deliveries(webhook: &WebhookReceiver) -> BTreeMap<String, (u32, Instant)> {
     let mut out: BTreeMap<String, (u32, Instant)> = BTreeMap::new();

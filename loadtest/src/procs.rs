@@ -92,6 +92,19 @@ impl Service {
     }
 }
 
+/// CPU time (user + system, every thread) a process has used so far, in seconds, from
+/// `/proc/<pid>/stat` (Linux; clock ticks of 1/100 s).
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces): state is field 3, utime 14,
+    // stime 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) as f64 / 100.0)
+}
+
 fn spawn(bin: &Path, env: &[(String, String)], log: std::fs::File) -> anyhow::Result<Child> {
     Command::new(bin)
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -407,6 +420,18 @@ impl ProcStack {
     /// Its admin address.
     pub fn admin_of(&self, name: &str) -> Option<SocketAddr> {
         self.admin.iter().find(|(n, _)| n == name).map(|(_, a)| *a)
+    }
+
+    /// CPU seconds each service and each region's nats-server has used so far.
+    pub fn cpu(&self) -> Vec<(String, f64)> {
+        let mut out: Vec<(String, f64)> =
+            self.services.iter().filter_map(|s| Some((s.name.clone(), cpu_seconds(s.child.id())?))).collect();
+        for (name, region) in [("nats-us", &self.us), ("nats-eu", &self.eu)] {
+            if let Some(secs) = cpu_seconds(region.nats.pid()) {
+                out.push((name.to_string(), secs));
+            }
+        }
+        out
     }
 
     /// Resident memory of each service: (name, now MiB, peak MiB).

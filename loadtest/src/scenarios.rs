@@ -36,6 +36,11 @@ pub trait Deployment: Sync {
     }
     /// Each service's admin address (`/metrics`).
     fn admin(&self) -> Vec<(String, SocketAddr)>;
+    /// CPU seconds used so far by each service process and nats-server; empty when the
+    /// services share this process.
+    fn cpu(&self) -> Vec<(String, f64)> {
+        Vec::new()
+    }
 }
 
 /// Messages each service has sent to NATS so far (`reviewlane_nats_messages_total`,
@@ -91,6 +96,9 @@ impl Deployment for crate::procs::ProcStack {
     fn admin(&self) -> Vec<(String, SocketAddr)> {
         self.admin.clone()
     }
+    fn cpu(&self) -> Vec<(String, f64)> {
+        crate::procs::ProcStack::cpu(self)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,10 +110,11 @@ pub enum Scenario {
     Flood,
     Fairness,
     Soak,
+    Idle,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 7] = [
+    pub const ALL: [Scenario; 8] = [
         Scenario::Lab,
         Scenario::Storm,
         Scenario::Dup,
@@ -113,6 +122,7 @@ impl Scenario {
         Scenario::Flood,
         Scenario::Fairness,
         Scenario::Soak,
+        Scenario::Idle,
     ];
 
     pub fn name(self) -> &'static str {
@@ -124,6 +134,7 @@ impl Scenario {
             Scenario::Flood => "flood",
             Scenario::Fairness => "fairness",
             Scenario::Soak => "soak",
+            Scenario::Idle => "idle",
         }
     }
 
@@ -202,7 +213,7 @@ pub fn options(s: Scenario, scale: Scale) -> StackOptions {
         Scenario::Lab => (sim(if ci { 300 } else { 3000 }, Some(2), OverCap::Queue), 8),
         Scenario::Storm => (sim(if ci { 300 } else { 3000 }, Some(2), reject()), 8),
         Scenario::Dup => (sim(100, None, OverCap::Queue), 8),
-        Scenario::Overhead => (sim(0, None, OverCap::Queue), 32),
+        Scenario::Overhead | Scenario::Idle => (sim(0, None, OverCap::Queue), 32),
         Scenario::Flood | Scenario::Fairness => (sim(if ci { 20 } else { 200 }, None, OverCap::Queue), 8),
         Scenario::Soak => (sim(100, None, OverCap::Queue), 16),
     };
@@ -223,6 +234,7 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
     let channel = load::connect(d.ingress()).await?;
     let ci = scale == Scale::Ci;
     let sent_before = nats_messages_sent(d).await;
+    let cpu_before: BTreeMap<String, f64> = d.cpu().into_iter().collect();
     let start = Instant::now();
     let mut extra = Map::new();
     let opts = options(s, scale);
@@ -326,6 +338,58 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
             sub.extend(load::submit(&channel, &jobs, (flood..flood + few).collect(), pace).await);
             (jobs, sub, Some((flood + few) as f64 * latency / opts.extractor_concurrency as f64))
         }
+        Scenario::Idle => {
+            // One job at a time on an otherwise idle stack, the next submitted once the
+            // previous one is published; each job's time split at the points this
+            // process sees: the submit's answer, the provider call, the sink delivery.
+            let n = over.jobs.unwrap_or(if ci { 20 } else { 300 });
+            let jobs = uniform(n, Tenant::Acme, Lane::Interactive, "idle", Size::Small);
+            let provider = d.provider(Region::Us);
+            let epoch = provider.epoch();
+            let pace = Pace { concurrency: 1, rate: None, timeout: Duration::from_secs(10) };
+            let mut sub = Vec::with_capacity(n);
+            let mut stages: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+            for i in 0..n {
+                let one = load::submit(&channel, &jobs, vec![i], pace).await;
+                let Some(x) = one.into_iter().next() else { continue };
+                let accepted = x.sent == Sent::Accepted;
+                let id = x.job_id.clone();
+                sub.push(x);
+                if !accepted {
+                    continue;
+                }
+                let Some(got) = d.webhook().wait_for(&id, Duration::from_secs(10)).await else { continue };
+                let x = sub.last().expect("just pushed");
+                let answered = x.started + Duration::from_secs_f64(x.submit_ms / 1000.0);
+                let call = provider.stats().paid_calls.into_iter().find(|c| c.job == id);
+                if let Some(c) = call {
+                    let called = epoch + Duration::from_micros(c.started_us);
+                    let done = epoch + Duration::from_micros(c.answered_us);
+                    let e2e = got.at.saturating_duration_since(x.started);
+                    let call = done.saturating_duration_since(called);
+                    stages.entry("submit").or_default().push(x.submit_ms);
+                    stages
+                        .entry("answer_to_provider")
+                        .or_default()
+                        .push(ms(called.saturating_duration_since(answered)));
+                    stages.entry("provider").or_default().push(ms(call));
+                    stages.entry("provider_to_sink").or_default().push(ms(got.at.saturating_duration_since(done)));
+                    stages.entry("e2e").or_default().push(ms(e2e));
+                    stages.entry("overhead").or_default().push(ms(e2e.saturating_sub(call)));
+                }
+                // Idle again before the next: the job's last writes (after the delivery) done.
+                let _ = load::watch_final(&channel, &jobs[i], Duration::from_secs(5)).await;
+            }
+            let pct: BTreeMap<String, Value> = stages
+                .iter()
+                .map(|(k, v)| {
+                    let p = |q| round(percentile(v, q), 2);
+                    ((*k).to_string(), json!({"p50_ms": p(0.5), "p90_ms": p(0.9), "p99_ms": p(0.99)}))
+                })
+                .collect();
+            extra.insert("stages".into(), json!(pct));
+            (jobs, sub, None)
+        }
         Scenario::Soak => {
             let secs = over.duration.unwrap_or(Duration::from_secs(if ci { 20 } else { 600 })).as_secs_f64();
             let rate = if ci { 5.0 } else { 20.0 };
@@ -378,6 +442,13 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
         Scenario::Overhead | Scenario::Flood | Scenario::Soak => 600,
         _ => 300,
     });
+    // The pipeline's own cost, measured before the client starts reading results back:
+    // wait for the deliveries (or for them to stop coming), then read each service's
+    // NATS messages and CPU time.
+    let accepted_n = submitted.iter().filter(|x| x.sent == Sent::Accepted).count();
+    d.webhook().wait_count(accepted_n, Duration::from_secs(3), within).await;
+    let sent_after = nats_messages_sent(d).await;
+    let cpu_after: BTreeMap<String, f64> = d.cpu().into_iter().collect();
     let finals = load::follow(&channel, &jobs, &submitted, within).await;
     // Deliveries may trail the final state by a moment.
     let published = finals.values().filter(|f| f.state == JobState::Published).count();
@@ -404,7 +475,6 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
     let lost = accepted.len() - completed;
     // NATS messages sent per finished job, by service (idle polling included: a bound on
     // the round trips a job costs, tight under load).
-    let sent_after = nats_messages_sent(d).await;
     let per_job: BTreeMap<String, f64> = sent_after
         .iter()
         .map(|(name, after)| {
@@ -414,6 +484,17 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
         .collect();
     extra.insert("nats_messages_sent_per_job_total".into(), json!(round(per_job.values().sum::<f64>(), 2)));
     extra.insert("nats_messages_sent_per_job".into(), json!(per_job));
+    // CPU microseconds per finished job, by process.
+    let cpu_per_job: BTreeMap<String, f64> = cpu_after
+        .iter()
+        .map(|(name, after)| {
+            let before = cpu_before.get(name).copied().unwrap_or(0.0);
+            (name.clone(), round((after - before) * 1e6 / completed.max(1) as f64, 0))
+        })
+        .collect();
+    if !cpu_per_job.is_empty() {
+        extra.insert("cpu_us_per_job".into(), json!(cpu_per_job));
+    }
     let e2e_of = |id: &str| -> Option<f64> {
         let (_, at) = deliveries.get(id)?;
         Some(ms(at.duration_since(first.get(id)?.started)))
@@ -477,7 +558,7 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
         Scenario::Dup => {
             extra.insert("paid_calls_expected".into(), json!(11));
         }
-        Scenario::Soak => {}
+        Scenario::Soak | Scenario::Idle => {}
     }
     let terminal: BTreeMap<String, usize> =
         finals.values().filter(|f| f.state == JobState::Terminal).fold(BTreeMap::new(), |mut m, f| {

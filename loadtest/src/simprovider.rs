@@ -116,6 +116,9 @@ pub struct PaidCall {
     pub key: String,
     pub started_unix_ms: u64,
     pub answered_unix_ms: u64,
+    /// The same two instants in microseconds since the provider started (`epoch`).
+    pub started_us: u64,
+    pub answered_us: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
@@ -184,6 +187,11 @@ impl SimProvider {
     /// Calls in flight now (a call whose caller went away is not).
     pub fn in_flight(&self) -> usize {
         self.state.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// The instant the `_us` times of `PaidCall` count from.
+    pub fn epoch(&self) -> Instant {
+        self.state.started
     }
 
     pub fn stats(&self) -> Stats {
@@ -351,6 +359,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     }
     let scripted = st.script.lock().expect("script lock").pop_front();
     let began = st.started.elapsed().as_millis() as u64;
+    let began_us = st.started.elapsed().as_micros() as u64;
     let started_unix_ms = reviewlane_shared::telemetry::now_ms();
     tokio::time::sleep(st.config.latency).await;
     drop(running);
@@ -405,6 +414,8 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             key: key.unwrap_or_default(),
             started_unix_ms,
             answered_unix_ms: reviewlane_shared::telemetry::now_ms(),
+            started_us: began_us,
+            answered_us: st.started.elapsed().as_micros() as u64,
         });
     }
     let body = if anthropic { anthropic_message(&output) } else { chat_completion(&output) };

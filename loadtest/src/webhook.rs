@@ -38,6 +38,8 @@ struct State {
     attempts: Mutex<Vec<Attempt>>,
     statuses: Mutex<VecDeque<u16>>,
     hold: Mutex<Option<(std::time::Duration, Arc<tokio::sync::Notify>)>>,
+    /// Bumped on every delivery recorded, for waiters.
+    delivered: tokio::sync::watch::Sender<usize>,
 }
 
 pub struct WebhookReceiver {
@@ -65,6 +67,39 @@ impl WebhookReceiver {
     /// Deliveries recorded for one job id (by `Idempotency-Key`).
     pub fn for_job(&self, job_id: &str) -> Vec<Received> {
         self.received().into_iter().filter(|r| r.idempotency_key.as_deref() == Some(job_id)).collect()
+    }
+
+    /// The first delivery for `job_id`, waiting for it up to `within`.
+    pub async fn wait_for(&self, job_id: &str, within: std::time::Duration) -> Option<Received> {
+        let mut changes = self.state.delivered.subscribe();
+        let wait = async {
+            loop {
+                if let Some(r) = self.for_job(job_id).into_iter().next() {
+                    return r;
+                }
+                if changes.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::time::timeout(within, wait).await.ok()
+    }
+
+    /// Waits until `n` deliveries (repeats included) have arrived, or none has for
+    /// `stall`, or `within` has passed; the count then.
+    pub async fn wait_count(&self, n: usize, stall: std::time::Duration, within: std::time::Duration) -> usize {
+        let mut changes = self.state.delivered.subscribe();
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let count = *changes.borrow_and_update();
+            if count >= n || tokio::time::Instant::now() >= deadline {
+                return count;
+            }
+            match tokio::time::timeout(stall, changes.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return *changes.borrow(),
+            }
+        }
     }
 
     /// The next requests are answered with these statuses (then 200 again).
@@ -103,6 +138,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<HttpResponse, 
     if status == 200 {
         let at = std::time::Instant::now();
         st.received.lock().expect("lock").push(Received { at, idempotency_key, signature, body });
+        st.delivered.send_modify(|n| *n += 1);
     }
     let mut resp = Response::builder().status(StatusCode::from_u16(status).unwrap_or(StatusCode::OK));
     if (300..400).contains(&status) {

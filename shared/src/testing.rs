@@ -93,6 +93,11 @@ fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
 }
 
 impl NatsServer {
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn url(&self) -> &str {
         &self.url
     }

@@ -7,9 +7,10 @@
 //! to `target/loadtest/<scenario>.metrics.txt`, stops everything, and prints one JSON
 //! object as its last line. Exits 1 when correctness is violated.
 //!
-//! Scenarios: lab, storm, dup, overhead, flood, fairness, soak (see `scenarios.rs`
-//! and BENCHMARKS.md); `chaos`, `replicas`, and `large` (one review split into parts). `--in-process` runs the services inside this process instead
-//! (no RSS figures). `--provider anthropic` runs the extractors through the Anthropic
+//! Scenarios: lab, storm, dup, overhead, flood, fairness, soak, idle (one job at a
+//! time, its time split by stage) (see `scenarios.rs` and BENCHMARKS.md); `chaos`,
+//! `replicas`, and `large` (one review split into parts). `--in-process` runs the
+//! services inside this process instead (no RSS or CPU figures). `--provider anthropic` runs the extractors through the Anthropic
 //! Messages adapter against the simulated provider's Anthropic mode (default: the
 //! OpenAI-compatible adapter).
 
