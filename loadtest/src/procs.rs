@@ -431,6 +431,10 @@ impl ProcStack {
                 out.push((name.to_string(), secs));
             }
         }
+        // This process: the client, the simulated providers and the webhook receiver.
+        if let Some(secs) = cpu_seconds(std::process::id()) {
+            out.push(("loadtest".to_string(), secs));
+        }
         out
     }
 

@@ -361,7 +361,11 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     let began = st.started.elapsed().as_millis() as u64;
     let began_us = st.started.elapsed().as_micros() as u64;
     let started_unix_ms = reviewlane_shared::telemetry::now_ms();
-    tokio::time::sleep(st.config.latency).await;
+    // An instant provider answers at once (a zero sleep would still wait for the next
+    // timer tick, about a millisecond).
+    if !st.config.latency.is_zero() {
+        tokio::time::sleep(st.config.latency).await;
+    }
     drop(running);
     st.stats.lock().expect("stats lock").call_spans_ms.push((began, st.started.elapsed().as_millis() as u64));
 
