@@ -19,6 +19,9 @@ use crate::procs::ProcStack;
 use crate::simprovider::{OverCap, SimConfig};
 use crate::stack::StackOptions;
 
+/// The bearer key `extractor-us-1` (the replica killed) calls the provider with.
+const KILLED_KEY: &str = "sk-load-1";
+
 #[derive(Debug, Clone)]
 pub struct ReplicasConfig {
     /// Jobs per tenant (two tenants).
@@ -86,7 +89,10 @@ pub struct ReplicasReport {
     pub lost: usize,
     pub terminal: BTreeMap<String, usize>,
     pub paid_calls: u64,
+    /// Paid again with no fault to excuse it.
     pub paid_twice: u64,
+    /// Paid again because the first paid answer reached the killed replica (excused).
+    pub repaid_after_kill: u64,
     pub provider_calls: u64,
     pub calls_429: u64,
     pub share_429: f64,
@@ -125,6 +131,7 @@ pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<
     tokio::time::sleep((limit / 3).saturating_sub(start.elapsed())).await;
     let killed = "extractor-us-1".to_string();
     let killed_at = start.elapsed();
+    let killed_unix_ms = reviewlane_shared::telemetry::now_ms();
     if let Some(s) = stack.service(&killed) {
         s.signal("KILL")?;
     }
@@ -155,7 +162,26 @@ pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<
     }
     let stats = stack.us.provider.stats();
     let paid: u64 = stats.paid_by_job.values().sum();
-    let paid_twice = stats.paid_by_job.values().map(|n| n.saturating_sub(1)).sum();
+    // A repeat payment is excused when the earlier paid answer went to the killed
+    // replica while its call ran or right before the kill (before it could keep it).
+    let (mut paid_twice, mut repaid_after_kill) = (0u64, 0u64);
+    let mut by_job: BTreeMap<&str, Vec<&crate::simprovider::PaidCall>> = BTreeMap::new();
+    for c in &stats.paid_calls {
+        by_job.entry(c.job.as_str()).or_default().push(c);
+    }
+    for calls in by_job.values().filter(|c| c.len() > 1) {
+        let earlier = &calls[..calls.len() - 1];
+        let died_with_caller = earlier.iter().all(|c| {
+            c.key == KILLED_KEY
+                && killed_unix_ms + 500 >= c.started_unix_ms
+                && killed_unix_ms <= c.answered_unix_ms + 2_000
+        });
+        if died_with_caller {
+            repaid_after_kill += (calls.len() - 1) as u64;
+        } else {
+            paid_twice += (calls.len() - 1) as u64;
+        }
+    }
     let round = |x: f64| (x * 1000.0).round() / 1000.0;
     Ok(ReplicasReport {
         jobs: jobs.len(),
@@ -164,6 +190,7 @@ pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<
         terminal,
         paid_calls: paid,
         paid_twice,
+        repaid_after_kill,
         provider_calls: stats.total_calls,
         calls_429: stats.calls_429,
         share_429: round(stats.calls_429 as f64 / stats.total_calls.max(1) as f64),
@@ -185,12 +212,13 @@ pub fn print(r: &ReplicasReport) {
         r.jobs, r.published, r.lost, r.terminal, r.published_by_tenant
     );
     println!(
-        "  provider: {} calls, {} answered 429 ({:.1}%), {} paid, {} paid twice, at most {} in flight",
+        "  provider: {} calls, {} answered 429 ({:.1}%), {} paid, {} paid twice, {} paid again after the kill, at most {} in flight",
         r.provider_calls,
         r.calls_429,
         r.share_429 * 100.0,
         r.paid_calls,
         r.paid_twice,
+        r.repaid_after_kill,
         r.provider_max_concurrent
     );
     println!(

@@ -6,8 +6,13 @@ use crate::store::StoreError;
 
 /// The points services check before the write they name.
 pub mod point {
-    /// Ingress: after the lane message is stored, before the job record is created.
-    pub const INGRESS_BEFORE_RECORD: &str = "ingress.before_record";
+    /// Ingress: creating the job record (written beside the lane message).
+    pub const INGRESS_RECORD: &str = "ingress.record";
+    /// Ingress: storing the lane message (written beside the job record).
+    pub const INGRESS_LANE: &str = "ingress.lane";
+    /// Ingress: removing the record of a submit whose lane message was refused (failing
+    /// it stands for the ingress dying between the two).
+    pub const INGRESS_UNDO_RECORD: &str = "ingress.undo_record";
     /// Extractor: keeping a paid answer on `FINDINGS_<R>`.
     pub const EXTRACTOR_KEEP: &str = "extractor.keep";
     /// Extractor: recording `validated` after the answer is kept.
@@ -65,7 +70,7 @@ mod tests {
         assert!(f.check(point::EXTRACTOR_KEEP).is_ok());
         f.fail(point::EXTRACTOR_KEEP, 2);
         assert!(f.check(point::EXTRACTOR_KEEP).unwrap_err().is_retryable());
-        assert!(f.check(point::INGRESS_BEFORE_RECORD).is_ok());
+        assert!(f.check(point::INGRESS_RECORD).is_ok());
         assert!(f.check(point::EXTRACTOR_KEEP).is_err());
         assert!(f.check(point::EXTRACTOR_KEEP).is_ok());
     }

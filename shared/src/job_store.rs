@@ -146,17 +146,32 @@ impl JobStore {
     pub async fn apply_charging(
         &self,
         job_id: &str,
-        mut known: Option<(JobRecord, u64)>,
+        known: Option<(JobRecord, u64)>,
         event: &Event,
         charge: Option<(crate::job::Tokens, u64)>,
     ) -> Result<JobRecord, StoreError> {
+        self.apply_tracked(job_id, known, event, charge).await.map(|(rec, _)| rec)
+    }
+
+    /// `apply_charging`, returning the revision written too, so that the writer's next
+    /// change of the same record needs no read. `known` may be out of date: the
+    /// compare-and-set then fails, and the record is read and the event applied again
+    /// (a refused transition is judged only against a record read from the store).
+    pub async fn apply_tracked(
+        &self,
+        job_id: &str,
+        mut known: Option<(JobRecord, u64)>,
+        event: &Event,
+        charge: Option<(crate::job::Tokens, u64)>,
+    ) -> Result<(JobRecord, u64), StoreError> {
         for _ in 0..CAS_TRIES {
-            let (rec, revision) = match known.take() {
-                Some(k) => k,
-                None => self.get(job_id).await?.ok_or(StoreError::NotFound)?,
+            let (from_known, (rec, revision)) = match known.take() {
+                Some(k) => (true, k),
+                None => (false, self.get(job_id).await?.ok_or(StoreError::NotFound)?),
             };
             let mut next = match transition(&rec, event, self.clock.now_ms()) {
                 Ok(n) => n,
+                Err(_) if from_known => continue,
                 Err(e) => return Err(StoreError::Transition(e, Box::new(rec))),
             };
             if let Some((tokens, cost)) = charge {
@@ -164,7 +179,7 @@ impl JobStore {
             }
             let bytes = serde_json::to_vec(&next).expect("job record serializes");
             match self.kv.update(job_id, bytes.into(), revision).await {
-                Ok(_) => return Ok(next),
+                Ok(written) => return Ok((next, written)),
                 Err(e) => match StoreError::kv_update(e) {
                     StoreError::Conflict => continue,
                     other => return Err(other),

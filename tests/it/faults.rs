@@ -76,7 +76,8 @@ async fn a_result_larger_than_one_message_goes_to_the_object_store_and_is_delive
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_between_the_ingress_writes_loses_no_job_with_or_without_a_retry() {
     let stack = Stack::start().await;
-    stack.faults().fail(point::INGRESS_BEFORE_RECORD, 2);
+    // The lane message is stored, the record beside it is not.
+    stack.faults().fail(point::INGRESS_RECORD, 2);
     let mut client = stack.client().await;
     let diff = sample_diff("between");
     for key in ["between-retried", "between-abandoned"] {
@@ -101,6 +102,51 @@ async fn a_crash_between_the_ingress_writes_loses_no_job_with_or_without_a_retry
     assert_eq!(stats.calls_by_job.get(&retried.job_id), Some(&1));
     assert_eq!(stats.calls_by_job.get(&abandoned), Some(&1));
     assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&abandoned).len() == 1).await);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_whose_lane_message_fails_leaves_no_record_unless_the_ingress_dies_first() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let diff = sample_diff("lane-fails");
+    // The record is written beside the lane message, which fails: the refusal leaves
+    // nothing behind, and a retry with the same key goes on as a fresh submit.
+    stack.faults().fail(point::INGRESS_LANE, 2);
+    for key in ["lane-retried", "lane-abandoned"] {
+        let err = client.submit_review(submit_req(US_KEY, key, &diff)).await.expect_err("lane write fails");
+        assert_eq!(err.code(), tonic::Code::Unavailable);
+    }
+    let abandoned = job_id::derive(Region::Us, "acme", "lane-abandoned");
+    let err = get(&mut client, US_KEY, &abandoned).await.expect_err("no record is left");
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    let retried = submit(&mut client, US_KEY, "lane-retried", &diff).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &retried.job_id).await.state, JobState::Published as i32);
+
+    // The ingress dies between the failed lane write and removing the record: the
+    // record is stranded (no message will ever drive it).
+    stack.faults().fail(point::INGRESS_LANE, 2);
+    stack.faults().fail(point::INGRESS_UNDO_RECORD, 2);
+    // Another diff: not answered from the result cache.
+    let diff = sample_diff("stranded");
+    for key in ["stranded-retried", "stranded-abandoned"] {
+        client.submit_review(submit_req(US_KEY, key, &diff)).await.expect_err("lane write fails");
+    }
+    let stranded = job_id::derive(Region::Us, "acme", "stranded-abandoned");
+    assert_eq!(get(&mut client, US_KEY, &stranded).await.unwrap().state, JobState::Waiting as i32);
+    // (a) The caller retries: the message is written and the same record carries on.
+    let retried = submit(&mut client, US_KEY, "stranded-retried", &diff).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &retried.job_id).await.state, JobState::Published as i32);
+    assert_eq!(stack.us.provider.stats().calls_by_job.get(&retried.job_id), Some(&1));
+    // (b) Nobody retries: past its grace the reconciler ends it `lost`.
+    let clock = ManualClock::at(telemetry::now_ms());
+    let (reconciler, jobs) = reconciler(&stack, clock.clone()).await;
+    clock.advance(Duration::from_secs(120));
+    let pass = reconciler.pass().await.unwrap();
+    assert_eq!((pass.stranded, pass.ended), (1, 1), "{pass:?}");
+    let (ended, _) = jobs.get(&stranded).await.unwrap().unwrap();
+    assert_eq!(ended.reason, Some(TerminalReason::Lost));
+    assert!(!stack.us.provider.stats().calls_by_job.contains_key(&stranded), "never called");
     stack.shutdown().await;
 }
 

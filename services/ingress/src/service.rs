@@ -288,12 +288,10 @@ impl ReviewApi {
             replay_of: Some(id.to_string()),
             ..old
         };
-        enqueue(handle, &msg).await?;
-        let rec = match handle.jobs.create(&msg.record()).await? {
+        let rec = match self.write_job(handle, &msg).await? {
             Created::New(rec, _) => rec,
             Created::Exists(existing) => existing,
         };
-        index(handle).add(&rec, &msg.metadata.repository).await?;
         tracing::info!(replay_of = id, "dead letter replayed as a new job");
         Ok(api::review(&rec, &[]))
     }
@@ -418,10 +416,6 @@ impl ReviewApi {
         span.record("review_depth", depth.as_str());
         let wait_ms = predicted_wait.map_or(0, |w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX));
         let late = submitted_at_ms.saturating_add(wait_ms);
-        // The message first, then the record: a crash between the two leaves a message
-        // that carries the whole record (the extractor creates it), never a record whose
-        // content is gone. A same-key retry publishes again (the lane drops the copy by
-        // `Nats-Msg-Id` = job id; a later copy finds the job's state and is dropped).
         let msg = ReviewMessage {
             job_id: id.clone(),
             tenant: tenant.id.clone(),
@@ -446,17 +440,7 @@ impl ReviewApi {
         if late >= deadline_ms {
             return self.too_late(handle, &msg).await;
         }
-        enqueue(handle, &msg).await?;
-        self.faults.check(point::INGRESS_BEFORE_RECORD)?;
-        // The record and its index entry in parallel: the index write is not on the
-        // answer's critical path. (A retry adds the entry again, in case the first try
-        // died before; listing drops repeats. An entry whose record was not written is
-        // skipped by listing.)
-        let record = msg.record();
-        let index = index(handle);
-        let (created, ()) =
-            tokio::try_join!(handle.jobs.create(&record), index.add(&record, &msg.metadata.repository))?;
-        let rec = match created {
+        let rec = match self.write_job(handle, &msg).await? {
             Created::New(rec, _) => rec,
             // A retry of a request we hold, or a worker that created the record from the
             // message first: the job as it stands.
@@ -468,6 +452,58 @@ impl ReviewApi {
         };
         tracing::info!(state = rec.state.as_str(), "review accepted");
         Ok(api::review(&rec, &[]))
+    }
+
+    /// Makes a job durable: its lane message, its record and its index entry, written
+    /// at once (one round trip of waiting, not three). The answer waits for all three.
+    ///
+    /// Crash semantics (docs/round-trips.md, "Submit: three writes at once"):
+    /// - the lane message without the record (the record write failed, or the ingress
+    ///   died first): the extractor creates the record from the message, which carries
+    ///   all of it;
+    /// - the record without the lane message: when the lane refused (full, or NATS
+    ///   failed), the record this request created is removed again, so the refusal
+    ///   leaves nothing behind; if the ingress died before that, the record is stranded
+    ///   and the reconciler ends it `lost` after its grace — unless the caller retries
+    ///   first, which writes the message again and carries on with the same record;
+    /// - the index entry without the record: listing skips it; a retry adds it again
+    ///   (listing drops repeats).
+    ///
+    /// A same-key retry always writes the lane message again: the lane drops the copy by
+    /// `Nats-Msg-Id` (= job id), and a later copy finds the job's state and is dropped.
+    async fn write_job(&self, handle: &RegionHandle, msg: &ReviewMessage) -> Result<Created, ApiError> {
+        let payload = encode(handle, msg)?;
+        let record = msg.record();
+        let index = index(handle);
+        let lane = async {
+            self.faults.check(point::INGRESS_LANE)?;
+            enqueue(handle, msg, payload).await
+        };
+        let create = async {
+            self.faults.check(point::INGRESS_RECORD)?;
+            handle.jobs.create(&record).await
+        };
+        let (enqueued, created, indexed) = tokio::join!(lane, create, index.add(&record, &msg.metadata.repository));
+        if let Err(refused) = enqueued {
+            if let Ok(Created::New(_, revision)) = created {
+                self.undo_record(handle, &record.job_id, revision).await;
+            }
+            return Err(refused);
+        }
+        let created = created?;
+        indexed?;
+        Ok(created)
+    }
+
+    /// Removes a record this request created, unless anything wrote to it since.
+    async fn undo_record(&self, handle: &RegionHandle, job_id: &str, revision: u64) {
+        let undone = match self.faults.check(point::INGRESS_UNDO_RECORD) {
+            Ok(()) => handle.jobs.kv().delete_expect_revision(job_id, Some(revision)).await.map_err(StoreError::other),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = undone {
+            tracing::warn!(kind = e.kind(), "removing the record of a refused submit failed; the reconciler ends it");
+        }
     }
 
     /// A review that cannot be served before its deadline (it is past, or the lane's
@@ -520,15 +556,8 @@ impl ReviewApi {
     messaging.operation.type = "publish",
     messaging.destination.name = %layout::lane_subject(msg.region, msg.lane, &msg.tenant, &msg.job_id),
 ))]
-async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiError> {
+async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage, payload: Vec<u8>) -> Result<(), ApiError> {
     let subject = layout::lane_subject(msg.region, msg.lane, &msg.tenant, &msg.job_id);
-    let payload = serde_json::to_vec(msg).map_err(|e| ApiError::Internal(e.into()))?;
-    if payload.len() > handle.max_payload {
-        return Err(ApiError::invalid(
-            "diff",
-            format!("review is {} bytes once encoded, over the server's {} bytes", payload.len(), handle.max_payload),
-        ));
-    }
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(async_nats::header::NATS_MESSAGE_ID, msg.job_id.as_str());
     reviewlane_shared::telemetry::inject_nats(&mut headers);
@@ -546,6 +575,19 @@ async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage) -> Result<(), ApiEr
         }
         Err(e) => Err(ApiError::Unavailable(e.into())),
     }
+}
+
+/// The lane message's bytes, refused before anything is written when the server would
+/// not take it.
+fn encode(handle: &RegionHandle, msg: &ReviewMessage) -> Result<Vec<u8>, ApiError> {
+    let payload = serde_json::to_vec(msg).map_err(|e| ApiError::Internal(e.into()))?;
+    if payload.len() > handle.max_payload {
+        return Err(ApiError::invalid(
+            "diff",
+            format!("review is {} bytes once encoded, over the server's {} bytes", payload.len(), handle.max_payload),
+        ));
+    }
+    Ok(payload)
 }
 
 /// A lane at its maximum backlog refuses new messages (discard new).

@@ -92,8 +92,16 @@ impl Claims {
         serde_json::to_vec(&p).expect("publication serializes").into()
     }
 
-    /// Claims the job's delivery, counting the attempt.
+    /// Claims the job's delivery, counting the attempt. A job's first delivery finds no
+    /// record, so the claim is created without reading first; an existing record is
+    /// read and judged.
     pub async fn claim(&self, job_id: &str) -> Result<Claimed, StoreError> {
+        let expires = self.clock.now_ms() + self.lease_ms;
+        match self.kv.create(job_id, self.record(PublicationState::Publishing, 1, expires)).await {
+            Ok(revision) => return Ok(Claimed::Mine(Claim { revision, attempt: 1 })),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StoreError::kv_create(e)),
+        }
         for _ in 0..4 {
             let entry = self.kv.entry(job_id).await.map_err(StoreError::kv_entry)?;
             let existing = match &entry {

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
+use futures::StreamExt;
 use reviewlane_shared::job::{Event, JobRecord, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::messages::{Delivery, FindingsMessage};
@@ -129,11 +130,13 @@ impl Worker {
 
     async fn run(&self, msg: &jetstream::Message, f: &FindingsMessage) -> Result<Outcome, StoreError> {
         let id = f.job_id.as_str();
-        let rec = match self.jobs.get(id).await? {
+        // The record as read, with its revision: this delivery's writes to it are
+        // compare-and-sets from there, without reading again.
+        let (rec, revision) = match self.jobs.get(id).await? {
             Some((rec, _)) if rec.state == JobState::Running && rec.generation() == f.generation => {
                 self.await_validated(id).await?
             }
-            Some((rec, _)) => rec,
+            Some(found) => found,
             None => {
                 tracing::warn!("no job record for findings; terminating the message");
                 settle(msg, AckKind::Term).await;
@@ -195,8 +198,8 @@ impl Worker {
             return self.fail(msg, f, &claim, TerminalReason::DeadlineExceeded).await;
         }
         // From here a cancel no longer applies; one that came first wins.
-        match self.jobs.apply(id, &Event::Delivering).await {
-            Ok(_) => {}
+        let mut known = match self.jobs.apply_tracked(id, Some((rec, revision)), &Event::Delivering, None).await {
+            Ok(written) => Some(written),
             Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
                 self.claims.settle(id, &claim, PublicationState::Failed).await?;
                 tracing::info!(outcome = "dropped", "job ended before delivery");
@@ -209,7 +212,7 @@ impl Worker {
                 return Ok(Outcome::Duplicate);
             }
             Err(e) => return Err(e),
-        }
+        };
 
         let tenant = self.tenants.get(&f.tenant);
         let delivery = Delivery::from_findings(f);
@@ -248,7 +251,7 @@ impl Worker {
                     }
                 };
                 self.store_retry.run(|| self.claims.settle(id, &claim, PublicationState::Published), retry).await?;
-                self.store_retry.run(|| self.mark_job(id, &Event::Published), retry).await?;
+                self.store_retry.run(|| self.mark_job_from(id, known.take(), &Event::Published), retry).await?;
                 settle(msg, AckKind::Ack).await;
                 self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
                 tracing::info!(
@@ -325,29 +328,48 @@ impl Worker {
     }
 
     /// The extractor keeps findings, then records `validated`: wait briefly for that
-    /// write instead of bouncing the message. The record as it stands at the end.
-    async fn await_validated(&self, id: &str) -> Result<JobRecord, StoreError> {
+    /// write instead of bouncing the message. The record (and revision) as it stands at
+    /// the end. Waits on the record's change signals (a core subscription: no consumer
+    /// to create), reading again after each.
+    async fn await_validated(&self, id: &str) -> Result<(JobRecord, u64), StoreError> {
+        let mut signals = self.jobs.signals(id).await?;
         let wait = async {
-            let (mut current, last) = self.jobs.get(id).await?.ok_or(StoreError::NotFound)?;
-            let mut changes = self.jobs.changes_after(id, last).await?;
-            while current.state == JobState::Running {
-                match changes.next().await {
-                    Some(Ok(Some((r, _)))) => current = r,
-                    Some(Ok(None)) => return Err(StoreError::NotFound),
-                    Some(Err(e)) => return Err(e),
-                    None => break,
+            // After a signal the write may not be stored yet: read again after a short
+            // pause (1 ms, doubling to 32 ms) or the next signal, whichever comes first.
+            let mut landing: Option<Duration> = None;
+            loop {
+                // Read after subscribing: a write between the first read and the
+                // subscription is not missed.
+                let current = self.jobs.get(id).await?.ok_or(StoreError::NotFound)?;
+                if current.0.state != JobState::Running {
+                    return Ok(current);
                 }
+                let signal = match landing {
+                    None => signals.next().await.map(|_| ()),
+                    Some(pause) => match tokio::time::timeout(pause, signals.next()).await {
+                        Ok(next) => next.map(|_| ()),
+                        Err(_) => Some(()),
+                    },
+                };
+                if signal.is_none() {
+                    return Ok(current);
+                }
+                landing = Some(landing.map_or(Duration::from_millis(1), |p| (p * 2).min(Duration::from_millis(32))));
             }
-            Ok(current)
         };
         match tokio::time::timeout(VALIDATED_WAIT, wait).await {
             Ok(done) => done,
-            Err(_) => Ok(self.jobs.get(id).await?.ok_or(StoreError::NotFound)?.0),
+            Err(_) => self.jobs.get(id).await?.ok_or(StoreError::NotFound),
         }
     }
 
     async fn mark_job(&self, id: &str, event: &Event) -> Result<(), StoreError> {
-        match self.jobs.apply(id, event).await {
+        self.mark_job_from(id, None, event).await
+    }
+
+    /// `mark_job` from a record and revision this delivery wrote (`None`: read first).
+    async fn mark_job_from(&self, id: &str, known: Option<(JobRecord, u64)>, event: &Event) -> Result<(), StoreError> {
+        match self.jobs.apply_tracked(id, known, event, None).await {
             Ok(_) | Err(StoreError::Transition(..)) => Ok(()),
             Err(e) => Err(e),
         }

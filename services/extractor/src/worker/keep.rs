@@ -88,16 +88,20 @@ impl Worker {
             })
             .await
         }
-        .instrument(span.clone())
-        .await;
+        .instrument(span.clone());
+        // A fresh result goes into the cache beside the keep, not after it: done before
+        // the job is recorded `validated`, at no extra wait.
+        let cached = async {
+            if let Some(tokens) = cache {
+                self.store_in_cache(job, &v, tokens).await;
+            }
+        };
+        let (kept, ()) = tokio::join!(kept, cached);
         match kept {
             Ok(at) => {
                 span.record("stored", if at == reviewlane_shared::results::Kept::Inline { "inline" } else { "object" });
                 self.metrics.kept(at);
                 self.metrics.validated(n, v.quarantined.iter().map(|q| q.reason.as_str()));
-                if let Some(tokens) = cache {
-                    self.store_in_cache(job, &v, tokens).await;
-                }
                 Decision::Validated { findings: n, quarantined: q, dropped }
             }
             Err(e) => {

@@ -72,9 +72,9 @@ impl Worker {
             owner: self.quota.replica_id().to_string(),
             lease_expires_at_ms: now + self.lease.as_millis() as u64,
         };
-        match self.jobs.apply_from(id, Some((rec, revision)), &event).await {
-            Ok(rec) => {
-                let lease = Lease::new(rec);
+        match self.jobs.apply_tracked(id, Some((rec, revision)), &event, None).await {
+            Ok((rec, revision)) => {
+                let lease = Lease::written(rec, revision);
                 // The provider account is out of money: end the job without paying for a
                 // call (under the lease, so no other holder's job is ended).
                 if self.quota.circuit_open(job.scope) {

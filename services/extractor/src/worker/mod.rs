@@ -111,11 +111,21 @@ pub struct Lease {
     pub called: std::sync::atomic::AtomicBool,
     /// The tokens of this lease's paid call, charged to the record with its next write.
     pub tokens: std::sync::Mutex<Option<reviewlane_shared::job::Tokens>>,
+    /// The record and revision this lease last wrote: its next write is a
+    /// compare-and-set on that revision without reading first (a read follows only when
+    /// someone else wrote meanwhile).
+    known: std::sync::Mutex<Option<(JobRecord, u64)>>,
 }
 
 impl Lease {
     pub fn new(rec: JobRecord) -> Self {
-        Lease { rec, called: Default::default(), tokens: Default::default() }
+        Lease { rec, called: Default::default(), tokens: Default::default(), known: Default::default() }
+    }
+
+    /// A lease whose record was written at `revision`.
+    pub fn written(rec: JobRecord, revision: u64) -> Self {
+        let known = std::sync::Mutex::new(Some((rec.clone(), revision)));
+        Lease { known, ..Lease::new(rec) }
     }
 
     pub fn generation(&self) -> u32 {
@@ -204,7 +214,9 @@ impl Worker {
     /// lease -> call (or the result cache) -> keep -> settle; or, for a review larger
     /// than the model's context, lease -> one part -> settle (-> merge -> settle).
     async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<Outcome, StoreError> {
-        let lease = match self.lease(job).await? {
+        // The result cache is read beside the lease, not after it.
+        let (leased, lookup) = tokio::join!(self.lease(job), self.cache_lookup(job));
+        let lease = match leased? {
             lease::Leased::Held(lease) => lease,
             lease::Leased::Settled(outcome) => return Ok(outcome),
         };
@@ -215,7 +227,7 @@ impl Worker {
         let whole = Target { diff, text: crate::provider::prompt_diff(job.review, diff), part: None };
         // A split review under way is finished part by part, never from the cache.
         if lease.rec.parts.is_none()
-            && let Some(hit) = self.cached(job).await
+            && let Some(hit) = self.cached(job, lookup)
         {
             let decision = self.decide(job, &lease, &whole, Answer::Cached(hit)).await;
             return self.settle(job, Some(&lease), decision).await;
@@ -306,6 +318,21 @@ impl Worker {
                 Decision::Terminal { reason: TerminalReason::UpstreamRejected, status }
             }
         }
+    }
+
+    /// Applies `event` to the job's record from the revision this lease last wrote,
+    /// remembering the revision it writes.
+    async fn apply_leased(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        event: &reviewlane_shared::job::Event,
+        charge: Option<(reviewlane_shared::job::Tokens, u64)>,
+    ) -> Result<JobRecord, StoreError> {
+        let known = lease.known.lock().expect("known lock").take();
+        let (rec, revision) = self.jobs.apply_tracked(job.id(), known, event, charge).await?;
+        *lease.known.lock().expect("known lock") = Some((rec.clone(), revision));
+        Ok(rec)
     }
 
     fn allowed(&self, budget: Budget) -> u32 {

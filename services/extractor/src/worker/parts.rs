@@ -74,7 +74,7 @@ impl Worker {
             }
             None => {
                 let event = Event::Planned { generation: lease.generation(), total: parts.len() as u32, plan };
-                match self.jobs.apply(job.id(), &event).await {
+                match self.apply_leased(job, lease, &event, None).await {
                     Ok(rec) => {
                         tracing::info!(
                             parts = parts.len(),

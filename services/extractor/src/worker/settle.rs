@@ -120,7 +120,7 @@ impl Worker {
                 if let Some(lease) = lease {
                     let now =
                         Event::Extended { generation: lease.generation(), lease_expires_at_ms: self.clock.now_ms() };
-                    if let Err(e) = self.jobs.apply(job.id(), &now).await {
+                    if let Err(e) = self.apply_leased(job, lease, &now, None).await {
                         tracing::debug!(kind = e.kind(), "releasing the lease in the record failed");
                     }
                 }
@@ -201,7 +201,10 @@ impl Worker {
                 if validated {
                     self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
                 }
-                self.jobs.apply_charging(job.id(), None, &event, charge).await
+                match lease {
+                    Some(lease) => self.apply_leased(job, lease, &event, charge).await,
+                    None => self.jobs.apply_charging(job.id(), None, &event, charge).await,
+                }
             })
             .await;
         match applied {
@@ -342,16 +345,23 @@ impl Worker {
         ])
     }
 
-    pub(super) async fn cached(&self, job: &Job<'_>) -> Option<Validated> {
+    /// Reads the result cache (`None`: the cache is off). Only a read: what it found
+    /// counts once `cached` uses it.
+    pub(super) async fn cache_lookup(&self, job: &Job<'_>) -> Option<Option<CacheEntry>> {
         let cache = self.cache.as_ref()?;
-        let hit = match cache.get(self.cache_key(job)).await {
+        Some(match cache.get(self.cache_key(job)).await {
             Ok(Some(v)) => serde_json::from_slice::<CacheEntry>(&v).ok(),
             Ok(None) => None,
             Err(e) => {
                 tracing::warn!(error = %e, "result cache read failed");
                 None
             }
-        };
+        })
+    }
+
+    /// The result of a cache read, counted as a hit or a miss.
+    pub(super) fn cached(&self, job: &Job<'_>, lookup: Option<Option<CacheEntry>>) -> Option<Validated> {
+        let hit = lookup?;
         self.metrics.cache(hit.is_some());
         let hit = hit?;
         // The call the hit saves, in the tokens it cost when it was made.
@@ -361,6 +371,8 @@ impl Worker {
         Some(hit.validated)
     }
 
+    /// Writes the result to the cache (best effort: a failed write costs a later
+    /// identical review one call).
     pub(super) async fn store_in_cache(
         &self,
         job: &Job<'_>,
@@ -379,7 +391,7 @@ impl Worker {
 /// A result-cache value: the validated result, and the tokens the call that made it
 /// cost (absent in entries written before they were recorded).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct CacheEntry {
+pub(super) struct CacheEntry {
     #[serde(flatten)]
     validated: Validated,
     #[serde(default, skip_serializing_if = "Option::is_none")]
