@@ -360,34 +360,13 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
                 }
                 let Some(got) = d.webhook().wait_for(&id, Duration::from_secs(10)).await else { continue };
                 let x = sub.last().expect("just pushed");
-                let answered = x.started + Duration::from_secs_f64(x.submit_ms / 1000.0);
-                let call = provider.stats().paid_calls.into_iter().find(|c| c.job == id);
-                if let Some(c) = call {
-                    let called = epoch + Duration::from_micros(c.started_us);
-                    let done = epoch + Duration::from_micros(c.answered_us);
-                    let e2e = got.at.saturating_duration_since(x.started);
-                    let call = done.saturating_duration_since(called);
-                    stages.entry("submit").or_default().push(x.submit_ms);
-                    stages
-                        .entry("answer_to_provider")
-                        .or_default()
-                        .push(ms(called.saturating_duration_since(answered)));
-                    stages.entry("provider").or_default().push(ms(call));
-                    stages.entry("provider_to_sink").or_default().push(ms(got.at.saturating_duration_since(done)));
-                    stages.entry("e2e").or_default().push(ms(e2e));
-                    stages.entry("overhead").or_default().push(ms(e2e.saturating_sub(call)));
+                if let Some(c) = provider.stats().paid_calls.iter().find(|c| c.job == id) {
+                    split_by_stage(&mut stages, x, c, epoch, got.at);
                 }
                 // Idle again before the next: the job's last writes (after the delivery) done.
                 let _ = load::watch_final(&channel, &jobs[i], Duration::from_secs(5)).await;
             }
-            let pct: BTreeMap<String, Value> = stages
-                .iter()
-                .map(|(k, v)| {
-                    let p = |q| round(percentile(v, q), 2);
-                    ((*k).to_string(), json!({"p50_ms": p(0.5), "p90_ms": p(0.9), "p99_ms": p(0.99)}))
-                })
-                .collect();
-            extra.insert("stages".into(), json!(pct));
+            extra.insert("stages".into(), stage_percentiles(&stages));
             (jobs, sub, None)
         }
         Scenario::Soak => {
@@ -530,6 +509,21 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
             extra.insert("interactive_e2e_p50_ms".into(), json!(round(percentile(&int, 0.5), 1)));
             extra.insert("interactive_e2e_p99_ms".into(), json!(round(percentile(&int, 0.99), 1)));
             extra.insert("interactive_jobs".into(), json!(int.len()));
+            // Where an interactive job's time went.
+            let provider = d.provider(Region::Us);
+            let (epoch, calls) = (provider.epoch(), provider.stats().paid_calls);
+            let mut stages = BTreeMap::new();
+            for id in
+                accepted.iter().filter(|id| first.get(**id).is_some_and(|x| jobs[x.job].lane == Lane::Interactive))
+            {
+                let (Some(x), Some((_, at)), Some(c)) =
+                    (first.get(*id), deliveries.get(*id), calls.iter().find(|c| c.job == **id))
+                else {
+                    continue;
+                };
+                split_by_stage(&mut stages, x, c, epoch, *at);
+            }
+            extra.insert("interactive_stages".into(), stage_percentiles(&stages));
         }
         Scenario::Fairness => {
             let of = |t: Tenant| -> Vec<f64> {
@@ -589,6 +583,39 @@ pub async fn run(s: Scenario, scale: Scale, over: Overrides, d: &dyn Deployment)
         rss_idle_mib: rss_idle,
         extra,
     })
+}
+
+/// Splits one job's time at the points this process sees: the submit's answer, the
+/// provider call's start and end (the first paid call), the sink's delivery at `sunk`.
+fn split_by_stage(
+    stages: &mut BTreeMap<&'static str, Vec<f64>>,
+    x: &Submitted,
+    call: &crate::simprovider::PaidCall,
+    epoch: Instant,
+    sunk: Instant,
+) {
+    let answered = x.started + Duration::from_secs_f64(x.submit_ms / 1000.0);
+    let called = epoch + Duration::from_micros(call.started_us);
+    let done = epoch + Duration::from_micros(call.answered_us);
+    let e2e = sunk.saturating_duration_since(x.started);
+    let took = done.saturating_duration_since(called);
+    stages.entry("submit").or_default().push(x.submit_ms);
+    stages.entry("answer_to_provider").or_default().push(ms(called.saturating_duration_since(answered)));
+    stages.entry("provider").or_default().push(ms(took));
+    stages.entry("provider_to_sink").or_default().push(ms(sunk.saturating_duration_since(done)));
+    stages.entry("e2e").or_default().push(ms(e2e));
+    stages.entry("overhead").or_default().push(ms(e2e.saturating_sub(took)));
+}
+
+fn stage_percentiles(stages: &BTreeMap<&'static str, Vec<f64>>) -> Value {
+    let pct: BTreeMap<String, Value> = stages
+        .iter()
+        .map(|(k, v)| {
+            let p = |q| round(percentile(v, q), 2);
+            ((*k).to_string(), json!({"p50_ms": p(0.5), "p90_ms": p(0.9), "p99_ms": p(0.99), "max_ms": p(1.0)}))
+        })
+        .collect();
+    json!(pct)
 }
 
 fn lane_e2e(

@@ -112,9 +112,17 @@ async fn a_rejected_request_is_terminal_at_once_and_the_adapter_speaks_structure
     assert!(shape.strict && shape.schema_has_findings && shape.bearer, "{shape:?}");
 
     // The dead letter: a reference an operator can act on, without content, and the
-    // content beside it under its own retention.
+    // content beside it under its own retention. It is written right after the
+    // terminal record (a holder whose lease was taken over writes neither).
     let url = stack.us.nats.url().to_string();
-    let refs = stream_messages(&url, &layout::deadletter_stream(Region::Us)).await;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    let refs = loop {
+        let refs = stream_messages(&url, &layout::deadletter_stream(Region::Us)).await;
+        if !refs.is_empty() || tokio::time::Instant::now() >= deadline {
+            break refs;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
     let (subject, _, body) = refs.first().expect("a dead-letter reference");
     assert_eq!(*subject, layout::deadletter_subject(Region::Us, "acme", &job.job_id));
     let dead: reviewlane_shared::messages::DeadLetter = serde_json::from_slice(body).unwrap();

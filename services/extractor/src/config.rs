@@ -14,6 +14,7 @@
 //! | `REVIEWLANE_PROBE_EVERY_SECS` | `60` | a scope's window probes one call higher after this long without a 429 |
 //! | `REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS` | `5` | batch pulls no more than its minimum while interactive work waited longer |
 //! | `REVIEWLANE_BATCH_MIN_SLOTS` | `1` | call slots batch keeps whenever it has work (its aging bound: under an interactive backlog batch slows down, never stops) |
+//! | `REVIEWLANE_INTERACTIVE_RESERVE_SLOTS` | concurrency / 8 | call slots batch leaves free beyond its minimum while interactive work came within the last minute, so an interactive review arriving during a batch flood starts at once instead of waiting for a batch call to end (batch alone still uses every slot) |
 //! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin`, `openai` (any OpenAI-compatible API) or `anthropic` (Messages API) |
 //! | `REVIEWLANE_OPENAI_BASE_URL` | for `openai` | e.g. `https://api.openai.com/v1` |
 //! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
@@ -180,6 +181,8 @@ pub struct ExtractorConfig {
     pub interactive_wait_limit: Duration,
     /// Call slots batch keeps whenever it has work, backlog or not: its aging bound.
     pub batch_min_slots: usize,
+    /// Slots batch leaves free for interactive work (`None`: concurrency / 8).
+    pub interactive_reserve_slots: Option<usize>,
     pub concurrency: usize,
     pub lease: Duration,
     pub provider_timeout: Duration,
@@ -261,6 +264,7 @@ impl ExtractorConfig {
             circuit_open_for: Duration::from_secs(600),
             interactive_wait_limit: Duration::from_secs(5),
             batch_min_slots: 1,
+            interactive_reserve_slots: None,
             concurrency: 8,
             lease: Duration::from_secs(30),
             provider_timeout: Duration::from_secs(120),
@@ -369,6 +373,9 @@ impl ExtractorConfig {
         let circuit: u64 = r.or("REVIEWLANE_QUOTA_CIRCUIT_SECS", 600, "whole seconds");
         let wait_limit: u64 = r.or("REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS", 5, "whole seconds");
         let batch_min_slots: usize = r.or("REVIEWLANE_BATCH_MIN_SLOTS", d.batch_min_slots, "a count");
+        let interactive_reserve_slots: Option<usize> = r
+            .raw("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS")
+            .map(|_| r.or("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS", 0, "a count"));
         if heartbeat_ms == 0 {
             r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
         }
@@ -446,6 +453,7 @@ impl ExtractorConfig {
             circuit_open_for: Duration::from_secs(circuit),
             interactive_wait_limit: Duration::from_secs(wait_limit),
             batch_min_slots,
+            interactive_reserve_slots,
             concurrency,
             lease: Duration::from_secs(lease),
             provider_timeout: Duration::from_secs(timeout),
@@ -555,6 +563,21 @@ mod tests {
         assert_eq!(c.region, Region::Eu);
         assert!(matches!(c.provider, ProviderConfig::Builtin));
         assert_eq!(c.concurrency, 8);
+        assert_eq!(c.interactive_reserve_slots, None, "concurrency / 8 unless set");
+        let set = ExtractorConfig::from_env(&env(&[
+            ("REVIEWLANE_REGION", "eu"),
+            ("REVIEWLANE_NATS_URL", "nats://x"),
+            ("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS", "0"),
+        ]))
+        .unwrap();
+        assert_eq!(set.interactive_reserve_slots, Some(0));
+        let errs = ExtractorConfig::from_env(&env(&[
+            ("REVIEWLANE_REGION", "eu"),
+            ("REVIEWLANE_NATS_URL", "nats://x"),
+            ("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS", "some"),
+        ]))
+        .unwrap_err();
+        assert!(errs.to_string().contains("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS"), "{errs}");
     }
 
     #[test]

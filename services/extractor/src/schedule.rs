@@ -6,7 +6,10 @@
 //! No call slot is held during a long-poll, so an idle lane or tenant parks no capacity.
 //! A message that has arrived waits for a slot — interactive before batch, except that
 //! batch keeps `batch_min` slots whenever it has work, so it slows down under an
-//! interactive backlog but is never starved — and for its
+//! interactive backlog but is never starved; and, while interactive work came within the
+//! last minute, batch leaves `interactive_reserve` slots free beyond its minimum, so an
+//! interactive review that arrives while batch fills the pool starts at once instead of
+//! waiting for a batch call to end — and for its
 //! scope's allowance, keeping its lease alive with progress acks; waiters are served in
 //! the order they started waiting, so tenants of a lane take turns. A message whose
 //! scope is paused goes back with the remaining delay, spending no budget.
@@ -34,12 +37,20 @@ struct SlotState {
     /// is backlogged (its aging bound: batch slows down, never stops).
     batch_running: usize,
     batch_min: usize,
+    /// Slots batch leaves free for interactive work once it runs its minimum, while
+    /// interactive work came within `RESERVE_HOLD`.
+    interactive_reserve: usize,
+    /// When an interactive review last asked for a slot.
+    interactive_seen: Option<tokio::time::Instant>,
     /// Waiting messages in arrival order, by ticket. The first interactive one is served
     /// first; without interactive waiters, the first of all. Only messages whose scope
     /// has room wait here, so none blocks the queue.
     queue: VecDeque<(u64, Lane)>,
     next_ticket: u64,
 }
+
+/// How long after the last interactive review batch keeps leaving the reserve free.
+const RESERVE_HOLD: Duration = Duration::from_secs(60);
 
 /// Provider call slots of this process: first come, first served, interactive first.
 pub struct Slots {
@@ -66,12 +77,16 @@ impl Drop for Slot {
 }
 
 impl Slots {
-    /// `n` call slots; batch keeps `batch_min` of them whenever it has work (at most `n`).
-    pub fn new(n: usize, batch_min: usize, changed: Arc<Notify>) -> Arc<Slots> {
+    /// `n` call slots; batch keeps `batch_min` of them whenever it has work (at most `n`)
+    /// and, beyond that minimum, leaves `interactive_reserve` free (at most what is left).
+    pub fn new(n: usize, batch_min: usize, interactive_reserve: usize, changed: Arc<Notify>) -> Arc<Slots> {
+        let batch_min = batch_min.min(n);
         let state = SlotState {
             free: n,
             batch_running: 0,
-            batch_min: batch_min.min(n),
+            batch_min,
+            interactive_reserve: interactive_reserve.min(n - batch_min),
+            interactive_seen: None,
             queue: VecDeque::new(),
             next_ticket: 0,
         };
@@ -87,6 +102,9 @@ impl Slots {
 
     fn join(&self, lane: Lane) -> u64 {
         let mut st = self.state.lock().expect("slots lock");
+        if lane == Lane::Interactive {
+            st.interactive_seen = Some(tokio::time::Instant::now());
+        }
         let t = st.next_ticket;
         st.next_ticket += 1;
         st.queue.push_back((t, lane));
@@ -115,6 +133,16 @@ impl Slots {
             .copied();
         let (t, lane) = head?;
         if t != ticket {
+            return None;
+        }
+        // Past its minimum, batch does not take the slots kept for interactive work
+        // while interactive work is about; batch alone uses every slot.
+        let interactive_about = st.interactive_seen.is_some_and(|at| at.elapsed() < RESERVE_HOLD);
+        if lane == Lane::Batch
+            && interactive_about
+            && st.batch_running >= st.batch_min
+            && st.free <= st.interactive_reserve
+        {
             return None;
         }
         st.queue.retain(|(t, _)| *t != ticket);
@@ -310,7 +338,7 @@ mod tests {
 
     #[test]
     fn interactive_first_but_batch_keeps_its_minimum() {
-        let slots = Slots::new(2, 1, Arc::new(Notify::new()));
+        let slots = Slots::new(2, 1, 0, Arc::new(Notify::new()));
         let i1 = slots.join(Lane::Interactive);
         let i2 = slots.join(Lane::Interactive);
         let b1 = slots.join(Lane::Batch);
@@ -331,9 +359,46 @@ mod tests {
         drop(second);
     }
 
+    /// Batch slots taken, asking for up to `n`.
+    fn take_batch(slots: &Arc<Slots>, n: usize) -> Vec<Slot> {
+        let mut held = Vec::new();
+        for _ in 0..n {
+            let t = slots.join(Lane::Batch);
+            match slots.try_take(t) {
+                Some(s) => held.push(s),
+                None => slots.leave(t),
+            }
+        }
+        held
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn batch_leaves_the_reserve_free_while_interactive_work_is_about() {
+        let slots = Slots::new(4, 1, 1, Arc::new(Notify::new()));
+        // Batch alone uses every slot.
+        let all = take_batch(&slots, 4);
+        assert_eq!(all.len(), 4);
+        drop(all);
+        // An interactive review came: batch now fills all but the reserved slot, and the
+        // next interactive review starts at once.
+        let first = slots.try_take(slots.join(Lane::Interactive)).expect("a free slot");
+        drop(first);
+        let batch = take_batch(&slots, 4);
+        assert_eq!(batch.len(), 3, "batch leaves the reserve free");
+        let next = slots.try_take(slots.join(Lane::Interactive)).expect("starts at once");
+        drop((batch, next));
+        // A while without interactive work: batch has every slot again.
+        tokio::time::advance(RESERVE_HOLD).await;
+        assert_eq!(take_batch(&slots, 4).len(), 4);
+        // The reserve is never more than what batch's minimum leaves.
+        let tight = Slots::new(2, 2, 1, Arc::new(Notify::new()));
+        drop(tight.try_take(tight.join(Lane::Interactive)));
+        assert_eq!(take_batch(&tight, 2).len(), 2);
+    }
+
     #[test]
     fn without_interactive_work_batch_takes_every_slot() {
-        let slots = Slots::new(3, 1, Arc::new(Notify::new()));
+        let slots = Slots::new(3, 1, 0, Arc::new(Notify::new()));
         let held: Vec<_> = (0..3).map(|_| slots.join(Lane::Batch)).map(|t| slots.try_take(t).unwrap()).collect();
         assert_eq!(held.len(), 3);
         assert!(!slots.batch_below_min());

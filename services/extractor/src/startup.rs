@@ -199,7 +199,8 @@ impl App {
         });
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
-        let slots = Slots::new(self.config.concurrency, self.config.batch_min_slots, changed);
+        let reserve = self.config.interactive_reserve_slots.unwrap_or(self.config.concurrency / 8);
+        let slots = Slots::new(self.config.concurrency, self.config.batch_min_slots, reserve, changed);
         let backlog = Backlog::default();
         let tasks = TaskTracker::new();
         let interactive: Vec<_> =
