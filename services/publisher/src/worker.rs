@@ -330,31 +330,24 @@ impl Worker {
     /// The extractor keeps findings, then records `validated`: wait briefly for that
     /// write instead of bouncing the message. The record (and revision) as it stands at
     /// the end. Waits on the record's change signals (a core subscription: no consumer
-    /// to create), reading again after each.
+    /// to create) and short pauses, reading again after each.
     async fn await_validated(&self, id: &str) -> Result<(JobRecord, u64), StoreError> {
         let mut signals = self.jobs.signals(id).await?;
         let wait = async {
-            // After a signal the write may not be stored yet: read again after a short
-            // pause (1 ms, doubling to 32 ms) or the next signal, whichever comes first.
-            let mut landing: Option<Duration> = None;
+            // A signal is sent when the write reaches the server, before it is stored,
+            // and a write already on its way when the subscription started sends none:
+            // so read again on the next signal or after a pause (1 ms, doubling to
+            // 32 ms), whichever comes first.
+            let mut pause = Duration::from_millis(1);
             loop {
-                // Read after subscribing: a write between the first read and the
-                // subscription is not missed.
                 let current = self.jobs.get(id).await?.ok_or(StoreError::NotFound)?;
                 if current.0.state != JobState::Running {
                     return Ok(current);
                 }
-                let signal = match landing {
-                    None => signals.next().await.map(|_| ()),
-                    Some(pause) => match tokio::time::timeout(pause, signals.next()).await {
-                        Ok(next) => next.map(|_| ()),
-                        Err(_) => Some(()),
-                    },
-                };
-                if signal.is_none() {
+                if let Ok(None) = tokio::time::timeout(pause, signals.next()).await {
                     return Ok(current);
                 }
-                landing = Some(landing.map_or(Duration::from_millis(1), |p| (p * 2).min(Duration::from_millis(32))));
+                pause = (pause * 2).min(Duration::from_millis(32));
             }
         };
         match tokio::time::timeout(VALIDATED_WAIT, wait).await {
