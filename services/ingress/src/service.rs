@@ -502,7 +502,10 @@ impl ReviewApi {
             Err(e) => Err(e),
         };
         if let Err(e) = undone {
-            tracing::warn!(kind = e.kind(), "removing the record of a refused submit failed; the reconciler ends it");
+            tracing::warn!(
+                kind = e.kind(),
+                "removing the record of a refused submit failed (or something wrote to it since); a same-key retry carries it on, and the reconciler ends it if nothing drives it"
+            );
         }
     }
 

@@ -62,7 +62,7 @@ impl AnthropicProvider {
 
     fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
         let degraded = req.review_depth == ReviewDepth::ChangedHunks;
-        let schema = self.schemas.for_request(req);
+        let schema = self.schemas.for_request(req).clone();
         serde_json::json!({
             "model": self.model,
             // At degraded depth a quarter of the output budget.

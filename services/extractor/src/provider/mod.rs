@@ -102,13 +102,12 @@ impl DialectSchemas {
         )
     }
 
-    /// The schema a request is sent with.
-    pub fn for_request(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
+    /// The schema a request is sent with (projected once, at start; serialized from
+    /// here into each request without a copy).
+    pub fn for_request(&self, req: &ProviderRequest<'_>) -> &serde_json::Value {
+        static NONE: serde_json::Value = serde_json::Value::Null;
         let degraded = req.review_depth == ReviewDepth::ChangedHunks;
-        self.0
-            .get(req.schema_version)
-            .map(|(full, compact)| if degraded { compact.clone() } else { full.clone() })
-            .unwrap_or_default()
+        self.0.get(req.schema_version).map_or(&NONE, |(full, compact)| if degraded { compact } else { full })
     }
 }
 

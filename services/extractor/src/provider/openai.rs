@@ -35,6 +35,36 @@ pub(super) const V2_PROMPT: &str = "For each finding also give `suggested_action
 /// Added when the diff is one part of a larger one.
 pub(super) const PART_PROMPT: &str = "The diff is one part of a larger change; review what it shows.";
 
+/// A chat completions request with structured outputs.
+#[derive(serde::Serialize)]
+struct ChatRequest<'a> {
+    model: &'a str,
+    temperature: u8,
+    max_tokens: u32,
+    messages: [Message<'a>; 2],
+    response_format: ResponseFormat<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: std::borrow::Cow<'a, str>,
+}
+
+#[derive(serde::Serialize)]
+struct ResponseFormat<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    json_schema: JsonSchema<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct JsonSchema<'a> {
+    name: String,
+    strict: bool,
+    schema: &'a serde_json::Value,
+}
+
 pub struct OpenAiProvider {
     http: reqwest::Client,
     endpoint: String,
@@ -83,24 +113,29 @@ impl OpenAiProvider {
         self
     }
 
-    fn body(&self, req: &ProviderRequest<'_>) -> serde_json::Value {
+    /// The request body, borrowing the diff and the schema: serialized once, copied
+    /// nowhere else.
+    fn body<'a>(&'a self, req: &'a ProviderRequest<'a>) -> ChatRequest<'a> {
         // The schema as this endpoint's dialect takes it; the answer is held to the full
         // schema by our validator.
         let degraded = req.review_depth == ReviewDepth::ChangedHunks;
-        let schema = self.schemas.for_request(req);
-        serde_json::json!({
-            "model": self.model,
-            "temperature": 0,
-            "max_tokens": if degraded { MAX_OUTPUT_TOKENS_DEGRADED } else { MAX_OUTPUT_TOKENS },
-            "messages": [
-                {"role": "system", "content": super::instructions(req)},
-                {"role": "user", "content": req.diff_text},
+        ChatRequest {
+            model: &self.model,
+            temperature: 0,
+            max_tokens: if degraded { MAX_OUTPUT_TOKENS_DEGRADED } else { MAX_OUTPUT_TOKENS },
+            messages: [
+                Message { role: "system", content: super::instructions(req).into() },
+                Message { role: "user", content: req.diff_text.into() },
             ],
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": req.schema_version.replace('.', "_"), "strict": true, "schema": schema},
+            response_format: ResponseFormat {
+                kind: "json_schema",
+                json_schema: JsonSchema {
+                    name: req.schema_version.replace('.', "_"),
+                    strict: true,
+                    schema: self.schemas.for_request(req),
+                },
             },
-        })
+        }
     }
 
     async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
@@ -196,7 +231,7 @@ mod tests {
                 review_depth: depth,
                 part: None,
             };
-            provider.body(&req)
+            serde_json::to_value(provider.body(&req)).unwrap()
         };
         let (full, degraded) = (body(ReviewDepth::Full), body(ReviewDepth::ChangedHunks));
         // Fewer tokens in (estimated at 4 bytes a token): only the changed lines and one
