@@ -1,6 +1,8 @@
 //! Compiles the API protos in pure Rust (protox), so no system `protoc` is needed.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
+    // Read when the script runs, not when it is compiled: cargo reuses a compiled build
+    // script for an identical crate in another checkout sharing the target directory.
+    let proto_dir = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../proto");
     let file = proto_dir.join("reviewlane/v1/review.proto");
     println!("cargo:rerun-if-changed={}", file.display());
     let fds = protox::compile([&file], [&proto_dir])?;
