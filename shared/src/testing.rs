@@ -158,6 +158,27 @@ impl NatsCluster {
             assert!(Instant::now() < deadline, "the JetStream cluster elected no meta leader in 30 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        // A meta leader may not know its peers yet ("no suitable peers for placement"):
+        // ready once a stream on all three nodes can be placed.
+        let probe = async_nats::jetstream::stream::Config {
+            name: "READY_PROBE".into(),
+            subjects: vec!["ready.probe".into()],
+            num_replicas: 3,
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        };
+        loop {
+            match js.create_stream(probe.clone()).await {
+                Ok(_) => {
+                    js.delete_stream("READY_PROBE").await.expect("delete the readiness probe");
+                    break;
+                }
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "no stream on three nodes could be placed in 30 s: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
         cluster
     }
 
