@@ -595,6 +595,25 @@ pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool
     cond()
 }
 
+/// Runs `probe` until it finds what it looks for (`Some`), or `limit` has passed (then
+/// `None`): for conditions that can only be read, not waited on.
+pub async fn poll_until<T, F, Fut>(limit: Duration, mut probe: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(found) = probe().await {
+            return Some(found);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 pub fn init_test_log() {
     if std::env::var_os("TEST_LOG").is_some() {
         reviewlane_shared::testing::capture();

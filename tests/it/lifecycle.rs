@@ -115,14 +115,11 @@ async fn a_rejected_request_is_terminal_at_once_and_the_adapter_speaks_structure
     // content beside it under its own retention. It is written right after the
     // terminal record (a holder whose lease was taken over writes neither).
     let url = stack.us.nats.url().to_string();
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-    let refs = loop {
-        let refs = stream_messages(&url, &layout::deadletter_stream(Region::Us)).await;
-        if !refs.is_empty() || tokio::time::Instant::now() >= deadline {
-            break refs;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    let refs = poll_until(Duration::from_secs(5), || async {
+        Some(stream_messages(&url, &layout::deadletter_stream(Region::Us)).await).filter(|r| !r.is_empty())
+    })
+    .await
+    .unwrap_or_default();
     let (subject, _, body) = refs.first().expect("a dead-letter reference");
     assert_eq!(*subject, layout::deadletter_subject(Region::Us, "acme", &job.job_id));
     let dead: reviewlane_shared::messages::DeadLetter = serde_json::from_slice(body).unwrap();

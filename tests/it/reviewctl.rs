@@ -179,16 +179,12 @@ async fn git_ranges_failures_and_unknown_keys_have_their_exit_codes() {
     let terminal = run(&stack, US_KEY, &["list", "--state", "terminal", "--json"], None, None).await;
     let dead: serde_json::Value = serde_json::from_str(terminal.stdout.lines().next().unwrap()).unwrap();
     let dead_id = dead["job_id"].as_str().unwrap().to_string();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let dlq = run(&stack, US_KEY, &["dlq", "list"], None, None).await;
-        if dlq.stdout.contains(&dead_id) {
-            assert!(dlq.stdout.contains("upstream_rejected"), "{}", dlq.stdout);
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not dead-lettered: {}", dlq.stdout);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let dlq = poll_until(Duration::from_secs(10), || async {
+        Some(run(&stack, US_KEY, &["dlq", "list"], None, None).await).filter(|d| d.stdout.contains(&dead_id))
+    })
+    .await
+    .expect("dead-lettered within 10 s");
+    assert!(dlq.stdout.contains("upstream_rejected"), "{}", dlq.stdout);
     let replayed = run(&stack, US_KEY, &["dlq", "replay", &dead_id, "--wait", "--format", "json"], None, None).await;
     assert_eq!(replayed.code, 0, "{}", replayed.stderr);
     let new: serde_json::Value = serde_json::from_str(&replayed.stdout).unwrap();

@@ -263,35 +263,14 @@ impl Worker {
                 Ok(Outcome::Published)
             }
             SinkOutcome::Transient(class) => {
-                if claim.attempt >= self.delivery_attempts {
-                    return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
-                }
                 let delay = self.backoff(claim.attempt);
-                tracing::warn!(
-                    status_class = class,
-                    attempt = claim.attempt,
-                    delay_ms = delay.as_millis() as u64,
-                    "delivery failed; retry scheduled"
-                );
-                self.claims.settle(id, &claim, PublicationState::Publishing).await?;
-                self.metrics.retry(delay);
-                settle(msg, AckKind::Nak(Some(delay))).await;
-                Ok(Outcome::RetryScheduled(delay))
+                tracing::warn!(status_class = class, attempt = claim.attempt, "delivery failed");
+                self.retry_later(msg, f, &claim, delay).await
             }
             SinkOutcome::RetryAfter(delay) => {
                 // The receiver's own limit: its delay, within the same delivery budget.
-                if claim.attempt >= self.delivery_attempts {
-                    return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
-                }
-                tracing::warn!(
-                    attempt = claim.attempt,
-                    delay_ms = delay.as_millis() as u64,
-                    "sink rate-limited; retry scheduled"
-                );
-                self.claims.settle(id, &claim, PublicationState::Publishing).await?;
-                self.metrics.retry(delay);
-                settle(msg, AckKind::Nak(Some(delay))).await;
-                Ok(Outcome::RetryScheduled(delay))
+                tracing::warn!(attempt = claim.attempt, "sink rate-limited");
+                self.retry_later(msg, f, &claim, delay).await
             }
             SinkOutcome::Permanent(status) => {
                 tracing::warn!(status, "sink refused the delivery");
@@ -309,6 +288,24 @@ impl Worker {
         let exp = self.backoff_base.as_secs_f64() * 2f64.powi(attempt.min(30) as i32 - 1);
         Duration::from_secs_f64(exp.min(self.backoff_cap.as_secs_f64()) * (0.5 + rand::random::<f64>()))
             .min(self.backoff_cap)
+    }
+
+    /// A delivery that may be tried again: after `delay`, within the delivery budget.
+    async fn retry_later(
+        &self,
+        msg: &jetstream::Message,
+        f: &FindingsMessage,
+        claim: &Claim,
+        delay: Duration,
+    ) -> Result<Outcome, StoreError> {
+        if claim.attempt >= self.delivery_attempts {
+            return self.fail(msg, f, claim, TerminalReason::DeliveryBudgetExhausted).await;
+        }
+        tracing::warn!(attempt = claim.attempt, delay_ms = delay.as_millis() as u64, "delivery retry scheduled");
+        self.claims.settle(&f.job_id, claim, PublicationState::Publishing).await?;
+        self.metrics.retry(delay);
+        settle(msg, AckKind::Nak(Some(delay))).await;
+        Ok(Outcome::RetryScheduled(delay))
     }
 
     async fn fail(
