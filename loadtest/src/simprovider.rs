@@ -396,13 +396,12 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             if rand::random::<f64>() < st.config.malformed_rate {
                 "Sure! Here are the findings: [oops".to_string()
             } else {
-                let v2 =
-                    schema_of(&request, anthropic)["properties"]["findings"]["items"]["properties"]["suggested_action"]
-                        .is_object();
+                let item = &schema_of(&request, anthropic)["properties"]["findings"]["items"];
                 let mut out = findings_for(&prompt, st.config.outside_diff);
-                if v2 {
+                if item["properties"]["suggested_action"].is_object() {
                     actionable(&mut out);
                 }
+                strict_nulls(&mut out, item);
                 out.to_string()
             }
         }
@@ -456,6 +455,20 @@ pub fn actionable(out: &mut serde_json::Value) {
     for f in out["findings"].as_array_mut().into_iter().flatten() {
         f["suggested_action"] = json!("Look at this line again.");
         f["confidence"] = json!("medium");
+    }
+}
+
+/// As a strict structured-output provider answers: every property the schema lists as
+/// required is present, the ones the model has nothing for as `null`.
+fn strict_nulls(out: &mut serde_json::Value, item: &serde_json::Value) {
+    let required: Vec<&str> =
+        item["required"].as_array().into_iter().flatten().filter_map(serde_json::Value::as_str).collect();
+    for f in out["findings"].as_array_mut().into_iter().flatten() {
+        for name in &required {
+            if f.get(*name).is_none() {
+                f[*name] = serde_json::Value::Null;
+            }
+        }
     }
 }
 

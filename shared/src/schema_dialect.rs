@@ -26,8 +26,9 @@ pub enum SchemaDialect {
     /// Anthropic structured outputs.
     Anthropic,
     /// Structure only: types, properties, required, items, enums,
-    /// `additionalProperties`. Accepted by every provider above and by vLLM, Ollama and
-    /// LiteLLM; the default.
+    /// `additionalProperties`, with every object closed and every property required
+    /// (optional ones nullable), as OpenAI's strict mode insists. Accepted by every
+    /// provider above and by vLLM, Ollama and LiteLLM; the default.
     #[default]
     Portable,
 }
@@ -105,12 +106,12 @@ impl SchemaDialect {
 
     /// Whether every object must say `additionalProperties: false`.
     fn closed_objects(self) -> bool {
-        matches!(self, SchemaDialect::OpenAi | SchemaDialect::OpenAiFineTuned | SchemaDialect::Anthropic)
+        self != SchemaDialect::Full
     }
 
     /// Whether every property must be listed in `required` (optional ones nullable).
     fn all_required(self) -> bool {
-        matches!(self, SchemaDialect::OpenAi | SchemaDialect::OpenAiFineTuned)
+        matches!(self, SchemaDialect::OpenAi | SchemaDialect::OpenAiFineTuned | SchemaDialect::Portable)
     }
 }
 
@@ -187,7 +188,8 @@ fn project_node(node: &Value, d: SchemaDialect) -> Value {
     Value::Object(out)
 }
 
-/// An optional property made required: it may be `null` instead.
+/// An optional property made required: it may be `null` instead (an `enum` of it
+/// lists `null` too, or a `null` answer would fail it).
 fn nullable(p: &mut Map<String, Value>) {
     match p.get_mut("type") {
         Some(Value::String(t)) => {
@@ -196,6 +198,11 @@ fn nullable(p: &mut Map<String, Value>) {
         }
         Some(Value::Array(ts)) if !ts.iter().any(|t| t == "null") => ts.push("null".into()),
         _ => {}
+    }
+    if let Some(Value::Array(values)) = p.get_mut("enum")
+        && !values.contains(&Value::Null)
+    {
+        values.push(Value::Null);
     }
 }
 
@@ -291,6 +298,11 @@ mod tests {
                 assert_eq!(findings["required"].as_array().unwrap().len(), want, "{version} as {d}");
                 assert!(projected.get("$schema").is_none());
             }
+            // The default goes to any provider: what it sends, each of them accepts.
+            let portable = project(full, SchemaDialect::Portable);
+            for d in SchemaDialect::ALL {
+                assert_eq!(violations(&portable, d), Vec::<String>::new(), "{version} as portable, to {d}");
+            }
         }
     }
 
@@ -319,6 +331,11 @@ mod tests {
         assert_eq!(p["required"], json!(["a", "b"]));
         assert_eq!(p["properties"]["b"]["type"], json!(["integer", "null"]));
         assert_eq!(p["properties"]["b"]["minimum"], json!(1), "base models take ranges");
+        // An optional enum takes `null` as one of its values.
+        let e = json!({"type": "object", "properties": {"s": {"type": "string", "enum": ["x"]}}});
+        for d in [SchemaDialect::OpenAi, SchemaDialect::Portable] {
+            assert_eq!(project(&e, d)["properties"]["s"]["enum"], json!(["x", null]), "{d}");
+        }
         let ft = project(&s, SchemaDialect::OpenAiFineTuned);
         assert!(ft["properties"]["b"].get("minimum").is_none());
         // Anthropic: minItems 0 or 1 stays, anything else goes.

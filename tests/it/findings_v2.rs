@@ -1,7 +1,7 @@
 //! `findings.v2` end to end: a review asking for v2 gets findings with a suggested
 //! action, a confidence, a side and a fingerprint, in `GetReview` (with the severity and
-//! category enums) and in the delivery — through OpenAI's strict dialect (optional
-//! fields as nulls) and Anthropic's. v1 reviews keep their shape.
+//! category enums) and in the delivery — through OpenAI's strict rules with the default
+//! dialect (optional fields as nulls) and Anthropic's. v1 reviews keep their shape.
 
 use loadtest::simprovider::SimConfig;
 use reviewlane_shared::proto::{self, JobState};
@@ -31,10 +31,11 @@ fn assert_actionable(review: &proto::Review) {
     }
 }
 
+/// The default dialect (`portable`) to a provider enforcing OpenAI's strict rules: what
+/// a new user's first review through OpenAI does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v2_findings_through_openai_strict_and_in_the_delivery() {
     let stack = Stack::start_with(StackOptions {
-        schema_dialect: SchemaDialect::OpenAi,
         us_provider: SimConfig { enforce_dialect: Some(SchemaDialect::OpenAi), ..Default::default() },
         ..Default::default()
     })

@@ -10,6 +10,7 @@ mod compose;
 mod dead_letters;
 mod deadlines;
 mod delivery;
+mod dialects;
 mod faults;
 mod fencing;
 mod findings_v2;

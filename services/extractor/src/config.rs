@@ -21,7 +21,7 @@
 //! | `REVIEWLANE_OPENAI_API_KEY_FILE` (or `REVIEWLANE_OPENAI_API_KEY`) | optional | bearer key, from a file (a mounted Secret) or the variable (kept secret) |
 //! | `REVIEWLANE_PROVIDER_REGION` | for `openai` | region the endpoint is bound to; must equal `REVIEWLANE_REGION` |
 //! | `REVIEWLANE_ANTHROPIC_BASE_URL`, `_MODEL`, `_API_KEY_FILE` (or `_API_KEY`), `_MAX_TOKENS` | for `anthropic` (max tokens `4096`) | Anthropic Messages API endpoint (region-bound like any provider), model, key, output token limit |
-//! | `REVIEWLANE_OPENAI_SCHEMA_DIALECT` | `portable` | the JSON Schema subset the endpoint's structured outputs accept: `portable` (structure only, any provider), `openai`, `openai-fine-tuned`, `anthropic`, `full`; the answer is always checked against the full schema |
+//! | `REVIEWLANE_OPENAI_SCHEMA_DIALECT` | `portable` | the JSON Schema subset the endpoint's structured outputs accept: `portable` (structure only, every property required: any provider), `openai`, `openai-fine-tuned`, `anthropic`, `full`; the answer is always checked against the full schema |
 //! | `REVIEWLANE_CONCURRENCY` | `8` | provider calls in flight in this process |
 //! | `REVIEWLANE_LEASE_SECS` | `30` | consumer ack wait; extended by progress acks during a call |
 //! | `REVIEWLANE_PROVIDER_TIMEOUT_SECS` | `120` | one provider call |
