@@ -22,14 +22,15 @@ Exit codes (submit --wait, watch):
   1  published with findings at or above --fail-on
   2  the review ended without findings (the reason is printed)
   3  refused for now (the retry delay is printed)
-  4  the review's deadline passed, or --wait-timeout ran out
+  4  the review's deadline passed, or --wait-timeout or --request-timeout ran out
   5  the request failed (authentication, an invalid request, the service unreachable)
   64 the command line is wrong
 
 Connection settings come from flags, then the environment (REVIEWLANE_ENDPOINT,
-REVIEWLANE_API_KEY or REVIEWLANE_API_KEY_FILE, REVIEWLANE_TLS_CA_FILE), then the config
-file (--config, REVIEWCTL_CONFIG, or ~/.config/reviewlane/reviewctl.toml with the keys
-endpoint, api_key_file, tls_ca_file).";
+REVIEWLANE_API_KEY or REVIEWLANE_API_KEY_FILE, REVIEWLANE_TLS_CA_FILE,
+REVIEWLANE_REQUEST_TIMEOUT_SECS), then the config file (--config, REVIEWCTL_CONFIG, or
+~/.config/reviewlane/reviewctl.toml with the keys endpoint, api_key_file, tls_ca_file,
+request_timeout_secs).";
 
 #[derive(Debug, Parser)]
 #[command(name = "reviewctl", version, about = "Submit diffs to reviewlane and act on its findings.", after_help = EXAMPLES)]
@@ -54,6 +55,10 @@ pub struct ConnArgs {
     /// A PEM CA certificate to trust for https:// endpoints (besides the web's roots)
     #[arg(long = "tls-ca", env = "REVIEWLANE_TLS_CA_FILE", global = true)]
     pub tls_ca_file: Option<PathBuf>,
+    /// Seconds one request (and connecting) may wait for an answer (exit 4 past it)
+    /// [default: 30]
+    #[arg(long, value_name = "SECS", env = "REVIEWLANE_REQUEST_TIMEOUT_SECS", global = true)]
+    pub request_timeout: Option<f64>,
     /// Config file [default: ~/.config/reviewlane/reviewctl.toml when it exists]
     #[arg(long, env = "REVIEWCTL_CONFIG", global = true)]
     pub config: Option<PathBuf>,

@@ -12,12 +12,17 @@ pub const FINDINGS: u8 = 1;
 pub const FAILED: u8 = 2;
 /// The service refused the review for now (the retry delay is printed).
 pub const REFUSED: u8 = 3;
-/// The review's deadline passed, or `--wait-timeout` ran out.
+/// The review's deadline passed, or `--wait-timeout` or `--request-timeout` ran out.
 pub const DEADLINE: u8 = 4;
 /// The request failed: authentication, an invalid request, the service unreachable.
 pub const REQUEST_FAILED: u8 = 5;
 /// The command line is wrong.
 pub const USAGE: u8 = 64;
+
+/// No answer to a request within `--request-timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("no answer within {} s (--request-timeout)", .0.as_secs_f64())]
+pub struct NoAnswer(pub std::time::Duration);
 
 /// The code for a review as it stands after waiting (`fail_on`: the lowest severity
 /// that fails).
@@ -39,7 +44,8 @@ pub fn for_review(review: &proto::Review, fail_on: Option<&str>) -> u8 {
 pub fn for_status(status: &tonic::Status) -> u8 {
     match status.code() {
         Code::ResourceExhausted => REFUSED,
-        Code::DeadlineExceeded => DEADLINE,
+        // The request's deadline ran out (the client reports it as cancelled).
+        Code::DeadlineExceeded | Code::Cancelled => DEADLINE,
         _ => REQUEST_FAILED,
     }
 }

@@ -68,6 +68,10 @@ where
             eprintln!("reviewctl: {}", describe(&s));
             exit::for_status(&s)
         }
+        Err(Failure::Other(e)) if e.is::<exit::NoAnswer>() => {
+            eprintln!("reviewctl: {e:#}");
+            exit::DEADLINE
+        }
         Err(Failure::Other(e)) => {
             eprintln!("reviewctl: {e:#}");
             exit::REQUEST_FAILED
@@ -80,6 +84,10 @@ where
 fn describe(s: &tonic::Status) -> String {
     let mut text = match s.code() {
         tonic::Code::ResourceExhausted => format!("refused: {}", s.message()),
+        // reviewctl cancels nothing itself: the request's own deadline ran out.
+        tonic::Code::Cancelled | tonic::Code::DeadlineExceeded => {
+            format!("no answer within the request's deadline (--request-timeout): {}", s.message())
+        }
         code => format!("{code:?}: {}", s.message()),
     };
     if let Some(info) = s.get_details_error_info() {
@@ -100,7 +108,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
     };
     let settings = settings::resolve(&cli.conn, &file)?;
     let mut client = connect(&settings).await?;
-    let key = settings.api_key.as_str();
+    let key = &Auth { key: settings.api_key.clone(), timeout: settings.request_timeout };
     match cli.command {
         Command::Submit(args) => submit(&mut client, key, args).await,
         Command::Get { job_id, format } => {
@@ -146,32 +154,58 @@ async fn connect(s: &Settings) -> anyhow::Result<Client> {
         }
         endpoint = endpoint.tls_config(tls)?;
     }
-    let channel = endpoint
-        .connect_timeout(Duration::from_secs(10))
-        .connect()
+    // The connection's handshake is bounded too: an endpoint that takes the TCP
+    // connection and never answers ends the command.
+    let endpoint = endpoint.connect_timeout(s.request_timeout.min(Duration::from_secs(10)));
+    let channel = tokio::time::timeout(s.request_timeout, endpoint.connect())
         .await
+        .map_err(|_| exit::NoAnswer(s.request_timeout))?
         .with_context(|| format!("connecting to {s}"))?;
     Ok(ReviewServiceClient::new(channel).max_decoding_message_size(64 * 1024 * 1024))
 }
 
-fn authed<T>(key: &str, msg: T) -> tonic::Request<T> {
+/// Who calls, and how long one answer may take.
+struct Auth {
+    key: String,
+    timeout: Duration,
+}
+
+/// A unary request: with the key, and a deadline the client keeps and the service is
+/// told of (`grpc-timeout`), so no call waits for ever on a service that never answers.
+fn authed<T>(auth: &Auth, msg: T) -> tonic::Request<T> {
+    let mut req = watching(auth, msg);
+    req.set_timeout(auth.timeout);
+    req
+}
+
+/// A streaming request: with the key; `--wait-timeout` bounds it.
+fn watching<T>(auth: &Auth, msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
-    if let Ok(v) = format!("Bearer {key}").parse() {
+    if let Ok(v) = format!("Bearer {}", auth.key).parse() {
         req.metadata_mut().insert("authorization", v);
     }
     req
 }
 
-async fn get(client: &mut Client, key: &str, job_id: &str) -> Result<proto::Review, Failure> {
+async fn get(client: &mut Client, key: &Auth, job_id: &str) -> Result<proto::Review, Failure> {
     let r = client.get_review(authed(key, GetReviewRequest { job_id: job_id.to_string() })).await?;
     Ok(r.into_inner().review.context("the service answered without the review")?)
 }
+
+/// What makes `git diff` print the canonical form whatever the user's settings:
+/// paths from the top of the repository (not `diff.relative` from a subdirectory),
+/// `a/` and `b/` prefixes (not `diff.noprefix`, `diff.mnemonicPrefix` or custom
+/// ones), no colour, no external diff program, no textconv filter.
+pub const CANONICAL_DIFF: [&str; 6] =
+    ["--no-relative", "--src-prefix=a/", "--dst-prefix=b/", "--no-color", "--no-ext-diff", "--no-textconv"];
 
 /// The diff to review, as bytes, and the revisions it was taken between (for `--git`).
 fn read_diff(args: &SubmitArgs) -> anyhow::Result<(Vec<u8>, Option<String>, Option<String>)> {
     if let Some(range) = &args.git {
         let out = std::process::Command::new("git")
-            .args(["diff", "--no-color", "--no-ext-diff", range])
+            .args(["diff"])
+            .args(CANONICAL_DIFF)
+            .arg(range)
             .output()
             .context("running git diff")?;
         if !out.status.success() {
@@ -236,7 +270,7 @@ pub fn derived_key(diff: &[u8], lane: &str, schema: &str, meta: &proto::ReviewMe
     format!("reviewctl-{}", &digest[..40])
 }
 
-async fn submit(client: &mut Client, key: &str, args: SubmitArgs) -> Result<u8, Failure> {
+async fn submit(client: &mut Client, key: &Auth, args: SubmitArgs) -> Result<u8, Failure> {
     let (bytes, base, head) = read_diff(&args)?;
     let metadata = proto::ReviewMetadata {
         repository: args.repository.clone().unwrap_or_default(),
@@ -275,7 +309,7 @@ async fn submit(client: &mut Client, key: &str, args: SubmitArgs) -> Result<u8, 
     wait_and_report(client, key, &review.job_id, &args.waiting).await
 }
 
-async fn list(client: &mut Client, key: &str, args: ListArgs) -> Result<u8, Failure> {
+async fn list(client: &mut Client, key: &Auth, args: ListArgs) -> Result<u8, Failure> {
     let states = args
         .states
         .iter()
@@ -324,7 +358,7 @@ async fn list(client: &mut Client, key: &str, args: ListArgs) -> Result<u8, Fail
     }
 }
 
-async fn dlq(client: &mut Client, key: &str, cmd: DlqCommand) -> Result<u8, Failure> {
+async fn dlq(client: &mut Client, key: &Auth, cmd: DlqCommand) -> Result<u8, Failure> {
     match cmd {
         DlqCommand::List { all, json } => {
             let mut req = proto::ListDeadLettersRequest { page_size: 100, page_token: String::new() };
@@ -373,7 +407,7 @@ fn is_final(r: &proto::Review) -> bool {
 /// Follows the review until it is final (or the wait runs out), showing progress on
 /// stderr — a spinner on a terminal, a line per change otherwise — then writes its
 /// findings and returns the exit code.
-async fn wait_and_report(client: &mut Client, key: &str, job_id: &str, wait: &WaitArgs) -> Result<u8, Failure> {
+async fn wait_and_report(client: &mut Client, key: &Auth, job_id: &str, wait: &WaitArgs) -> Result<u8, Failure> {
     let progress = std::io::stderr().is_terminal().then(|| {
         let bar = indicatif::ProgressBar::new_spinner();
         bar.enable_steady_tick(Duration::from_millis(120));
@@ -396,8 +430,10 @@ async fn wait_and_report(client: &mut Client, key: &str, job_id: &str, wait: &Wa
     // the review is final or the wait runs out.
     while !is_final(&last) && tokio::time::Instant::now() < deadline {
         let followed = tokio::time::timeout_at(deadline, async {
-            let mut stream =
-                client.watch_review(authed(key, WatchReviewRequest { job_id: job_id.to_string() })).await?.into_inner();
+            let mut stream = client
+                .watch_review(watching(key, WatchReviewRequest { job_id: job_id.to_string() }))
+                .await?
+                .into_inner();
             while let Some(msg) = stream.message().await? {
                 if let Some(r) = msg.review {
                     show(&r);

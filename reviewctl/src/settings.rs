@@ -11,19 +11,25 @@ use crate::cli::ConnArgs;
 pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:50051";
 
 /// The config file's keys.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigFile {
     pub endpoint: Option<String>,
     pub api_key_file: Option<PathBuf>,
     pub tls_ca_file: Option<PathBuf>,
+    pub request_timeout_secs: Option<f64>,
 }
+
+/// How long one request may wait for its answer unless set.
+pub const DEFAULT_REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     pub endpoint: String,
     pub api_key: String,
     pub tls_ca_file: Option<PathBuf>,
+    /// The deadline of every request (and of connecting).
+    pub request_timeout: std::time::Duration,
 }
 
 impl std::fmt::Display for Settings {
@@ -65,7 +71,12 @@ pub fn resolve(args: &ConnArgs, file: &ConfigFile) -> anyhow::Result<Settings> {
         bail!("the API key is empty");
     }
     let tls_ca_file = args.tls_ca_file.clone().or_else(|| file.tls_ca_file.clone());
-    Ok(Settings { endpoint, api_key, tls_ca_file })
+    let request_timeout = match args.request_timeout.or(file.request_timeout_secs) {
+        None => DEFAULT_REQUEST_TIMEOUT,
+        Some(secs) if secs.is_finite() && secs > 0.0 && secs <= 86_400.0 => std::time::Duration::from_secs_f64(secs),
+        Some(_) => bail!("the request timeout must be a number of seconds above 0 and at most 86400"),
+    };
+    Ok(Settings { endpoint, api_key, tls_ca_file, request_timeout })
 }
 
 #[cfg(test)]
@@ -81,8 +92,10 @@ mod tests {
             endpoint: Some("https://reviews.example:443".into()),
             api_key_file: Some(key_file.clone()),
             tls_ca_file: Some("/etc/ca.pem".into()),
+            request_timeout_secs: Some(5.0),
         };
         let s = resolve(&ConnArgs::default(), &file).unwrap();
+        assert_eq!(s.request_timeout, std::time::Duration::from_secs(5));
         assert_eq!(s.endpoint, "https://reviews.example:443");
         assert_eq!(s.api_key, "sk-from-file");
         assert!(!s.to_string().contains("sk-"));
@@ -91,11 +104,16 @@ mod tests {
             api_key: Some("sk-from-env".into()),
             ..Default::default()
         };
+        let s = resolve(&ConnArgs { request_timeout: Some(0.5), ..args.clone() }, &file).unwrap();
+        assert_eq!(s.request_timeout, std::time::Duration::from_millis(500));
         let s = resolve(&args, &file).unwrap();
         assert_eq!((s.endpoint.as_str(), s.api_key.as_str()), ("http://127.0.0.1:9", "sk-from-env"));
         assert_eq!(s.tls_ca_file, Some("/etc/ca.pem".into()));
         let only_key = ConnArgs { api_key: Some("k".into()), ..Default::default() };
-        assert_eq!(resolve(&only_key, &ConfigFile::default()).unwrap().endpoint, DEFAULT_ENDPOINT);
+        let defaults = resolve(&only_key, &ConfigFile::default()).unwrap();
+        assert_eq!((defaults.endpoint.as_str(), defaults.request_timeout), (DEFAULT_ENDPOINT, DEFAULT_REQUEST_TIMEOUT));
+        let zero = ConnArgs { request_timeout: Some(0.0), ..only_key.clone() };
+        assert!(resolve(&zero, &ConfigFile::default()).is_err());
         assert!(resolve(&ConnArgs::default(), &ConfigFile::default()).is_err());
         let bad = ConnArgs { endpoint: Some("127.0.0.1:50051".into()), ..only_key };
         assert!(resolve(&bad, &ConfigFile::default()).is_err());

@@ -92,7 +92,10 @@ async fn dead_letters_are_listed_read_and_replayed_under_the_jobs_access_rules()
     assert_eq!(done.state, JobState::Published as i32, "{done:?}");
     assert_eq!(stack.webhook.for_job(&new.job_id).len(), 1);
     assert_eq!(get(&mut client, US_KEY, &dead[0]).await.unwrap().state, JobState::Terminal as i32);
-    assert_eq!(replay(&mut client, US_KEY, &dead[0]).await.unwrap().job_id, new.job_id);
+    let repeated = replay(&mut client, US_KEY, &dead[0]).await.unwrap();
+    assert_eq!(repeated.job_id, new.job_id);
+    assert!(!done.findings.is_empty());
+    assert_eq!((repeated.state, &repeated.findings), (done.state, &done.findings), "the new job as it is");
     // Another tenant cannot replay it; the operator can replay beta's.
     assert_eq!(replay(&mut client, US2_KEY, &dead[1]).await.unwrap_err().code(), Code::NotFound);
     let beta_replay = replay(&mut client, OPERATOR_KEY, &dead[2]).await.unwrap();

@@ -17,10 +17,12 @@ async fn same_key_three_times_is_one_job_and_one_provider_call() {
     let last = wait_final(&mut client, US_KEY, &ids[0]).await;
     assert_eq!(last.state, JobState::Published as i32);
 
-    // A fourth submit after completion returns the finished job.
+    // A fourth submit after completion returns the finished job, findings and all.
     let again = submit(&mut client, US_KEY, "idem-key", &diff).await;
     assert_eq!(again.job_id, ids[0]);
     assert_eq!(again.state, JobState::Published as i32);
+    assert!(!last.findings.is_empty());
+    assert_eq!(again.findings, last.findings, "the repeat's answer is the job as it is");
 
     let stats = stack.us.provider.stats();
     assert_eq!(stats.calls_by_job.get(&ids[0]), Some(&1), "{stats:?}");

@@ -38,9 +38,15 @@ struct Run {
 
 /// Runs `reviewctl args` against `stack` with `key`, feeding `stdin`, in `dir`.
 async fn run(stack: &Stack, key: &str, args: &[&str], stdin: Option<&str>, dir: Option<&std::path::Path>) -> Run {
+    run_at(&format!("http://{}", stack.ingress), key, args, stdin, dir).await
+}
+
+/// Runs `reviewctl args` against the service at `endpoint`.
+async fn run_at(endpoint: &str, key: &str, args: &[&str], stdin: Option<&str>, dir: Option<&std::path::Path>) -> Run {
     let mut cmd = tokio::process::Command::new(reviewctl());
     cmd.args(args)
-        .env("REVIEWLANE_ENDPOINT", format!("http://{}", stack.ingress))
+        .env("REVIEWLANE_ENDPOINT", endpoint)
+        .env_remove("REVIEWLANE_REQUEST_TIMEOUT_SECS")
         .env("REVIEWLANE_API_KEY", key)
         .env_remove("REVIEWLANE_API_KEY_FILE")
         .env("HOME", std::env::temp_dir())
@@ -92,6 +98,11 @@ async fn submit_wait_exits_by_the_findings_and_writes_every_format() {
     let again: serde_json::Value = serde_json::from_str(&low.stdout).unwrap();
     assert_eq!(again["job_id"], review["job_id"]);
     assert_eq!(stack.us.provider.stats().total_calls, 1, "the repeat was not reviewed again");
+    // Without --wait the repeat's answer is the job as it is, findings counted.
+    let repeat = run(&stack, US_KEY, &["submit"], Some(&diff), None).await;
+    assert_eq!(repeat.code, 0, "{}", repeat.stderr);
+    let count = review["findings"].as_array().unwrap().len();
+    assert!(repeat.stderr.contains(&format!("published, {count} findings")), "{}", repeat.stderr);
 
     // SARIF, valid against the OASIS schema; rdjsonl; text grouped by file.
     let file = tempfile::NamedTempFile::new().unwrap();
@@ -152,22 +163,31 @@ async fn git_ranges_failures_and_unknown_keys_have_their_exit_codes() {
         assert!(ok.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
     };
     git(&["init", "-q"]);
-    std::fs::write(repo.path().join("lib.rs"), "fn a() {}\n").unwrap();
+    let src = repo.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    std::fs::write(src.join("lib.rs"), "fn a() {}\n").unwrap();
     git(&["add", "."]);
     git(&["commit", "-qm", "one"]);
-    std::fs::write(repo.path().join("lib.rs"), "fn a() {}\nfn b() { panic!(\"todo\") }\n").unwrap();
+    std::fs::write(src.join("lib.rs"), "fn a() {}\nfn b() { panic!(\"todo\") }\n").unwrap();
     git(&["commit", "-qam", "two"]);
-    let ranged = run(
-        &stack,
-        US_KEY,
-        &["submit", "--git", "HEAD~1..HEAD", "--wait", "--format", "json"],
-        None,
-        Some(repo.path()),
-    )
-    .await;
+    // Settings that change what `git diff` prints: paths relative to the directory it
+    // runs in, other prefixes, colour always, an external diff program.
+    for (k, v) in [
+        ("diff.relative", "true"),
+        ("diff.mnemonicPrefix", "true"),
+        ("diff.srcPrefix", "old/"),
+        ("diff.dstPrefix", "new/"),
+        ("color.ui", "always"),
+        ("diff.external", "false"),
+    ] {
+        git(&["config", k, v]);
+    }
+    let ranged =
+        run(&stack, US_KEY, &["submit", "--git", "HEAD~1..HEAD", "--wait", "--format", "json"], None, Some(&src)).await;
     assert_eq!(ranged.code, 0, "{}", ranged.stderr);
     let review: serde_json::Value = serde_json::from_str(&ranged.stdout).unwrap();
-    assert_eq!(review["findings"][0]["path"], "lib.rs");
+    assert_eq!(review["findings"][0]["path"], "src/lib.rs", "{review}");
+    assert_eq!(review["quarantined_count"], 0, "{review}");
 
     // A terminal failure: the provider rejects the request.
     stack.us.provider.script([Scripted::Status { status: 400, headers: vec![], body: "{}".into() }]);
@@ -233,4 +253,31 @@ async fn a_refusal_exits_3_with_the_retry_delay() {
     assert_eq!(denied.code, 5, "{}", denied.stderr);
     assert!(denied.stderr.contains("OPERATOR_ROLE_REQUIRED"), "{}", denied.stderr);
     stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_has_a_deadline_against_a_service_that_never_answers() {
+    // Takes every connection and never says a word.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    reviewctl();
+    let diff = sample_diff("silent");
+    for args in [
+        &["--request-timeout", "1", "submit"][..],
+        &["--request-timeout", "1", "submit", "--wait", "--wait-timeout", "600"][..],
+        &["--request-timeout", "1", "get", "us_00000000000000000000000000000000"][..],
+    ] {
+        let started = std::time::Instant::now();
+        let out = run_at(&endpoint, US_KEY, args, Some(&diff), None).await;
+        assert_eq!(out.code, 4, "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains("--request-timeout"), "{args:?}: {}", out.stderr);
+        assert!(started.elapsed() < Duration::from_secs(20), "{args:?} took {:?}", started.elapsed());
+    }
+    silent.abort();
 }

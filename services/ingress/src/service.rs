@@ -270,7 +270,8 @@ impl ReviewApi {
         let (handle, dead) = self.dead_letter(caller, id).await?;
         let new_id = job_id::derive(dead.region, &dead.tenant, &format!("replay:{id}"));
         if let Some((existing, _)) = handle.jobs.get(&new_id).await? {
-            return Ok(api::review(&existing, &[]));
+            // A repeated replay: the new job as it stands, findings and all.
+            return self.view(handle, &existing).await;
         }
         let Some(old) = dead_letters(handle).content(&dead).await? else {
             return Err(ApiError::FailedPrecondition {
@@ -290,7 +291,7 @@ impl ReviewApi {
         };
         let rec = match self.write_job(handle, &msg).await? {
             Created::New(rec, _) => rec,
-            Created::Exists(existing) => existing,
+            Created::Exists(existing) => return self.view(handle, &existing).await,
         };
         tracing::info!(replay_of = id, "dead letter replayed as a new job");
         Ok(api::review(&rec, &[]))
@@ -443,10 +444,10 @@ impl ReviewApi {
         let rec = match self.write_job(handle, &msg).await? {
             Created::New(rec, _) => rec,
             // A retry of a request we hold, or a worker that created the record from the
-            // message first: the job as it stands.
+            // message first: the job as it stands, with its findings once it has them.
             Created::Exists(existing) if existing.request_digest == msg.request_digest => {
                 tracing::debug!(state = existing.state.as_str(), "idempotent retry");
-                existing
+                return self.view(handle, &existing).await;
             }
             Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
@@ -516,7 +517,7 @@ impl ReviewApi {
         let rec = match handle.jobs.create(&msg.record()).await? {
             Created::New(rec, _) => rec,
             Created::Exists(existing) if existing.request_digest == msg.request_digest => {
-                return Ok(api::review(&existing, &[]));
+                return self.view(handle, &existing).await;
             }
             Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
