@@ -5,14 +5,36 @@
 use reviewlane_shared::findings::Finding;
 use reviewlane_shared::surfaces::{Report, rdjson, sarif};
 
+/// The schema's validator, formats (`uri`, `uri-reference`) checked as well.
 fn validator(path: &str) -> jsonschema::Validator {
     let text = std::fs::read_to_string(format!("{}/vendor/{path}", env!("CARGO_MANIFEST_DIR"))).unwrap();
-    jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap()
+    jsonschema::options().should_validate_formats(true).build(&serde_json::from_str(&text).unwrap()).unwrap()
 }
 
+/// Valid against the schema, and every `uri` in it a URI reference (RFC 3986), as
+/// the SARIF schema's `format: uri-reference` asks — a format of later drafts than
+/// the schema's own draft-04, so checked here on its own.
 fn assert_valid(v: &jsonschema::Validator, doc: &serde_json::Value) {
     let errors: Vec<String> = v.iter_errors(doc).map(|e| format!("{} at {}", e, e.instance_path())).collect();
     assert!(errors.is_empty(), "{errors:#?}\n{doc:#}");
+    let uris: Vec<&serde_json::Value> = all_uris(doc);
+    let bad: Vec<&&serde_json::Value> = uris.iter().filter(|u| !uri_reference().is_valid(u)).collect();
+    assert!(bad.is_empty(), "not URI references: {bad:?}");
+}
+
+fn uri_reference() -> jsonschema::Validator {
+    let schema = serde_json::json!({"type": "string", "format": "uri-reference"});
+    jsonschema::options().should_validate_formats(true).build(&schema).unwrap()
+}
+
+fn all_uris(doc: &serde_json::Value) -> Vec<&serde_json::Value> {
+    match doc {
+        serde_json::Value::Object(o) => {
+            o.iter().flat_map(|(k, v)| if k == "uri" || k == "repositoryUri" { vec![v] } else { all_uris(v) }).collect()
+        }
+        serde_json::Value::Array(a) => a.iter().flat_map(all_uris).collect(),
+        _ => Vec::new(),
+    }
 }
 
 fn findings() -> Vec<Finding> {
@@ -64,10 +86,35 @@ fn sarif_output_is_valid_sarif_2_1_0() {
     assert_eq!(log["runs"][0]["results"].as_array().unwrap().len(), 3);
     // An empty review is a valid log too.
     assert_valid(&validator("sarif/sarif-schema-2.1.0.json"), &sarif::log(&report(&[])));
-    // The schema does catch a broken log (the check is not vacuous).
+    // The schema does catch a broken log (the check is not vacuous), and a path that
+    // is not a URI reference.
     let mut broken = log.clone();
     broken["runs"][0]["results"][0]["level"] = "fatal".into();
     assert!(!validator("sarif/sarif-schema-2.1.0.json").is_valid(&broken));
+    assert!(!uri_reference().is_valid(&"docs/dir with space/read me.md".into()));
+    assert!(!uri_reference().is_valid(&"src/café.rs".into()));
+}
+
+#[test]
+fn sarif_of_paths_with_spaces_and_non_ascii_and_of_a_repository_that_is_no_uri_is_valid() {
+    let base = findings().remove(1);
+    let findings: Vec<Finding> = ["docs/dir with space/read me.md", "src/café/naïve.rs", "a#b?c%d[1].rs"]
+        .into_iter()
+        .map(|p| Finding { path: p.into(), ..base.clone() })
+        .collect();
+    for repository in ["acme/app", "", "https://git.example/acme/app"] {
+        let log = sarif::log(&Report { repository, ..report(&findings) });
+        assert_valid(&validator("sarif/sarif-schema-2.1.0.json"), &log);
+        let run = &log["runs"][0];
+        assert_eq!(run.get("versionControlProvenance").is_some(), repository.starts_with("https://"), "{run}");
+        let location = &run["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"];
+        assert_eq!(location["uri"], "docs/dir%20with%20space/read%20me.md");
+        assert_eq!(location["properties"]["path"], "docs/dir with space/read me.md");
+        assert_eq!(
+            run["results"][1]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"],
+            "src/caf%C3%A9/na%C3%AFve.rs"
+        );
+    }
 }
 
 #[test]
@@ -82,6 +129,10 @@ fn rdjson_and_rdjsonl_output_follow_reviewdogs_schemas() {
     for line in text.lines() {
         assert_valid(&line_schema, &serde_json::from_str(line).unwrap());
     }
+    // On removed lines: no range of the new file.
+    let old_side = &doc["diagnostics"][2];
+    assert!(old_side["location"].get("range").is_none(), "{old_side}");
+    assert!(old_side["message"].as_str().unwrap().contains("removed lines 12-12"), "{old_side}");
     let mut broken = doc["diagnostics"][0].clone();
     broken["severity"] = "FATAL".into();
     assert!(!line_schema.is_valid(&broken));

@@ -41,20 +41,62 @@ pub fn log(report: &Report<'_>) -> Value {
         "results": report.findings.iter().map(result).collect::<Vec<_>>(),
         "properties": {"schemaVersion": report.schema_version, "jobId": report.job_id},
     });
-    if !report.head_revision.is_empty() {
-        let mut provenance = json!({"revisionId": report.head_revision});
-        if let Ok(uri) = http::Uri::try_from(report.repository)
-            && uri.scheme().is_some()
-        {
-            provenance["repositoryUri"] = json!(report.repository);
+    // The schema requires `repositoryUri`: a repository named otherwise (`acme/app`)
+    // has no provenance object; its name stays in the run's properties.
+    if let Ok(uri) = http::Uri::try_from(report.repository)
+        && uri.scheme().is_some()
+    {
+        let mut provenance = json!({"repositoryUri": report.repository});
+        if !report.head_revision.is_empty() {
+            provenance["revisionId"] = json!(report.head_revision);
         }
         run["versionControlProvenance"] = json!([provenance]);
+    }
+    if !report.repository.is_empty() {
+        run["properties"]["repository"] = json!(report.repository);
+    }
+    if !report.head_revision.is_empty() {
+        run["properties"]["headRevision"] = json!(report.head_revision);
     }
     json!({
         "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
         "version": "2.1.0",
         "runs": [run],
     })
+}
+
+/// What a path may keep unencoded in a URI reference's path (RFC 3986: unreserved
+/// characters, sub-delimiters, `@` and `/`); everything else, and every non-ASCII byte,
+/// is percent-encoded. `:` is encoded too, so a first segment never reads as a scheme.
+const PATH_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~')
+    .remove(b'!')
+    .remove(b'$')
+    .remove(b'&')
+    .remove(b'\'')
+    .remove(b'(')
+    .remove(b')')
+    .remove(b'*')
+    .remove(b'+')
+    .remove(b',')
+    .remove(b';')
+    .remove(b'=')
+    .remove(b'@')
+    .remove(b'/');
+
+/// A diff path as a SARIF `uri` (a URI reference, relative to the repository's root).
+pub fn path_uri(path: &str) -> String {
+    percent_encoding::utf8_percent_encode(path, PATH_KEEPS).to_string()
+}
+
+/// The `artifactLocation` of a path: its URI reference, and the path as written when
+/// encoding changed it.
+fn artifact_location(path: &str) -> Value {
+    let uri = path_uri(path);
+    if uri == path { json!({"uri": uri}) } else { json!({"uri": uri, "properties": {"path": path}}) }
 }
 
 fn result(f: &Finding) -> Value {
@@ -67,10 +109,11 @@ fn result(f: &Finding) -> Value {
     });
     // Locations are in the file as reviewed (the new side); a finding on removed lines
     // points at the file and says which lines it was about.
+    let artifact = artifact_location(&f.path);
     let (location, message) = match f.side() {
-        Side::New => (json!({"artifactLocation": {"uri": f.path}, "region": region}), message_text(f)),
+        Side::New => (json!({"artifactLocation": artifact, "region": region}), message_text(f)),
         Side::Old => (
-            json!({"artifactLocation": {"uri": f.path}}),
+            json!({"artifactLocation": artifact}),
             format!("{} (removed lines {}-{})", message_text(f), lines.start(), lines.end()),
         ),
     };
@@ -97,7 +140,7 @@ fn result(f: &Finding) -> Value {
         r["fixes"] = json!([{
             "description": {"text": f.suggested_action.clone().unwrap_or_else(|| f.title.clone())},
             "artifactChanges": [{
-                "artifactLocation": {"uri": f.path},
+                "artifactLocation": artifact_location(&f.path),
                 "replacements": [{
                     // Whole lines: from the start of the first to the start of the line after
                     // the last.
@@ -156,8 +199,29 @@ mod tests {
         let replacement = &r["fixes"][0]["artifactChanges"][0]["replacements"][0];
         assert_eq!(replacement["deletedRegion"]["endLine"], 4);
         assert_eq!(replacement["insertedContent"]["text"], "    let x = y?;\n");
-        // A repository that is not a URI is left out of the provenance.
+        // A repository that is not a URI has no provenance object (the schema requires
+        // its URI); its name is a property of the run.
         let plain = Report { repository: "acme/app", ..report };
-        assert!(super::log(&plain)["runs"][0]["versionControlProvenance"][0].get("repositoryUri").is_none());
+        let run = &super::log(&plain)["runs"][0];
+        assert!(run.get("versionControlProvenance").is_none(), "{run}");
+        assert_eq!(run["properties"]["repository"], "acme/app");
+        assert_eq!(run["properties"]["headRevision"], "d4e5");
+    }
+
+    #[test]
+    fn paths_become_uri_references() {
+        assert_eq!(path_uri("src/app.rs"), "src/app.rs");
+        assert_eq!(path_uri("docs/dir with space/read me.md"), "docs/dir%20with%20space/read%20me.md");
+        assert_eq!(path_uri("src/caf\u{e9}.rs"), "src/caf%C3%A9.rs");
+        assert_eq!(path_uri("a#b?c%d"), "a%23b%3Fc%25d");
+        assert_eq!(path_uri("c:/x"), "c%3A/x");
+        let f = Finding { path: "docs/read me.md".into(), ..finding() };
+        let r = result(&f);
+        let location = &r["locations"][0]["physicalLocation"]["artifactLocation"];
+        assert_eq!(
+            (location["uri"].as_str(), location["properties"]["path"].as_str()),
+            (Some("docs/read%20me.md"), Some("docs/read me.md"))
+        );
+        assert_eq!(r["fixes"][0]["artifactChanges"][0]["artifactLocation"]["uri"], "docs/read%20me.md");
     }
 }
