@@ -63,7 +63,8 @@ impl<U: Message + Default> Decoder for ApiDecoder<U> {
 pub fn decode_status(e: &prost::DecodeError) -> Status {
     use tonic_types::{ErrorDetails, StatusExt};
     let what = e.to_string();
-    let message = if what.contains("invalid string value") {
+    // prost's error names the field only in its text: the hint is for `diff` alone.
+    let message = if what.contains("SubmitReviewRequest.diff: invalid string value") {
         format!("{what}; a diff that is not UTF-8 goes in `diff_bytes`, exactly as git produced it")
     } else {
         what
@@ -90,6 +91,19 @@ mod tests {
         assert_eq!(s.code(), tonic::Code::InvalidArgument);
         assert!(s.message().contains("diff_bytes"), "{}", s.message());
         assert!(s.message().contains("SubmitReviewRequest.diff"), "{}", s.message());
+    }
+
+    #[test]
+    fn the_bytes_hint_is_for_the_diff_alone() {
+        // Field 1 (`idempotency_key`) and field 5 (`metadata`) with `repository`
+        // (field 1) holding 0xff.
+        for raw in [vec![0x0a, 0x01, 0xff], vec![0x2a, 0x03, 0x0a, 0x01, 0xff]] {
+            let e = SubmitReviewRequest::decode(raw.as_slice()).unwrap_err();
+            let s = decode_status(&e);
+            assert_eq!(s.code(), tonic::Code::InvalidArgument);
+            assert!(!s.message().contains("diff_bytes"), "{}", s.message());
+            assert!(s.message().contains("invalid string value"), "{}", s.message());
+        }
     }
 
     #[test]

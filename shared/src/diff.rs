@@ -73,6 +73,14 @@ pub enum DiffError {
         "file {file}: appears more than once (a patch series or `git log -p`); send one diff of the combined change"
     )]
     DuplicateFile { file: usize },
+    #[error(
+        "line {line}: a combined diff of a merge (`git show --cc`, `git diff --cc`: one column per parent); send a two-way diff instead, such as `git diff <first parent> <merge>`"
+    )]
+    CombinedDiff { line: usize },
+    #[error(
+        "line {line}: word-diff output (`--word-diff`) has no line markers; send a line diff (`git diff` without `--word-diff`)"
+    )]
+    WordDiff { line: usize },
 }
 
 impl Diff {
@@ -146,8 +154,38 @@ impl Hunk {
     }
 }
 
+/// A diff as pasted from a terminal (`git diff --color=always`) without its colours:
+/// SGR sequences (`ESC [ ... m`) and erase-line (`ESC [ K`) removed; `None` when there
+/// were none. Works on bytes, so a `diff_bytes` diff that is not UTF-8 is cleaned alike.
+pub fn strip_colours(input: &[u8]) -> Option<Vec<u8>> {
+    if !input.contains(&0x1b) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(input.len());
+    let mut k = 0;
+    while k < input.len() {
+        if input[k] == 0x1b && input.get(k + 1) == Some(&b'[') {
+            let params = input[k + 2..].iter().take_while(|b| b.is_ascii_digit() || **b == b';' || **b == b':').count();
+            if let Some(b'm' | b'K') = input.get(k + 2 + params) {
+                k += 3 + params;
+                continue;
+            }
+        }
+        out.push(input[k]);
+        k += 1;
+    }
+    Some(out)
+}
+
+/// Whether a line that is not a hunk line is one of `--word-diff` output: the plain
+/// form's `[-removed-]` / `{+added+}` marks, or the porcelain form's `~` line ends.
+fn is_word_diff_line(line: &str) -> bool {
+    line == "~" || (line.contains("{+") && line.contains("+}")) || (line.contains("[-") && line.contains("-]"))
+}
+
 /// Parses `git diff` style unified diffs. Text before the first file header (a commit
-/// message from `git format-patch`, say) is ignored.
+/// message from `git format-patch`, say) is ignored. A combined merge diff and
+/// word-diff output are refused by name.
 pub fn parse(input: &str) -> Result<Diff, DiffError> {
     if input.trim().is_empty() {
         return Err(DiffError::Empty);
@@ -173,6 +211,9 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
     while i < n {
         let line = lines[i].strip_suffix('\r').unwrap_or(lines[i]);
         let lno = i + 1;
+        if line.starts_with("diff --cc ") || line.starts_with("diff --combined ") || line.starts_with("@@@ ") {
+            return Err(DiffError::CombinedDiff { line: lno });
+        }
         if let Some(rest) = line.strip_prefix("diff --git ") {
             finish(&mut cur, &mut files)?;
             let (old, new, found) = split_git_paths(rest).ok_or(DiffError::BadQuotedPath { line: lno })?;
@@ -183,16 +224,21 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
             continue;
         }
         if line.starts_with("--- ") && i + 1 < n && lines[i + 1].starts_with("+++ ") {
-            let old = header_path(&line[4..], prefixes).ok_or(DiffError::BadQuotedPath { line: lno })?;
+            let old = header_path(&line[4..], &prefixes).ok_or(DiffError::BadQuotedPath { line: lno })?;
             let new_line = lines[i + 1].strip_suffix('\r').unwrap_or(lines[i + 1]);
-            let new = header_path(&new_line[4..], prefixes).ok_or(DiffError::BadQuotedPath { line: lno + 1 })?;
+            let new = header_path(&new_line[4..], &prefixes).ok_or(DiffError::BadQuotedPath { line: lno + 1 })?;
             let (old, new) = (checked(old, lno)?, checked(new, lno + 1)?);
             match &mut cur {
-                // `diff --git` already named the file; the ---/+++ pair is authoritative
-                // for added (/dev/null) and deleted files.
+                // `diff --git` (and its rename or copy lines, unprefixed) already named
+                // the file; the ---/+++ pair adds only which side is /dev/null (an added
+                // or deleted file).
                 Some((f, _)) if f.hunks.is_empty() => {
-                    f.old_path = old;
-                    f.new_path = new;
+                    if old.is_none() {
+                        f.old_path = None;
+                    }
+                    if new.is_none() {
+                        f.new_path = None;
+                    }
                 }
                 _ => {
                     finish(&mut cur, &mut files)?;
@@ -233,6 +279,11 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
                     Some(b'\\') => {
                         i += 1;
                         continue;
+                    }
+                    // Word-diff output: its context lines have no marker either, so
+                    // look for its marks in what follows.
+                    Some(_) if lines[i..n.min(i + 200)].iter().any(|l| is_word_diff_line(l)) => {
+                        return Err(DiffError::WordDiff { line: i + 1 });
                     }
                     Some(_) => return Err(DiffError::UnexpectedHunkLine { line: i + 1 }),
                 };
@@ -305,6 +356,7 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
     if files.is_empty() {
         return Err(DiffError::NoFiles);
     }
+    let files = join_type_changes(files);
     // One file once: findings are validated against one version of each file.
     let mut seen = std::collections::HashSet::new();
     for (k, f) in files.iter().enumerate() {
@@ -317,16 +369,39 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
     Ok(Diff { files })
 }
 
+/// A type change (a file becoming a symlink, say) is one change that git prints as two
+/// entries for one path: the old one deleted, then the new one added. They become one
+/// file, as `git diff --name-status` counts it (`T`): the removed lines and the added.
+fn join_type_changes(files: Vec<FileDiff>) -> Vec<FileDiff> {
+    let mut out: Vec<FileDiff> = Vec::with_capacity(files.len());
+    for f in files {
+        if let Some(prev) = out.last_mut()
+            && prev.new_path.is_none()
+            && f.old_path.is_none()
+            && prev.old_path.is_some()
+            && prev.old_path == f.new_path
+        {
+            prev.new_path = f.new_path;
+            prev.binary |= f.binary;
+            prev.hunks.extend(f.hunks);
+            continue;
+        }
+        out.push(f);
+    }
+    out
+}
+
 /// The side prefixes of a `diff --git` line: `a/` and `b/` by default, `c/`, `i/`,
-/// `w/`, `o/` with `diff.mnemonicPrefix`, none with `--no-prefix`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `w/`, `o/` with `diff.mnemonicPrefix`, none with `--no-prefix`, or custom ones
+/// (`--src-prefix`/`--dst-prefix`, `diff.srcPrefix`/`diff.dstPrefix`).
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Prefixes {
-    old: &'static str,
-    new: &'static str,
+    old: std::borrow::Cow<'static, str>,
+    new: std::borrow::Cow<'static, str>,
 }
 
 impl Prefixes {
-    const DEFAULT: Prefixes = Prefixes { old: "a/", new: "b/" };
+    const DEFAULT: Prefixes = Prefixes { old: std::borrow::Cow::Borrowed("a/"), new: std::borrow::Cow::Borrowed("b/") };
     const OLD: [&'static str; 4] = ["a/", "c/", "i/", "o/"];
     const NEW: [&'static str; 4] = ["b/", "i/", "w/", "c/"];
 }
@@ -344,22 +419,43 @@ fn split_git_paths(rest: &str) -> Option<(Option<String>, Option<String>, Prefix
     } else {
         // `a/x y b/x y`: the split whose halves are the same path; else the first space.
         let spaces: Vec<usize> = rest.match_indices(' ').map(|(k, _)| k).collect();
+        let (l, r) = (|k: usize| &rest[..k], |k: usize| &rest[k + 1..]);
         let k = spaces
             .iter()
             .copied()
-            .find(|&k| unprefixed(&rest[..k]).0 == unprefixed(&rest[k + 1..]).0)
+            .find(|&k| unprefixed(l(k)).0 == unprefixed(r(k)).0)
+            .or_else(|| spaces.iter().copied().find(|&k| custom_prefixes(l(k), r(k)).is_some()))
             .or(spaces.first().copied())?;
         (rest[..k].to_string(), rest[k + 1..].to_string())
     };
     let (old, old_prefix) = unprefixed(&left);
     let (new, new_prefix) = unprefixed(&right);
-    let prefixes = match (old_prefix, new_prefix) {
-        (Some(o), Some(n)) => Prefixes { old: o, new: n },
-        // `--no-prefix`: paths as they are.
-        _ => Prefixes { old: "", new: "" },
+    let (old, new, prefixes) = match (old_prefix, new_prefix) {
+        (Some(o), Some(n)) => (old.to_string(), new.to_string(), Prefixes { old: o.into(), new: n.into() }),
+        _ => match custom_prefixes(&left, &right) {
+            Some((o, n)) => {
+                let (old, new) = (left[o.len()..].to_string(), right[n.len()..].to_string());
+                (old, new, Prefixes { old: o.into(), new: n.into() })
+            }
+            // `--no-prefix`: paths as they are.
+            None => (left, right, Prefixes { old: "".into(), new: "".into() }),
+        },
     };
-    let (old, new) = if prefixes.old.is_empty() { (left, right) } else { (old.to_string(), new.to_string()) };
     Some((Some(old), Some(new), prefixes))
+}
+
+/// Custom side prefixes, as git reads a `diff --git` line: the two names are different
+/// leading directories before the same path (`old/src/app.rs new/src/app.rs`). The
+/// longest such path wins; the prefixes each end in `/`. `None` when the names are the
+/// same (`--no-prefix`) or share no path after a `/` in both.
+fn custom_prefixes(left: &str, right: &str) -> Option<(String, String)> {
+    left.match_indices('/').map(|(k, _)| k + 1).find_map(|k| {
+        let suffix = &left[k..];
+        let n = right.len().checked_sub(suffix.len())?;
+        let (l, r) = (&left[..k], &right[..n]);
+        (!suffix.is_empty() && right.ends_with(suffix) && r.ends_with('/') && l != r)
+            .then(|| (l.to_string(), r.to_string()))
+    })
 }
 
 /// `path` without a side prefix git writes, and which one.
@@ -374,7 +470,7 @@ fn unprefixed(path: &str) -> (&str, Option<&'static str>) {
 
 /// A `---`/`+++` path: `/dev/null` is none; a quoted path is unquoted; a trailing tab
 /// and timestamp are dropped; the side's prefix is removed. `None` outside: bad quoting.
-fn header_path(raw: &str, prefixes: Prefixes) -> Option<Option<String>> {
+fn header_path(raw: &str, prefixes: &Prefixes) -> Option<Option<String>> {
     let p = if raw.starts_with('"') {
         take_quoted(raw)?.0
     } else {
@@ -385,9 +481,9 @@ fn header_path(raw: &str, prefixes: Prefixes) -> Option<Option<String>> {
         return Some(None);
     }
     let stripped = p
-        .strip_prefix(prefixes.old)
+        .strip_prefix(&*prefixes.old)
         .filter(|_| !prefixes.old.is_empty())
-        .or_else(|| p.strip_prefix(prefixes.new).filter(|_| !prefixes.new.is_empty()))
+        .or_else(|| p.strip_prefix(&*prefixes.new).filter(|_| !prefixes.new.is_empty()))
         .unwrap_or(&p);
     Some(Some(stripped.to_string()))
 }

@@ -250,3 +250,91 @@ fn mnemonic_and_no_prefix() {
         assert!(!parsed.files.is_empty(), "{flags:?}");
     }
 }
+
+#[test]
+fn a_type_change_is_one_file() {
+    let repo = Repo::new();
+    repo.write("target.txt", b"hello\n");
+    repo.write("link", b"was a file\nof two lines\n");
+    repo.commit();
+    std::fs::remove_file(repo.path("link")).unwrap();
+    std::os::unix::fs::symlink("target.txt", repo.path("link")).unwrap();
+    let (raw, git) = repo.staged(&[]);
+    assert_eq!(git.iter().map(|e| e.status).collect::<String>(), "T", "{git:?}");
+    let text = String::from_utf8_lossy(&raw);
+    assert_eq!(text.matches("diff --git a/link b/link").count(), 2, "git prints two entries: {text}");
+    let parsed = check(&raw, &git);
+    let link = parsed.file_by_new_path("link").unwrap();
+    assert_eq!(parsed.file_by_old_path("link").map(|f| f.new_path.as_deref()), Some(Some("link")));
+    assert!(link.hunk_for_new_line(1).is_some() && link.hunk_for_old_line(2).is_some());
+}
+
+#[test]
+fn custom_prefixes_are_recognised_from_the_diff_git_line() {
+    let repo = Repo::new();
+    repo.write("src/app.rs", b"fn a() {}\n");
+    repo.write("docs/x y.md", b"a\n");
+    repo.commit();
+    repo.write("src/moved.rs", b"fn m() {}\nfn mm() {}\nfn mmm() {}\n");
+    repo.commit();
+    repo.write("src/app.rs", b"fn a() {}\nfn b() {}\n");
+    repo.write("docs/x y.md", b"b\n");
+    repo.write("src/new.rs", b"fn n() {}\n");
+    std::fs::remove_file(repo.path("src/moved.rs")).unwrap();
+    repo.write("lib/moved.rs", b"fn m() {}\nfn mm() {}\nfn mmm() {}\nfn more() {}\n");
+    for flags in [
+        vec!["diff", "--cached", "-M", "--src-prefix=old/", "--dst-prefix=new/"],
+        vec!["-c", "diff.srcPrefix=before/", "-c", "diff.dstPrefix=after/", "diff", "--cached", "-M"],
+    ] {
+        repo.git(&["add", "-A"]);
+        let raw = repo.git(&flags);
+        let stat: Vec<&str> =
+            flags.iter().copied().filter(|f| !f.to_lowercase().contains("prefix") && *f != "-c").collect();
+        let n = repo.git(&[&stat[..], &["--name-status", "-z"]].concat());
+        let s = repo.git(&[&stat[..], &["--numstat", "-z"]].concat());
+        let parsed = check(&raw, &entries(&n, &s));
+        assert!(parsed.file_by_new_path("src/new.rs").is_some(), "{flags:?}: {parsed:#?}");
+        assert!(parsed.file_by_new_path("docs/x y.md").is_some(), "{flags:?}");
+        assert_eq!(parsed.file_by_new_path("lib/moved.rs").unwrap().old_path.as_deref(), Some("src/moved.rs"));
+        added_lines_match_file(&repo, &parsed);
+    }
+}
+
+#[test]
+fn colours_are_stripped_and_combined_and_word_diffs_are_refused_by_name() {
+    let repo = Repo::new();
+    repo.write("src/lib.rs", b"fn a() {}\nlet x = 1;\n");
+    repo.commit();
+    repo.write("src/lib.rs", b"fn a() {}\nlet x = 2;\nlet y = 3;\n");
+    repo.git(&["add", "-A"]);
+    let plain = repo.git(&["diff", "--cached"]);
+    let coloured = repo.git(&["diff", "--cached", "--color=always"]);
+    assert!(coloured.contains(&0x1b), "git wrote colours");
+    let cleaned = diff::strip_colours(&coloured).expect("colours found");
+    assert_eq!(cleaned, plain);
+    assert_eq!(diff::strip_colours(&plain), None);
+
+    for (flags, form) in [(&["--word-diff"][..], "word-diff"), (&["--word-diff=porcelain"][..], "word-diff")] {
+        let raw = repo.git(&[&["diff", "--cached"], flags].concat());
+        let err = diff::parse(&String::from_utf8_lossy(&raw)).unwrap_err();
+        assert!(matches!(err, diff::DiffError::WordDiff { .. }), "{flags:?}: {err}");
+        assert!(err.to_string().contains(form) && err.to_string().contains("send a line diff"), "{err}");
+    }
+
+    // A merge whose result differs from both parents: `git show --cc` prints a
+    // combined diff.
+    repo.git(&["commit", "-qm", "main"]);
+    repo.git(&["checkout", "-qb", "side", "HEAD~1"]);
+    repo.write("src/lib.rs", b"fn a() {}\nlet x = 9;\n");
+    repo.git(&["commit", "-qam", "side"]);
+    repo.git(&["checkout", "-q", "main"]);
+    let _ = Command::new("git").args(["merge", "-q", "side"]).current_dir(repo.dir.path()).output();
+    repo.write("src/lib.rs", b"fn a() {}\nlet x = 5;\nlet y = 3;\n");
+    repo.git(&["commit", "-qam", "merged"]);
+    let combined = repo.git(&["show", "--cc", "--format="]);
+    let text = String::from_utf8_lossy(&combined);
+    assert!(text.contains("diff --cc"), "{text}");
+    let err = diff::parse(&text).unwrap_err();
+    assert!(matches!(err, diff::DiffError::CombinedDiff { line: 1 }), "{err}");
+    assert!(err.to_string().contains("git diff <first parent> <merge>"), "{err}");
+}

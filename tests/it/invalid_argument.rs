@@ -35,6 +35,22 @@ async fn bad_requests_are_invalid_argument_and_persist_nothing() {
             "over the limit of 65536 bytes",
         ),
         ("unknown schema", sample_diff("s"), "findings.v9", "unknown findings schema version"),
+        (
+            "combined merge diff",
+            format!(
+                "diff --cc src/x.rs\nindex 1,2..3\n--- a/src/x.rs\n+++ b/src/x.rs\n@@@ -1,1 -1,1 +1,1 @@@\n- {canary}\n -b\n++c\n"
+            ),
+            "findings.v1",
+            "a combined diff of a merge (`git show --cc`, `git diff --cc`: one column per parent); send a two-way diff",
+        ),
+        (
+            "word diff",
+            format!(
+                "diff --git a/x.rs b/x.rs\n--- a/x.rs\n+++ b/x.rs\n@@ -1,2 +1,2 @@\nfn a() {{}}\nlet x = [-1-]{{+{canary}+}};\n"
+            ),
+            "findings.v1",
+            "word-diff output (`--word-diff`) has no line markers; send a line diff",
+        ),
     ];
     for (name, diff, schema, expect) in cases {
         let req = authed(
@@ -55,6 +71,18 @@ async fn bad_requests_are_invalid_argument_and_persist_nothing() {
         let bad = err.get_details_bad_request().expect("field violation detail");
         assert!(!bad.field_violations.is_empty());
     }
+
+    // Over the server's decoding limit (the diff limit plus 64 KiB): the same shape as
+    // every other error, naming the limit — not tonic's bare OUT_OF_RANGE.
+    let huge = format!("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+{}\n", "x".repeat(200 * 1024));
+    let err = client.submit_review(submit_req(US_KEY, "huge", &huge)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let limit = 64 * 1024 + 64 * 1024;
+    assert!(err.message().contains(&format!("over the server's limit of {limit} bytes")), "{}", err.message());
+    let info = err.get_details_error_info().expect("ErrorInfo");
+    assert_eq!(info.reason, "REQUEST_TOO_LARGE");
+    assert_eq!(info.metadata.get("limit_bytes"), Some(&limit.to_string()));
+    assert_eq!(err.get_details_bad_request().expect("field violation").field_violations[0].field, "diff");
 
     // Nothing persisted: no job record, no lane message.
     let js = jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());

@@ -23,6 +23,18 @@ struct RawSubmit {
     schema_version: String,
 }
 
+/// `SubmitReviewRequest` with `idempotency_key` (field 1) and `diff` (field 3) as
+/// bytes, the diff valid UTF-8.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawKey {
+    #[prost(bytes = "vec", tag = "1")]
+    idempotency_key: Vec<u8>,
+    #[prost(int32, tag = "2")]
+    lane: i32,
+    #[prost(string, tag = "3")]
+    diff: String,
+}
+
 /// Any bytes as the request message.
 #[derive(Clone, PartialEq, prost::Message)]
 struct Garbage {
@@ -72,6 +84,15 @@ async fn a_diff_that_is_not_utf8_is_refused_in_the_string_field_and_reviewed_in_
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("diff_bytes"), "{}", err.message());
     assert!(!err.message().contains("Jos"), "the message echoes content");
+
+    // Another string field that is not UTF-8: INVALID_ARGUMENT naming it, and no hint
+    // about `diff_bytes`, which is about the diff alone.
+    let key =
+        RawKey { idempotency_key: vec![b'k', 0xff], lane: proto::Lane::Interactive as i32, diff: sample_diff("k") };
+    let err = raw_call(&stack, Some(US_KEY), key).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("SubmitReviewRequest.idempotency_key"), "{}", err.message());
+    assert!(!err.message().contains("diff_bytes"), "{}", err.message());
 
     // Both forms at once: INVALID_ARGUMENT.
     let mut both = submit_req(US_KEY, "latin1-both", &sample_diff("a")).into_inner();
@@ -143,5 +164,37 @@ async fn authentication_comes_before_the_body_is_decoded() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(refused, 3.0, "{page}");
+    stack.shutdown().await;
+}
+
+/// `text` as `git diff --color=always` writes it to a terminal.
+fn coloured(text: &str) -> String {
+    text.lines()
+        .map(|l| match l.as_bytes().first() {
+            Some(b'+') if !l.starts_with("+++") => format!("\x1b[32m{l}\x1b[m\n"),
+            Some(b'-') if !l.starts_with("---") => format!("\x1b[31m{l}\x1b[m\n"),
+            Some(b'@') => format!("\x1b[36m{l}\x1b[m\n"),
+            Some(b' ') | None => format!("{l}\n"),
+            _ => format!("\x1b[1m{l}\x1b[m\n"),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_diff_pasted_with_its_colours_is_reviewed_as_the_plain_diff() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let plain = sample_diff("colours");
+    let pasted = coloured(&plain);
+    assert!(pasted.contains('\x1b') && pasted != plain);
+    let job = submit(&mut client, US_KEY, "coloured", &pasted).await;
+    let done = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(done.state, proto::JobState::Published as i32, "{done:?}");
+    assert!(!done.findings.is_empty());
+    assert_eq!(done.quarantined_count, 0);
+    assert!(done.findings.iter().all(|f| !f.path.contains('\x1b') && !f.evidence.contains('\x1b')), "{done:?}");
+    // The plain diff under the same key is the same request.
+    let again = client.submit_review(submit_req(US_KEY, "coloured", &plain)).await.expect("same request");
+    assert_eq!(again.into_inner().review.unwrap().job_id, job.job_id);
     stack.shutdown().await;
 }

@@ -63,6 +63,10 @@ pub enum ApiError {
     /// The request cannot be served as things stand (`reason`: the `ErrorInfo` reason).
     #[error("{what}")]
     FailedPrecondition { reason: &'static str, what: &'static str },
+    /// The request is larger than the server decodes (`limit` bytes, the largest diff
+    /// limit with room for the rest of the request).
+    #[error("the request is over the server's limit of {limit} bytes")]
+    RequestTooLarge { limit: usize },
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
 }
@@ -147,6 +151,19 @@ impl From<ApiError> for Status {
             ApiError::FailedPrecondition { reason, what } => {
                 status(Code::FailedPrecondition, what, reason, &[], None, none())
             }
+            ApiError::RequestTooLarge { limit } => {
+                let description = format!(
+                    "the request is over the server's limit of {limit} bytes; send a smaller diff (a large change can be split into several reviews)"
+                );
+                status(
+                    Code::InvalidArgument,
+                    description.clone(),
+                    "REQUEST_TOO_LARGE",
+                    &[("field", "diff"), ("limit_bytes", &limit.to_string())],
+                    None,
+                    ErrorDetails::with_bad_request_violation("diff", description),
+                )
+            }
             ApiError::Internal(cause) => {
                 tracing::error!(error = %cause, "internal error");
                 status(Code::Internal, "internal error", "INTERNAL", &[], None, none())
@@ -201,6 +218,7 @@ mod tests {
             ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" },
             ApiError::FailedPrecondition { reason: "CONTENT_EXPIRED", what: "content expired" },
             ApiError::PermissionDenied { reason: "OPERATOR_ROLE_REQUIRED", what: "operators only" },
+            ApiError::RequestTooLarge { limit: 1024 },
             ApiError::Internal(anyhow::anyhow!("x")),
         ];
         for e in all {

@@ -6,6 +6,7 @@ pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod request_limit;
 pub mod rpc;
 pub mod service;
 pub mod startup;

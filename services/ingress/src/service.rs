@@ -352,7 +352,7 @@ impl ReviewApi {
             ));
         };
         let limit = tenant.max_diff_bytes.unwrap_or(self.max_diff_bytes);
-        let diff = SubmittedDiff::from_request(&mut req, limit)?;
+        let diff = SubmittedDiff::from_request(&mut req, limit)?.without_colours();
         diff::parse(&diff.text()).map_err(|e| ApiError::invalid("diff", e.to_string()))?;
         let submitted_at_ms = now_ms();
         let lane_deadline = self.policies[usize::from(lane == reviewlane_shared::Lane::Batch)].deadline;
@@ -653,6 +653,16 @@ impl SubmittedDiff {
             Ok(utf8) => SubmittedDiff { utf8, raw: None },
             Err(e) => SubmittedDiff { utf8: String::new(), raw: Some(e.into_bytes()) },
         })
+    }
+
+    /// The diff without terminal colours (pasted from `git diff --color=always`): what
+    /// is reviewed, stored and digested is the plain diff.
+    fn without_colours(self) -> Self {
+        let Some(plain) = diff::strip_colours(self.bytes()) else { return self };
+        match String::from_utf8(plain) {
+            Ok(utf8) => SubmittedDiff { utf8, raw: None },
+            Err(e) => SubmittedDiff { utf8: String::new(), raw: Some(e.into_bytes()) },
+        }
     }
 
     fn bytes(&self) -> &[u8] {

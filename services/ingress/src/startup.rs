@@ -149,10 +149,13 @@ impl App {
         let largest =
             self.config.tenants.iter().filter_map(|t| t.max_diff_bytes).fold(self.config.max_diff_bytes, usize::max);
         let (auth, metrics) = (self.api.authenticator(), self.api.metrics());
+        let limit = request_limit(largest);
         let service = Authenticated::new(
-            ReviewServiceServer::new(self.api)
-                .max_decoding_message_size(request_limit(largest))
-                .max_encoding_message_size(request_limit(largest)),
+            crate::request_limit::DecodingLimit::new(
+                ReviewServiceServer::new(self.api).max_decoding_message_size(limit).max_encoding_message_size(limit),
+                limit,
+                metrics.clone(),
+            ),
             auth,
             metrics,
         );
