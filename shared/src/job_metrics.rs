@@ -28,6 +28,21 @@ impl TerminalJobs {
         t
     }
 
+    /// Every (lane, reason) of `region` exposed at zero from the start: `increase()`
+    /// over a series born at its first event reads 0, so an alert on the first
+    /// delivery failure, dead letter or exhausted budget would never fire.
+    pub fn at_zero(&self, region: Region) {
+        for lane in Lane::ALL {
+            for reason in TerminalReason::ALL {
+                let _ = self.0.get_or_create(&TerminalLabels {
+                    region: region.as_str().into(),
+                    lane: lane.as_str().into(),
+                    reason: reason.as_str().into(),
+                });
+            }
+        }
+    }
+
     pub fn inc(&self, region: Region, lane: Lane, reason: TerminalReason) {
         self.0
             .get_or_create(&TerminalLabels {

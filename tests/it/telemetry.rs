@@ -284,3 +284,43 @@ async fn no_content_reaches_spans_logs_or_metrics_on_any_path() {
     }
     stack.shutdown().await;
 }
+
+/// The value of the sample of `family` whose labels include every one of `labels`.
+fn sample(page: &str, family: &str, labels: &[&str]) -> Option<f64> {
+    page.lines()
+        .filter(|l| l.starts_with(&format!("{family}{{")))
+        .find(|l| labels.iter().all(|want| l.contains(want)))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_counters_alerts_watch_exist_at_zero_before_their_first_event() {
+    // Before any review: `increase()` over a series born at its first event reads 0,
+    // so each series an alert watches is exposed from the start.
+    let stack = Stack::start().await;
+    let (_, extractor) = stack.extractor_admin.iter().find(|(r, _)| *r == reviewlane_shared::Region::Us).unwrap();
+    let page = http_get(*extractor, "/metrics").await;
+    for outcome in ["insufficient_quota", "rate_limited", "ok"] {
+        let labels = [r#"region="us""#, r#"tenant="acme""#, &format!(r#"outcome="{outcome}""#)];
+        assert_eq!(sample(&page, "reviewlane_upstream_responses_total", &labels), Some(0.0), "{outcome}:\n{page}");
+    }
+    for reason in ["rate_limit_budget_exhausted", "transient_budget_exhausted", "invalid_output"] {
+        let labels = [r#"region="us""#, r#"lane="interactive""#, &format!(r#"reason="{reason}""#)];
+        assert_eq!(sample(&page, "reviewlane_jobs_terminal_total", &labels), Some(0.0), "{reason}");
+    }
+    assert_eq!(sample(&page, "reviewlane_job_attempts_count", &[r#"lane="batch""#]), Some(0.0));
+    assert_eq!(sample(&page, "reviewlane_reconciled_jobs_total", &[r#"reason="ended""#]), Some(0.0));
+    for (_, publisher) in &stack.publisher_admin {
+        let page = http_get(*publisher, "/metrics").await;
+        for reason in ["delivery_rejected", "delivery_budget_exhausted"] {
+            let labels = [r#"lane="batch""#, &format!(r#"reason="{reason}""#)];
+            assert_eq!(sample(&page, "reviewlane_jobs_terminal_total", &labels), Some(0.0), "{reason}:\n{page}");
+        }
+    }
+    let page = http_get(stack.ingress_admin, "/metrics").await;
+    assert_eq!(
+        sample(&page, "reviewlane_jobs_terminal_total", &[r#"region="eu""#, r#"reason="deadline_exceeded""#]),
+        Some(0.0)
+    );
+    stack.shutdown().await;
+}

@@ -170,6 +170,10 @@ impl Metrics {
         for action in ["resumed", "ended"] {
             let _ = m.reconciled.get_or_create(&m.reason(action));
         }
+        m.terminal.at_zero(region);
+        for lane in Lane::ALL {
+            let _ = m.attempts.get_or_create(&m.lane_labels(lane));
+        }
         m.stuck(0);
         registry.register(
             "reviewlane_reconciled_jobs",
@@ -289,16 +293,30 @@ impl Metrics {
         self.stuck.get_or_create(&RegionLabel { region: self.region.as_str().into() }).set(n as i64);
     }
 
+    /// The outcome classes of `reviewlane_upstream_responses_total`.
+    pub const OUTCOMES: [&'static str; 5] = ["ok", "rate_limited", "insufficient_quota", "transient", "rejected"];
+
+    /// A quota scope this replica serves: its answer counters exposed at zero from the
+    /// start, so the first `insufficient_quota` (after which the open circuit stops
+    /// every call) is an increase an alert sees.
+    pub fn known_scope(&self, scope: &Scope) {
+        for outcome in Self::OUTCOMES {
+            let _ = self.upstream.get_or_create(&self.scope_outcome(scope, outcome));
+        }
+    }
+
+    fn scope_outcome(&self, scope: &Scope, outcome: &str) -> ScopeOutcome {
+        ScopeOutcome {
+            region: self.region.as_str().into(),
+            provider: scope.provider.clone(),
+            model_class: scope.model_class.clone(),
+            tenant: scope.tenant.clone(),
+            outcome: outcome.to_string(),
+        }
+    }
+
     pub fn upstream(&self, scope: &Scope, outcome: &str, status_class: &str, took: Duration) {
-        self.upstream
-            .get_or_create(&ScopeOutcome {
-                region: self.region.as_str().into(),
-                provider: scope.provider.clone(),
-                model_class: scope.model_class.clone(),
-                tenant: scope.tenant.clone(),
-                outcome: outcome.to_string(),
-            })
-            .inc();
+        self.upstream.get_or_create(&self.scope_outcome(scope, outcome)).inc();
         self.upstream_duration
             .get_or_create(&StatusLabels {
                 region: self.region.as_str().into(),

@@ -123,6 +123,9 @@ pub async fn build_with_provider(
     }
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry, config.region);
+    for (l, _) in loops.iter().filter(|(l, _)| l.lane == Lane::Interactive) {
+        metrics.known_scope(&l.scope);
+    }
     registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(vec![(
         config.region,
         conn.client.clone(),

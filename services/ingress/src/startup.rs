@@ -77,6 +77,9 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     }
     let mut registry = Registry::default();
     let metrics = crate::rpc::Metrics::register(&mut registry);
+    for region in regions.keys() {
+        metrics.terminal.at_zero(*region);
+    }
     let connections = config.nats_urls.keys().copied().zip(clients.iter().cloned()).collect();
     registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(connections)));
     let api = ReviewApi::new(

@@ -83,6 +83,8 @@ impl Metrics {
             "Delay of each scheduled retry, by reason",
             m.retry_delay.clone(),
         );
+        // At zero from the start: the delivery alerts see the first failure.
+        m.terminal.at_zero(region);
         m
     }
 
