@@ -2,8 +2,10 @@
 //! the review sink relies on: a bearer token; review comments only on lines of the
 //! pull request's diff (anything else is 422 for the whole review); the commit the
 //! review is for; listing comments and reviews in pages; the primary rate limit
-//! (`x-ratelimit-remaining` / `x-ratelimit-reset`, then 403) and the secondary one
-//! (429 with `retry-after`).
+//! (`x-ratelimit-remaining` / `x-ratelimit-reset`: the answer that uses the last
+//! request says when it resets, and every request until then is 403) and the
+//! secondary ones (429 with `retry-after` on request, and a 403 with `retry-after` for a
+//! content-creating request less than a second after the previous one).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -58,7 +60,13 @@ struct State {
     limited_until: Option<Instant>,
     /// Answer the next POSTs 429 with these `retry-after` seconds.
     secondary: VecDeque<u64>,
+    /// When the last content-creating request (a POST of a review) came.
+    last_post: Option<Instant>,
 }
+
+/// GitHub's least time between content-creating requests; a closer one hits the
+/// secondary limit.
+pub const CONTENT_INTERVAL: Duration = Duration::from_secs(1);
 
 pub struct FakeGitHub {
     addr: SocketAddr,
@@ -221,6 +229,7 @@ fn answer(
         s.limited_until = None;
     }
     let mut remaining = 5000u32;
+    let mut reset_at = now + Duration::from_secs(3600);
     if let Some((left, reset)) = s.primary {
         remaining = left.saturating_sub(1);
         if left == 0 {
@@ -231,8 +240,15 @@ fn answer(
             return respond(StatusCode::FORBIDDEN, &h, json!({"message": "API rate limit exceeded"}));
         }
         s.primary = Some((remaining, reset));
+        if remaining == 0 {
+            // This answer uses the last request: every one until the reset is refused.
+            s.primary = None;
+            reset_at = now + reset;
+            s.limited_until = Some(reset_at);
+        }
     }
-    let limit_headers = [("x-ratelimit-remaining", remaining.to_string()), ("x-ratelimit-reset", "0".to_string())];
+    let limit_headers =
+        [("x-ratelimit-remaining", remaining.to_string()), ("x-ratelimit-reset", unix(reset_at).to_string())];
     let base = format!("/repos/{}/pulls/{}", pr.repository, pr.number);
     let page: usize =
         query.split('&').find_map(|kv| kv.strip_prefix("page=")).and_then(|p| p.parse().ok()).unwrap_or(1);
@@ -270,6 +286,15 @@ fn answer(
             respond(StatusCode::OK, &limit_headers, paged(files))
         }
         ("POST", Some("/reviews")) => {
+            let too_soon = s.last_post.is_some_and(|at| now.duration_since(at) < CONTENT_INTERVAL);
+            s.last_post = Some(now);
+            if too_soon {
+                return respond(
+                    StatusCode::FORBIDDEN,
+                    &[("retry-after", "1".to_string())],
+                    json!({"message": "You have exceeded a secondary rate limit. Please wait a few minutes before you try again."}),
+                );
+            }
             if let Some(secs) = s.secondary.pop_front() {
                 let h = [("retry-after", secs.to_string())];
                 return respond(

@@ -167,3 +167,73 @@ async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_stor
     assert!(!shared.is_empty(), "no shared pause recorded");
     stack.shutdown().await;
 }
+
+/// A fake GitHub serving pull request 11 of `octo/app` to the token `ghp-test`, and a
+/// stack posting to it with that token.
+async fn token_stack(pr_diff: String) -> (FakeGitHub, Stack, tempfile::NamedTempFile) {
+    let fake = FakeGitHub::start(PullRequest {
+        repository: "octo/app".into(),
+        number: 11,
+        head: "c0ffee".into(),
+        diff: pr_diff,
+        token: "ghp-test".into(),
+        app: None,
+    })
+    .await;
+    let token = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(token.path(), "ghp-test\n").unwrap();
+    let stack = stack_for(&fake, &format!("token_file = \"{}\"", token.path().display())).await;
+    (fake, stack, token)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_success_that_uses_the_last_request_stops_the_delivery_until_the_reset() {
+    let pr_diff = file("src/a.rs", "let a = x.unwrap();");
+    let (fake, stack, _token) = token_stack(pr_diff.clone()).await;
+    // The delivery's first request is answered 200 with no requests left, resetting
+    // 2 s later; GitHub refuses every request until then.
+    fake.primary_limit(1, Duration::from_secs(2));
+    let done = review(&stack, "last-request", &pr_diff, 11).await;
+    assert_eq!(done.state, JobState::Published as i32, "{done:?}");
+    let requests = fake.requests();
+    assert!(requests.iter().all(|r| r.3 != 403), "a request was sent while paused: {requests:?}");
+    let (first, next) = (&requests[0], &requests[1]);
+    assert_eq!(first.3, 200);
+    assert!(next.0 - first.0 >= Duration::from_millis(1900), "sent {:?} after the last request", next.0 - first.0);
+    assert_eq!(fake.reviews().len(), 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reviews_of_one_pull_request_are_posted_a_second_apart_after_a_secondary_limit() {
+    let files: Vec<String> =
+        (0..6).map(|i| file(&format!("src/m{i}.rs"), &format!("let v{i} = q.unwrap();"))).collect();
+    let (fake, stack, _token) = token_stack(files.concat()).await;
+    // The first review to post meets a secondary limit (retry-after 2): every delivery
+    // to the account waits, then all six are due at once.
+    fake.secondary_limit([2]);
+    let reviews = files.iter().enumerate().map(|(i, diff)| {
+        let stack = &stack;
+        async move { review(stack, &format!("pace-{i}"), diff, 11).await }
+    });
+    for done in futures::future::join_all(reviews).await {
+        assert_eq!(done.state, JobState::Published as i32, "{done:?}");
+    }
+    let posts: Vec<_> = fake.requests().into_iter().filter(|r| r.1 == "POST" && r.2.ends_with("/reviews")).collect();
+    let refused: Vec<_> = posts.iter().filter(|r| r.3 != 200).collect();
+    assert_eq!(refused.len(), 1, "only the scripted limit, no secondary limit of our making: {posts:?}");
+    let posted: Vec<_> = posts.iter().filter(|r| r.3 == 200).collect();
+    assert_eq!(posted.len(), 6);
+    for pair in posted.windows(2) {
+        assert!(pair[1].0 - pair[0].0 >= Duration::from_secs(1), "posts {:?} apart", pair[1].0 - pair[0].0);
+    }
+    // Secondary limits are counted.
+    let (_, admin) = stack.publisher_admin.iter().find(|(r, _)| *r == reviewlane_shared::Region::Us).unwrap();
+    let page = loadtest::stack::http_get(*admin, "/metrics").await;
+    let line = page
+        .lines()
+        .find(|l| l.starts_with("reviewlane_github_rate_limited_total{") && l.contains(r#"kind="secondary""#))
+        .unwrap_or_else(|| panic!("{page}"));
+    assert!(line.ends_with(" 1"), "{line}");
+    stack.shutdown().await;
+}

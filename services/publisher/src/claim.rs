@@ -144,8 +144,24 @@ impl Claims {
     /// Ends or releases a claim: `Published`/`Failed` for good, or `Publishing` expiring
     /// now (a failed attempt: whoever gets the message next may try at once).
     pub async fn settle(&self, job_id: &str, claim: &Claim, state: PublicationState) -> Result<(), StoreError> {
+        self.write(job_id, claim, state, claim.attempt).await
+    }
+
+    /// Releases a claim whose delivery sent nothing (deferred): its attempt is not
+    /// counted.
+    pub async fn give_back(&self, job_id: &str, claim: &Claim) -> Result<(), StoreError> {
+        self.write(job_id, claim, PublicationState::Publishing, claim.attempt.saturating_sub(1)).await
+    }
+
+    async fn write(
+        &self,
+        job_id: &str,
+        claim: &Claim,
+        state: PublicationState,
+        attempts: u32,
+    ) -> Result<(), StoreError> {
         let expires = if state == PublicationState::Publishing { self.clock.now_ms() } else { 0 };
-        match self.kv.update(job_id, self.record(state, claim.attempt, expires), claim.revision).await {
+        match self.kv.update(job_id, self.record(state, attempts, expires), claim.revision).await {
             Ok(_) => Ok(()),
             Err(e) => match StoreError::kv_update(e) {
                 // Taken over meanwhile (this holder overran its claim): theirs stands.

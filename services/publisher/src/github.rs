@@ -14,7 +14,14 @@
 //!   to that account until then — in this process, and in the region's other
 //!   publishers through `PUBLISHED_<R>` (as the extractors share a provider's pause);
 //!   the job's delivery is handed back with that delay. No request is sent while
-//!   paused.
+//!   paused: every request checks the pause first, so a success that used the last
+//!   request stops the delivery in progress too.
+//! - Content-creating requests (posting a review) are serial and at least
+//!   [`CONTENT_INTERVAL`] apart per account, as GitHub asks, across the region's
+//!   publishers (a compare-and-set on `PUBLISHED_<R>`, key `github-pace.<digest>`);
+//!   a delivery whose turn has not come is handed back until it has, holding nothing.
+//! - Answers that hit a limit are counted by kind (`primary`, `secondary`) in
+//!   `reviewlane_github_rate_limited_total`.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -170,6 +177,33 @@ fn commentable_lines(files: &[Value]) -> HashSet<(String, u32, &'static str)> {
 /// Pages of a list endpoint read at most (100 items each).
 const MAX_PAGES: usize = 10;
 
+/// The least time between two content-creating requests to one account: GitHub asks
+/// for a second; a tenth more covers the time a request takes to get there.
+pub const CONTENT_INTERVAL: Duration = Duration::from_millis(1100);
+
+/// Which of GitHub's limits an answer hit: the primary one (no requests left until the
+/// reset), or a secondary one (`retry-after`, or a 403/429 without a count).
+pub fn limit_kind(status: u16, headers: &reqwest::header::HeaderMap) -> Option<&'static str> {
+    let remaining = headers.get("x-ratelimit-remaining").and_then(|v| v.to_str().ok()).map(str::trim);
+    match status {
+        403 | 429 if headers.contains_key("retry-after") => Some("secondary"),
+        403 | 429 if remaining == Some("0") => Some("primary"),
+        429 => Some("secondary"),
+        _ => None,
+    }
+}
+
+/// `reviewlane_github_rate_limited_total{region, kind}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct LimitLabels {
+    pub region: String,
+    /// `primary`, `secondary`.
+    pub kind: String,
+}
+
+pub type LimitCounter =
+    prometheus_client::metrics::family::Family<LimitLabels, prometheus_client::metrics::counter::Counter>;
+
 pub struct GitHub {
     /// Accounts (API URL and token) paused until a limit resets.
     paused: Mutex<HashMap<String, Instant>>,
@@ -177,9 +211,20 @@ pub struct GitHub {
     /// few minutes before they expire.
     installation_tokens: Mutex<HashMap<String, (String, Instant)>>,
     /// Where pauses are shared with the region's other publishers (`PUBLISHED_<R>`, key
-    /// `github-pause.<digest of the account>`, value: until when, Unix milliseconds).
+    /// `github-pause.<digest of the account>`, value: until when, Unix milliseconds),
+    /// and the next content-creating request's turn (`github-pace.<digest>`, the same).
     shared: Option<async_nats::jetstream::kv::Store>,
+    /// When this process may next post to an account (the shared turn is the fleet's).
+    next_post: Mutex<HashMap<String, Instant>>,
+    /// Limit answers by kind, with the region's label.
+    limited: Option<(String, LimitCounter)>,
+    /// Jobs whose line comments GitHub refused (422): posted with every finding in the
+    /// summary next time.
+    comments_refused: Mutex<HashSet<String>>,
 }
+
+/// Jobs remembered in `comments_refused` at most.
+const REFUSED_KEPT: usize = 1024;
 
 fn now_unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -187,9 +232,22 @@ fn now_unix_ms() -> u64 {
 
 /// The KV key of an account's shared pause (no token in it: a digest).
 fn pause_key(account: &str) -> String {
+    account_key("github-pause", account)
+}
+
+fn account_key(kind: &str, account: &str) -> String {
     let mut d = reviewlane_shared::job_id::sha256_hex(&[account.as_bytes()]);
     d.truncate(32);
-    format!("github-pause.{d}")
+    format!("{kind}.{d}")
+}
+
+/// Whose turn it is to post: the next turn's start (Unix ms) as stored, and now. `Ok`:
+/// take the turn and store `now + interval` as the next; `Err`: wait this long.
+pub fn turn(next_ms: Option<u64>, now_ms: u64, interval: Duration) -> Result<u64, Duration> {
+    match next_ms {
+        Some(next) if next > now_ms => Err(Duration::from_millis(next - now_ms)),
+        _ => Ok(now_ms + interval.as_millis() as u64),
+    }
 }
 
 /// How a sink authenticates.
@@ -218,7 +276,64 @@ pub fn app_jwt(app_id: &str, private_key_pem: &[u8], now_unix: u64) -> Result<St
 
 impl GitHub {
     pub fn new() -> Self {
-        GitHub { paused: Mutex::new(HashMap::new()), installation_tokens: Mutex::new(HashMap::new()), shared: None }
+        GitHub {
+            paused: Mutex::new(HashMap::new()),
+            installation_tokens: Mutex::new(HashMap::new()),
+            shared: None,
+            next_post: Mutex::new(HashMap::new()),
+            limited: None,
+            comments_refused: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Limit answers are counted in `counter` (labelled with `region`).
+    pub fn with_limit_counter(mut self, region: &str, counter: LimitCounter) -> Self {
+        self.limited = Some((region.to_string(), counter));
+        self
+    }
+
+    /// Takes the account's turn for a content-creating request, or says how long until
+    /// it comes: this process's own turn first, then the fleet's (a compare-and-set;
+    /// a store that cannot answer leaves the local pacing alone in force).
+    async fn take_turn(&self, account: &str) -> Result<(), SinkOutcome> {
+        {
+            let mut next = self.next_post.lock().expect("pace lock");
+            let now = Instant::now();
+            if let Some(at) = next.get(account).filter(|at| **at > now) {
+                return Err(SinkOutcome::Deferred(*at - now));
+            }
+            next.insert(account.to_string(), now + CONTENT_INTERVAL);
+        }
+        let Some(kv) = &self.shared else { return Ok(()) };
+        let key = account_key("github-pace", account);
+        let stored = match kv.entry(&key).await {
+            Ok(e) => e.filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the shared GitHub pacing failed; pacing locally");
+                return Ok(());
+            }
+        };
+        let next_ms = stored.as_ref().and_then(|e| std::str::from_utf8(&e.value).ok()?.parse().ok());
+        let mine = match turn(next_ms, now_unix_ms(), CONTENT_INTERVAL) {
+            Ok(mine) => mine,
+            Err(wait) => {
+                // Not ours after all: give the local turn back.
+                self.next_post.lock().expect("pace lock").remove(account);
+                return Err(SinkOutcome::Deferred(wait));
+            }
+        };
+        let written = match &stored {
+            Some(e) => {
+                kv.update(&key, mine.to_string().into(), e.revision).await.map(|_| ()).map_err(|e| e.to_string())
+            }
+            None => kv.create(&key, mine.to_string().into()).await.map(|_| ()).map_err(|e| e.to_string()),
+        };
+        if written.is_err() {
+            // Another publisher took this turn first.
+            self.next_post.lock().expect("pace lock").remove(account);
+            return Err(SinkOutcome::Deferred(CONTENT_INTERVAL));
+        }
+        Ok(())
     }
 
     /// Pauses are shared with every publisher of the region through `kv`.
@@ -276,9 +391,6 @@ impl GitHub {
         let url = format!("{}/app/installations/{}/access_tokens", api_url.trim_end_matches('/'), app.installation_id);
         let rb = authed(http.post(url), &jwt);
         let account = format!("{api_url}#app#{}", app.app_id);
-        if let Some(wait) = self.pause_of(&account).await {
-            return Err(SinkOutcome::RetryAfter(wait));
-        }
         let (_, body) = self.send(&account, rb).await?;
         let token = body["token"].as_str().ok_or(SinkOutcome::Transient("no_token"))?.to_string();
         // Installation tokens live an hour; use one for 50 minutes at most.
@@ -300,8 +412,12 @@ impl GitHub {
         p.get(account).map(|until| until.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
     }
 
-    /// One request, with the limit rules applied to its answer.
+    /// One request, unless the account is paused, with the limit rules applied to its
+    /// answer.
     async fn send(&self, account: &str, rb: reqwest::RequestBuilder) -> Result<(u16, Value), SinkOutcome> {
+        if let Some(wait) = self.pause_of(account).await {
+            return Err(SinkOutcome::Deferred(wait));
+        }
         let resp = match rb.send().await {
             Ok(r) => r,
             Err(e) if e.is_timeout() => return Err(SinkOutcome::Transient("timeout")),
@@ -310,6 +426,9 @@ impl GitHub {
         let status = resp.status().as_u16();
         let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let wait = limit_delay(status, resp.headers(), now_unix);
+        if let (Some(kind), Some((region, counter))) = (limit_kind(status, resp.headers()), &self.limited) {
+            counter.get_or_create(&LimitLabels { region: region.clone(), kind: kind.into() }).inc();
+        }
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         if let Some(d) = wait {
             self.pause(account, d);
@@ -388,9 +507,6 @@ impl GitHub {
         }
         let token = self.token(http, api_url, &auth).await?;
         let account = format!("{api_url}#{}", reviewlane_shared::job_id::sha256_hex(&[token.as_bytes()]));
-        if let Some(wait) = self.pause_of(&account).await {
-            return Ok(SinkOutcome::RetryAfter(wait));
-        }
         let base = format!("{}/repos/{repo}/pulls/{}", api_url.trim_end_matches('/'), d.metadata.pull_request);
         let mut existing = HashSet::new();
         for c in self.list(&account, http, &token, &format!("{base}/comments")).await? {
@@ -401,7 +517,10 @@ impl GitHub {
         }
         let files = self.list(&account, http, &token, &format!("{base}/files")).await?;
         let commentable = commentable_lines(&files);
-        for all_in_summary in [false, true] {
+        // Line comments GitHub refused before (422) for this job: the summary at once, so
+        // a delivery handed back between the two posts does not repeat the refused one.
+        let refused_before = self.comments_refused.lock().expect("refused lock").contains(&d.job_id);
+        for all_in_summary in [refused_before, true] {
             let Some(review) = plan(&d.findings, &existing, &commentable, max_comments, all_in_summary) else {
                 tracing::info!("every finding is already on the pull request; nothing posted");
                 return Ok(SinkOutcome::Delivered);
@@ -413,15 +532,23 @@ impl GitHub {
                 "comments": review.comments,
             });
             let rb = authed(http.post(format!("{base}/reviews")), &token).json(&payload);
+            self.take_turn(&account).await?;
             match self.send(&account, rb).await? {
                 (422, _) if !review.comments.is_empty() => {
                     tracing::warn!(
                         comments = review.comments.len(),
                         "GitHub refused a line comment; posting them in the summary"
                     );
+                    let mut refused = self.comments_refused.lock().expect("refused lock");
+                    // Bounded: a job forgotten posts its comments once more, then falls back.
+                    if refused.len() >= REFUSED_KEPT {
+                        refused.clear();
+                    }
+                    refused.insert(d.job_id.clone());
                 }
                 (422, _) => return Ok(SinkOutcome::Permanent(422)),
                 _ => {
+                    self.comments_refused.lock().expect("refused lock").remove(&d.job_id);
                     tracing::info!(
                         comments = review.comments.len(),
                         summarised = review.summarised,
@@ -496,6 +623,31 @@ mod tests {
         assert!(fallback.comments.is_empty() && fallback.summarised == 1);
         // Nothing new: nothing to post.
         assert_eq!(plan(&[seen], &existing, &commentable, 20, false), None);
+    }
+
+    #[test]
+    fn content_requests_take_turns_an_interval_apart() {
+        let s = Duration::from_secs(1);
+        assert_eq!(turn(None, 10_000, s), Ok(11_000), "no turn taken yet");
+        assert_eq!(turn(Some(9_000), 10_000, s), Ok(11_000), "the last turn is over");
+        assert_eq!(turn(Some(10_000), 10_000, s), Ok(11_000));
+        assert_eq!(turn(Some(10_700), 10_000, s), Err(Duration::from_millis(700)), "wait for the next turn");
+    }
+
+    #[test]
+    fn limit_answers_are_told_apart() {
+        let h = |pairs: &[(&'static str, &str)]| {
+            let mut m = reqwest::header::HeaderMap::new();
+            for (k, v) in pairs {
+                m.insert(*k, v.parse().unwrap());
+            }
+            m
+        };
+        assert_eq!(limit_kind(403, &h(&[("retry-after", "60")])), Some("secondary"));
+        assert_eq!(limit_kind(429, &h(&[])), Some("secondary"));
+        assert_eq!(limit_kind(403, &h(&[("x-ratelimit-remaining", "0")])), Some("primary"));
+        assert_eq!(limit_kind(403, &h(&[("x-ratelimit-remaining", "10")])), None, "forbidden, not limited");
+        assert_eq!(limit_kind(200, &h(&[("x-ratelimit-remaining", "0")])), None, "a success is no limit answer");
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct Metrics {
     pub submit_to_published: Family<LaneLabels, Histogram, Buckets>,
     pub retry_delay: Family<ReasonLabels, Histogram>,
     pub terminal: TerminalJobs,
+    /// GitHub answers that hit a rate limit, by kind.
+    pub github_limited: crate::github::LimitCounter,
 }
 
 /// Histograms with bucket bounds from configuration.
@@ -71,6 +73,7 @@ impl Metrics {
                 Histogram::new([0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0])
             }),
             terminal: TerminalJobs::register(registry),
+            github_limited: Default::default(),
         };
         registry.register("reviewlane_publish_outcomes", "Findings messages handled, by outcome", m.outcomes.clone());
         registry.register(
@@ -83,6 +86,16 @@ impl Metrics {
             "Delay of each scheduled retry, by reason",
             m.retry_delay.clone(),
         );
+        registry.register(
+            "reviewlane_github_rate_limited",
+            "GitHub answers that hit a rate limit, by kind (primary, secondary)",
+            m.github_limited.clone(),
+        );
+        for kind in ["primary", "secondary"] {
+            let _ = m
+                .github_limited
+                .get_or_create(&crate::github::LimitLabels { region: region.as_str().into(), kind: kind.into() });
+        }
         // At zero from the start: the delivery alerts see the first failure.
         m.terminal.at_zero(region);
         m

@@ -42,6 +42,10 @@ pub enum SinkOutcome {
     Refused(&'static str),
     /// The receiver's rate limit: try again after this long (not before).
     RetryAfter(Duration),
+    /// Not sent: the receiver's pause is in force, or it is not this delivery's turn
+    /// yet (GitHub's pacing). Again after this long, spending no delivery attempt (the
+    /// job's deadline bounds the waiting).
+    Deferred(Duration),
 }
 
 impl SinkOutcome {
@@ -53,6 +57,7 @@ impl SinkOutcome {
             SinkOutcome::Permanent(_) => "rejected",
             SinkOutcome::Refused(why) => why,
             SinkOutcome::RetryAfter(_) => "rate_limited",
+            SinkOutcome::Deferred(_) => "deferred",
         }
     }
 }
@@ -122,6 +127,12 @@ impl Sinks {
     /// GitHub rate-limit pauses shared with the region's other publishers through `kv`.
     pub fn with_shared_pauses(mut self, kv: async_nats::jetstream::kv::Store) -> Self {
         self.github = self.github.with_shared_pauses(kv);
+        self
+    }
+
+    /// GitHub's limit answers counted in `counter`.
+    pub fn with_github_limits(mut self, region: &str, counter: crate::github::LimitCounter) -> Self {
+        self.github = self.github.with_limit_counter(region, counter);
         self
     }
 

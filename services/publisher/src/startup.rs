@@ -43,6 +43,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         config.region,
         conn.client.clone(),
     )])));
+    let github_limited = metrics.github_limited.clone();
     let worker = Arc::new(Worker {
         metrics,
         region: config.region,
@@ -58,7 +59,9 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
             clock: reviewlane_shared::clock::system(),
         },
         tenants: config.tenants.clone(),
-        sinks: Sinks::new(config.sink_timeout).with_shared_pauses(conn.layout.published.clone()),
+        sinks: Sinks::new(config.sink_timeout)
+            .with_shared_pauses(conn.layout.published.clone())
+            .with_github_limits(config.region.as_str(), github_limited),
         delivery_attempts: config.delivery_attempts,
         backoff_base: config.delivery_backoff_base,
         backoff_cap: config.delivery_backoff_cap,

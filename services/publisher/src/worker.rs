@@ -272,6 +272,13 @@ impl Worker {
                 tracing::warn!(attempt = claim.attempt, "sink rate-limited");
                 self.retry_later(msg, f, &claim, delay).await
             }
+            SinkOutcome::Deferred(delay) => {
+                // Nothing was refused: the attempt is given back, the message handed back.
+                tracing::info!(delay_ms = delay.as_millis() as u64, "delivery deferred (receiver paused or paced)");
+                self.claims.give_back(&f.job_id, &claim).await?;
+                settle(msg, AckKind::Nak(Some(delay))).await;
+                Ok(Outcome::Deferred(delay))
+            }
             SinkOutcome::Permanent(status) => {
                 tracing::warn!(status, "sink refused the delivery");
                 self.fail(msg, f, &claim, TerminalReason::DeliveryRejected).await
