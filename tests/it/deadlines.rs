@@ -122,3 +122,41 @@ async fn findings_that_reach_the_deadline_undelivered_are_not_delivered_late() {
     assert!(stack.webhook.for_job(&id).is_empty(), "nothing delivered after the deadline");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_that_passes_while_the_key_is_paused_ends_the_job_at_the_deadline() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    // A 429 with `retry-after: 30` pauses the key for 30 s.
+    stack.us.provider.set_throttled(Some(30));
+    let first = submit(&mut client, US_KEY, "pauses", &sample_diff("pauses")).await;
+    let paused = poll_until(Duration::from_secs(10), || async {
+        let r = get(&mut stack.client().await, US_KEY, &first.job_id).await.ok()?;
+        (r.state == JobState::RetryScheduled as i32).then_some(r)
+    })
+    .await;
+    assert!(paused.is_some(), "the first review met the 429");
+    stack.us.provider.set_throttled(None);
+
+    // A review with a 2 s deadline, submitted while the key is paused, ends at its
+    // deadline — not when the pause ends — and without a call.
+    let started = std::time::Instant::now();
+    let job = client.submit_review(with_timeout("late-while-paused", Duration::from_secs(2))).await.unwrap();
+    let id = job.into_inner().review.unwrap().job_id;
+    let last = wait_final_within(&mut client, US_KEY, &id, Duration::from_secs(20)).await;
+    assert_ended_late(&last);
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(6), "ended after {took:?}");
+    assert!(!stack.us.provider.stats().calls_by_job.contains_key(&id), "no call for it");
+    // Its review is a dead letter like any other late job.
+    let dead = poll_until(Duration::from_secs(10), || async {
+        let url = stack.us.nats.url().to_string();
+        let refs = stream_messages(&url, &layout::deadletter_stream(Region::Us)).await;
+        refs.iter().any(|(_, _, m)| String::from_utf8_lossy(m).contains(&id)).then_some(())
+    })
+    .await;
+    assert!(dead.is_some(), "dead-lettered");
+    // The paused review is still waiting out its retry.
+    assert_eq!(get(&mut client, US_KEY, &first.job_id).await.unwrap().state, JobState::RetryScheduled as i32);
+    stack.shutdown().await;
+}

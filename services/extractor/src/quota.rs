@@ -393,7 +393,7 @@ impl Quota {
         }
     }
 
-    fn now_ms(&self) -> u64 {
+    pub fn now_ms(&self) -> u64 {
         self.clock.now_ms()
     }
 

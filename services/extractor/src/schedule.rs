@@ -13,6 +13,10 @@
 //! scope's allowance, keeping its lease alive with progress acks; waiters are served in
 //! the order they started waiting, so tenants of a lane take turns. A message whose
 //! scope is paused goes back with the remaining delay, spending no budget.
+//!
+//! A deadline is a deadline while a scope is paused: its loop still pulls, and each
+//! review goes back until the pause ends or its deadline passes, whichever is first;
+//! one whose deadline has passed is ended by the worker without a call (`Work::Late`).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -182,6 +186,46 @@ pub struct Admitted {
     pub running: ScopeGuard,
 }
 
+/// What a loop hands the worker.
+pub enum Work {
+    /// A call may be made: the slot and the scope's allowance are held.
+    Call(Admitted),
+    /// The review's deadline passed while its scope was paused: it ends without a call
+    /// (and without a slot).
+    Late { msg: jetstream::Message, scope: Scope },
+}
+
+/// What to do with a review pulled while its scope is paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WhilePaused {
+    /// Its deadline has passed: end it.
+    Late,
+    /// Back on the lane until the pause ends or its deadline passes, whichever is first.
+    HandBack(Duration),
+}
+
+/// Comes back just after the deadline, not just before it.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(20);
+
+/// The pure rule for a review met while its scope is paused for `remaining`.
+pub fn while_paused(deadline_ms: Option<u64>, now_ms: u64, remaining: Duration) -> WhilePaused {
+    match deadline_ms {
+        Some(d) if d <= now_ms => WhilePaused::Late,
+        Some(d) => WhilePaused::HandBack(remaining.min(Duration::from_millis(d - now_ms) + DEADLINE_MARGIN)),
+        None => WhilePaused::HandBack(remaining),
+    }
+}
+
+/// A review message's deadline, read without keeping the rest of it.
+fn deadline_of(msg: &jetstream::Message) -> Option<u64> {
+    #[derive(serde::Deserialize)]
+    struct Deadline {
+        #[serde(default)]
+        deadline_ms: Option<u64>,
+    }
+    serde_json::from_slice::<Deadline>(&msg.payload).ok()?.deadline_ms
+}
+
 /// Waits until `ready()` holds, re-checking whenever capacity changes (or every
 /// `max_wait`). Returns false if `stop` fired.
 async fn wait_until(
@@ -217,20 +261,23 @@ pub async fn serve<F, Fut>(
     stop: CancellationToken,
     run: F,
 ) where
-    F: Fn(Admitted) -> Fut,
+    F: Fn(Work) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let changed = quota.changed.clone();
     let mut failures = 0u32;
     loop {
-        // Pull only for a scope that may be called, and batch only without backlog.
+        // Pull for a scope this replica has a share of: to call (batch only without
+        // backlog), or while the scope is paused to hand reviews back until the pause
+        // ends or their deadline passes.
         let pull_ok = || {
-            quota.paused_for(&l.scope).is_none()
-                && quota.allowance(&l.scope) > 0
-                && (l.lane == Lane::Interactive || !backlog.get() || slots.batch_below_min())
+            quota.allowance(&l.scope) > 0
+                && (quota.paused_for(&l.scope).is_some()
+                    || l.lane == Lane::Interactive
+                    || !backlog.get()
+                    || slots.batch_below_min())
         };
-        let wait = quota.paused_for(&l.scope).unwrap_or(Duration::from_millis(500)).min(Duration::from_secs(5));
-        if !wait_until(&changed, &stop, wait, pull_ok).await {
+        if !wait_until(&changed, &stop, Duration::from_millis(500), pull_ok).await {
             return;
         }
         let Some(batch) = pull(&l.consumer, 1, &mut failures, &stop).await else { return };
@@ -251,9 +298,18 @@ pub async fn serve<F, Fut>(
                 continue;
             }
         };
+        if let Some(remaining) = quota.paused_for(&l.scope) {
+            match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
+                WhilePaused::Late => {
+                    tasks.spawn(run(Work::Late { msg, scope: l.scope.clone() }));
+                }
+                WhilePaused::HandBack(delay) => settle(&msg, AckKind::Nak(Some(delay))).await,
+            }
+            continue;
+        }
         match admit(&l, msg, &slots, &quota, lease, &stop).await {
             Some(admitted) => {
-                let work = run(admitted);
+                let work = run(Work::Call(admitted));
                 tasks.spawn(work);
             }
             None if stop.is_cancelled() => return,
@@ -286,7 +342,12 @@ async fn admit(
     loop {
         if let Some(remaining) = quota.paused_for(&l.scope) {
             hand_back(ticket);
-            settle(&msg, AckKind::Nak(Some(remaining))).await;
+            // Until the pause ends, or just past the deadline (then ended as late).
+            let delay = match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
+                WhilePaused::Late => Duration::ZERO,
+                WhilePaused::HandBack(d) => d,
+            };
+            settle(&msg, AckKind::Nak(Some(delay))).await;
             return None;
         }
         // This replica lost its share (another replica joined): let others take it.
@@ -394,6 +455,24 @@ mod tests {
         let tight = Slots::new(2, 2, 1, Arc::new(Notify::new()));
         drop(tight.try_take(tight.join(Lane::Interactive)));
         assert_eq!(take_batch(&tight, 2).len(), 2);
+    }
+
+    #[test]
+    fn a_review_met_while_its_scope_is_paused_comes_back_by_its_deadline() {
+        let pause = Duration::from_secs(30);
+        assert_eq!(while_paused(Some(10_000), 10_000, pause), WhilePaused::Late);
+        assert_eq!(while_paused(Some(9_000), 10_000, pause), WhilePaused::Late);
+        assert_eq!(
+            while_paused(Some(12_000), 10_000, pause),
+            WhilePaused::HandBack(Duration::from_millis(2_000) + DEADLINE_MARGIN),
+            "back just after its deadline, before the pause ends"
+        );
+        assert_eq!(
+            while_paused(Some(100_000), 10_000, pause),
+            WhilePaused::HandBack(pause),
+            "back when the pause ends"
+        );
+        assert_eq!(while_paused(None, 10_000, pause), WhilePaused::HandBack(pause));
     }
 
     #[test]

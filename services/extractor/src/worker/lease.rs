@@ -104,6 +104,16 @@ impl Worker {
         }
     }
 
+    /// A review whose deadline passed while its scope was paused: leased only to be
+    /// ended `deadline_exceeded` (or settled as its record says), never called. Should
+    /// this worker's clock not find it late, it goes back until the scope may be called.
+    pub(super) async fn late_trip(&self, job: &Job<'_>) -> Result<Outcome, StoreError> {
+        match self.lease(job).await? {
+            Leased::Settled(outcome) => Ok(outcome),
+            Leased::Held(lease) => self.settle(job, Some(&lease), Decision::Release(Some(LEASE_MARGIN))).await,
+        }
+    }
+
     /// The job needs nothing more from this message.
     async fn settled(
         &self,

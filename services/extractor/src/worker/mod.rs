@@ -37,7 +37,7 @@ use crate::config::Budgets;
 use crate::metrics::Metrics;
 use crate::provider::Provider;
 use crate::quota::{Quota, Scope};
-use crate::schedule::Admitted;
+use crate::schedule::{Admitted, Work};
 use crate::upstream::{Backoff, UpstreamOutcome};
 use reviewlane_shared::store::StoreRetry;
 
@@ -150,8 +150,12 @@ impl Worker {
     ///
     /// Runs in a `process` span whose parent is the `enqueue` span of the ingress (the
     /// message's `traceparent`), so each delivery of a job joins the job's trace.
-    pub async fn process_one(&self, admitted: Admitted, abort: &CancellationToken) -> Outcome {
-        let delivered = admitted.msg.info().map(|i| i.delivered).unwrap_or(1);
+    pub async fn process_one(&self, work: Work, abort: &CancellationToken) -> Outcome {
+        let (msg, scope) = match &work {
+            Work::Call(a) => (&a.msg, &a.scope),
+            Work::Late { msg, scope } => (msg, scope),
+        };
+        let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
         let span = tracing::info_span!(
             parent: None,
             "process",
@@ -159,10 +163,10 @@ impl Worker {
             otel.kind = "consumer",
             messaging.system = "nats",
             messaging.operation.type = "process",
-            messaging.destination.name = %admitted.msg.subject,
+            messaging.destination.name = %msg.subject,
             messaging.nats.delivered = delivered,
             job_id = Empty,
-            tenant = %admitted.scope.tenant,
+            tenant = %scope.tenant,
             region = %self.region,
             lane = Empty,
             schema_version = Empty,
@@ -172,15 +176,19 @@ impl Worker {
         );
         reviewlane_shared::telemetry::set_remote_parent(
             &span,
-            reviewlane_shared::telemetry::parent_from_nats(admitted.msg.headers.as_ref()),
+            reviewlane_shared::telemetry::parent_from_nats(msg.headers.as_ref()),
         );
-        let outcome = self.process(admitted, abort).instrument(span.clone()).await;
+        let outcome = self.process(work, abort).instrument(span.clone()).await;
         span.record("outcome", outcome.as_str());
         outcome
     }
 
-    async fn process(&self, admitted: Admitted, abort: &CancellationToken) -> Outcome {
-        let Admitted { msg, scope, slot: _slot, running: _running } = admitted;
+    async fn process(&self, work: Work, abort: &CancellationToken) -> Outcome {
+        // A call holds its slot and the scope's allowance until this returns.
+        let (msg, scope, held) = match work {
+            Work::Call(Admitted { msg, scope, slot, running }) => (msg, scope, Some((slot, running))),
+            Work::Late { msg, scope } => (msg, scope, None),
+        };
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
             Ok(r) => r,
             Err(_) => {
@@ -201,7 +209,11 @@ impl Worker {
             return Outcome::Skipped;
         }
         let job = Job { msg: &msg, review: &review, scope: &scope, diff: diff::parse(&review.diff_text()).ok() };
-        match self.trip(&job, abort).await {
+        let trip = match held {
+            Some(_) => self.trip(&job, abort).await,
+            None => self.late_trip(&job).await,
+        };
+        match trip {
             Ok(outcome) => outcome,
             Err(e) => {
                 tracing::warn!(error = %e, kind = e.kind(), "store error; handing the message back");
