@@ -189,7 +189,7 @@ pub struct Admitted {
 /// What a loop hands the worker.
 pub enum Work {
     /// A call may be made: the slot and the scope's allowance are held.
-    Call(Admitted),
+    Call(Box<Admitted>),
     /// The review's deadline passed while its scope was paused: it ends without a call
     /// (and without a slot).
     Late { msg: jetstream::Message, scope: Scope },
@@ -309,7 +309,7 @@ pub async fn serve<F, Fut>(
         }
         match admit(&l, msg, &slots, &quota, lease, &stop).await {
             Some(admitted) => {
-                let work = run(Work::Call(admitted));
+                let work = run(Work::Call(Box::new(admitted)));
                 tasks.spawn(work);
             }
             None if stop.is_cancelled() => return,

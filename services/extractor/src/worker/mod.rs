@@ -186,7 +186,10 @@ impl Worker {
     async fn process(&self, work: Work, abort: &CancellationToken) -> Outcome {
         // A call holds its slot and the scope's allowance until this returns.
         let (msg, scope, held) = match work {
-            Work::Call(Admitted { msg, scope, slot, running }) => (msg, scope, Some((slot, running))),
+            Work::Call(admitted) => {
+                let Admitted { msg, scope, slot, running } = *admitted;
+                (msg, scope, Some((slot, running)))
+            }
             Work::Late { msg, scope } => (msg, scope, None),
         };
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
