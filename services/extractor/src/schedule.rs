@@ -192,7 +192,7 @@ pub enum Work {
     Call(Box<Admitted>),
     /// The review's deadline passed while its scope was paused: it ends without a call
     /// (and without a slot).
-    Late { msg: jetstream::Message, scope: Scope },
+    Late { msg: Box<jetstream::Message>, scope: Scope },
 }
 
 /// What to do with a review pulled while its scope is paused.
@@ -301,7 +301,7 @@ pub async fn serve<F, Fut>(
         if let Some(remaining) = quota.paused_for(&l.scope) {
             match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
                 WhilePaused::Late => {
-                    tasks.spawn(run(Work::Late { msg, scope: l.scope.clone() }));
+                    tasks.spawn(run(Work::Late { msg: Box::new(msg), scope: l.scope.clone() }));
                 }
                 WhilePaused::HandBack(delay) => settle(&msg, AckKind::Nak(Some(delay))).await,
             }

@@ -153,7 +153,7 @@ impl Worker {
     pub async fn process_one(&self, work: Work, abort: &CancellationToken) -> Outcome {
         let (msg, scope) = match &work {
             Work::Call(a) => (&a.msg, &a.scope),
-            Work::Late { msg, scope } => (msg, scope),
+            Work::Late { msg, scope } => (&**msg, scope),
         };
         let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
         let span = tracing::info_span!(
@@ -190,7 +190,7 @@ impl Worker {
                 let Admitted { msg, scope, slot, running } = *admitted;
                 (msg, scope, Some((slot, running)))
             }
-            Work::Late { msg, scope } => (msg, scope, None),
+            Work::Late { msg, scope } => (*msg, scope, None),
         };
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
             Ok(r) => r,
