@@ -256,6 +256,9 @@ impl Stack {
             pc.delivery_backoff_cap = Duration::from_secs(1);
             pc.shutdown_grace = Duration::from_secs(2);
             pc.lease = opts.publish_lease;
+            pc.faults = opts.faults.clone();
+            pc.store_retry.base = Duration::from_millis(20);
+            pc.store_retry.cap = Duration::from_millis(200);
             pc.admin_addr = "127.0.0.1:0".parse().expect("addr");
             pc.layout = reviewlane_shared::layout::LayoutConfig { replicas: rs.replicas, ..layout.clone() };
             let p = reviewlane_publisher::build(pc).await.expect("publisher builds");
@@ -373,6 +376,7 @@ impl Stack {
         xc.result_inline_max = self.opts.result_inline_max;
         xc.interactive_wait_limit = self.opts.interactive_wait_limit;
         xc.store_retry.base = Duration::from_millis(20);
+        xc.store_retry.cap = Duration::from_millis(200);
         xc.admin_addr = "127.0.0.1:0".parse().expect("addr");
         if let Some(t) = self.opts.context_tokens {
             xc.parts.plan.limits.max_tokens = t;

@@ -17,24 +17,30 @@ pub mod point {
     pub const EXTRACTOR_KEEP: &str = "extractor.keep";
     /// Extractor: recording `validated` after the answer is kept.
     pub const EXTRACTOR_RECORD_VALIDATED: &str = "extractor.record_validated";
+    /// Publisher: recording a delivery the sink took (its claim `published`).
+    pub const PUBLISHER_RECORD_DELIVERED: &str = "publisher.record_delivered";
 }
 
 #[derive(Clone, Default)]
 pub struct Faults {
     #[cfg(feature = "fault-hooks")]
-    armed: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, u32>>>,
+    /// Per point: failures left, and whether they say the store is full (else that it
+    /// is unavailable).
+    armed: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, (u32, bool)>>>,
 }
 
 impl Faults {
-    /// Fails (as `Unavailable`) when a fault is armed at `point`, consuming one.
+    /// Fails (as `Unavailable`, or `Full`) when a fault is armed at `point`, consuming
+    /// one.
     #[inline(always)]
     pub fn check(&self, point: &'static str) -> Result<(), StoreError> {
         #[cfg(feature = "fault-hooks")]
         {
             let mut armed = self.armed.lock().expect("faults");
-            if let Some(n) = armed.get_mut(point).filter(|n| **n > 0) {
+            if let Some((n, full)) = armed.get_mut(point).filter(|(n, _)| *n > 0) {
                 *n -= 1;
-                return Err(StoreError::Unavailable(format!("injected fault at {point}").into()));
+                let cause = format!("injected fault at {point}").into();
+                return Err(if *full { StoreError::Full(cause) } else { StoreError::Unavailable(cause) });
             }
         }
         let _ = point;
@@ -44,13 +50,19 @@ impl Faults {
     /// Makes the next `times` writes at `point` fail.
     #[cfg(feature = "fault-hooks")]
     pub fn fail(&self, point: &'static str, times: u32) {
-        self.armed.lock().expect("faults").insert(point, times);
+        self.armed.lock().expect("faults").insert(point, (times, false));
+    }
+
+    /// Makes the next `times` writes at `point` fail as a store out of space would.
+    #[cfg(feature = "fault-hooks")]
+    pub fn fail_full(&self, point: &'static str, times: u32) {
+        self.armed.lock().expect("faults").insert(point, (times, true));
     }
 
     /// How many armed failures at `point` have not fired yet.
     #[cfg(feature = "fault-hooks")]
     pub fn pending(&self, point: &'static str) -> u32 {
-        self.armed.lock().expect("faults").get(point).copied().unwrap_or(0)
+        self.armed.lock().expect("faults").get(point).map_or(0, |(n, _)| *n)
     }
 }
 

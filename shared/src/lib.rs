@@ -29,6 +29,7 @@ pub mod results;
 pub mod schema_dialect;
 pub mod startup;
 pub mod store;
+pub mod store_health;
 pub mod surfaces;
 pub mod telemetry;
 pub mod tenants;

@@ -40,16 +40,66 @@ async fn a_paid_answer_survives_store_failures_without_a_second_call() {
     stack.shutdown().await;
 }
 
+/// Whether the service at `admin` says it is ready.
+async fn ready(admin: std::net::SocketAddr) -> bool {
+    http_get(admin, "/readyz").await == "ready\n"
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_answer_that_cannot_be_kept_ends_the_job_after_one_call() {
+async fn a_paid_answer_outlasts_a_full_store_and_one_never_kept_ends_at_its_deadline() {
     let stack = Stack::start().await;
-    stack.faults().fail(point::EXTRACTOR_KEEP, 1_000);
+    let extractor = stack.extractor_admin[0].1;
+    assert!(ready(extractor).await);
+    // The store refuses the keep as full 25 times (about 4.5 s, twice the tries of the
+    // store budget): the answer is held, its lease kept alive, until the store takes it.
+    stack.faults().fail_full(point::EXTRACTOR_KEEP, 25);
     let mut client = stack.client().await;
-    let job = submit(&mut client, US_KEY, "keep-never", &sample_diff("never")).await;
+    let job = submit(&mut client, US_KEY, "keep-full", &sample_diff("full")).await;
+    let unready = poll_until(Duration::from_secs(10), || async { (!ready(extractor).await).then_some(()) }).await;
+    assert!(unready.is_some(), "readiness did not see the full store");
     let last = wait_final(&mut client, US_KEY, &job.job_id).await;
-    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "store_budget_exhausted"));
+    assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    assert_eq!(stack.faults().pending(point::EXTRACTOR_KEEP), 0);
+    assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&1), "paid once");
+    assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&job.job_id).len() == 1).await);
+    let page = http_get(extractor, "/metrics").await;
+    let full = page
+        .lines()
+        .find(|l| l.starts_with("reviewlane_store_refusals_total{") && l.contains(r#"kind="full""#))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert_eq!(full, Some(25.0), "{page}");
+    // Ready again once the store has taken writes for a while.
+    let back = poll_until(Duration::from_secs(30), || async { ready(extractor).await.then_some(()) }).await;
+    assert!(back.is_some(), "still unready after the store came back");
+
+    // Never taken: the answer is held until the job's deadline, then the job ends
+    // `deadline_exceeded` — paid once, delivered never.
+    stack.faults().fail_full(point::EXTRACTOR_KEEP, 1_000_000);
+    let mut req = submit_req(US_KEY, "keep-never", &sample_diff("never"));
+    req.get_mut().timeout = Some(prost_types::Duration { seconds: 3, nanos: 0 });
+    let job = client.submit_review(req).await.unwrap().into_inner().review.unwrap();
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!((last.state, last.terminal_reason.as_str()), (JobState::Terminal as i32, "deadline_exceeded"));
     assert_eq!(stack.us.provider.stats().calls_by_job.get(&job.job_id), Some(&1), "never called again");
     assert!(stack.webhook.for_job(&job.job_id).is_empty());
+    stack.faults().fail_full(point::EXTRACTOR_KEEP, 0);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_the_sink_took_is_not_made_again_while_the_store_is_full() {
+    let stack = Stack::start().await;
+    let publisher = stack.publisher_admin.iter().find(|(r, _)| *r == Region::Us).unwrap().1;
+    // The webhook answers 2xx; recording that is refused as full 25 times.
+    stack.faults().fail_full(point::PUBLISHER_RECORD_DELIVERED, 25);
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "deliver-full", &sample_diff("deliver")).await;
+    let unready = poll_until(Duration::from_secs(10), || async { (!ready(publisher).await).then_some(()) }).await;
+    assert!(unready.is_some(), "readiness did not see the full store");
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    assert_eq!(stack.faults().pending(point::PUBLISHER_RECORD_DELIVERED), 0);
+    assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1, "delivered once");
     stack.shutdown().await;
 }
 
@@ -201,5 +251,34 @@ async fn the_reconciler_ends_a_job_nothing_drives_and_resumes_one_whose_answer_w
     assert_eq!(get(&mut client, US_KEY, &queued.job_id).await.unwrap().state, JobState::Waiting as i32);
     // A second pass finds nothing more to do.
     assert_eq!(reconciler.pass().await.unwrap(), Pass::default());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_meeting_a_full_store_is_unavailable_with_the_reason_and_counted() {
+    use tonic_types::StatusExt;
+    let stack = Stack::start().await;
+    stack.faults().fail_full(point::INGRESS_RECORD, 1);
+    let mut client = stack.client().await;
+    let err = client.submit_review(submit_req(US_KEY, "full-submit", &sample_diff("full"))).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert_eq!(err.get_details_error_info().expect("ErrorInfo").reason, "REGION_STORE_FULL");
+    assert!(err.get_details_retry_info().and_then(|r| r.retry_delay).is_some());
+    let page = http_get(stack.ingress_admin, "/metrics").await;
+    let full = |region: &str| {
+        page.lines()
+            .find(|l| {
+                l.starts_with("reviewlane_store_refusals_total{")
+                    && l.contains(&format!(r#"region="{region}""#))
+                    && l.contains(r#"kind="full""#)
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    assert_eq!((full("us"), full("eu")), (Some(1.0), Some(0.0)), "{page}");
+    // One region's full store leaves the ingress ready for the other's callers.
+    assert_eq!(http_get(stack.ingress_admin, "/readyz").await, "ready\n");
+    // The same request again once the store takes writes: accepted and reviewed.
+    let job = submit(&mut client, US_KEY, "full-submit", &sample_diff("full")).await;
+    assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
     stack.shutdown().await;
 }

@@ -137,6 +137,15 @@ async fn a_full_lane_is_resource_exhausted_with_retry_info_and_keeps_nothing() {
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
     let retry = err.get_details_retry_info().expect("RetryInfo detail");
     assert!(retry.retry_delay.is_some_and(|d| d > Duration::ZERO));
+    // The lane at its bound shows as a full store to dashboards and alerts.
+    let lane = layout::lane_stream(Region::Us, Lane::Interactive);
+    let sample = format!(r#"reviewlane_store_used_ratio{{region="us",store="{lane}"}} 1.0"#);
+    let admin = stack.extractor_admin[0].1;
+    let seen = poll_until(Duration::from_secs(5), || async {
+        http_get(admin, "/metrics").await.lines().any(|l| l == sample).then_some(())
+    })
+    .await;
+    assert!(seen.is_some(), "no {sample}");
 
     // The refused request left no record; the two accepted ones finish, after which the
     // same request goes through.

@@ -76,6 +76,13 @@ pub struct CacheLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreLabels {
+    pub region: String,
+    /// `account` (the region's JetStream storage) or a stream with its own bound.
+    pub store: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TokenLabels {
     pub region: String,
     pub tenant: String,
@@ -122,6 +129,9 @@ pub struct Metrics {
     /// Jobs not final, past their deadline, with no message and no live lease, at the
     /// reconciler's last pass (before it acted on them).
     pub stuck: Family<RegionLabel, Gauge>,
+    /// How full the region's store is: the JetStream account's storage against its
+    /// limit, and each lane against its bound (bytes or messages, the fuller).
+    pub store_used: Family<StoreLabels, Gauge<f64, AtomicU64>>,
 }
 
 impl Metrics {
@@ -154,6 +164,7 @@ impl Metrics {
             kept: Family::default(),
             reconciled: Family::default(),
             stuck: Family::default(),
+            store_used: Family::default(),
         };
         registry.register(
             "reviewlane_stale_results",
@@ -175,6 +186,11 @@ impl Metrics {
             let _ = m.attempts.get_or_create(&m.lane_labels(lane));
         }
         m.stuck(0);
+        registry.register(
+            "reviewlane_store_used_ratio",
+            "How full the region's store is, 0..1: the JetStream account's storage against its limit, each lane against its bound",
+            m.store_used.clone(),
+        );
         registry.register(
             "reviewlane_reconciled_jobs",
             "Stranded jobs the reconciler resumed or ended, by action",
@@ -287,6 +303,12 @@ impl Metrics {
 
     pub fn reconciled(&self, action: &str) {
         self.reconciled.get_or_create(&self.reason(action)).inc();
+    }
+
+    pub fn store_used(&self, store: &str, ratio: f64) {
+        self.store_used
+            .get_or_create(&StoreLabels { region: self.region.as_str().into(), store: store.into() })
+            .set(ratio);
     }
 
     pub fn stuck(&self, n: usize) {

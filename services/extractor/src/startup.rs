@@ -135,6 +135,7 @@ pub async fn build_with_provider(
     }
     let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
     let clock = reviewlane_shared::clock::system();
+    let health = reviewlane_shared::store_health::StoreHealth::register(&mut registry, &[config.region], clock.clone());
     let key = KeyConfig {
         key: KeyConfig::token(provider.name(), &config.key_id),
         limit: config.key_limit,
@@ -166,6 +167,8 @@ pub async fn build_with_provider(
         faults: config.faults.clone(),
         parts: config.parts,
         split_cache: Default::default(),
+        health,
+        abort: CancellationToken::new(),
         provider,
         quota: quota.clone(),
         metrics,
@@ -188,17 +191,20 @@ impl App {
     /// grace period, hands back what is left without delay, and drains NATS.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let stop = CancellationToken::new();
-        let abort = CancellationToken::new();
+        // The worker's own: its steps that wait (a keep retried against a full store)
+        // give up when the grace is over.
+        let abort = self.worker.abort.clone();
         self.quota.start(stop.clone()).await.map_err(|e| anyhow::anyhow!(e))?;
         let mut streams: Vec<String> = Lane::ALL.iter().map(|l| layout::lane_stream(self.config.region, *l)).collect();
         streams.push(layout::findings_stream(self.config.region));
         streams.push(format!("KV_{}", layout::jobs_bucket(self.config.region)));
         let nats = reviewlane_shared::admin::nats_ready(self.client.clone(), streams);
-        // Ready once NATS is and the replica has warmed up (the others have seen it).
-        let quota = self.quota.clone();
+        // Ready once NATS is and the replica has warmed up (the others have seen it),
+        // while the store takes writes.
+        let (quota, health) = (self.quota.clone(), self.worker.health.clone());
         let ready: reviewlane_shared::admin::Ready = std::sync::Arc::new(move || {
-            let (nats, quota) = (nats.clone(), quota.clone());
-            Box::pin(async move { quota.warmed_up() && nats().await })
+            let (nats, quota, health) = (nats.clone(), quota.clone(), health.clone());
+            Box::pin(async move { quota.warmed_up() && health.ready() && nats().await })
         });
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
@@ -301,11 +307,20 @@ async fn sample(
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut ticks = 0u64;
     loop {
         tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
         for scope in &scopes {
             metrics.scope(scope, quota.in_flight(scope), quota.fair_share(scope));
         }
+        // The account's storage against its limit, every 10 s (when it has one).
+        if ticks.is_multiple_of(10)
+            && let Ok(account) = js.query_account().await
+            && let Some(limit) = account.limits.max_storage.filter(|l| *l > 0)
+        {
+            metrics.store_used("account", used_ratio(account.storage, limit as u64));
+        }
+        ticks += 1;
         for lane in Lane::ALL {
             let Ok(mut stream) = js.get_stream(layout::lane_stream(region, lane)).await else { continue };
             let Ok(info) = stream.info().await else { continue };
@@ -318,8 +333,16 @@ async fn sample(
                 (now - oldest).max(0.0)
             };
             metrics.lane(lane, age, state.messages as i64);
+            let bound = |used: u64, max: i64| if max > 0 { used_ratio(used, max as u64) } else { 0.0 };
+            let used = bound(state.bytes, info.config.max_bytes).max(bound(state.messages, info.config.max_messages));
+            metrics.store_used(&layout::lane_stream(region, lane), used);
         }
     }
+}
+
+/// `used` of `limit`, 0..1.
+fn used_ratio(used: u64, limit: u64) -> f64 {
+    if limit == 0 { 0.0 } else { (used as f64 / limit as f64).min(1.0) }
 }
 
 /// Marks the interactive lane backlogged once reviews have been waiting undelivered

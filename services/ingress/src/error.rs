@@ -12,6 +12,8 @@ use reviewlane_shared::api::ERROR_DOMAIN as DOMAIN;
 
 /// How long a caller should wait before retrying after `UNAVAILABLE`.
 const UNAVAILABLE_RETRY: Duration = Duration::from_secs(1);
+/// After `UNAVAILABLE` for a full store: room is made in seconds, not at once.
+const STORE_FULL_RETRY: Duration = Duration::from_secs(5);
 
 /// Why a caller is not authenticated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +56,9 @@ pub enum ApiError {
     ResourceExhausted { reason: &'static str, what: &'static str, retry_after: Duration },
     #[error("region store unavailable")]
     Unavailable(#[source] anyhow::Error),
+    /// The region's store is out of space: nothing can be accepted until room is made.
+    #[error("region store full")]
+    StoreFull,
     /// The server cannot go on with a stream (shutting down, store connection lost).
     #[error("{what}")]
     StreamInterrupted { reason: &'static str, what: &'static str },
@@ -81,6 +86,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::NotFound => ApiError::NotFound,
+            StoreError::Full(_) => ApiError::StoreFull,
             e if e.is_retryable() => ApiError::Unavailable(anyhow::anyhow!(e)),
             other => ApiError::Internal(anyhow::anyhow!(other)),
         }
@@ -139,6 +145,17 @@ impl From<ApiError> for Status {
                     "REGION_STORE_UNAVAILABLE",
                     &[],
                     Some(UNAVAILABLE_RETRY),
+                    none(),
+                )
+            }
+            ApiError::StoreFull => {
+                tracing::warn!("region store full");
+                status(
+                    Code::Unavailable,
+                    "the region's store is full; retry later with the same idempotency key",
+                    "REGION_STORE_FULL",
+                    &[],
+                    Some(STORE_FULL_RETRY),
                     none(),
                 )
             }
@@ -215,6 +232,7 @@ mod tests {
                 retry_after: Duration::from_secs(1),
             },
             ApiError::Unavailable(anyhow::anyhow!("timed out")),
+            ApiError::StoreFull,
             ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" },
             ApiError::FailedPrecondition { reason: "CONTENT_EXPIRED", what: "content expired" },
             ApiError::PermissionDenied { reason: "OPERATOR_ROLE_REQUIRED", what: "operators only" },

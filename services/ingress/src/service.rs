@@ -78,6 +78,8 @@ pub struct ReviewApi {
     limits: crate::config::ServerLimits,
     /// Open `WatchReview` streams per tenant.
     watches: Arc<std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>>,
+    /// What the regions' stores refused (counted; readiness).
+    health: reviewlane_shared::store_health::StoreHealth,
 }
 
 impl ReviewApi {
@@ -102,6 +104,26 @@ impl ReviewApi {
             weights: Arc::default(),
             limits: Default::default(),
             watches: Arc::default(),
+            health: reviewlane_shared::store_health::StoreHealth::register(
+                &mut prometheus_client::registry::Registry::default(),
+                &[],
+                reviewlane_shared::clock::system(),
+            ),
+        }
+    }
+
+    /// Store refusals are counted in `health`.
+    pub fn with_store_health(mut self, health: reviewlane_shared::store_health::StoreHealth) -> Self {
+        self.health = health;
+        self
+    }
+
+    /// A write a region's store refused, counted.
+    fn note_store(&self, region: Region, e: &ApiError) {
+        match e {
+            ApiError::StoreFull => self.health.refused_kind(region, "full"),
+            ApiError::Unavailable(_) => self.health.refused_kind(region, "unavailable"),
+            _ => {}
         }
     }
 
@@ -577,7 +599,8 @@ async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage, payload: Vec<u8>) -
         Err(e) if is_stream_full(&e) => {
             Err(ApiError::ResourceExhausted { reason: "LANE_FULL", what: "lane is full", retry_after: LANE_FULL_RETRY })
         }
-        Err(e) => Err(ApiError::Unavailable(e.into())),
+        // The server out of space is a full store, not a full lane.
+        Err(e) => Err(StoreError::publish(e).into()),
     }
 }
 
@@ -690,7 +713,8 @@ impl ReviewService for ReviewApi {
         let started = Instant::now();
         let res = async {
             let tenant = self.auth.tenant(&req)?;
-            let review = self.submit(&tenant, req.into_inner()).await?;
+            let review =
+                self.submit(&tenant, req.into_inner()).await.inspect_err(|e| self.note_store(tenant.region, e))?;
             Ok(Response::new(SubmitReviewResponse { review: Some(review) }))
         }
         .await;

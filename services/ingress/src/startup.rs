@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 use reviewlane_shared::admin::{Admin, Ready, nats_ready};
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::review_service_server::ReviewServiceServer;
-use reviewlane_shared::region::Lane;
+use reviewlane_shared::region::{Lane, Region};
 use reviewlane_shared::startup::{StartError, connect_region};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -30,6 +30,7 @@ pub struct App {
     config: IngressConfig,
     clients: Vec<async_nats::Client>,
     shutdown: CancellationToken,
+    health: reviewlane_shared::store_health::StoreHealth,
 }
 
 /// The largest request the server decodes for a diff limit: the diff, its metadata (at
@@ -80,6 +81,12 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     for region in regions.keys() {
         metrics.terminal.at_zero(*region);
     }
+    let region_list: Vec<Region> = regions.keys().copied().collect();
+    let health = reviewlane_shared::store_health::StoreHealth::register(
+        &mut registry,
+        &region_list,
+        reviewlane_shared::clock::system(),
+    );
     let connections = config.nats_urls.keys().copied().zip(clients.iter().cloned()).collect();
     registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(connections)));
     let api = ReviewApi::new(
@@ -92,9 +99,10 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
         metrics,
     )
     .with_faults(config.faults.clone())
+    .with_store_health(health.clone())
     .with_limits(config.limits)
     .with_tenants(&config.tenants);
-    Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown })
+    Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown, health })
 }
 
 impl App {
@@ -134,9 +142,15 @@ impl App {
                 nats_ready(client.clone(), lanes)
             })
             .collect();
+        // And while some region's store takes writes (one full region's callers are
+        // answered UNAVAILABLE; both full, nothing can be accepted).
+        let health = self.health.clone();
         let ready: Ready = Arc::new(move || {
-            let checks = checks.clone();
+            let (checks, health) = (checks.clone(), health.clone());
             Box::pin(async move {
+                if !health.any_ready() {
+                    return false;
+                }
                 for c in &checks {
                     if !c().await {
                         return false;

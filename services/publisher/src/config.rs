@@ -43,6 +43,8 @@ pub struct PublisherConfig {
     pub nats: reviewlane_shared::nats_client::NatsClientConfig,
     /// Retries of the writes that record a delivery made (`REVIEWLANE_STORE_*`).
     pub store_retry: reviewlane_shared::store::StoreRetry,
+    /// Fault hooks (tests only; no-ops in release builds).
+    pub faults: reviewlane_shared::faults::Faults,
 }
 
 impl PublisherConfig {
@@ -64,6 +66,7 @@ impl PublisherConfig {
             layout: Default::default(),
             nats: Default::default(),
             store_retry: Default::default(),
+            faults: Default::default(),
         }
     }
 

@@ -44,6 +44,11 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         conn.client.clone(),
     )])));
     let github_limited = metrics.github_limited.clone();
+    let health = reviewlane_shared::store_health::StoreHealth::register(
+        &mut registry,
+        &[config.region],
+        reviewlane_shared::clock::system(),
+    );
     let worker = Arc::new(Worker {
         metrics,
         region: config.region,
@@ -66,6 +71,8 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         backoff_base: config.delivery_backoff_base,
         backoff_cap: config.delivery_backoff_cap,
         store_retry: config.store_retry,
+        health,
+        faults: config.faults.clone(),
     });
     Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, consumer, config })
 }
@@ -78,13 +85,19 @@ impl App {
 
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let stop = CancellationToken::new();
-        let ready = nats_ready(
+        let nats = nats_ready(
             self.client.clone(),
             vec![
                 layout::findings_stream(self.config.region),
                 format!("KV_{}", layout::published_bucket(self.config.region)),
             ],
         );
+        // Ready while NATS is and its store takes writes.
+        let health = self.worker.health.clone();
+        let ready: reviewlane_shared::admin::Ready = Arc::new(move || {
+            let (nats, health) = (nats.clone(), health.clone());
+            Box::pin(async move { health.ready() && nats().await })
+        });
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let tasks = TaskTracker::new();
         let slots = Arc::new(Semaphore::new(self.config.concurrency));

@@ -59,6 +59,9 @@ pub struct Worker {
     pub results: reviewlane_shared::results::Results,
     /// Retries of the writes that record a delivery already made.
     pub store_retry: reviewlane_shared::store::StoreRetry,
+    /// What the store refused (counted; a full store makes the publisher unready).
+    pub health: reviewlane_shared::store_health::StoreHealth,
+    pub faults: reviewlane_shared::faults::Faults,
 }
 
 /// How long to wait for the extractor's `validated` write that follows its keep.
@@ -121,6 +124,7 @@ impl Worker {
         match self.run(&msg, &findings).await {
             Ok(o) => o,
             Err(e) => {
+                self.health.refused(self.region, &e);
                 tracing::warn!(error = %e, "infrastructure error; handing the message back");
                 settle(&msg, AckKind::Nak(Some(NOT_READY_RETRY))).await;
                 Outcome::Released
@@ -194,6 +198,7 @@ impl Worker {
             return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
         }
         // Findings after the caller's deadline are of no use to it: not delivered.
+        let rec_deadline = rec.deadline_ms;
         if rec.deadline_ms.is_some_and(|d| self.claims.clock.now_ms() >= d) {
             return self.fail(msg, f, &claim, TerminalReason::DeadlineExceeded).await;
         }
@@ -236,10 +241,16 @@ impl Worker {
         };
         match outcome {
             SinkOutcome::Delivered => {
-                // The sink has it: recording that must not fail over a store hiccup (a
-                // cluster failover), or the message comes back and is delivered again.
-                // The writes are retried within the store budget, the claim kept alive.
+                // The sink has it: recording that must not fail over a store outage or a
+                // full store, or the message comes back and is delivered again. The
+                // writes are retried while the message is held (its lease and the claim
+                // kept alive) until the store takes them or the job's deadline passes —
+                // after which a message that comes back is not delivered (too late).
+                let until = rec_deadline.map(|d| {
+                    tokio::time::Instant::now() + Duration::from_millis(d.saturating_sub(self.claims.clock.now_ms()))
+                });
                 let retry = |e: &StoreError, attempt: u32, delay: Duration| {
+                    self.health.refused(self.region, e);
                     tracing::warn!(
                         kind = e.kind(),
                         attempt,
@@ -250,8 +261,14 @@ impl Worker {
                         let _ = msg.ack_with(AckKind::Progress).await;
                     }
                 };
-                self.store_retry.run(|| self.claims.settle(id, &claim, PublicationState::Published), retry).await?;
-                self.store_retry.run(|| self.mark_job_from(id, known.take(), &Event::Published), retry).await?;
+                let record = || async {
+                    self.faults.check(reviewlane_shared::faults::point::PUBLISHER_RECORD_DELIVERED)?;
+                    self.claims.settle(id, &claim, PublicationState::Published).await
+                };
+                self.store_retry.run_until(until, record, retry).await?;
+                self.store_retry
+                    .run_until(until, || self.mark_job_from(id, known.take(), &Event::Published), retry)
+                    .await?;
                 settle(msg, AckKind::Ack).await;
                 self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
                 tracing::info!(

@@ -1,7 +1,11 @@
 //! Step 3, keep: validate a 200's output (pure), then store the result before anything
-//! else can fail. From here on a store failure retries the store — with backoff and its
-//! own small budget — never the provider call; a result that cannot be kept ends the job
-//! with `store_budget_exhausted`.
+//! else can fail. From here on a store failure retries the store, never the provider
+//! call: while the answer exists only in this worker, the write is retried with backoff
+//! — the lease kept alive — until the store takes it (a full store, an outage) or the
+//! job's deadline passes (`deadline_exceeded`). A store that refuses the write for good
+//! ends the job `store_budget_exhausted`. Should the process die meanwhile, the message
+//! returns after its lease and the job is called again: a second paid call, not a lost
+//! review.
 
 use std::future::Future;
 
@@ -82,7 +86,7 @@ impl Worker {
         let kept = async {
             let mut trace = async_nats::HeaderMap::new();
             reviewlane_shared::telemetry::inject_nats(&mut trace);
-            self.with_store_retry(job, "keep", || async {
+            self.with_store_retry_until(job, lease.rec.deadline_ms, "keep", || async {
                 self.faults.check(point::EXTRACTOR_KEEP)?;
                 self.results.keep(&result, &trace).await
             })
@@ -96,7 +100,15 @@ impl Worker {
                 self.store_in_cache(job, &v, tokens).await;
             }
         };
-        let (kept, ()) = tokio::join!(kept, cached);
+        // The grace of a shutdown is over: the answer is dropped and the message handed
+        // back at once, so another replica calls again (paid twice, lost never).
+        let kept = tokio::select! {
+            (kept, ()) = async { tokio::join!(kept, cached) } => kept,
+            _ = self.abort.cancelled() => {
+                tracing::warn!("shutting down before the answer could be kept; the job goes back for another call");
+                return Decision::Release(None);
+            }
+        };
         match kept {
             Ok(at) => {
                 span.record("stored", if at == reviewlane_shared::results::Kept::Inline { "inline" } else { "object" });
@@ -105,8 +117,15 @@ impl Worker {
                 Decision::Validated { findings: n, quarantined: q, dropped }
             }
             Err(e) => {
+                self.health.refused(self.region, &e);
                 tracing::error!(error = %e, kind = e.kind(), "a paid answer could not be kept");
-                Decision::Terminal { reason: TerminalReason::StoreBudgetExhausted, status: Some("2xx".into()) }
+                // Retried until the deadline: the job is late; refused for good: the store's.
+                let reason = if e.is_retryable() {
+                    TerminalReason::DeadlineExceeded
+                } else {
+                    TerminalReason::StoreBudgetExhausted
+                };
+                Decision::Terminal { reason, status: Some("2xx".into()) }
             }
         }
     }
@@ -124,8 +143,28 @@ impl Worker {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
     {
+        self.with_store_retry_until(job, None, what, write).await
+    }
+
+    /// As `with_store_retry`, for as long as it takes up to `deadline_ms` (on the
+    /// worker's clock) when there is one.
+    pub(super) async fn with_store_retry_until<T, F, Fut>(
+        &self,
+        job: &Job<'_>,
+        deadline_ms: Option<u64>,
+        what: &'static str,
+        write: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let until = deadline_ms.map(|d| {
+            tokio::time::Instant::now() + std::time::Duration::from_millis(d.saturating_sub(self.clock.now_ms()))
+        });
         self.store_retry
-            .run(write, |e: &StoreError, attempt, delay: std::time::Duration| {
+            .run_until(until, write, |e: &StoreError, attempt, delay: std::time::Duration| {
+                self.health.refused(self.region, e);
                 tracing::warn!(
                     what,
                     kind = e.kind(),

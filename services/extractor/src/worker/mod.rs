@@ -75,6 +75,10 @@ pub struct Worker {
     pub parts: crate::config::PartConfig,
     /// The parts of the last few split reviews (see `parts`).
     pub split_cache: parts::SplitCache,
+    /// What the store refused (counted; a full store makes the replica unready).
+    pub health: reviewlane_shared::store_health::StoreHealth,
+    /// Fires when the shutdown grace is over: work still running is handed back.
+    pub abort: CancellationToken,
 }
 
 /// What one call reviews: the whole diff, or one part of a split review.
@@ -219,6 +223,7 @@ impl Worker {
         match trip {
             Ok(outcome) => outcome,
             Err(e) => {
+                self.health.refused(self.region, &e);
                 tracing::warn!(error = %e, kind = e.kind(), "store error; handing the message back");
                 settle::ack(&msg, AckKind::Nak(Some(INFRA_RETRY))).await;
                 Outcome::Released
