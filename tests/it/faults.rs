@@ -282,3 +282,32 @@ async fn a_submit_meeting_a_full_store_is_unavailable_with_the_reason_and_counte
     assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extractor_stopped_while_it_holds_an_unkept_answer_hands_the_job_to_another() {
+    let mut stack =
+        Stack::start_with(StackOptions { shutdown_grace: Duration::from_millis(500), ..Default::default() }).await;
+    // The store refuses the keep as full for as long as the first replica lives.
+    stack.faults().fail_full(point::EXTRACTOR_KEEP, 1_000_000);
+    let mut client = stack.client().await;
+    let job = submit(&mut client, US_KEY, "keep-stopped", &sample_diff("stopped")).await;
+    let paid = eventually(Duration::from_secs(10), || {
+        stack.us.provider.stats().paid_by_job.contains_key(&job.job_id)
+            && stack.faults().pending(point::EXTRACTOR_KEEP) < 1_000_000
+    })
+    .await;
+    assert!(paid, "the answer was paid and its keep refused");
+    // SIGTERM: past its grace the replica gives the job back instead of waiting on.
+    let stopped = tokio::time::timeout(Duration::from_secs(10), stack.stop_extractors(Region::Us)).await;
+    assert!(stopped.is_ok(), "the replica stopped within its grace");
+    stack.faults().fail_full(point::EXTRACTOR_KEEP, 0);
+    stack.start_extractor(Region::Us).await;
+    let last = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    // The price of the lost answer is at most a second paid call (none here when the
+    // result cache, written beside the refused keep, took it), never a lost review.
+    let paid = stack.us.provider.stats().paid_by_job.get(&job.job_id).copied();
+    assert!(matches!(paid, Some(1 | 2)), "{paid:?}");
+    assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&job.job_id).len() == 1).await);
+    stack.shutdown().await;
+}
