@@ -62,18 +62,7 @@ async fn findings_become_one_review_with_line_comments_and_a_rerun_posts_nothing
         file("src/b.rs", "let b = y.unwrap();"),
         file("src/g.rs", "let g = u.unwrap();"),
     );
-    let fake = FakeGitHub::start(PullRequest {
-        repository: "octo/app".into(),
-        number: 7,
-        head: "c0ffee".into(),
-        diff: format!("{a}{b}{g}"),
-        token: "ghp-test".into(),
-        app: None,
-    })
-    .await;
-    let token = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(token.path(), "ghp-test\n").unwrap();
-    let stack = stack_for(&fake, &format!("token_file = \"{}\"", token.path().display())).await;
+    let (fake, stack, _token) = token_stack(7, format!("{a}{b}{g}")).await;
 
     // The reviewed diff has a file the pull request's diff does not show.
     let diff = format!("{a}{b}{}", file("src/c.rs", "let c = z.unwrap();"));
@@ -168,12 +157,12 @@ async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_stor
     stack.shutdown().await;
 }
 
-/// A fake GitHub serving pull request 11 of `octo/app` to the token `ghp-test`, and a
-/// stack posting to it with that token.
-async fn token_stack(pr_diff: String) -> (FakeGitHub, Stack, tempfile::NamedTempFile) {
+/// A fake GitHub serving pull request `number` of `octo/app` to the token `ghp-test`,
+/// and a stack posting to it with that token (kept in the file returned).
+async fn token_stack(number: u32, pr_diff: String) -> (FakeGitHub, Stack, tempfile::NamedTempFile) {
     let fake = FakeGitHub::start(PullRequest {
         repository: "octo/app".into(),
-        number: 11,
+        number,
         head: "c0ffee".into(),
         diff: pr_diff,
         token: "ghp-test".into(),
@@ -189,7 +178,7 @@ async fn token_stack(pr_diff: String) -> (FakeGitHub, Stack, tempfile::NamedTemp
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_success_that_uses_the_last_request_stops_the_delivery_until_the_reset() {
     let pr_diff = file("src/a.rs", "let a = x.unwrap();");
-    let (fake, stack, _token) = token_stack(pr_diff.clone()).await;
+    let (fake, stack, _token) = token_stack(11, pr_diff.clone()).await;
     // The delivery's first request is answered 200 with no requests left, resetting
     // 2 s later; GitHub refuses every request until then.
     fake.primary_limit(1, Duration::from_secs(2));
@@ -208,7 +197,7 @@ async fn a_success_that_uses_the_last_request_stops_the_delivery_until_the_reset
 async fn reviews_of_one_pull_request_are_posted_a_second_apart_after_a_secondary_limit() {
     let files: Vec<String> =
         (0..6).map(|i| file(&format!("src/m{i}.rs"), &format!("let v{i} = q.unwrap();"))).collect();
-    let (fake, stack, _token) = token_stack(files.concat()).await;
+    let (fake, stack, _token) = token_stack(11, files.concat()).await;
     // The first review to post meets a secondary limit (retry-after 2): every delivery
     // to the account waits, then all six are due at once.
     fake.secondary_limit([2]);

@@ -625,6 +625,14 @@ mod tests {
         assert_eq!(plan(&[seen], &existing, &commentable, 20, false), None);
     }
 
+    fn headers(pairs: &[(&'static str, &str)]) -> reqwest::header::HeaderMap {
+        let mut m = reqwest::header::HeaderMap::new();
+        for (k, v) in pairs {
+            m.insert(*k, v.parse().unwrap());
+        }
+        m
+    }
+
     #[test]
     fn content_requests_take_turns_an_interval_apart() {
         let s = Duration::from_secs(1);
@@ -636,13 +644,7 @@ mod tests {
 
     #[test]
     fn limit_answers_are_told_apart() {
-        let h = |pairs: &[(&'static str, &str)]| {
-            let mut m = reqwest::header::HeaderMap::new();
-            for (k, v) in pairs {
-                m.insert(*k, v.parse().unwrap());
-            }
-            m
-        };
+        let h = headers;
         assert_eq!(limit_kind(403, &h(&[("retry-after", "60")])), Some("secondary"));
         assert_eq!(limit_kind(429, &h(&[])), Some("secondary"));
         assert_eq!(limit_kind(403, &h(&[("x-ratelimit-remaining", "0")])), Some("primary"));
@@ -652,13 +654,7 @@ mod tests {
 
     #[test]
     fn limits_are_read_from_githubs_headers() {
-        let h = |pairs: &[(&'static str, &str)]| {
-            let mut m = reqwest::header::HeaderMap::new();
-            for (k, v) in pairs {
-                m.insert(*k, v.parse().unwrap());
-            }
-            m
-        };
+        let h = headers;
         assert_eq!(limit_delay(429, &h(&[("retry-after", "7")]), 1000), Some(Duration::from_secs(7)));
         assert_eq!(limit_delay(403, &h(&[("retry-after", "2")]), 1000), Some(Duration::from_secs(2)));
         let primary = h(&[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", "1030")]);

@@ -86,7 +86,7 @@ impl Worker {
         let kept = async {
             let mut trace = async_nats::HeaderMap::new();
             reviewlane_shared::telemetry::inject_nats(&mut trace);
-            self.with_store_retry_until(job, lease.rec.deadline_ms, "keep", || async {
+            self.keep_paid(job, lease, "keep", || async {
                 self.faults.check(point::EXTRACTOR_KEEP)?;
                 self.results.keep(&result, &trace).await
             })
@@ -100,39 +100,55 @@ impl Worker {
                 self.store_in_cache(job, &v, tokens).await;
             }
         };
-        // The grace of a shutdown is over: the answer is dropped and the message handed
-        // back at once, so another replica calls again (paid twice, lost never).
-        let kept = tokio::select! {
-            (kept, ()) = async { tokio::join!(kept, cached) } => kept,
-            _ = self.abort.cancelled() => {
-                tracing::warn!("shutting down before the answer could be kept; the job goes back for another call");
-                return Decision::Release(None);
-            }
-        };
-        match kept {
+        match tokio::join!(kept, cached).0 {
             Ok(at) => {
                 span.record("stored", if at == reviewlane_shared::results::Kept::Inline { "inline" } else { "object" });
                 self.metrics.kept(at);
                 self.metrics.validated(n, v.quarantined.iter().map(|q| q.reason.as_str()));
                 Decision::Validated { findings: n, quarantined: q, dropped }
             }
-            Err(e) => {
-                self.health.refused(self.region, &e);
-                tracing::error!(error = %e, kind = e.kind(), "a paid answer could not be kept");
-                // Retried until the deadline: the job is late; refused for good: the store's.
-                let reason = if e.is_retryable() {
-                    TerminalReason::DeadlineExceeded
-                } else {
-                    TerminalReason::StoreBudgetExhausted
-                };
-                Decision::Terminal { reason, status: Some("2xx".into()) }
-            }
+            Err(unkept) => unkept,
         }
     }
 
+    /// Stores a paid answer that exists only in this worker: retried with backoff, the
+    /// lease kept alive, until the store takes it or the job's deadline passes. `Err` is
+    /// what the job comes to when it cannot be kept: `deadline_exceeded` (retried to
+    /// the deadline), `store_budget_exhausted` (refused for good), or handed back at
+    /// once when a shutdown's grace is over (another replica calls again: paid twice,
+    /// lost never).
+    pub(super) async fn keep_paid<T, F, Fut>(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        what: &'static str,
+        write: F,
+    ) -> Result<T, Decision>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let until = lease.rec.deadline_ms.map(|d| {
+            tokio::time::Instant::now() + std::time::Duration::from_millis(d.saturating_sub(self.clock.now_ms()))
+        });
+        let kept = tokio::select! {
+            kept = self.store_retry.run_until(until, write, |e, attempt, delay| self.store_retried(job, what, e, attempt, delay)) => kept,
+            _ = self.abort.cancelled() => {
+                tracing::warn!(what, "shutting down before a paid answer could be kept; the job goes back for another call");
+                return Err(Decision::Release(None));
+            }
+        };
+        kept.map_err(|e| {
+            self.health.refused(self.region, &e);
+            tracing::error!(what, error = %e, kind = e.kind(), "a paid answer could not be kept");
+            let reason =
+                if e.is_retryable() { TerminalReason::DeadlineExceeded } else { TerminalReason::StoreBudgetExhausted };
+            Decision::Terminal { reason, status: Some("2xx".into()) }
+        })
+    }
+
     /// Runs a store write, retrying retryable failures with backoff up to the store
-    /// budget. The lease is kept alive meanwhile (progress acks): the answer exists only
-    /// in this worker until the write succeeds, and the budget is seconds, not minutes.
+    /// budget, the lease kept alive meanwhile (progress acks).
     pub(super) async fn with_store_retry<T, F, Fut>(
         &self,
         job: &Job<'_>,
@@ -143,41 +159,30 @@ impl Worker {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
     {
-        self.with_store_retry_until(job, None, what, write).await
+        self.store_retry.run(write, |e, attempt, delay| self.store_retried(job, what, e, attempt, delay)).await
     }
 
-    /// As `with_store_retry`, for as long as it takes up to `deadline_ms` (on the
-    /// worker's clock) when there is one.
-    pub(super) async fn with_store_retry_until<T, F, Fut>(
+    /// Between two tries of a store write: counted, logged, and the lease kept alive.
+    fn store_retried(
         &self,
         job: &Job<'_>,
-        deadline_ms: Option<u64>,
         what: &'static str,
-        write: F,
-    ) -> Result<T, StoreError>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, StoreError>>,
-    {
-        let until = deadline_ms.map(|d| {
-            tokio::time::Instant::now() + std::time::Duration::from_millis(d.saturating_sub(self.clock.now_ms()))
-        });
-        self.store_retry
-            .run_until(until, write, |e: &StoreError, attempt, delay: std::time::Duration| {
-                self.health.refused(self.region, e);
-                tracing::warn!(
-                    what,
-                    kind = e.kind(),
-                    attempt,
-                    delay_ms = delay.as_millis() as u64,
-                    "store write failed; retrying the write"
-                );
-                self.metrics.store_retry(e.kind());
-                // The lease stays alive meanwhile.
-                async {
-                    let _ = job.msg.ack_with(AckKind::Progress).await;
-                }
-            })
-            .await
+        e: &StoreError,
+        attempt: u32,
+        delay: std::time::Duration,
+    ) -> impl Future<Output = ()> + use<> {
+        self.health.refused(self.region, e);
+        tracing::warn!(
+            what,
+            kind = e.kind(),
+            attempt,
+            delay_ms = delay.as_millis() as u64,
+            "store write failed; retrying the write"
+        );
+        self.metrics.store_retry(e.kind());
+        let msg = job.msg.clone();
+        async move {
+            let _ = msg.ack_with(AckKind::Progress).await;
+        }
     }
 }

@@ -177,7 +177,7 @@ impl Worker {
     pub(super) async fn keep_part(&self, job: &Job<'_>, lease: &Lease, index: u32, v: Validated) -> Decision {
         let result = FindingsMessage { part: Some(index), ..self.result_message(job, lease, &v) };
         let kept = self
-            .with_store_retry(job, "keep part", || async {
+            .keep_paid(job, lease, "keep part", || async {
                 self.faults.check(point::EXTRACTOR_KEEP)?;
                 self.results.keep_part(&result, &async_nats::HeaderMap::new()).await
             })
@@ -194,10 +194,7 @@ impl Worker {
                     release: true,
                 }
             }
-            Err(e) => {
-                tracing::error!(error = %e, kind = e.kind(), "a paid part answer could not be kept");
-                Decision::Terminal { reason: TerminalReason::StoreBudgetExhausted, status: Some("2xx".into()) }
-            }
+            Err(unkept) => unkept,
         }
     }
 
