@@ -8,6 +8,73 @@ use crate::region::Lane;
 /// `google.rpc.ErrorInfo.domain` of every error reviewlane returns.
 pub const ERROR_DOMAIN: &str = "reviewlane";
 
+/// `google.rpc.ErrorInfo.reason` of every error reviewlane returns: the closed set a
+/// caller branches on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    ApiKeyMissing,
+    ApiKeyMalformed,
+    ApiKeyInvalid,
+    InvalidField,
+    MalformedRequest,
+    RequestTooLarge,
+    ReviewNotFound,
+    IdempotencyKeyReused,
+    LaneFull,
+    LaneOverWindow,
+    TooManyWatches,
+    RegionStoreUnavailable,
+    RegionStoreFull,
+    ShuttingDown,
+    ContentExpired,
+    OperatorRoleRequired,
+    Internal,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 17] = [
+        Reason::ApiKeyMissing,
+        Reason::ApiKeyMalformed,
+        Reason::ApiKeyInvalid,
+        Reason::InvalidField,
+        Reason::MalformedRequest,
+        Reason::RequestTooLarge,
+        Reason::ReviewNotFound,
+        Reason::IdempotencyKeyReused,
+        Reason::LaneFull,
+        Reason::LaneOverWindow,
+        Reason::TooManyWatches,
+        Reason::RegionStoreUnavailable,
+        Reason::RegionStoreFull,
+        Reason::ShuttingDown,
+        Reason::ContentExpired,
+        Reason::OperatorRoleRequired,
+        Reason::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::ApiKeyMissing => "API_KEY_MISSING",
+            Reason::ApiKeyMalformed => "API_KEY_MALFORMED",
+            Reason::ApiKeyInvalid => "API_KEY_INVALID",
+            Reason::InvalidField => "INVALID_FIELD",
+            Reason::MalformedRequest => "MALFORMED_REQUEST",
+            Reason::RequestTooLarge => "REQUEST_TOO_LARGE",
+            Reason::ReviewNotFound => "REVIEW_NOT_FOUND",
+            Reason::IdempotencyKeyReused => "IDEMPOTENCY_KEY_REUSED",
+            Reason::LaneFull => "LANE_FULL",
+            Reason::LaneOverWindow => "LANE_OVER_WINDOW",
+            Reason::TooManyWatches => "TOO_MANY_WATCHES",
+            Reason::RegionStoreUnavailable => "REGION_STORE_UNAVAILABLE",
+            Reason::RegionStoreFull => "REGION_STORE_FULL",
+            Reason::ShuttingDown => "SHUTTING_DOWN",
+            Reason::ContentExpired => "CONTENT_EXPIRED",
+            Reason::OperatorRoleRequired => "OPERATOR_ROLE_REQUIRED",
+            Reason::Internal => "INTERNAL",
+        }
+    }
+}
+
 pub fn lane_from_proto(v: i32) -> Option<Lane> {
     match proto::Lane::try_from(v).ok()? {
         proto::Lane::Unspecified | proto::Lane::Interactive => Some(Lane::Interactive),
@@ -213,6 +280,18 @@ pub fn dead_letter(d: &crate::messages::DeadLetter, content_available: bool) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_reasons_are_distinct_upper_snake_names() {
+        let names: std::collections::BTreeSet<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(names.len(), Reason::ALL.len());
+        assert!(names.iter().all(|n| n.chars().all(|c| c.is_ascii_uppercase() || c == '_')), "{names:?}");
+        // Every reason a caller can meet is in the README's list.
+        let readme = include_str!("../../README.md");
+        for n in names {
+            assert!(readme.contains(&format!("`{n}`")), "README does not list {n}");
+        }
+    }
 
     #[test]
     fn every_terminal_reason_has_its_enum_with_the_same_name() {

@@ -69,8 +69,11 @@ pub fn decode_status(e: &prost::DecodeError) -> Status {
     } else {
         what
     };
-    let details =
-        ErrorDetails::with_error_info("MALFORMED_REQUEST", crate::api::ERROR_DOMAIN, std::collections::HashMap::new());
+    let details = ErrorDetails::with_error_info(
+        crate::api::Reason::MalformedRequest.as_str(),
+        crate::api::ERROR_DOMAIN,
+        std::collections::HashMap::new(),
+    );
     Status::with_error_details(tonic::Code::InvalidArgument, message, details)
 }
 

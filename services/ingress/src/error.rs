@@ -9,6 +9,7 @@ use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
 use reviewlane_shared::api::ERROR_DOMAIN as DOMAIN;
+pub use reviewlane_shared::api::Reason;
 
 /// How long a caller should wait before retrying after `UNAVAILABLE`.
 const UNAVAILABLE_RETRY: Duration = Duration::from_secs(1);
@@ -32,11 +33,11 @@ impl AuthFailure {
         }
     }
 
-    fn reason(self) -> &'static str {
+    fn reason(self) -> Reason {
         match self {
-            AuthFailure::Missing => "API_KEY_MISSING",
-            AuthFailure::Malformed => "API_KEY_MALFORMED",
-            AuthFailure::Unknown => "API_KEY_INVALID",
+            AuthFailure::Missing => Reason::ApiKeyMissing,
+            AuthFailure::Malformed => Reason::ApiKeyMalformed,
+            AuthFailure::Unknown => Reason::ApiKeyInvalid,
         }
     }
 }
@@ -53,21 +54,20 @@ pub enum ApiError {
     AlreadyExists,
     /// `reason`: the `ErrorInfo` reason (`LANE_FULL`, `LANE_OVER_WINDOW`, ...).
     #[error("{what}; retry later")]
-    ResourceExhausted { reason: &'static str, what: &'static str, retry_after: Duration },
-    #[error("region store unavailable")]
-    Unavailable(#[source] anyhow::Error),
-    /// The region's store is out of space: nothing can be accepted until room is made.
-    #[error("region store full")]
-    StoreFull,
+    ResourceExhausted { reason: Reason, what: &'static str, retry_after: Duration },
+    /// The region's store failed the call: unavailable or full (`UNAVAILABLE`, retried
+    /// with the same idempotency key), or refused it for good (`INTERNAL`).
+    #[error("region store: {0}")]
+    Store(#[source] StoreError),
     /// The server cannot go on with a stream (shutting down, store connection lost).
     #[error("{what}")]
-    StreamInterrupted { reason: &'static str, what: &'static str },
+    StreamInterrupted { reason: Reason, what: &'static str },
     /// The caller's key may not do this (`reason`: the `ErrorInfo` reason).
     #[error("{what}")]
-    PermissionDenied { reason: &'static str, what: &'static str },
+    PermissionDenied { reason: Reason, what: &'static str },
     /// The request cannot be served as things stand (`reason`: the `ErrorInfo` reason).
     #[error("{what}")]
-    FailedPrecondition { reason: &'static str, what: &'static str },
+    FailedPrecondition { reason: Reason, what: &'static str },
     /// The request is larger than the server decodes (`limit` bytes, the largest diff
     /// limit with room for the rest of the request).
     #[error("the request is over the server's limit of {limit} bytes")]
@@ -86,9 +86,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::NotFound => ApiError::NotFound,
-            StoreError::Full(_) => ApiError::StoreFull,
-            e if e.is_retryable() => ApiError::Unavailable(anyhow::anyhow!(e)),
-            other => ApiError::Internal(anyhow::anyhow!(other)),
+            e => ApiError::Store(e),
         }
     }
 }
@@ -98,14 +96,14 @@ impl From<StoreError> for ApiError {
 fn status(
     code: Code,
     message: impl Into<String>,
-    reason: &str,
+    reason: Reason,
     metadata: &[(&str, &str)],
     retry: Option<Duration>,
     mut details: ErrorDetails,
 ) -> Status {
     let metadata: std::collections::HashMap<String, String> =
         metadata.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    details.set_error_info(reason, DOMAIN, metadata);
+    details.set_error_info(reason.as_str(), DOMAIN, metadata);
     if let Some(delay) = retry {
         details.set_retry_info(Some(delay));
     }
@@ -120,16 +118,16 @@ impl From<ApiError> for Status {
             ApiError::InvalidArgument { field, description } => status(
                 Code::InvalidArgument,
                 format!("{field}: {description}"),
-                "INVALID_FIELD",
+                Reason::InvalidField,
                 &[("field", field)],
                 None,
                 ErrorDetails::with_bad_request_violation(field, description),
             ),
-            ApiError::NotFound => status(Code::NotFound, "review not found", "REVIEW_NOT_FOUND", &[], None, none()),
+            ApiError::NotFound => status(Code::NotFound, "review not found", Reason::ReviewNotFound, &[], None, none()),
             ApiError::AlreadyExists => status(
                 Code::AlreadyExists,
                 "idempotency key already used for a different request",
-                "IDEMPOTENCY_KEY_REUSED",
+                Reason::IdempotencyKeyReused,
                 &[],
                 None,
                 none(),
@@ -137,27 +135,31 @@ impl From<ApiError> for Status {
             ApiError::ResourceExhausted { reason, what, retry_after } => {
                 status(Code::ResourceExhausted, format!("{what}; retry later"), reason, &[], Some(retry_after), none())
             }
-            ApiError::Unavailable(cause) => {
-                tracing::warn!(error = %cause, "region store unavailable");
+            ApiError::Store(e @ StoreError::Full(_)) => {
+                tracing::warn!(error = %e, "region store full");
+                status(
+                    Code::Unavailable,
+                    "the region's store is full; retry later with the same idempotency key",
+                    Reason::RegionStoreFull,
+                    &[],
+                    Some(STORE_FULL_RETRY),
+                    none(),
+                )
+            }
+            ApiError::Store(e) if e.is_retryable() => {
+                tracing::warn!(error = %e, kind = e.kind(), "region store unavailable");
                 status(
                     Code::Unavailable,
                     "region store unavailable; retry with the same idempotency key",
-                    "REGION_STORE_UNAVAILABLE",
+                    Reason::RegionStoreUnavailable,
                     &[],
                     Some(UNAVAILABLE_RETRY),
                     none(),
                 )
             }
-            ApiError::StoreFull => {
-                tracing::warn!("region store full");
-                status(
-                    Code::Unavailable,
-                    "the region's store is full; retry later with the same idempotency key",
-                    "REGION_STORE_FULL",
-                    &[],
-                    Some(STORE_FULL_RETRY),
-                    none(),
-                )
+            ApiError::Store(e) => {
+                tracing::error!(error = %e, kind = e.kind(), "region store refused the call");
+                status(Code::Internal, "internal error", Reason::Internal, &[], None, none())
             }
             ApiError::StreamInterrupted { reason, what } => {
                 status(Code::Unavailable, what, reason, &[], Some(UNAVAILABLE_RETRY), none())
@@ -175,7 +177,7 @@ impl From<ApiError> for Status {
                 status(
                     Code::InvalidArgument,
                     description.clone(),
-                    "REQUEST_TOO_LARGE",
+                    Reason::RequestTooLarge,
                     &[("field", "diff"), ("limit_bytes", &limit.to_string())],
                     None,
                     ErrorDetails::with_bad_request_violation("diff", description),
@@ -183,7 +185,7 @@ impl From<ApiError> for Status {
             }
             ApiError::Internal(cause) => {
                 tracing::error!(error = %cause, "internal error");
-                status(Code::Internal, "internal error", "INTERNAL", &[], None, none())
+                status(Code::Internal, "internal error", Reason::Internal, &[], None, none())
             }
         }
     }
@@ -203,9 +205,12 @@ mod tests {
 
     #[test]
     fn resource_exhausted_carries_retry_info() {
-        let s: Status =
-            ApiError::ResourceExhausted { reason: "LANE_FULL", what: "lane full", retry_after: Duration::from_secs(3) }
-                .into();
+        let s: Status = ApiError::ResourceExhausted {
+            reason: Reason::LaneFull,
+            what: "lane full",
+            retry_after: Duration::from_secs(3),
+        }
+        .into();
         assert_eq!(s.code(), Code::ResourceExhausted);
         assert_eq!(s.get_details_retry_info().unwrap().retry_delay, Some(Duration::from_secs(3)));
         let info = s.get_details_error_info().unwrap();
@@ -227,15 +232,16 @@ mod tests {
             ApiError::NotFound,
             ApiError::AlreadyExists,
             ApiError::ResourceExhausted {
-                reason: "LANE_FULL",
+                reason: Reason::LaneFull,
                 what: "lane is full",
                 retry_after: Duration::from_secs(1),
             },
-            ApiError::Unavailable(anyhow::anyhow!("timed out")),
-            ApiError::StoreFull,
-            ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" },
-            ApiError::FailedPrecondition { reason: "CONTENT_EXPIRED", what: "content expired" },
-            ApiError::PermissionDenied { reason: "OPERATOR_ROLE_REQUIRED", what: "operators only" },
+            ApiError::Store(StoreError::Timeout(async_nats::Error::from("timed out"))),
+            ApiError::Store(StoreError::Full(async_nats::Error::from("full"))),
+            ApiError::Store(StoreError::Corrupt),
+            ApiError::StreamInterrupted { reason: Reason::ShuttingDown, what: "server shutting down; watch again" },
+            ApiError::FailedPrecondition { reason: Reason::ContentExpired, what: "content expired" },
+            ApiError::PermissionDenied { reason: Reason::OperatorRoleRequired, what: "operators only" },
             ApiError::RequestTooLarge { limit: 1024 },
             ApiError::Internal(anyhow::anyhow!("x")),
         ];

@@ -53,7 +53,7 @@ impl ReviewApi {
         }
         let Some(old) = dead_letters(handle).content(&dead).await? else {
             return Err(ApiError::FailedPrecondition {
-                reason: "CONTENT_EXPIRED",
+                reason: Reason::ContentExpired,
                 what: "the dead letter's content is no longer kept (its retention ended); submit the review again",
             });
         };

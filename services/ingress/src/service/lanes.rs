@@ -9,13 +9,9 @@ impl ReviewApi {
         let handle = self.region(region)?;
         let mut out = Vec::new();
         for lane in reviewlane_shared::Lane::ALL {
-            let mut stream = handle
-                .layout
-                .js
-                .get_stream(layout::lane_stream(region, lane))
-                .await
-                .map_err(|e| ApiError::Unavailable(e.into()))?;
-            let info = stream.info().await.map_err(|e| ApiError::Unavailable(e.into()))?;
+            let mut stream =
+                handle.layout.js.get_stream(layout::lane_stream(region, lane)).await.map_err(StoreError::other)?;
+            let info = stream.info().await.map_err(StoreError::other)?;
             let depth = info.state.messages;
             let oldest_age = (depth > 0).then(|| {
                 let age = time::OffsetDateTime::now_utc() - info.state.first_timestamp;

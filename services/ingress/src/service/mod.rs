@@ -38,7 +38,7 @@ use tracing::{Instrument, instrument};
 
 use crate::admission::{Decision, LanePolicy, Sampler, decide_for_tenant};
 use crate::auth::Authenticator;
-use crate::error::ApiError;
+use crate::error::{ApiError, Reason};
 use crate::rpc::Metrics;
 
 mod dead_letters;
@@ -123,10 +123,8 @@ impl ReviewApi {
 
     /// A write a region's store refused, counted.
     fn note_store(&self, region: Region, e: &ApiError) {
-        match e {
-            ApiError::StoreFull => self.health.refused_kind(region, "full"),
-            ApiError::Unavailable(_) => self.health.refused_kind(region, "unavailable"),
-            _ => {}
+        if let ApiError::Store(e) = e {
+            self.health.refused(region, e);
         }
     }
 
@@ -146,7 +144,7 @@ impl ReviewApi {
             .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.limits.max_watches_per_tenant)))
             .clone();
         sem.try_acquire_owned().map_err(|_| ApiError::ResourceExhausted {
-            reason: "TOO_MANY_WATCHES",
+            reason: Reason::TooManyWatches,
             what: "too many open watches for this tenant",
             retry_after: Duration::from_secs(5),
         })
@@ -332,7 +330,7 @@ impl ReviewService for ReviewApi {
         self.call("ListLanes", req, |caller, _| async move {
             if caller.role != Role::Operator {
                 return Err(ApiError::PermissionDenied {
-                    reason: "OPERATOR_ROLE_REQUIRED",
+                    reason: Reason::OperatorRoleRequired,
                     what: "listing lanes needs an operator key",
                 });
             }

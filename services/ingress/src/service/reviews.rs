@@ -48,7 +48,7 @@ impl ReviewApi {
                             }
                             None => {
                                 let lost = ApiError::StreamInterrupted {
-                                    reason: "REGION_STORE_UNAVAILABLE",
+                                    reason: Reason::RegionStoreUnavailable,
                                     what: "region store connection lost; watch again",
                                 };
                                 let _ = tx.send(Err(lost.into())).await;
@@ -61,7 +61,7 @@ impl ReviewApi {
                         },
                         _ = keepalive.tick() => {}
                         _ = shutdown.cancelled() => {
-                            let down = ApiError::StreamInterrupted { reason: "SHUTTING_DOWN", what: "server shutting down; watch again" };
+                            let down = ApiError::StreamInterrupted { reason: Reason::ShuttingDown, what: "server shutting down; watch again" };
                             let _ = tx.send(Err(down.into())).await;
                             return;
                         }

@@ -41,7 +41,7 @@ impl ReviewApi {
                 _ => {
                     tracing::info!(retry_after_ms = retry_after.as_millis() as u64, "refused: lane over its window");
                     return Err(ApiError::ResourceExhausted {
-                        reason: "LANE_OVER_WINDOW",
+                        reason: Reason::LaneOverWindow,
                         what: "the tenant's share of the lane is over its service window",
                         retry_after,
                     });
@@ -279,13 +279,15 @@ pub(super) async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage, payload:
         .js
         .publish_with_headers(subject, headers, payload.into())
         .await
-        .map_err(|e| ApiError::Unavailable(e.into()))?
+        .map_err(StoreError::publish)?
         .await;
     match ack {
         Ok(_) => Ok(()),
-        Err(e) if is_stream_full(&e) => {
-            Err(ApiError::ResourceExhausted { reason: "LANE_FULL", what: "lane is full", retry_after: LANE_FULL_RETRY })
-        }
+        Err(e) if is_stream_full(&e) => Err(ApiError::ResourceExhausted {
+            reason: Reason::LaneFull,
+            what: "lane is full",
+            retry_after: LANE_FULL_RETRY,
+        }),
         // The server out of space is a full store, not a full lane.
         Err(e) => Err(StoreError::publish(e).into()),
     }
