@@ -166,7 +166,7 @@ async fn three_replicas_never_exceed_the_key_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scope_pause_and_an_open_circuit_end_when_the_clock_passes_them() {
-    use reviewlane_extractor::quota::{Quota, Scope};
+    use reviewlane_extractor::quota::Quota;
     use reviewlane_shared::clock::ManualClock;
     let nats = reviewlane_shared::testing::NatsServer::start_provisioned(reviewlane_shared::Region::Us).await;
     let s = crate::manual::stores(nats.url(), reviewlane_shared::Region::Us, reviewlane_shared::clock::system()).await;
@@ -180,18 +180,17 @@ async fn a_scope_pause_and_an_open_circuit_end_when_the_clock_passes_them() {
     };
     let quota =
         Quota::new(s.layout.quota.clone(), client, key, Duration::from_secs(1), Duration::from_secs(60), clock.clone());
-    let scope = Scope { provider: "openai".into(), model_class: "m".into(), tenant: "acme".into() };
-    quota.pause(&scope, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(quota.paused_for(&scope), Some(Duration::from_secs(30)));
+    quota.pause(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(quota.paused_for(), Some(Duration::from_secs(30)));
     clock.advance(Duration::from_secs(29));
-    assert_eq!(quota.paused_for(&scope), Some(Duration::from_secs(1)));
+    assert_eq!(quota.paused_for(), Some(Duration::from_secs(1)));
     clock.advance(Duration::from_secs(1));
-    assert_eq!(quota.paused_for(&scope), None, "the pause ends on the clock, not on a timer");
+    assert_eq!(quota.paused_for(), None, "the pause ends on the clock, not on a timer");
 
-    quota.open_circuit(&scope, Duration::from_secs(600)).await.unwrap();
-    assert!(quota.circuit_open(&scope));
+    quota.open_circuit(Duration::from_secs(600)).await.unwrap();
+    assert!(quota.circuit_open());
     clock.advance(Duration::from_secs(600));
-    assert!(!quota.circuit_open(&scope));
+    assert!(!quota.circuit_open());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -272,7 +272,7 @@ pub async fn serve<F, Fut>(
         // ends or their deadline passes.
         let pull_ok = || {
             quota.allowance(&l.scope) > 0
-                && (quota.paused_for(&l.scope).is_some()
+                && (quota.paused_for().is_some()
                     || l.lane == Lane::Interactive
                     || !backlog.get()
                     || slots.batch_below_min())
@@ -298,7 +298,7 @@ pub async fn serve<F, Fut>(
                 continue;
             }
         };
-        if let Some(remaining) = quota.paused_for(&l.scope) {
+        if let Some(remaining) = quota.paused_for() {
             match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
                 WhilePaused::Late => {
                     tasks.spawn(run(Work::Late { msg: Box::new(msg), scope: l.scope.clone() }));
@@ -340,7 +340,7 @@ async fn admit(
         }
     };
     loop {
-        if let Some(remaining) = quota.paused_for(&l.scope) {
+        if let Some(remaining) = quota.paused_for() {
             hand_back(ticket);
             // Until the pause ends, or just past the deadline (then ended as late).
             let delay = match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {

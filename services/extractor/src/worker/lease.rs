@@ -77,7 +77,7 @@ impl Worker {
                 let lease = Lease::written(rec, revision);
                 // The provider account is out of money: end the job without paying for a
                 // call (under the lease, so no other holder's job is ended).
-                if self.quota.circuit_open(job.scope) {
+                if self.quota.circuit_open() {
                     let decision = Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: None };
                     return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
                 }

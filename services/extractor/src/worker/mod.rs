@@ -301,9 +301,9 @@ impl Worker {
                     }
                 };
                 // Kept (or ended): now the shared scope state may learn from the answer.
-                self.quota.succeeded(job.scope, started_ms).await;
+                self.quota.succeeded(started_ms).await;
                 if let Some(d) = slow_down
-                    && let Err(e) = self.quota.pause(job.scope, d).await
+                    && let Err(e) = self.quota.pause(d).await
                 {
                     tracing::warn!(error = %e, "recording a headroom pause failed");
                 }
@@ -318,7 +318,7 @@ impl Worker {
                 let delay = retry_after.unwrap_or_else(|| {
                     self.backoff(job.review).delay(lease.rec.attempts.congestion + 1, rand::random::<f64>())
                 });
-                if let Err(e) = self.quota.rate_limited(job.scope, delay, started_ms).await {
+                if let Err(e) = self.quota.rate_limited(delay, started_ms).await {
                     tracing::warn!(error = %e, "recording the scope pause failed");
                 }
                 Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status, invalid: None }
@@ -328,7 +328,7 @@ impl Worker {
             }
             UpstreamOutcome::QuotaExhausted => {
                 tracing::error!("provider account out of quota; circuit open for the scope");
-                if let Err(e) = self.quota.open_circuit(job.scope, self.circuit_open_for).await {
+                if let Err(e) = self.quota.open_circuit(self.circuit_open_for).await {
                     tracing::warn!(error = %e, "recording the open circuit failed");
                 }
                 Decision::Terminal { reason: TerminalReason::InsufficientQuota, status }

@@ -1,0 +1,255 @@
+//! The fleet protocol on KV `QUOTA_<R>`: what the replicas of a region share about a
+//! key — its window, its pause, its circuit, their heartbeats — written with one
+//! compare-and-set step ([`cas`]) and followed by subscription.
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+use super::{Quota, Window};
+
+pub(super) const PAUSE_PREFIX: &str = "pause.";
+pub(super) const CIRCUIT_PREFIX: &str = "circuit.";
+pub(super) const WINDOW_PREFIX: &str = "window.";
+pub(super) const REPLICA_PREFIX: &str = "replica.";
+
+/// Compare-and-set tries before giving up on a contended entry.
+const CAS_TRIES: usize = 8;
+
+/// Why a write of the key's shared state failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error("quota store: {0}")]
+    Store(async_nats::Error),
+    #[error("the key's shared state kept changing under the compare-and-set")]
+    Contended,
+    #[error("quota value not encodable: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+impl FleetError {
+    fn store(e: impl Into<async_nats::Error>) -> Self {
+        FleetError::Store(e.into())
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct Pause {
+    pub until_ms: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Heartbeat {
+    at_ms: u64,
+    /// Calls this replica had running on the key when it beat.
+    #[serde(default)]
+    in_flight: u32,
+}
+
+/// One compare-and-set on `key`: `next` says what to write given the value there (or
+/// `None` to leave it as it is); it is written from the revision read (or created), and
+/// on a lost race read and asked again. The value written, or `None` when left.
+pub(super) async fn cas<T: Serialize + DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    mut next: impl FnMut(Option<T>) -> Option<T>,
+) -> Result<Option<T>, FleetError> {
+    for _ in 0..CAS_TRIES {
+        let entry = kv.entry(key).await.map_err(FleetError::store)?;
+        let (current, revision) = match &entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                (serde_json::from_slice::<T>(&e.value).ok(), Some(e.revision))
+            }
+            _ => (None, None),
+        };
+        let Some(value) = next(current) else { return Ok(None) };
+        let bytes: bytes::Bytes = serde_json::to_vec(&value)?.into();
+        let written = match revision {
+            Some(r) => match kv.update(key, bytes, r).await {
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => false,
+                other => other.map(|_| true).map_err(FleetError::store)?,
+            },
+            None => match kv.create(key, bytes).await {
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => false,
+                other => other.map(|_| true).map_err(FleetError::store)?,
+            },
+        };
+        if written {
+            return Ok(Some(value));
+        }
+    }
+    Err(FleetError::Contended)
+}
+
+impl Quota {
+    /// Announces this replica, loads the key's pause, circuit and window, and keeps them
+    /// current until `stop`.
+    pub async fn start(&self, stop: CancellationToken) -> Result<(), FleetError> {
+        // Follow first, then read what is there: nothing falls in between.
+        let prefix = self.kv.prefix.clone();
+        let subscribe = |what: &str| self.client.subscribe(format!("{prefix}{what}{}", self.key));
+        let mut pauses = subscribe(PAUSE_PREFIX).await.map_err(FleetError::store)?;
+        let mut circuits = subscribe(CIRCUIT_PREFIX).await.map_err(FleetError::store)?;
+        let mut windows = subscribe(WINDOW_PREFIX).await.map_err(FleetError::store)?;
+        self.beat().await?;
+        self.refresh_live().await?;
+        // Others that start now must see this replica before it takes a share.
+        self.ledger().warm_until_ms = self.now_ms() + 2 * self.heartbeat.as_millis() as u64;
+        for (what, note) in [
+            (PAUSE_PREFIX, Quota::note_pause as fn(&Quota, &[u8])),
+            (CIRCUIT_PREFIX, Quota::note_circuit),
+            (WINDOW_PREFIX, Quota::note_window),
+        ] {
+            if let Some(v) = self.kv.get(format!("{what}{}", self.key)).await.map_err(FleetError::store)? {
+                note(self, &v);
+            }
+        }
+        let q = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(q.heartbeat);
+            loop {
+                tokio::select! {
+                    m = pauses.next() => match m { Some(m) => q.note_pause(&m.payload), None => return },
+                    m = circuits.next() => match m { Some(m) => q.note_circuit(&m.payload), None => return },
+                    m = windows.next() => match m { Some(m) => q.note_window(&m.payload), None => return },
+                    _ = tick.tick() => {
+                        if let Err(e) = q.beat().await { tracing::warn!(error = %e, "heartbeat failed"); }
+                        if let Err(e) = q.refresh_live().await { tracing::warn!(error = %e, "reading replicas failed"); }
+                        // A pause or the warm-up may end without a message.
+                        q.changed.notify_waiters();
+                    }
+                    _ = stop.cancelled() => {
+                        let _ = q.kv.delete(format!("{REPLICA_PREFIX}{}", q.me)).await;
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+
+    pub(super) fn note_pause(&self, value: &[u8]) {
+        let Ok(p) = serde_json::from_slice::<Pause>(value) else { return };
+        let mut l = self.ledger();
+        l.paused_until_ms = l.paused_until_ms.max(p.until_ms);
+        drop(l);
+        self.changed.notify_waiters();
+    }
+
+    fn note_circuit(&self, value: &[u8]) {
+        let Ok(p) = serde_json::from_slice::<Pause>(value) else { return };
+        let mut l = self.ledger();
+        l.circuit_until_ms = l.circuit_until_ms.max(p.until_ms);
+    }
+
+    fn note_window(&self, value: &[u8]) {
+        let Ok(w) = serde_json::from_slice::<Window>(value) else { return };
+        let mut l = self.ledger();
+        l.window = w.merged(&l.window);
+        drop(l);
+        self.changed.notify_waiters();
+    }
+
+    /// Records the key's circuit open until `until_ms` for every replica.
+    pub(super) async fn share_circuit(&self, until_ms: u64) -> Result<(), FleetError> {
+        let value = serde_json::to_vec(&Pause { until_ms })?;
+        self.kv.put(format!("{CIRCUIT_PREFIX}{}", self.key), value.clone().into()).await.map_err(FleetError::store)?;
+        self.note_circuit(&value);
+        Ok(())
+    }
+
+    /// Records the key paused until `until_ms` for every replica, unless a later pause
+    /// is already recorded.
+    pub(super) async fn share_pause(&self, until_ms: u64) -> Result<(), FleetError> {
+        let key = format!("{PAUSE_PREFIX}{}", self.key);
+        cas(&self.kv, &key, |current: Option<Pause>| {
+            current.is_none_or(|p| p.until_ms < until_ms).then_some(Pause { until_ms })
+        })
+        .await?;
+        self.note_pause(&serde_json::to_vec(&Pause { until_ms })?);
+        Ok(())
+    }
+
+    async fn beat(&self) -> Result<(), FleetError> {
+        let in_flight = self.ledger().in_flight.values().sum();
+        let v = serde_json::to_vec(&Heartbeat { at_ms: self.now_ms(), in_flight })?;
+        self.kv.put(format!("{REPLICA_PREFIX}{}", self.me), v.into()).await.map_err(FleetError::store)?;
+        Ok(())
+    }
+
+    /// Re-reads the live replicas; returns how many others there are.
+    async fn refresh_live(&self) -> Result<usize, FleetError> {
+        let stale_after = 3 * self.heartbeat.as_millis() as u64;
+        let now = self.now_ms();
+        let mut live = Vec::new();
+        let mut others_in_flight = 0;
+        // A partial read would shrink the ranks and inflate this replica's share: any
+        // error keeps the previous view instead.
+        let mut keys = self.kv.keys().await.map_err(FleetError::store)?;
+        while let Some(key) = keys.next().await {
+            let key = key.map_err(FleetError::store)?;
+            let Some(id) = key.strip_prefix(REPLICA_PREFIX) else { continue };
+            let Some(v) = self.kv.get(&key).await.map_err(FleetError::store)? else { continue };
+            match serde_json::from_slice::<Heartbeat>(&v) {
+                Ok(h) if now.saturating_sub(h.at_ms) <= stale_after => {
+                    if id != self.me {
+                        others_in_flight += h.in_flight;
+                    }
+                    live.push(id.to_string());
+                }
+                // Long dead: tidy up.
+                Ok(h) if now.saturating_sub(h.at_ms) > 20 * stale_after => {
+                    let _ = self.kv.delete(&key).await;
+                }
+                _ => {}
+            }
+        }
+        if !live.contains(&self.me) {
+            live.push(self.me.clone());
+        }
+        live.sort();
+        let others = live.len() - 1;
+        let mut l = self.ledger();
+        l.others_in_flight = others_in_flight;
+        if l.live != live {
+            l.live = live;
+            drop(l);
+            self.changed.notify_waiters();
+        }
+        Ok(others)
+    }
+
+    /// Applies `event` to the key's window here and, when the fleet should know, to the
+    /// shared entry (the event re-applied to the entry as read, merged with ours).
+    pub(super) async fn update_window(&self, event: impl Fn(&mut Window)) -> Result<(), FleetError> {
+        let (differs, local) = {
+            let mut l = self.ledger();
+            let before = l.window;
+            event(&mut l.window);
+            (l.window.differs(&before), l.window)
+        };
+        if !differs {
+            return Ok(());
+        }
+        let key = format!("{WINDOW_PREFIX}{}", self.key);
+        let written = cas(&self.kv, &key, |shared: Option<Window>| {
+            Some(match shared {
+                Some(mut shared) => {
+                    event(&mut shared);
+                    shared.merged(&local)
+                }
+                None => local,
+            })
+        })
+        .await?;
+        if let Some(shared) = written {
+            let mut l = self.ledger();
+            l.window = shared.merged(&l.window);
+            drop(l);
+            self.changed.notify_waiters();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,219 @@
+//! Provider keys and quota scopes, and what every replica of a region shares about them
+//! through KV `QUOTA_<R>`.
+//!
+//! A provider key is one account with one limit; the quota scopes — `(provider, model
+//! class, tenant, region)` — are its children. The fleet's calls on a key stay within
+//! one congestion window for the whole fleet, whatever the number of replicas and
+//! tenants:
+//!
+//! - `window.<key>`: the key's congestion window (AIMD, see `Window`), shared: a 429
+//!   halves it once for the fleet, growth is written back when its level changes, and
+//!   every replica follows the entry. A new replica starts from the last-learned window.
+//! - `replica.<id>` = `{"at_ms": …}`: heartbeats. Each replica may run its share of the
+//!   window among the live replicas (rank-ordered, so the shares sum to the window, and
+//!   the minimum of one call holds for the fleet, not per replica). A replica whose
+//!   heartbeat expires drops out of the ranks at once: the survivors take its share on
+//!   their next heartbeat. A starting replica heartbeats for two periods before it takes
+//!   a share, so the others see it first and the shares never sum above the window.
+//! - `pause.<key>` = `{"until_ms": …}`: a 429 pauses the key, once, for every replica
+//!   (compare-and-set keeps the later time).
+//! - `circuit.<key>` = `{"until_ms": …}`: a 429 `insufficient_quota` (the account is out
+//!   of money); until then the key's jobs end at once with that reason.
+//!
+//! Within a replica's share, tenants take calls by weight (`fair_share`): a tenant below
+//! its weighted share is served before one above it, and a tenant alone takes it all.
+//! A tenant's `scope_limit` caps it across the fleet.
+//!
+//! The rooms: `scope` (names), `share` and `window` (pure arithmetic), `ledger` (the
+//! pure decisions of room, fairness and tenant caps, given the time), `fleet` (the
+//! protocol on `QUOTA_<R>`, one compare-and-set step, a typed error), and here the
+//! key-wide facade the scheduler and the worker call: what acts on the key takes no
+//! scope.
+
+mod fleet;
+mod ledger;
+mod scope;
+mod share;
+mod window;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use reviewlane_shared::clock::SharedClock;
+use tokio::sync::Notify;
+
+pub use fleet::FleetError;
+use ledger::Ledger;
+pub use scope::{KeyConfig, Scope};
+pub use share::{fair_share, share};
+pub use window::Window;
+
+/// Shared quota state of this replica for its provider key. Cheap to clone.
+#[derive(Clone)]
+pub struct Quota {
+    kv: kv::Store,
+    client: async_nats::Client,
+    me: String,
+    /// The provider key (account) token: `<provider>.<key id>`.
+    key: String,
+    heartbeat: Duration,
+    ledger: Arc<Mutex<Ledger>>,
+    /// Woken whenever a pause, a share, the window or an in-flight count changes.
+    pub changed: Arc<Notify>,
+    /// Pause times, heartbeats and windows are judged on this clock.
+    clock: SharedClock,
+}
+
+/// A running call in a scope; ends it when dropped.
+pub struct ScopeGuard {
+    quota: Quota,
+    token: String,
+}
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        self.quota.count(&self.token, -1, false);
+    }
+}
+
+/// A message of a scope waiting for a call; its tenant counts as wanting calls.
+pub struct Waiting {
+    quota: Quota,
+    token: String,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.quota.count(&self.token, -1, true);
+    }
+}
+
+impl Quota {
+    pub fn new(
+        kv: kv::Store,
+        client: async_nats::Client,
+        key: KeyConfig,
+        heartbeat: Duration,
+        probe_every: Duration,
+        clock: SharedClock,
+    ) -> Quota {
+        let me = format!("{:016x}", rand::random::<u64>());
+        let ledger = Ledger::new(me.clone(), key.limit, key.tenant_limits, key.weights, Window::new(probe_every));
+        Quota {
+            kv,
+            client,
+            me,
+            key: key.key,
+            heartbeat,
+            ledger: Arc::new(Mutex::new(ledger)),
+            changed: Arc::new(Notify::new()),
+            clock,
+        }
+    }
+
+    fn ledger(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().expect("quota lock")
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// This replica's id (its heartbeat key, and the owner it writes into leases).
+    pub fn replica_id(&self) -> &str {
+        &self.me
+    }
+
+    fn count(&self, token: &str, by: i32, waiting: bool) {
+        self.ledger().count(token, by, waiting);
+        self.changed.notify_waiters();
+    }
+
+    /// Whether the key's circuit is open (its account is out of quota).
+    pub fn circuit_open(&self) -> bool {
+        self.ledger().circuit_open(self.now_ms())
+    }
+
+    /// Opens the key's circuit for `open_for` on every replica: until then its jobs end
+    /// `insufficient_quota` without a call. After it, one call probes the account again.
+    pub async fn open_circuit(&self, open_for: Duration) -> Result<(), FleetError> {
+        self.share_circuit(self.now_ms() + open_for.as_millis() as u64).await
+    }
+
+    /// How long the key is still paused, if it is.
+    pub fn paused_for(&self) -> Option<Duration> {
+        self.ledger().paused_for(self.now_ms())
+    }
+
+    /// Calls this replica may run for `scope` at most now: its share of the key's window,
+    /// within the tenant's cap (0 while warming up or without a share).
+    pub fn allowance(&self, scope: &Scope) -> u32 {
+        self.ledger().allowance(&scope.tenant, self.now_ms())
+    }
+
+    /// The scope's current fair share on this replica (for the `scope_limit` gauge).
+    pub fn fair_share(&self, scope: &Scope) -> u32 {
+        let now = self.now_ms();
+        let l = self.ledger();
+        l.fair(&scope.token(), l.key_allowance(now))
+    }
+
+    /// Whether the start-up warm-up is over (the replica may take a share).
+    pub fn warmed_up(&self) -> bool {
+        self.ledger().warmed_up(self.now_ms())
+    }
+
+    /// The key's fleet window now.
+    pub fn fleet_window(&self) -> u32 {
+        let l = self.ledger();
+        l.window.fleet(l.key_limit)
+    }
+
+    /// Calls running in `scope` on this replica.
+    pub fn in_flight(&self, scope: &Scope) -> u32 {
+        self.ledger().in_flight.get(&scope.token()).copied().unwrap_or(0)
+    }
+
+    /// Counts a message of `scope` as waiting for a call until the guard drops.
+    pub fn waiting(&self, scope: &Scope) -> Waiting {
+        let token = scope.token();
+        self.count(&token, 1, true);
+        Waiting { quota: self.clone(), token }
+    }
+
+    /// Whether a call in `scope` may start now (see `Ledger::room`).
+    pub fn has_room(&self, scope: &Scope) -> bool {
+        self.ledger().room(&scope.token(), self.now_ms())
+    }
+
+    /// Starts a call in `scope` if there is room (`has_room`); `None` otherwise.
+    pub fn try_start(&self, scope: &Scope) -> Option<ScopeGuard> {
+        let token = scope.token();
+        let now = self.now_ms();
+        self.ledger().start(&token, now).then(|| ScopeGuard { quota: self.clone(), token })
+    }
+
+    /// Records a 429 for a call started at `started_ms`: pauses the key for every
+    /// replica (keeping a later pause), and narrows the fleet's window once per event.
+    pub async fn rate_limited(&self, pause: Duration, started_ms: u64) -> Result<(), FleetError> {
+        let now = self.now_ms();
+        let limit = self.ledger().key_limit;
+        self.update_window(|w| w.on_rate_limited_under(now, started_ms, pause, limit)).await?;
+        self.pause(pause).await
+    }
+
+    /// Pauses the key for `pause` from now, unless a later pause is already recorded.
+    pub async fn pause(&self, pause: Duration) -> Result<(), FleetError> {
+        self.share_pause(self.now_ms() + pause.as_millis() as u64).await
+    }
+
+    /// A call started at `started_ms` succeeded: the fleet's window may grow.
+    pub async fn succeeded(&self, started_ms: u64) {
+        let now = self.now_ms();
+        let cap = self.ledger().key_limit;
+        if let Err(e) = self.update_window(|w| w.on_call_success(cap, now, started_ms)).await {
+            tracing::warn!(error = %e, "recording the key's window failed");
+        }
+    }
+}
