@@ -1,16 +1,13 @@
-//! Load-test and test support for reviewlane: the simulated provider, a webhook
-//! receiver, a whole deployment in-process (`stack`) or as processes (`procs`), the
-//! load generator (`load`, `corpus`) and the load scenarios (`scenarios`).
+//! reviewlane's load generator (`load`, `corpus`) and load scenarios (`scenarios`,
+//! `chaos`, `replicas`, `large`), run by `cargo run --release -p loadtest -- <scenario>`.
+//! What they run against — the stack, the simulated provider, the webhook receiver, the
+//! fake GitHub — is the test kit (`reviewlane-testkit`), re-exported here by name.
 
 pub mod chaos;
 pub mod corpus;
-pub mod fakegithub;
-pub mod http;
 pub mod large;
 pub mod load;
-pub mod procs;
 pub mod replicas;
 pub mod scenarios;
-pub mod simprovider;
-pub mod stack;
-pub mod webhook;
+
+pub use reviewlane_testkit::{fakegithub, http, procs, simprovider, stack, webhook};

@@ -57,7 +57,7 @@ fn lane_sample(page: &str, name: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_age_rises_while_a_paused_scope_holds_work_and_falls_after_it_drains() {
-    use loadtest::simprovider::Scripted;
+    use reviewlane_testkit::simprovider::Scripted;
     use reviewlane_shared::proto::JobState;
 
     let stack = Stack::start().await;
@@ -137,7 +137,7 @@ fn referenced_metrics() -> std::collections::BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_alerts_and_dashboard_use_is_exposed_after_a_workload() {
-    use loadtest::simprovider::{Scripted, findings_for};
+    use reviewlane_testkit::simprovider::{Scripted, findings_for};
     use reviewlane_shared::proto::JobState;
 
     let stack = Stack::start().await;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use loadtest::simprovider::{Scripted, SimConfig};
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::proto::JobState;
 use reviewlane_shared::schema_dialect::SchemaDialect;
 

@@ -3,7 +3,7 @@
 //! Faults cost time, never jobs. The full run: `cargo run --release -p loadtest -- chaos`.
 
 use loadtest::chaos::{self, ChaosConfig};
-use loadtest::procs::{ProcStack, ensure_built, ensure_nats_server};
+use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_cost_time_never_jobs() {

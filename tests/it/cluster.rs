@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
-use loadtest::simprovider::SimConfig;
+use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::JobState;
 use reviewlane_shared::region::{Lane, Region};

@@ -124,14 +124,14 @@ fn runs(c: &Value, named_volumes: &Path) -> Vec<(String, Run)> {
 }
 
 fn check_config(run: &Run) -> std::process::Output {
-    let bin = loadtest::procs::bin_dir().unwrap().join(&run.binary);
+    let bin = reviewlane_testkit::procs::bin_dir().unwrap().join(&run.binary);
     assert!(bin.exists(), "{} is not built", bin.display());
     Command::new(bin).args(&run.args).arg("--check-config").env_clear().envs(&run.env).output().unwrap()
 }
 
 #[test]
 fn every_service_loads_its_whole_config_with_what_compose_gives_it() {
-    loadtest::procs::ensure_built().unwrap();
+    reviewlane_testkit::procs::ensure_built().unwrap();
     let volumes = tempfile::tempdir().unwrap();
     let c = compose();
     let runs = runs(&c, volumes.path());

@@ -2,7 +2,7 @@
 //! region's; a replay is a new job linked to the dead one, idempotent; a replay whose
 //! content's retention ended is FAILED_PRECONDITION.
 
-use loadtest::simprovider::Scripted;
+use reviewlane_testkit::simprovider::Scripted;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::{
     self, GetDeadLetterRequest, JobState, ListDeadLettersRequest, ReplayDeadLetterRequest, TerminalReason,

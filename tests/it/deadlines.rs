@@ -4,7 +4,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use loadtest::simprovider::SimConfig;
+use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::{JobState, SubmitReviewRequest};
 use reviewlane_shared::region::{Lane, Region};

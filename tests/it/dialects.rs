@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use loadtest::simprovider::{SimConfig, SimProvider};
+use reviewlane_testkit::simprovider::{SimConfig, SimProvider};
 use reviewlane_extractor::provider::anthropic::{AnthropicEndpoint, AnthropicProvider};
 use reviewlane_extractor::provider::openai::OpenAiProvider;
 use reviewlane_extractor::provider::{Provider, ProviderRequest};

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use loadtest::procs::{ProcStack, ensure_built, ensure_nats_server};
-use loadtest::simprovider::SimConfig;
+use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::job::JobRecord;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::JobState;

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use loadtest::fakegithub::{FakeGitHub, PullRequest};
+use reviewlane_testkit::fakegithub::{FakeGitHub, PullRequest};
 use reviewlane_shared::proto::{self, JobState};
 
 use crate::harness::*;
@@ -218,7 +218,7 @@ async fn reviews_of_one_pull_request_are_posted_a_second_apart_after_a_secondary
     }
     // Secondary limits are counted.
     let (_, admin) = stack.publisher_admin.iter().find(|(r, _)| *r == reviewlane_shared::Region::Us).unwrap();
-    let page = loadtest::stack::http_get(*admin, "/metrics").await;
+    let page = reviewlane_testkit::stack::http_get(*admin, "/metrics").await;
     let line = page
         .lines()
         .find(|l| l.starts_with("reviewlane_github_rate_limited_total{") && l.contains(r#"kind="secondary""#))

@@ -1,2 +1,2 @@
-//! The test harness is `loadtest::stack`, shared with the load scenarios.
-pub use loadtest::stack::*;
+//! The test harness is `reviewlane_testkit::stack`, shared with the load scenarios.
+pub use reviewlane_testkit::stack::*;

@@ -119,7 +119,7 @@ async fn a_diff_limit_above_the_grpc_default_takes_effect_and_is_the_limit_calle
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_lane_is_resource_exhausted_with_retry_info_and_keeps_nothing() {
-    use loadtest::simprovider::SimConfig;
+    use reviewlane_testkit::simprovider::SimConfig;
     use std::time::Duration;
 
     // Two messages fit; the one being processed still counts until it is acked.

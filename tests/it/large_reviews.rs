@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use loadtest::large::large_diff;
-use loadtest::procs::{ProcStack, ensure_built, ensure_nats_server};
-use loadtest::simprovider::{Scripted, SimConfig};
+use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::chunk::{self, PartLimits, Tokenizer};
 use reviewlane_shared::job::JobRecord;
 use reviewlane_shared::layout;

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use loadtest::simprovider::SimConfig;
+use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::messages::Delivery;
 use reviewlane_shared::proto::JobState;
 

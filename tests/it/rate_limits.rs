@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use loadtest::simprovider::{Scripted, SimConfig};
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::proto::JobState;
 use reviewlane_shared::region::Region;
 
@@ -198,7 +198,7 @@ async fn a_provider_answer_over_the_size_cap_is_never_read_whole() {
     use reviewlane_extractor::provider::openai::OpenAiProvider;
     use reviewlane_extractor::provider::{Provider, ProviderRequest};
     use reviewlane_extractor::upstream::UpstreamOutcome;
-    let sim = loadtest::simprovider::SimProvider::start_with(SimConfig::default(), Vec::new()).await;
+    let sim = reviewlane_testkit::simprovider::SimProvider::start_with(SimConfig::default(), Vec::new()).await;
     let provider = OpenAiProvider::new(
         &sim.base_url(),
         "sim".into(),

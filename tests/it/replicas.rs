@@ -2,7 +2,7 @@
 //! whatever the number of replicas, a dead replica's share taken over, both tenants
 //! served. The figures: `cargo run --release -p loadtest -- replicas`.
 
-use loadtest::procs::{ProcStack, ensure_built, ensure_nats_server};
+use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
 use loadtest::replicas::{self, ReplicasConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

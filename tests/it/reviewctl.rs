@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use loadtest::simprovider::{Scripted, SimConfig};
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use tokio::io::AsyncWriteExt;
 
 use crate::harness::*;
@@ -25,7 +25,7 @@ fn reviewctl() -> PathBuf {
                 cmd.arg("--release");
             }
             assert!(cmd.status().expect("cargo build").success(), "reviewctl builds");
-            loadtest::procs::bin_dir().unwrap().join("reviewctl")
+            reviewlane_testkit::procs::bin_dir().unwrap().join("reviewctl")
         })
         .clone()
 }

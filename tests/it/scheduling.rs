@@ -4,7 +4,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use loadtest::simprovider::SimConfig;
+use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::layout;
 use reviewlane_shared::messages::Delivery;
 use reviewlane_shared::proto::{CancelReviewRequest, JobState};

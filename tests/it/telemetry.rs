@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use loadtest::simprovider::Scripted;
+use reviewlane_testkit::simprovider::Scripted;
 use opentelemetry::trace::SpanId;
 use opentelemetry_sdk::trace::SpanData;
 use reviewlane_shared::proto::{self, JobState, SubmitReviewRequest};

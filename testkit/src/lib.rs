@@ -1,0 +1,12 @@
+//! What reviewlane's integration tests and load scenarios run against: a whole
+//! deployment in-process (`stack`) or as processes (`procs`), the simulated provider
+//! (`simprovider`), a webhook receiver (`webhook`), a fake GitHub API (`fakegithub`),
+//! and the small HTTP server they share (`http`). The nats-servers themselves come
+//! from `reviewlane_shared::testing`.
+
+pub mod fakegithub;
+pub mod http;
+pub mod procs;
+pub mod simprovider;
+pub mod stack;
+pub mod webhook;
