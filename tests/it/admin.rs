@@ -57,8 +57,8 @@ fn lane_sample(page: &str, name: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_age_rises_while_a_paused_scope_holds_work_and_falls_after_it_drains() {
-    use reviewlane_testkit::simprovider::Scripted;
     use reviewlane_shared::proto::JobState;
+    use reviewlane_testkit::simprovider::Scripted;
 
     let stack = Stack::start().await;
     // The first call is refused with a 3 s pause: its review stays on the lane.
@@ -137,8 +137,8 @@ fn referenced_metrics() -> std::collections::BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_alerts_and_dashboard_use_is_exposed_after_a_workload() {
-    use reviewlane_testkit::simprovider::{Scripted, findings_for};
     use reviewlane_shared::proto::JobState;
+    use reviewlane_testkit::simprovider::{Scripted, findings_for};
 
     let stack = Stack::start().await;
     let mut client = stack.client().await;

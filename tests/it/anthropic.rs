@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::proto::JobState;
 use reviewlane_shared::schema_dialect::SchemaDialect;
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
 use crate::harness::*;
 

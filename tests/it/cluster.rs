@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
-use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::JobState;
 use reviewlane_shared::region::{Lane, Region};
+use reviewlane_testkit::simprovider::SimConfig;
 use tonic::Code;
 
 use crate::harness::*;

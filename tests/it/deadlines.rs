@@ -4,10 +4,10 @@
 
 use std::time::{Duration, SystemTime};
 
-use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::{JobState, SubmitReviewRequest};
 use reviewlane_shared::region::{Lane, Region};
+use reviewlane_testkit::simprovider::SimConfig;
 use tonic::Code;
 
 use crate::harness::*;

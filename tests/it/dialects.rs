@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use reviewlane_testkit::simprovider::{SimConfig, SimProvider};
 use reviewlane_extractor::provider::anthropic::{AnthropicEndpoint, AnthropicProvider};
 use reviewlane_extractor::provider::openai::OpenAiProvider;
 use reviewlane_extractor::provider::{Provider, ProviderRequest};
@@ -14,6 +13,7 @@ use reviewlane_shared::job::ReviewDepth;
 use reviewlane_shared::region::Region;
 use reviewlane_shared::schema_dialect::SchemaDialect;
 use reviewlane_shared::{diff, findings};
+use reviewlane_testkit::simprovider::{SimConfig, SimProvider};
 
 use crate::harness::sample_diff;
 

@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
-use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::job::JobRecord;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::JobState;
 use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
 use reviewlane_shared::region::Region;
+use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+use reviewlane_testkit::simprovider::SimConfig;
 
 use crate::harness::*;
 

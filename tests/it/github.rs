@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use reviewlane_testkit::fakegithub::{FakeGitHub, PullRequest};
 use reviewlane_shared::proto::{self, JobState};
+use reviewlane_testkit::fakegithub::{FakeGitHub, PullRequest};
 
 use crate::harness::*;
 

@@ -7,14 +7,14 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use loadtest::large::large_diff;
-use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
-use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::chunk::{self, PartLimits, Tokenizer};
 use reviewlane_shared::job::JobRecord;
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
 use reviewlane_shared::proto::{JobState, WatchReviewRequest};
 use reviewlane_shared::region::Region;
+use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
 use crate::harness::*;
 

@@ -1,9 +1,9 @@
 use std::time::Duration;
 
-use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::layout;
 use reviewlane_shared::proto::{CancelReviewRequest, JobState};
 use reviewlane_shared::region::Region;
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
 use crate::harness::*;
 
@@ -161,8 +161,8 @@ async fn an_answer_whose_every_finding_fails_the_schema_is_retried_never_publish
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_schema_sent_is_the_one_the_providers_dialect_accepts_and_the_answer_is_held_to_the_full_schema() {
-    use reviewlane_testkit::simprovider::SimConfig;
     use reviewlane_shared::schema_dialect::SchemaDialect;
+    use reviewlane_testkit::simprovider::SimConfig;
 
     // The provider accepts only what Anthropic's structured outputs accept, and the
     // extractors send that dialect: the review publishes.

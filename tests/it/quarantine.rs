@@ -1,8 +1,8 @@
 use std::time::Duration;
 
-use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::messages::Delivery;
 use reviewlane_shared::proto::JobState;
+use reviewlane_testkit::simprovider::SimConfig;
 
 use crate::harness::*;
 

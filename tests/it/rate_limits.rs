@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 use reviewlane_shared::proto::JobState;
 use reviewlane_shared::region::Region;
+use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
 use crate::harness::*;
 

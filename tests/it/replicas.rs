@@ -2,8 +2,8 @@
 //! whatever the number of replicas, a dead replica's share taken over, both tenants
 //! served. The figures: `cargo run --release -p loadtest -- replicas`.
 
-use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
 use loadtest::replicas::{self, ReplicasConfig};
+use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_and_two_tenants_stay_within_one_key_through_a_kill_and_a_start() {

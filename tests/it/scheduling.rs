@@ -4,11 +4,11 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use reviewlane_testkit::simprovider::SimConfig;
 use reviewlane_shared::layout;
 use reviewlane_shared::messages::Delivery;
 use reviewlane_shared::proto::{CancelReviewRequest, JobState};
 use reviewlane_shared::region::Region;
+use reviewlane_testkit::simprovider::SimConfig;
 
 use crate::harness::*;
 

@@ -10,11 +10,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use reviewlane_testkit::simprovider::Scripted;
 use opentelemetry::trace::SpanId;
 use opentelemetry_sdk::trace::SpanData;
 use reviewlane_shared::proto::{self, JobState, SubmitReviewRequest};
 use reviewlane_shared::testing::capture;
+use reviewlane_testkit::simprovider::Scripted;
 
 use crate::harness::*;
 
