@@ -618,6 +618,53 @@ where
     }
 }
 
+/// Waits (at most 10 s) until the region's publisher has settled every findings
+/// message: none pending, none unacknowledged — so no further delivery can come.
+pub async fn publisher_settled(stack: &Stack, region: Region) {
+    let js = async_nats::jetstream::new(async_nats::connect(stack.region(region).url()).await.expect("connect"));
+    let stream = js.get_stream(reviewlane_shared::layout::findings_stream(region)).await.expect("findings stream");
+    let consumer: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer(reviewlane_publisher::startup::CONSUMER_NAME).await.expect("publisher consumer");
+    let settled = poll_until(Duration::from_secs(10), || {
+        let mut consumer = consumer.clone();
+        async move {
+            let info = consumer.info().await.ok()?;
+            (info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence >= 1).then_some(())
+        }
+    })
+    .await;
+    assert!(settled.is_some(), "the publisher did not settle its findings messages in 10 s");
+}
+
+/// Waits (at most 10 s) until every running extractor says it is ready (its NATS, its
+/// streams, its warm-up over: it has its share of the key).
+pub async fn extractors_ready(stack: &Stack) {
+    for (_, admin) in &stack.extractor_admin {
+        let ready = poll_until(Duration::from_secs(10), || async {
+            (http_get(*admin, "/readyz").await == "ready\n").then_some(())
+        })
+        .await;
+        assert!(ready.is_some(), "extractor at {admin} not ready in 10 s");
+    }
+}
+
+/// Waits (at most 10 s) until `tenant`'s pull loops on every lane of `region` are in
+/// their long-poll (each consumer has a pull request waiting).
+pub async fn lanes_polling(stack: &Stack, region: Region, tenant: &str) {
+    let js = async_nats::jetstream::new(async_nats::connect(stack.region(region).url()).await.expect("connect"));
+    for lane in reviewlane_shared::region::Lane::ALL {
+        let stream = js.get_stream(reviewlane_shared::layout::lane_stream(region, lane)).await.expect("lane stream");
+        let consumer: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer(&reviewlane_shared::layout::lane_consumer(lane, tenant)).await.expect("lane consumer");
+        let polling = poll_until(Duration::from_secs(10), || {
+            let mut consumer = consumer.clone();
+            async move { (consumer.info().await.ok()?.num_waiting > 0).then_some(()) }
+        })
+        .await;
+        assert!(polling.is_some(), "{} loop of {tenant} not polling in 10 s", lane.as_str());
+    }
+}
+
 pub fn init_test_log() {
     if std::env::var_os("TEST_LOG").is_some() {
         reviewlane_shared::testing::capture();

@@ -101,19 +101,7 @@ async fn a_cancel_before_the_delivery_is_claimed_wins() {
     // The result reaches the publisher only now: it delivers nothing.
     s.results.keep(&manual::result(&rec, g), &async_nats::HeaderMap::new()).await.unwrap();
     // The publisher claims nothing for a cancelled job: wait until its consumer settled it.
-    let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
-    let stream = js.get_stream(reviewlane_shared::layout::findings_stream(Region::Us)).await.unwrap();
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
-        stream.get_consumer(reviewlane_publisher::startup::CONSUMER_NAME).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let info = consumer.info().await.unwrap();
-        if info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence >= 1 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "publisher did not settle the result");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    publisher_settled(&stack, Region::Us).await;
     assert!(stack.webhook.attempts_for(&rec.job_id).is_empty(), "a cancelled job was delivered");
     assert!(s.layout.published.get(&rec.job_id).await.unwrap().is_none(), "no claim for a cancelled job");
     assert_eq!(get(&mut client, US_KEY, &rec.job_id).await.unwrap().terminal_reason, "cancelled");

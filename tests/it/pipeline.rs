@@ -3,6 +3,7 @@ use std::time::Duration;
 use hmac::{Hmac, Mac};
 use reviewlane_shared::messages::Delivery;
 use reviewlane_shared::proto::{JobState, ReviewDepth};
+use reviewlane_shared::region::Region;
 use sha2::Sha256;
 
 use crate::harness::*;
@@ -25,9 +26,10 @@ async fn submit_delivers_findings_once_signed_and_get_shows_published() {
     let last = wait_final(&mut client, US_KEY, &review.job_id).await;
     assert_eq!(last.state, JobState::Published as i32, "terminal reason: {}", last.terminal_reason);
 
-    // Exactly one delivery, after a window in which a second would have shown up.
+    // Exactly one delivery, once the publisher has settled every message (no second
+    // one can come after that).
     assert!(eventually(Duration::from_secs(5), || !stack.webhook.for_job(&review.job_id).is_empty()).await);
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    publisher_settled(&stack, Region::Us).await;
     let got = stack.webhook.for_job(&review.job_id);
     assert_eq!(got.len(), 1, "delivered exactly once");
 
@@ -99,8 +101,8 @@ async fn watch_streams_state_changes_until_final() {
 async fn an_idle_lane_does_not_park_the_only_slot() {
     let stack = Stack::start_with(StackOptions { extractor_concurrency: 1, ..Default::default() }).await;
     let mut client = stack.client().await;
-    // Let both lanes' pull loops reach their long-poll.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Both lanes' pull loops in their long-poll.
+    lanes_polling(&stack, Region::Us, "acme").await;
     for i in 0..3 {
         let started = std::time::Instant::now();
         let job = submit(&mut client, US_KEY, &format!("slot-{i}"), &sample_diff(&format!("s{i}"))).await;

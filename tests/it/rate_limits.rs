@@ -37,7 +37,7 @@ async fn two_429s_then_success_honours_retry_after_and_publishes_once() {
     // The first 429 answered at about times[0]; retry-after: 2 holds the next call back.
     assert!(times[1] - times[0] >= 2000, "second attempt {} ms after the first", times[1] - times[0]);
     assert!(eventually(Duration::from_secs(3), || stack.webhook.for_job(&job.job_id).len() == 1).await);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    publisher_settled(&stack, Region::Us).await;
     assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1, "exactly one publication");
     stack.shutdown().await;
 }
@@ -148,7 +148,8 @@ async fn three_replicas_never_exceed_the_key_limit() {
         ..Default::default()
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Every replica warmed up, so the shares are settled before the load.
+    extractors_ready(&stack).await;
     let mut client = stack.client().await;
     let mut jobs = Vec::new();
     for i in 0..16 {

@@ -216,7 +216,7 @@ async fn kill_9_mid_call_is_redelivered_after_the_lease_and_published_once() {
     assert_eq!(times.len(), 2, "the dead replica's call, then one more");
     assert!(times[1] - killed_at >= 1000, "redelivered only after the lease ({} ms)", times[1] - killed_at);
     assert!(eventually(Duration::from_secs(3), || stack.webhook.for_job(&job.job_id).len() == 1).await);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    publisher_settled(&stack, Region::Us).await;
     assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1, "published exactly once");
     stack.shutdown().await;
 }
