@@ -24,6 +24,7 @@ use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
 use crate::claim::{Claim, Claimed, Claims, PublicationState};
+use crate::gate::{self, Ack, Done, Gate, NOT_READY_RETRY};
 use crate::metrics::Metrics;
 use crate::sink::{SinkOutcome, Sinks};
 
@@ -66,9 +67,6 @@ pub struct Worker {
 
 /// How long to wait for the extractor's `validated` write that follows its keep.
 const VALIDATED_WAIT: Duration = Duration::from_secs(5);
-const NOT_READY_RETRY: Duration = Duration::from_secs(2);
-/// Added when handing a message back until another publisher's claim expires.
-const CLAIM_MARGIN: Duration = Duration::from_millis(250);
 
 impl Worker {
     /// Runs in a `publish` span whose parent is the extractor's `findings.publish` span
@@ -101,145 +99,87 @@ impl Worker {
         outcome
     }
 
+    /// The one settlement site: whatever the message came to, it is settled here.
     async fn process(&self, msg: jetstream::Message) -> Outcome {
-        let findings = match self.results.resolve(&msg.payload).await {
+        let done = self.run(&msg).await;
+        if let Err(e) = msg.ack_with(done.ack.kind()).await {
+            tracing::warn!(error = %e, "settling the message failed; it will be redelivered after its lease");
+        }
+        done.outcome
+    }
+
+    /// The message's trip: read the result, pass the gate (record, claim, budget), mark
+    /// the job delivering, deliver, record — and what it came to.
+    async fn run(&self, msg: &jetstream::Message) -> Done {
+        let f = match self.results.resolve(&msg.payload).await {
             Ok(f) => f,
             Err(e) if e.is_retryable() => {
                 tracing::warn!(error = %e, kind = e.kind(), "reading the result failed; handing the message back");
-                settle(&msg, AckKind::Nak(Some(NOT_READY_RETRY))).await;
-                return Outcome::Released;
+                return Done::new(Ack::Nak(Some(NOT_READY_RETRY)), Outcome::Released);
             }
             Err(e) => {
                 tracing::error!(kind = e.kind(), "unreadable findings message; terminating it");
-                settle(&msg, AckKind::Term).await;
-                return Outcome::Dropped;
+                return Done::new(Ack::Term, Outcome::Dropped);
             }
         };
         Span::current()
-            .record("job_id", findings.job_id.as_str())
-            .record("tenant", findings.tenant.as_str())
-            .record("lane", findings.lane.as_str())
-            .record("schema_version", findings.schema_version.as_str())
-            .record("review_depth", findings.review_depth.as_str());
-        match self.run(&msg, &findings).await {
-            Ok(o) => o,
+            .record("job_id", f.job_id.as_str())
+            .record("tenant", f.tenant.as_str())
+            .record("lane", f.lane.as_str())
+            .record("schema_version", f.schema_version.as_str())
+            .record("review_depth", f.review_depth.as_str());
+        match self.deliver_once(msg, &f).await {
+            Ok(done) => done,
             Err(e) => {
                 self.health.refused(self.region, &e);
                 tracing::warn!(error = %e, "infrastructure error; handing the message back");
-                settle(&msg, AckKind::Nak(Some(NOT_READY_RETRY))).await;
-                Outcome::Released
+                Done::new(Ack::Nak(Some(NOT_READY_RETRY)), Outcome::Released)
             }
         }
     }
 
-    async fn run(&self, msg: &jetstream::Message, f: &FindingsMessage) -> Result<Outcome, StoreError> {
+    async fn deliver_once(&self, msg: &jetstream::Message, f: &FindingsMessage) -> Result<Done, StoreError> {
         let id = f.job_id.as_str();
         // The record as read, with its revision: this delivery's writes to it are
         // compare-and-sets from there, without reading again.
-        let (rec, revision) = match self.jobs.get(id).await? {
+        let found = match self.jobs.get(id).await? {
             Some((rec, _)) if rec.state == JobState::Running && rec.generation() == f.generation => {
-                self.await_validated(id).await?
+                Some(self.await_validated(id).await?)
             }
-            Some(found) => found,
-            None => {
-                tracing::warn!("no job record for findings; terminating the message");
-                settle(msg, AckKind::Term).await;
-                return Ok(Outcome::Dropped);
-            }
+            found => found,
         };
-        if rec.generation() != f.generation {
-            tracing::info!(
-                generation = f.generation,
-                newest = rec.generation(),
-                "result of a lease that was taken over; not delivered"
-            );
-            settle(msg, AckKind::Ack).await;
-            return Ok(Outcome::Stale);
+        if let Gate::Done(done) = gate::by_record(found.as_ref().map(|(rec, _)| rec), f.generation) {
+            return Ok(self.noted(done));
         }
-        match rec.state {
-            JobState::Validated => {}
-            JobState::Published => {
-                tracing::info!(outcome = "duplicate", "already published");
-                settle(msg, AckKind::Ack).await;
-                return Ok(Outcome::Duplicate);
-            }
-            JobState::Terminal => {
-                tracing::info!(outcome = "dropped", "job ended before delivery");
-                settle(msg, AckKind::Ack).await;
-                return Ok(Outcome::Dropped);
-            }
-            _ => {
-                settle(msg, AckKind::Nak(Some(NOT_READY_RETRY))).await;
-                return Ok(Outcome::Released);
-            }
-        }
-
-        let claim = match self.claims.claim(id).await? {
-            Claimed::Mine(claim) => claim,
-            Claimed::Busy { until_ms } => {
-                let wait = Duration::from_millis(until_ms.saturating_sub(self.claims.clock.now_ms())) + CLAIM_MARGIN;
-                tracing::info!(wait_ms = wait.as_millis() as u64, "another publisher holds the delivery");
-                settle(msg, AckKind::Nak(Some(wait))).await;
-                return Ok(Outcome::Deferred(wait));
-            }
-            Claimed::Published => {
+        let (rec, revision) = found.expect("the gate opens only for a record");
+        let claimed = self.claims.claim(id).await?;
+        if let Gate::Done(done) = gate::by_claim(&claimed, self.claims.clock.now_ms()) {
+            if done.mark_published {
                 // Delivered before; the job record may lag behind a crash.
                 self.mark_job(id, &Event::Published).await?;
-                tracing::info!(outcome = "duplicate", "already published");
-                settle(msg, AckKind::Ack).await;
-                return Ok(Outcome::Duplicate);
             }
-            Claimed::Failed => {
-                settle(msg, AckKind::Ack).await;
-                return Ok(Outcome::Dropped);
-            }
-        };
-        if claim.attempt > self.delivery_attempts {
-            return self.fail(msg, f, &claim, TerminalReason::DeliveryBudgetExhausted).await;
+            return Ok(self.noted(done));
         }
-        // Findings after the caller's deadline are of no use to it: not delivered.
+        let Claimed::Mine(claim) = claimed else { unreachable!("the gate opens only for our claim") };
+        let now = self.claims.clock.now_ms();
+        if let Gate::Fail(reason) = gate::by_budget(claim.attempt, self.delivery_attempts, rec.deadline_ms, now) {
+            return self.fail(f, &claim, reason).await;
+        }
         let rec_deadline = rec.deadline_ms;
-        if rec.deadline_ms.is_some_and(|d| self.claims.clock.now_ms() >= d) {
-            return self.fail(msg, f, &claim, TerminalReason::DeadlineExceeded).await;
-        }
         // From here a cancel no longer applies; one that came first wins.
         let mut known = match self.jobs.apply_tracked(id, Some((rec, revision)), &Event::Delivering, None).await {
             Ok(written) => Some(written),
             Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
                 self.claims.settle(id, &claim, PublicationState::Failed).await?;
-                tracing::info!(outcome = "dropped", "job ended before delivery");
-                settle(msg, AckKind::Ack).await;
-                return Ok(Outcome::Dropped);
+                return Ok(self.noted(Done::new(Ack::Ack, Outcome::Dropped)));
             }
             Err(StoreError::Transition(TransitionError::AlreadyFinal(JobState::Published), _)) => {
                 self.claims.settle(id, &claim, PublicationState::Published).await?;
-                settle(msg, AckKind::Ack).await;
-                return Ok(Outcome::Duplicate);
+                return Ok(self.noted(Done::new(Ack::Ack, Outcome::Duplicate)));
             }
             Err(e) => return Err(e),
         };
-
-        let tenant = self.tenants.get(&f.tenant);
-        let delivery = Delivery::from_findings(f);
-        let outcome = match tenant.as_ref().and_then(|t| t.sink.clone()) {
-            Some(sink) => {
-                let allow_private = tenant.as_ref().is_some_and(|t| t.allow_private_webhook);
-                let span = tracing::info_span!(
-                    "sink.deliver",
-                    otel.kind = "client",
-                    sink = sink.kind(),
-                    findings = f.findings.len(),
-                    attempt = claim.attempt,
-                    result = Empty,
-                );
-                let outcome = self.sinks.deliver_review(&sink, allow_private, &delivery).instrument(span.clone()).await;
-                span.record("result", outcome.as_str());
-                outcome
-            }
-            // No sink: findings are read with GetReview/WatchReview.
-            None => SinkOutcome::Delivered,
-        };
-        match outcome {
+        match self.deliver(f, claim.attempt).await {
             SinkOutcome::Delivered => {
                 // The sink has it: recording that must not fail over a store outage or a
                 // full store, or the message comes back and is delivered again. The
@@ -269,7 +209,6 @@ impl Worker {
                 self.store_retry
                     .run_until(until, || self.mark_job_from(id, known.take(), &Event::Published), retry)
                     .await?;
-                settle(msg, AckKind::Ack).await;
                 self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
                 tracing::info!(
                     outcome = "published",
@@ -277,34 +216,70 @@ impl Worker {
                     quarantined = f.quarantined.len(),
                     "delivered"
                 );
-                Ok(Outcome::Published)
+                Ok(Done::new(Ack::Ack, Outcome::Published))
             }
             SinkOutcome::Transient(class) => {
                 let delay = self.backoff(claim.attempt);
                 tracing::warn!(status_class = class, attempt = claim.attempt, "delivery failed");
-                self.retry_later(msg, f, &claim, delay).await
+                self.retry_later(f, &claim, delay).await
             }
             SinkOutcome::RetryAfter(delay) => {
                 // The receiver's own limit: its delay, within the same delivery budget.
                 tracing::warn!(attempt = claim.attempt, "sink rate-limited");
-                self.retry_later(msg, f, &claim, delay).await
+                self.retry_later(f, &claim, delay).await
             }
             SinkOutcome::Deferred(delay) => {
                 // Nothing was refused: the attempt is given back, the message handed back.
                 tracing::info!(delay_ms = delay.as_millis() as u64, "delivery deferred (receiver paused or paced)");
                 self.claims.give_back(&f.job_id, &claim).await?;
-                settle(msg, AckKind::Nak(Some(delay))).await;
-                Ok(Outcome::Deferred(delay))
+                Ok(Done::new(Ack::Nak(Some(delay)), Outcome::Deferred(delay)))
             }
             SinkOutcome::Permanent(status) => {
                 tracing::warn!(status, "sink refused the delivery");
-                self.fail(msg, f, &claim, TerminalReason::DeliveryRejected).await
+                self.fail(f, &claim, TerminalReason::DeliveryRejected).await
             }
             SinkOutcome::Refused(why) => {
                 tracing::warn!(why, "delivery target not allowed for this tenant");
-                self.fail(msg, f, &claim, TerminalReason::DeliveryRejected).await
+                self.fail(f, &claim, TerminalReason::DeliveryRejected).await
             }
         }
+    }
+
+    /// The delivery itself, to the tenant's sink (none: findings are read with
+    /// GetReview/WatchReview).
+    async fn deliver(&self, f: &FindingsMessage, attempt: u32) -> SinkOutcome {
+        let tenant = self.tenants.get(&f.tenant);
+        let Some(sink) = tenant.as_ref().and_then(|t| t.sink.clone()) else { return SinkOutcome::Delivered };
+        let allow_private = tenant.as_ref().is_some_and(|t| t.allow_private_webhook);
+        let span = tracing::info_span!(
+            "sink.deliver",
+            otel.kind = "client",
+            sink = sink.kind(),
+            findings = f.findings.len(),
+            attempt,
+            result = Empty,
+        );
+        let delivery = Delivery::from_findings(f);
+        let outcome = self.sinks.deliver_review(&sink, allow_private, &delivery).instrument(span.clone()).await;
+        span.record("result", outcome.as_str());
+        outcome
+    }
+
+    /// A gate's verdict, logged.
+    fn noted(&self, done: Done) -> Done {
+        match &done.outcome {
+            Outcome::Stale => tracing::info!("result of a lease that was taken over; not delivered"),
+            Outcome::Duplicate => tracing::info!(outcome = "duplicate", "already published"),
+            Outcome::Dropped if done.ack == Ack::Term => {
+                tracing::warn!("no job record for findings; terminating the message")
+            }
+            Outcome::Dropped => tracing::info!(outcome = "dropped", "job ended before delivery"),
+            Outcome::Deferred(wait) => {
+                tracing::info!(wait_ms = wait.as_millis() as u64, "another publisher holds the delivery")
+            }
+            _ => {}
+        }
+        done
     }
 
     /// Capped exponential backoff with jitter after failed attempt `attempt` (1-based).
@@ -315,37 +290,23 @@ impl Worker {
     }
 
     /// A delivery that may be tried again: after `delay`, within the delivery budget.
-    async fn retry_later(
-        &self,
-        msg: &jetstream::Message,
-        f: &FindingsMessage,
-        claim: &Claim,
-        delay: Duration,
-    ) -> Result<Outcome, StoreError> {
+    async fn retry_later(&self, f: &FindingsMessage, claim: &Claim, delay: Duration) -> Result<Done, StoreError> {
         if claim.attempt >= self.delivery_attempts {
-            return self.fail(msg, f, claim, TerminalReason::DeliveryBudgetExhausted).await;
+            return self.fail(f, claim, TerminalReason::DeliveryBudgetExhausted).await;
         }
         tracing::warn!(attempt = claim.attempt, delay_ms = delay.as_millis() as u64, "delivery retry scheduled");
         self.claims.settle(&f.job_id, claim, PublicationState::Publishing).await?;
         self.metrics.retry(delay);
-        settle(msg, AckKind::Nak(Some(delay))).await;
-        Ok(Outcome::RetryScheduled(delay))
+        Ok(Done::new(Ack::Nak(Some(delay)), Outcome::RetryScheduled(delay)))
     }
 
-    async fn fail(
-        &self,
-        msg: &jetstream::Message,
-        f: &FindingsMessage,
-        claim: &Claim,
-        reason: TerminalReason,
-    ) -> Result<Outcome, StoreError> {
+    async fn fail(&self, f: &FindingsMessage, claim: &Claim, reason: TerminalReason) -> Result<Done, StoreError> {
         let id = f.job_id.as_str();
         self.claims.settle(id, claim, PublicationState::Failed).await?;
         self.mark_job(id, &Event::Terminate { reason, upstream_status: None, generation: None }).await?;
         self.metrics.failed(f.lane, reason);
-        settle(msg, AckKind::Ack).await;
         tracing::warn!(outcome = "failed", reason = reason.as_str(), "delivery failed for good");
-        Ok(Outcome::Failed(reason))
+        Ok(Done::new(Ack::Ack, Outcome::Failed(reason)))
     }
 
     /// The extractor keeps findings, then records `validated`: wait briefly for that
@@ -403,11 +364,5 @@ impl Outcome {
             Outcome::Failed(_) => "failed",
             Outcome::Released => "released",
         }
-    }
-}
-
-async fn settle(msg: &jetstream::Message, kind: AckKind) {
-    if let Err(e) = msg.ack_with(kind).await {
-        tracing::warn!(error = %e, "settling the message failed; it will be redelivered after its lease");
     }
 }
