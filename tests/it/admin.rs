@@ -28,17 +28,11 @@ async fn every_service_reports_health_and_readiness() {
     // The US NATS goes away: the US services and the ingress (which serves both regions)
     // stop being ready; the EU services stay ready; everyone stays alive.
     stack.us.nats.kill();
-    let deadline = Instant::now() + Duration::from_secs(10);
     for (name, region, addr) in &all {
         let should_be_ready = *name != "ingress" && *region == Region::Eu;
-        loop {
-            let r = ready(*addr).await;
-            if r == should_be_ready {
-                break;
-            }
-            assert!(Instant::now() < deadline, "{name} {region}: ready = {r}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let seen =
+            poll_until(Duration::from_secs(10), || async { (ready(*addr).await == should_be_ready).then_some(()) });
+        assert!(seen.await.is_some(), "{name} {region}: ready is not {should_be_ready}");
         assert_eq!(http_get(*addr, "/healthz").await, "ok\n", "{name} {region} alive");
     }
     // No orderly shutdown: the US services cannot drain a dead server; dropping the
@@ -72,18 +66,15 @@ async fn queue_age_rises_while_a_paused_scope_holds_work_and_falls_after_it_drai
     let job = submit(&mut client, US_KEY, "aged", &sample_diff("aged")).await;
 
     let age_at_least = |min: f64| async move {
-        let deadline = Instant::now() + Duration::from_secs(4);
-        loop {
+        let reached = poll_until(Duration::from_secs(4), || async {
             let page = http_get(admin, "/metrics").await;
-            if let Some(age) = lane_sample(&page, "reviewlane_queue_age_seconds")
-                && age >= min
-            {
-                assert_eq!(lane_sample(&page, "reviewlane_queue_depth"), Some(1.0));
-                return age;
-            }
-            assert!(Instant::now() < deadline, "queue age never reached {min} s:\n{page}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            let age = lane_sample(&page, "reviewlane_queue_age_seconds").filter(|age| *age >= min)?;
+            Some((age, lane_sample(&page, "reviewlane_queue_depth")))
+        })
+        .await;
+        let (age, depth) = reached.unwrap_or_else(|| panic!("queue age never reached {min} s"));
+        assert_eq!(depth, Some(1.0));
+        age
     };
     let first = age_at_least(0.5).await;
     // Sampled once a second: the next sample is about a second older (not exactly).
@@ -91,17 +82,13 @@ async fn queue_age_rises_while_a_paused_scope_holds_work_and_falls_after_it_drai
     assert!(later > first);
 
     assert_eq!(wait_final(&mut client, US_KEY, &job.job_id).await.state, JobState::Published as i32);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let drained = poll_until(Duration::from_secs(5), || async {
         let page = http_get(admin, "/metrics").await;
-        if lane_sample(&page, "reviewlane_queue_age_seconds") == Some(0.0)
-            && lane_sample(&page, "reviewlane_queue_depth") == Some(0.0)
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "queue age did not fall after the drain:\n{page}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        let zero = |name| lane_sample(&page, name) == Some(0.0);
+        (zero("reviewlane_queue_age_seconds") && zero("reviewlane_queue_depth")).then_some(())
+    })
+    .await;
+    assert!(drained.is_some(), "queue age did not fall after the drain");
     stack.shutdown().await;
 }
 

@@ -118,11 +118,11 @@ async fn health_and_readiness_follow_the_nats_connection() {
 
     // The US nats-server dies: NOT_SERVING (2) and not ready, within a bounded wait.
     stack.us.nats.kill();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while status(&mut health).await != 2 {
-        assert!(tokio::time::Instant::now() < deadline, "still SERVING with the US NATS down");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let down = poll_until(Duration::from_secs(10), || {
+        let mut h = health.clone();
+        async move { (status(&mut h).await == 2).then_some(()) }
+    });
+    assert!(down.await.is_some(), "still SERVING with the US NATS down");
     assert!(!ready(stack.ingress_admin).await);
     let connected = |page: String| metric_sum(&page, "reviewlane_nats_connected{region=\"us\"}");
     assert_eq!(connected(http_get(stack.ingress_admin, "/metrics").await), 0.0);
@@ -133,11 +133,11 @@ async fn health_and_readiness_follow_the_nats_connection() {
 
     // Back on the same port: the ingress reconnects by itself and serves again.
     stack.us.nats.restart();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while status(&mut health).await != 1 || !ready(stack.ingress_admin).await {
-        assert!(tokio::time::Instant::now() < deadline, "not SERVING again after the US NATS came back");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let back = poll_until(Duration::from_secs(20), || {
+        let mut h = health.clone();
+        async move { (status(&mut h).await == 1 && ready(stack.ingress_admin).await).then_some(()) }
+    });
+    assert!(back.await.is_some(), "not SERVING again after the US NATS came back");
     assert_eq!(connected(http_get(stack.ingress_admin, "/metrics").await), 1.0);
     stack.shutdown().await;
 }
@@ -177,11 +177,11 @@ async fn watches_are_kept_alive_and_limited_per_tenant() {
     // A closed watch frees its place.
     drop(first);
     drop(second);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while watch(&mut client).await.is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "closed watches never freed their places");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let freed = poll_until(Duration::from_secs(5), || {
+        let mut c = client.clone();
+        async move { watch(&mut c).await.ok().map(|_| ()) }
+    });
+    assert!(freed.await.is_some(), "closed watches never freed their places");
     stack.shutdown().await;
 }
 

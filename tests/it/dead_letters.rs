@@ -59,14 +59,11 @@ async fn dead_letters_are_listed_read_and_replayed_under_the_jobs_access_rules()
     // Each tenant sees its own, paged; the operator sees the region's.
     let listed = |ids: Vec<String>| ids.into_iter().collect::<std::collections::BTreeSet<_>>();
     let eventually_listed = async |client: &mut Client, key: &str, want: usize| {
-        for _ in 0..100 {
-            let (ids, pages) = list_all(client, key, 1).await;
-            if ids.len() >= want {
-                return (ids, pages);
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-        panic!("dead letters of {key} not listed");
+        let listed = poll_until(std::time::Duration::from_secs(5), || {
+            let mut c = client.clone();
+            async move { Some(list_all(&mut c, key, 1).await).filter(|(ids, _)| ids.len() >= want) }
+        });
+        listed.await.unwrap_or_else(|| panic!("dead letters of {key} not listed"))
     };
     let (acme, pages) = eventually_listed(&mut client, US_KEY, 2).await;
     assert_eq!(listed(acme), listed(dead[..2].to_vec()));

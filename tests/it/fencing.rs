@@ -49,15 +49,10 @@ async fn a_holder_paused_past_its_lease_cannot_record_or_publish_its_late_answer
     // Thawed, the first holder finds its lease taken: its answer is discarded, counted.
     stack.service(frozen).unwrap().signal("CONT").unwrap();
     let admin = stack.admin_of(frozen).unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let page = http_get(admin, "/metrics").await;
-        if metric_sum(&page, "reviewlane_stale_results_total") >= 1.0 {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "late answer not counted as stale:\n{page}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let stale = poll_until(Duration::from_secs(15), || async {
+        (metric_sum(&http_get(admin, "/metrics").await, "reviewlane_stale_results_total") >= 1.0).then_some(())
+    });
+    assert!(stale.await.is_some(), "late answer not counted as stale");
     let other_page = http_get(stack.admin_of(other).unwrap(), "/metrics").await;
     assert_eq!(metric_sum(&other_page, "reviewlane_stale_results_total"), 0.0);
 

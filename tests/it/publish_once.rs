@@ -26,17 +26,14 @@ async fn the_same_findings_message_twice_is_delivered_once() {
     // Wait until the publisher has settled the copy.
     let consumer: jetstream::consumer::PullConsumer =
         stream.get_consumer(reviewlane_publisher::startup::CONSUMER_NAME).await.unwrap();
-    let settled = async {
-        loop {
-            let mut c = consumer.clone();
-            let info = c.info().await.unwrap();
-            if info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence >= 2 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    let settled = poll_until(Duration::from_secs(10), || {
+        let mut c = consumer.clone();
+        async move {
+            let info = c.info().await.ok()?;
+            (info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence >= 2).then_some(())
         }
-    };
-    tokio::time::timeout(Duration::from_secs(10), settled).await.expect("publisher settles the copy");
+    });
+    assert!(settled.await.is_some(), "publisher settles the copy");
     assert_eq!(stack.webhook.for_job(&job.job_id).len(), 1, "the copy was delivered again");
     assert_eq!(get(&mut client, US_KEY, &job.job_id).await.unwrap().state, JobState::Published as i32);
     stack.shutdown().await;
