@@ -2,7 +2,7 @@
 //! streams present), `/metrics`.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reviewlane_shared::region::Region;
 
@@ -157,22 +157,17 @@ async fn every_metric_the_alerts_and_dashboard_use_is_exposed_after_a_workload()
     admins.extend(stack.publisher_admin.iter().map(|(_, a)| *a));
     let names = referenced_metrics();
     assert!(names.len() >= 15, "{names:?}");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let missing = async || {
         let mut pages = String::new();
         for a in &admins {
             pages.push_str(&http_get(*a, "/metrics").await);
         }
-        let missing: Vec<&String> = names
-            .iter()
-            .filter(|n| !pages.lines().any(|l| l.starts_with(&format!("{n}{{")) || l.starts_with(&format!("{n} "))))
-            .collect();
-        if missing.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "referenced but never exposed: {missing:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        let exposed =
+            |n: &&String| pages.lines().any(|l| l.starts_with(&format!("{n}{{")) || l.starts_with(&format!("{n} ")));
+        names.iter().filter(|n| !exposed(n)).cloned().collect::<Vec<String>>()
+    };
+    let all = poll_until(Duration::from_secs(5), || async { missing().await.is_empty().then_some(()) }).await;
+    assert!(all.is_some(), "referenced but never exposed: {:?}", missing().await);
     stack.shutdown().await;
 }
 

@@ -24,22 +24,18 @@ fn attr(span: &SpanData, key: &str) -> Option<String> {
 
 /// Finished spans of one trace, waiting until `names` have all ended.
 async fn trace_spans(trace_id: opentelemetry::trace::TraceId, names: &[&str]) -> Vec<SpanData> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let spans: Vec<SpanData> = capture()
-            .spans
-            .get_finished_spans()
-            .unwrap()
-            .into_iter()
-            .filter(|s| s.span_context.trace_id() == trace_id)
-            .collect();
-        if names.iter().all(|n| spans.iter().any(|s| s.name == *n)) {
-            return spans;
-        }
-        let seen: Vec<_> = spans.iter().map(|s| s.name.to_string()).collect();
-        assert!(Instant::now() < deadline, "missing spans; seen {seen:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let of_trace = || -> Vec<SpanData> {
+        let finished = capture().spans.get_finished_spans().unwrap();
+        finished.into_iter().filter(|s| s.span_context.trace_id() == trace_id).collect()
+    };
+    let all = poll_until(Duration::from_secs(10), || {
+        let spans = of_trace();
+        async move { names.iter().all(|n| spans.iter().any(|s| s.name == *n)).then_some(spans) }
+    });
+    all.await.unwrap_or_else(|| {
+        let seen: Vec<_> = of_trace().iter().map(|s| s.name.to_string()).collect();
+        panic!("missing spans; seen {seen:?}")
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
