@@ -63,7 +63,7 @@ impl Worker {
                         dropped: kept.findings_dropped,
                     };
                     let lease = Lease::new(rec);
-                    return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
+                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
                 }
             }
             _ => {}
@@ -79,13 +79,13 @@ impl Worker {
                 // call (under the lease, so no other holder's job is ended).
                 if self.quota.circuit_open() {
                     let decision = Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: None };
-                    return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
+                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
                 }
                 // Its deadline passed while it waited (queued or between retries): it ends
                 // without a call.
                 if lease.rec.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) {
                     let decision = Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None };
-                    return Ok(Leased::Settled(self.settle(job, Some(&lease), decision).await?));
+                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
                 }
                 Ok(Leased::Held(Box::new(lease)))
             }
@@ -110,7 +110,7 @@ impl Worker {
     pub(super) async fn late_trip(&self, job: &Job<'_>) -> Result<Outcome, StoreError> {
         match self.lease(job).await? {
             Leased::Settled(outcome) => Ok(outcome),
-            Leased::Held(lease) => self.settle(job, Some(&lease), Decision::Release(Some(LEASE_MARGIN))).await,
+            Leased::Held(lease) => self.settle(job, &lease, Decision::Release(Some(LEASE_MARGIN))).await,
         }
     }
 

@@ -14,6 +14,7 @@ mod call;
 mod keep;
 mod lease;
 pub mod parts;
+pub mod plan;
 mod settle;
 
 use std::sync::Arc;
@@ -242,7 +243,7 @@ impl Worker {
         };
         let Some(diff) = job.diff.as_ref() else {
             let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
-            return self.settle(job, Some(&lease), decision).await;
+            return self.settle(job, &lease, decision).await;
         };
         let whole = Target { diff, text: crate::provider::prompt_diff(job.review, diff), part: None };
         // A split review under way is finished part by part, never from the cache.
@@ -250,18 +251,18 @@ impl Worker {
             && let Some(hit) = self.cached(job, lookup)
         {
             let decision = self.decide(job, &lease, &whole, Answer::Cached(hit)).await;
-            return self.settle(job, Some(&lease), decision).await;
+            return self.settle(job, &lease, decision).await;
         }
         match self.plan(job, &lease).await? {
             parts::Planned::Whole => {}
             parts::Planned::Split(parts, progress) => {
                 return self.split_trip(job, &lease, parts, progress, abort).await;
             }
-            parts::Planned::Decided(decision) => return self.settle(job, Some(&lease), decision).await,
+            parts::Planned::Decided(decision) => return self.settle(job, &lease, decision).await,
         }
         let answer = self.call(job, &lease, &whole, abort).await?;
         let decision = self.decide(job, &lease, &whole, answer).await;
-        self.settle(job, Some(&lease), decision).await
+        self.settle(job, &lease, decision).await
     }
 
     /// What an answer means for the job. A usable answer is validated and kept here,

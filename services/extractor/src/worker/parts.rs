@@ -152,7 +152,7 @@ impl Worker {
                     let Ok(part_diff) = diff::parse(&part.text) else {
                         tracing::error!(part = index, "a part does not parse");
                         let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
-                        return self.settle(job, Some(lease), decision).await;
+                        return self.settle(job, lease, decision).await;
                     };
                     let target = Target { diff: &part_diff, text: Cow::Borrowed(&part.text), part: Some(index) };
                     let answer = self.call(job, lease, &target, abort).await?;
@@ -164,13 +164,13 @@ impl Worker {
                     }
                 }
             };
-            match self.settle(job, Some(lease), decision).await? {
+            match self.settle(job, lease, decision).await? {
                 Outcome::PartDone { parts } if parts.complete() => progress = parts,
                 other => return Ok(other),
             }
         }
         let decision = self.merge_parts(job, lease, &progress).await;
-        self.settle(job, Some(lease), decision).await
+        self.settle(job, lease, decision).await
     }
 
     /// Keeps one part's validated result on `PARTS_<R>` (before any other write).

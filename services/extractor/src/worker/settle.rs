@@ -13,6 +13,7 @@ use reviewlane_shared::job_store::StoreError;
 use reviewlane_shared::layout;
 use reviewlane_shared::messages::DeadLetter;
 
+use super::plan::{LeaseView, Policy, Settlement, plan};
 use super::{Job, Lease, Worker};
 
 /// What the trip decided.
@@ -99,130 +100,63 @@ impl Outcome {
 }
 
 impl Worker {
-    /// Records `decision` for the lease (`None`: the job was never leased) and settles
-    /// the message.
-    pub(super) async fn settle(
-        &self,
-        job: &Job<'_>,
-        lease: Option<&Lease>,
-        decision: Decision,
-    ) -> Result<Outcome, StoreError> {
-        let generation = lease.map(|l| l.generation());
-        let (event, outcome, kind) = match decision {
-            Decision::Stale => {
-                self.metrics.stale_result();
-                tracing::warn!(generation, "answer arrived after the lease was taken over; discarded");
-                return Ok(Outcome::Stale);
-            }
-            Decision::Release(delay) => {
-                // Give the lease up in the record too, so the next holder need not wait
-                // for it to run out (best effort: it runs out anyway).
-                if let Some(lease) = lease {
-                    let now =
-                        Event::Extended { generation: lease.generation(), lease_expires_at_ms: self.clock.now_ms() };
+    /// Records `decision` for the lease and settles the message: the settlement the
+    /// pure core plans (`plan`), applied here — one retried write, one ack.
+    pub(super) async fn settle(&self, job: &Job<'_>, lease: &Lease, decision: Decision) -> Result<Outcome, StoreError> {
+        let generation = lease.generation();
+        let tokens = *lease.tokens.lock().expect("tokens lock");
+        let view = LeaseView { generation, attempts: lease.rec.attempts, deadline_ms: lease.rec.deadline_ms, tokens };
+        let policy = Policy { budgets: self.budgets, backoff: self.backoff(job.review) };
+        let (event, outcome, ack_kind) =
+            match plan(decision, &view, &policy, self.clock.now_ms(), rand::random::<f64>()) {
+                Settlement::Stale => {
+                    self.metrics.stale_result();
+                    tracing::warn!(generation, "answer arrived after the lease was taken over; discarded");
+                    return Ok(Outcome::Stale);
+                }
+                Settlement::Release(delay) => {
+                    // Give the lease up in the record too, so the next holder need not wait
+                    // for it to run out (best effort: it runs out anyway).
+                    let now = Event::Extended { generation, lease_expires_at_ms: self.clock.now_ms() };
                     if let Err(e) = self.apply_leased(job, lease, &now, None).await {
                         tracing::debug!(kind = e.kind(), "releasing the lease in the record failed");
                     }
+                    ack(job.msg, AckKind::Nak(delay)).await;
+                    return Ok(Outcome::Released);
                 }
-                ack(job.msg, AckKind::Nak(delay)).await;
-                return Ok(Outcome::Released);
-            }
-            Decision::Ended(reason) => {
-                tracing::info!(reason = reason.as_str(), "job ended during the provider call; call abandoned");
-                self.dead_letter(job, reason).await?;
-                ack(job.msg, AckKind::Ack).await;
-                return Ok(Outcome::Terminal(reason));
-            }
-            Decision::Validated { findings, quarantined, dropped } => (
-                Event::Validated {
-                    generation: generation.expect("a validated result has a lease"),
-                    findings: findings as u32,
-                    quarantined: quarantined as u32,
-                    dropped,
-                },
-                Outcome::Validated { findings, quarantined },
-                AckKind::Ack,
-            ),
-            Decision::PartDone { index, seq, findings, quarantined, release } => {
-                let tokens = lease.and_then(|l| *l.tokens.lock().expect("tokens lock")).unwrap_or_default();
-                let part = reviewlane_shared::job::PartDone {
-                    index,
-                    seq,
-                    findings: findings as u32,
-                    quarantined: quarantined as u32,
-                    tokens,
-                };
-                let generation = generation.expect("a part is answered under a lease");
-                // The outcome's parts are filled in from the record below.
-                let outcome = Outcome::PartDone { parts: Default::default() };
-                (Event::PartDone { generation, part, release }, outcome, AckKind::Nak(None))
-            }
-            Decision::Retry { budget, hint, status, invalid } => {
-                let lease = lease.expect("a retry follows a call");
-                let used = lease.rec.attempts.get(budget);
-                if used >= self.allowed(budget) {
-                    let reason = match budget {
-                        Budget::Congestion => TerminalReason::RateLimitBudgetExhausted,
-                        Budget::Transient => TerminalReason::TransientBudgetExhausted,
-                        Budget::Schema => TerminalReason::InvalidOutput,
-                    };
-                    return Box::pin(self.settle(job, Some(lease), Decision::Terminal { reason, status })).await;
+                Settlement::Ended(reason) => {
+                    tracing::info!(reason = reason.as_str(), "job ended during the provider call; call abandoned");
+                    self.dead_letter(job, reason).await?;
+                    ack(job.msg, AckKind::Ack).await;
+                    return Ok(Outcome::Terminal(reason));
                 }
-                let delay = hint.unwrap_or_else(|| self.backoff(job.review).delay(used + 1, rand::random::<f64>()));
-                let eligible_at_ms = self.clock.now_ms() + delay.as_millis() as u64;
-                // A retry that could only start after the deadline is not scheduled: the
-                // job ends now, without paying for a call that cannot finish in time.
-                if lease.rec.deadline_ms.is_some_and(|d| eligible_at_ms >= d) {
-                    let reason = TerminalReason::DeadlineExceeded;
-                    return Box::pin(self.settle(job, Some(lease), Decision::Terminal { reason, status })).await;
-                }
-                let event = Event::RetryScheduled {
-                    generation: lease.generation(),
-                    budget,
-                    next_eligible_at_ms: eligible_at_ms,
-                    upstream_status: status,
-                    invalid_output: invalid.map(str::to_string),
-                };
-                (event, Outcome::RetryScheduled { budget, delay }, AckKind::Nak(Some(delay)))
-            }
-            Decision::Terminal { reason, status } => (
-                Event::Terminate { reason, upstream_status: status, generation },
-                Outcome::Terminal(reason),
-                AckKind::Ack,
-            ),
-        };
+                Settlement::Record { event, outcome, ack } => (event, outcome, ack.kind()),
+            };
         let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The lease's paid call is charged to the job in the same write.
-        let charge = lease
-            .and_then(|l| *l.tokens.lock().expect("tokens lock"))
-            .map(|t| (t, self.price.map_or(0, |p| p.cost_micro_usd(t))));
+        let charge = tokens.map(|t| (t, self.price.map_or(0, |p| p.cost_micro_usd(t))));
         let applied = self
             .with_store_retry(job, "record", || async {
                 if validated {
                     self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
                 }
-                match lease {
-                    Some(lease) => self.apply_leased(job, lease, &event, charge).await,
-                    None => self.jobs.apply_charging(job.id(), None, &event, charge).await,
-                }
+                self.apply_leased(job, lease, &event, charge).await
             })
             .await;
         match applied {
             Ok(rec) => {
                 // Charged: a later write of this lease (a split review's merge) must not
                 // charge the same call again.
-                if charge.is_some()
-                    && let Some(l) = lease
-                {
-                    l.tokens.lock().expect("tokens lock").take();
+                if charge.is_some() {
+                    lease.tokens.lock().expect("tokens lock").take();
                 }
-                let calls = lease.map_or(0, |l| l.calls(&rec));
+                let calls = lease.calls(&rec);
                 if let Outcome::PartDone { .. } = outcome {
                     let parts = rec.parts.clone().expect("a part done is recorded in a split job");
                     tracing::info!(done = parts.done.len(), total = parts.total, "part recorded");
                     // The last part: no hand-back, the merge follows under this lease.
                     if !parts.complete() {
-                        ack(job.msg, kind).await;
+                        ack(job.msg, ack_kind).await;
                     }
                     return Ok(Outcome::PartDone { parts });
                 }
@@ -247,7 +181,7 @@ impl Worker {
                     }
                     _ => {}
                 }
-                ack(job.msg, kind).await;
+                ack(job.msg, ack_kind).await;
                 Ok(outcome)
             }
             Err(StoreError::Transition(TransitionError::Fenced { .. }, _)) => {

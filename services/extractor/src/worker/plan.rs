@@ -1,0 +1,271 @@
+//! The pure settlement core: what a decided attempt comes to — the event the job
+//! record gets, how the message is settled, the outcome, whether a dead letter follows —
+//! from the decision, the lease as held, the policy and the time. `settle` applies a
+//! settlement in one place; every row of the table has a unit test here.
+
+use std::time::Duration;
+
+use reviewlane_shared::job::{Attempts, Budget, Event, PartDone, TerminalReason, Tokens};
+
+use super::settle::{Decision, Outcome};
+use crate::config::Budgets;
+use crate::upstream::Backoff;
+
+/// What the plan needs of the lease.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseView {
+    pub generation: u32,
+    /// The record's attempt counts as leased.
+    pub attempts: Attempts,
+    pub deadline_ms: Option<u64>,
+    /// The tokens of this lease's paid call, not yet charged.
+    pub tokens: Option<Tokens>,
+}
+
+/// How retries are paced and bounded.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy<'a> {
+    pub budgets: Budgets,
+    /// Backoff without a provider's hint (the job's lane's).
+    pub backoff: &'a Backoff,
+}
+
+impl Policy<'_> {
+    fn allowed(&self, budget: Budget) -> u32 {
+        match budget {
+            Budget::Congestion => self.budgets.congestion,
+            Budget::Transient => self.budgets.transient,
+            Budget::Schema => self.budgets.schema,
+        }
+    }
+}
+
+/// How the message is settled after the record is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ack {
+    Ack,
+    /// Handed back, to come again after the delay (`None`: at once).
+    Nak(Option<Duration>),
+}
+
+impl Ack {
+    pub fn kind(self) -> async_nats::jetstream::AckKind {
+        match self {
+            Ack::Ack => async_nats::jetstream::AckKind::Ack,
+            Ack::Nak(d) => async_nats::jetstream::AckKind::Nak(d),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settlement {
+    /// The lease was taken over: record nothing, settle nothing.
+    Stale,
+    /// Give the lease up (best effort) and hand the message back.
+    Release(Option<Duration>),
+    /// The job ended while the call ran: move the message to the dead letters.
+    Ended(TerminalReason),
+    /// Write `event` (fenced by the lease's generation), then settle the message with
+    /// `ack`; a terminal outcome is dead-lettered.
+    Record { event: Event, outcome: Outcome, ack: Ack },
+}
+
+/// The settlement of `decision` for `lease` at `now_ms` (`unit`: uniform in [0, 1),
+/// the backoff's jitter).
+pub fn plan(decision: Decision, lease: &LeaseView, policy: &Policy<'_>, now_ms: u64, unit: f64) -> Settlement {
+    let generation = lease.generation;
+    let terminal = |reason, status| Settlement::Record {
+        event: Event::Terminate { reason, upstream_status: status, generation: Some(generation) },
+        outcome: Outcome::Terminal(reason),
+        ack: Ack::Ack,
+    };
+    match decision {
+        Decision::Stale => Settlement::Stale,
+        Decision::Release(delay) => Settlement::Release(delay),
+        Decision::Ended(reason) => Settlement::Ended(reason),
+        Decision::Validated { findings, quarantined, dropped } => Settlement::Record {
+            event: Event::Validated { generation, findings: findings as u32, quarantined: quarantined as u32, dropped },
+            outcome: Outcome::Validated { findings, quarantined },
+            ack: Ack::Ack,
+        },
+        Decision::PartDone { index, seq, findings, quarantined, release } => {
+            let part = PartDone {
+                index,
+                seq,
+                findings: findings as u32,
+                quarantined: quarantined as u32,
+                tokens: lease.tokens.unwrap_or_default(),
+            };
+            // The outcome's parts are filled in from the record as written.
+            Settlement::Record {
+                event: Event::PartDone { generation, part, release },
+                outcome: Outcome::PartDone { parts: Default::default() },
+                ack: Ack::Nak(None),
+            }
+        }
+        Decision::Retry { budget, hint, status, invalid } => {
+            let used = lease.attempts.get(budget);
+            if used >= policy.allowed(budget) {
+                let reason = match budget {
+                    Budget::Congestion => TerminalReason::RateLimitBudgetExhausted,
+                    Budget::Transient => TerminalReason::TransientBudgetExhausted,
+                    Budget::Schema => TerminalReason::InvalidOutput,
+                };
+                return terminal(reason, status);
+            }
+            let delay = hint.unwrap_or_else(|| policy.backoff.delay(used + 1, unit));
+            let eligible_at_ms = now_ms + delay.as_millis() as u64;
+            // A retry that could only start after the deadline is not scheduled: the job
+            // ends now, without paying for a call that cannot finish in time.
+            if lease.deadline_ms.is_some_and(|d| eligible_at_ms >= d) {
+                return terminal(TerminalReason::DeadlineExceeded, status);
+            }
+            Settlement::Record {
+                event: Event::RetryScheduled {
+                    generation,
+                    budget,
+                    next_eligible_at_ms: eligible_at_ms,
+                    upstream_status: status,
+                    invalid_output: invalid.map(str::to_string),
+                },
+                outcome: Outcome::RetryScheduled { budget, delay },
+                ack: Ack::Nak(Some(delay)),
+            }
+        }
+        Decision::Terminal { reason, status } => terminal(reason, status),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_000_000;
+
+    fn lease(attempts: Attempts, deadline_ms: Option<u64>) -> LeaseView {
+        LeaseView { generation: 3, attempts, deadline_ms, tokens: None }
+    }
+
+    fn policy(backoff: &Backoff) -> Policy<'_> {
+        Policy { budgets: Budgets { congestion: 2, transient: 1, schema: 1 }, backoff }
+    }
+
+    fn retry(budget: Budget, hint: Option<Duration>) -> Decision {
+        Decision::Retry { budget, hint, status: Some("429".into()), invalid: None }
+    }
+
+    #[test]
+    fn a_retry_within_its_budget_and_the_deadline_is_scheduled_after_its_hint_or_backoff() {
+        let b = Backoff { base: Duration::from_secs(1), cap: Duration::from_secs(60), jitter: (1.0, 1.0) };
+        let p = policy(&b);
+        let got = plan(
+            retry(Budget::Congestion, Some(Duration::from_secs(7))),
+            &lease(Attempts::default(), None),
+            &p,
+            NOW,
+            0.5,
+        );
+        let Settlement::Record {
+            event: Event::RetryScheduled { generation, next_eligible_at_ms, budget, .. },
+            outcome,
+            ack,
+        } = got
+        else {
+            panic!("{got:?}")
+        };
+        assert_eq!((generation, next_eligible_at_ms, budget), (3, NOW + 7_000, Budget::Congestion));
+        assert_eq!(outcome, Outcome::RetryScheduled { budget: Budget::Congestion, delay: Duration::from_secs(7) });
+        assert_eq!(ack, Ack::Nak(Some(Duration::from_secs(7))));
+        // Without a hint: the backoff for the next attempt (the second: 2 s).
+        let once = Attempts { congestion: 1, ..Default::default() };
+        let got = plan(retry(Budget::Congestion, None), &lease(once, None), &p, NOW, 0.5);
+        assert!(
+            matches!(got, Settlement::Record { ack: Ack::Nak(Some(d)), .. } if d == Duration::from_secs(2)),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn a_spent_budget_ends_the_job_with_its_own_reason() {
+        let b = Backoff::default();
+        let p = policy(&b);
+        for (budget, attempts, reason) in [
+            (
+                Budget::Congestion,
+                Attempts { congestion: 2, ..Default::default() },
+                TerminalReason::RateLimitBudgetExhausted,
+            ),
+            (
+                Budget::Transient,
+                Attempts { transient: 1, ..Default::default() },
+                TerminalReason::TransientBudgetExhausted,
+            ),
+            (Budget::Schema, Attempts { schema: 1, ..Default::default() }, TerminalReason::InvalidOutput),
+        ] {
+            let got = plan(retry(budget, None), &lease(attempts, None), &p, NOW, 0.5);
+            let want = Settlement::Record {
+                event: Event::Terminate { reason, upstream_status: Some("429".into()), generation: Some(3) },
+                outcome: Outcome::Terminal(reason),
+                ack: Ack::Ack,
+            };
+            assert_eq!(got, want, "{budget:?}");
+        }
+    }
+
+    #[test]
+    fn a_retry_that_could_only_start_after_the_deadline_ends_the_job_now() {
+        let b = Backoff::default();
+        let p = policy(&b);
+        let hint = Some(Duration::from_secs(30));
+        let late = plan(retry(Budget::Congestion, hint), &lease(Attempts::default(), Some(NOW + 2_000)), &p, NOW, 0.5);
+        assert!(
+            matches!(late, Settlement::Record { outcome: Outcome::Terminal(TerminalReason::DeadlineExceeded), .. }),
+            "{late:?}"
+        );
+        let in_time =
+            plan(retry(Budget::Congestion, hint), &lease(Attempts::default(), Some(NOW + 31_000)), &p, NOW, 0.5);
+        assert!(matches!(in_time, Settlement::Record { outcome: Outcome::RetryScheduled { .. }, .. }), "{in_time:?}");
+    }
+
+    #[test]
+    fn results_parts_and_endings_settle_as_the_table_says() {
+        let b = Backoff::default();
+        let p = policy(&b);
+        let l = LeaseView { tokens: Some(Tokens { input: 5, output: 2 }), ..lease(Attempts::default(), None) };
+        let validated = plan(Decision::Validated { findings: 2, quarantined: 1, dropped: 0 }, &l, &p, NOW, 0.5);
+        assert_eq!(
+            validated,
+            Settlement::Record {
+                event: Event::Validated { generation: 3, findings: 2, quarantined: 1, dropped: 0 },
+                outcome: Outcome::Validated { findings: 2, quarantined: 1 },
+                ack: Ack::Ack,
+            }
+        );
+        let part =
+            plan(Decision::PartDone { index: 4, seq: 9, findings: 1, quarantined: 0, release: true }, &l, &p, NOW, 0.5);
+        let Settlement::Record { event: Event::PartDone { part, release, .. }, ack, .. } = part else {
+            panic!("{part:?}")
+        };
+        assert_eq!(
+            (part.index, part.seq, part.tokens, release, ack),
+            (4, 9, Tokens { input: 5, output: 2 }, true, Ack::Nak(None))
+        );
+        let rejected = plan(
+            Decision::Terminal { reason: TerminalReason::UpstreamRejected, status: Some("4xx".into()) },
+            &l,
+            &p,
+            NOW,
+            0.5,
+        );
+        assert!(matches!(
+            rejected,
+            Settlement::Record { outcome: Outcome::Terminal(TerminalReason::UpstreamRejected), ack: Ack::Ack, .. }
+        ));
+        assert_eq!(plan(Decision::Stale, &l, &p, NOW, 0.5), Settlement::Stale);
+        assert_eq!(plan(Decision::Release(None), &l, &p, NOW, 0.5), Settlement::Release(None));
+        assert_eq!(
+            plan(Decision::Ended(TerminalReason::Cancelled), &l, &p, NOW, 0.5),
+            Settlement::Ended(TerminalReason::Cancelled)
+        );
+    }
+}
