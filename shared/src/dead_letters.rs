@@ -1,6 +1,6 @@
-//! Reading the region's dead letters: references on `DEADLETTER_<R>` (one subject per
-//! job: `deadletter.<r>.<tenant>.<job id>`) and the content they point to on
-//! `DEADLETTER_CONTENT_<R>`, kept for a shorter time.
+//! The region's dead letters, written and read: references on `DEADLETTER_<R>` (one
+//! subject per job: `deadletter.<r>.<tenant>.<job id>`) and the content they point to
+//! on `DEADLETTER_CONTENT_<R>`, kept for a shorter time.
 
 use std::time::Duration;
 
@@ -44,6 +44,64 @@ pub fn from_token(t: &str) -> Option<u64> {
 impl DeadLetters {
     pub fn new(js: jetstream::Context, region: Region) -> Self {
         DeadLetters { js, region }
+    }
+
+    /// Moves a failed review off its lane into the dead letters (same region, same
+    /// access policy as the diff): the content (`payload`, the lane message as it was)
+    /// on `DEADLETTER_CONTENT_<R>`, then the reference pointing to it on
+    /// `DEADLETTER_<R>`. Both deduplicated by job id. A cancelled job is not a failure:
+    /// nothing of it is kept (the ingress dropped its content at the cancel).
+    pub async fn publish(
+        &self,
+        review: &ReviewMessage,
+        payload: bytes::Bytes,
+        reason: crate::job::TerminalReason,
+        attempts: crate::job::Attempts,
+        dead_at_ms: u64,
+    ) -> Result<(), StoreError> {
+        if reason == crate::job::TerminalReason::Cancelled {
+            return Ok(());
+        }
+        let headers = || {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
+            h.insert("Reviewlane-Reason", reason.as_str());
+            h
+        };
+        let content_subject = layout::deadletter_content_subject(review.region, &review.tenant, &review.job_id);
+        self.publish_acked(content_subject.clone(), headers(), payload).await?;
+        let reference = DeadLetter {
+            job_id: review.job_id.clone(),
+            tenant: review.tenant.clone(),
+            region: review.region,
+            lane: review.lane,
+            reason: reason.as_str().to_string(),
+            attempts,
+            schema_version: review.schema_version.clone(),
+            input_digest: review.input_digest.clone(),
+            request_digest: review.request_digest.clone(),
+            submitted_at_ms: review.submitted_at_ms,
+            dead_at_ms,
+            content_subject,
+        };
+        let subject = layout::deadletter_subject(review.region, &review.tenant, &review.job_id);
+        let body = serde_json::to_vec(&reference).expect("dead letter serializes");
+        self.publish_acked(subject, headers(), body.into()).await
+    }
+
+    async fn publish_acked(
+        &self,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        body: bytes::Bytes,
+    ) -> Result<(), StoreError> {
+        self.js
+            .publish_with_headers(subject, headers, body)
+            .await
+            .map_err(StoreError::publish)?
+            .await
+            .map_err(StoreError::publish)?;
+        Ok(())
     }
 
     async fn last(&self, stream: String, subject: &str) -> Result<Option<bytes::Bytes>, StoreError> {

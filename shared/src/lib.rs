@@ -25,6 +25,7 @@ pub mod messages;
 pub mod nats_client;
 pub mod pull;
 pub mod region;
+pub mod result_cache;
 pub mod results;
 pub mod schema_dialect;
 pub mod startup;

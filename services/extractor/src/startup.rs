@@ -153,7 +153,9 @@ pub async fn build_with_provider(
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
     let worker = Arc::new(Worker {
         region: config.region,
-        cache: config.result_cache.then(|| conn.layout.cache.clone()),
+        cache: config
+            .result_cache
+            .then(|| reviewlane_shared::result_cache::ResultCache::new(conn.layout.cache.clone())),
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
         results: Results::new(
             conn.layout.clone(),

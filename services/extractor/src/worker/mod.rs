@@ -68,7 +68,7 @@ pub struct Worker {
     pub quarantine_raw_max: usize,
     /// `CACHE_<R>`: validated results by (tenant, diff, schema, depth, provider,
     /// model, prompt version); `None` when the cache is off.
-    pub cache: Option<async_nats::jetstream::kv::Store>,
+    pub cache: Option<reviewlane_shared::result_cache::ResultCache>,
     /// Lease times and eligibility.
     pub clock: SharedClock,
     pub faults: Faults,

@@ -10,8 +10,8 @@ use reviewlane_shared::faults::point;
 use reviewlane_shared::findings::Validated;
 use reviewlane_shared::job::{Budget, Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::StoreError;
-use reviewlane_shared::layout;
-use reviewlane_shared::messages::DeadLetter;
+
+use reviewlane_shared::result_cache::{CacheEntry, CacheKey};
 
 use super::plan::{LeaseView, Policy, Settlement, plan};
 use super::{Job, Lease, Worker};
@@ -206,91 +206,39 @@ impl Worker {
         }
     }
 
-    /// Moves a failed review off its lane into the dead letters (same region, same
-    /// access policy as the diff): the content on `DEADLETTER_CONTENT_<R>` (its own,
-    /// shorter retention), then the reference on `DEADLETTER_<R>` pointing to it. Both
-    /// deduplicated by job id. A cancelled job is not a failure: nothing of it is kept
-    /// (the ingress dropped its content at the cancel).
+    /// Moves a failed review off its lane into the dead letters (the store's
+    /// `DeadLetters::publish`), with the attempts its record counted.
     pub(super) async fn dead_letter(&self, job: &Job<'_>, reason: TerminalReason) -> Result<(), StoreError> {
         if reason == TerminalReason::Cancelled {
             return Ok(());
         }
-        let review = job.review;
         let attempts = match self.jobs.get(job.id()).await {
             Ok(Some((rec, _))) => rec.attempts,
             _ => Default::default(),
         };
-        let headers = || {
-            let mut h = async_nats::HeaderMap::new();
-            h.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
-            h.insert("Reviewlane-Reason", reason.as_str());
-            h
-        };
-        let content_subject = layout::deadletter_content_subject(review.region, &review.tenant, &review.job_id);
-        self.publish_acked(content_subject.clone(), headers(), job.msg.payload.clone()).await?;
-        let reference = DeadLetter {
-            job_id: review.job_id.clone(),
-            tenant: review.tenant.clone(),
-            region: review.region,
-            lane: review.lane,
-            reason: reason.as_str().to_string(),
-            attempts,
-            schema_version: review.schema_version.clone(),
-            input_digest: review.input_digest.clone(),
-            request_digest: review.request_digest.clone(),
-            submitted_at_ms: review.submitted_at_ms,
-            dead_at_ms: self.clock.now_ms(),
-            content_subject,
-        };
-        let subject = layout::deadletter_subject(review.region, &review.tenant, &review.job_id);
-        let body = serde_json::to_vec(&reference).expect("dead letter serializes");
-        self.publish_acked(subject, headers(), body.into()).await
+        let dead_letters = reviewlane_shared::dead_letters::DeadLetters::new(self.layout.js.clone(), self.region);
+        dead_letters.publish(job.review, job.msg.payload.clone(), reason, attempts, self.clock.now_ms()).await
     }
 
-    async fn publish_acked(
-        &self,
-        subject: String,
-        headers: async_nats::HeaderMap,
-        body: bytes::Bytes,
-    ) -> Result<(), StoreError> {
-        self.layout
-            .js
-            .publish_with_headers(subject, headers, body)
-            .await
-            .map_err(StoreError::publish)?
-            .await
-            .map_err(StoreError::publish)?;
-        Ok(())
-    }
-
-    /// Same tenant, diff (its digest, computed once by the ingress), schema, depth,
-    /// provider, model and prompt: same answer. Per tenant, so no tenant can learn what
-    /// another submitted.
-    fn cache_key(&self, job: &Job<'_>) -> String {
+    /// What makes this review the same as another for the result cache.
+    fn cache_key<'a>(&self, job: &'a Job<'_>) -> CacheKey<'a> {
         let review = job.review;
-        reviewlane_shared::job_id::sha256_hex(&[
-            review.tenant.as_bytes(),
-            review.input_digest.as_bytes(),
-            review.schema_version.as_bytes(),
-            review.review_depth.as_str().as_bytes(),
-            job.scope.provider.as_bytes(),
-            job.scope.model_class.as_bytes(),
-            crate::provider::PROMPT_VERSION.as_bytes(),
-        ])
+        CacheKey {
+            tenant: &review.tenant,
+            input_digest: &review.input_digest,
+            schema_version: &review.schema_version,
+            review_depth: review.review_depth.as_str(),
+            provider: &job.scope.provider,
+            model_class: &job.scope.model_class,
+            prompt_version: crate::provider::PROMPT_VERSION,
+        }
     }
 
     /// Reads the result cache (`None`: the cache is off). Only a read: what it found
     /// counts once `cached` uses it.
     pub(super) async fn cache_lookup(&self, job: &Job<'_>) -> Option<Option<CacheEntry>> {
         let cache = self.cache.as_ref()?;
-        Some(match cache.get(self.cache_key(job)).await {
-            Ok(Some(v)) => serde_json::from_slice::<CacheEntry>(&v).ok(),
-            Ok(None) => None,
-            Err(e) => {
-                tracing::warn!(error = %e, "result cache read failed");
-                None
-            }
-        })
+        Some(cache.get(&self.cache_key(job)).await)
     }
 
     /// The result of a cache read, counted as a hit or a miss.
@@ -305,31 +253,17 @@ impl Worker {
         Some(hit.validated)
     }
 
-    /// Writes the result to the cache (best effort: a failed write costs a later
-    /// identical review one call).
+    /// Writes the result to the cache (best effort).
     pub(super) async fn store_in_cache(
         &self,
         job: &Job<'_>,
         v: &Validated,
         tokens: Option<reviewlane_shared::job::Tokens>,
     ) {
-        let Some(cache) = &self.cache else { return };
-        let entry = CacheEntry { validated: v.clone(), tokens };
-        let value = serde_json::to_vec(&entry).expect("validated findings serialize");
-        if let Err(e) = cache.put(self.cache_key(job), value.into()).await {
-            tracing::warn!(error = %e, "result cache write failed");
+        if let Some(cache) = &self.cache {
+            cache.put(&self.cache_key(job), &CacheEntry { validated: v.clone(), tokens }).await;
         }
     }
-}
-
-/// A result-cache value: the validated result, and the tokens the call that made it
-/// cost (absent in entries written before they were recorded).
-#[derive(serde::Serialize, serde::Deserialize)]
-pub(super) struct CacheEntry {
-    #[serde(flatten)]
-    validated: Validated,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    tokens: Option<reviewlane_shared::job::Tokens>,
 }
 
 pub(super) async fn ack(msg: &jetstream::Message, kind: AckKind) {
