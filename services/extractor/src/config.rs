@@ -92,6 +92,18 @@ impl Default for Budgets {
     }
 }
 
+impl Budgets {
+    /// Retries a job may spend on `budget`.
+    pub fn of(&self, budget: reviewlane_shared::job::Budget) -> u32 {
+        use reviewlane_shared::job::Budget;
+        match budget {
+            Budget::Congestion => self.congestion,
+            Budget::Transient => self.transient,
+            Budget::Schema => self.schema,
+        }
+    }
+}
+
 /// A provider key from `<var>_FILE` (a mounted Secret) or `<var>`.
 fn api_key(r: &mut Reader<'_>, var: &str) -> Option<SecretString> {
     match r.raw(&format!("{var}_FILE")) {

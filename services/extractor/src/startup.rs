@@ -151,8 +151,7 @@ pub async fn build_with_provider(
         clock.clone(),
     );
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
-    let worker = Arc::new(Worker {
-        region: config.region,
+    let stores = crate::worker::Stores {
         cache: config
             .result_cache
             .then(|| reviewlane_shared::result_cache::ResultCache::new(conn.layout.cache.clone())),
@@ -162,23 +161,30 @@ pub async fn build_with_provider(
             config.result_inline_max.unwrap_or_else(|| message_max(&conn.client, &config.layout)),
         ),
         layout: conn.layout,
-        store_retry: config.store_retry,
-        price: config.prices.get(&config.model_class).copied(),
-        quarantine_raw_max: config.quarantine_raw_max,
-        clock,
-        faults: config.faults.clone(),
-        parts: config.parts,
-        split_cache: Default::default(),
-        health,
-        abort: CancellationToken::new(),
-        provider,
-        quota: quota.clone(),
-        metrics,
-        circuit_open_for: config.circuit_open_for,
+    };
+    let policy = crate::worker::WorkPolicy {
         budgets: config.budgets,
         backoff: [config.backoff, config.batch_backoff],
         lease: config.lease,
         provider_timeout: config.provider_timeout,
+        circuit_open_for: config.circuit_open_for,
+        store_retry: config.store_retry,
+        price: config.prices.get(&config.model_class).copied(),
+        quarantine_raw_max: config.quarantine_raw_max,
+        parts: config.parts,
+    };
+    let worker = Arc::new(Worker {
+        region: config.region,
+        stores,
+        policy,
+        provider,
+        quota: quota.clone(),
+        metrics,
+        health,
+        clock,
+        faults: config.faults.clone(),
+        split_cache: Default::default(),
+        abort: CancellationToken::new(),
     });
     Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, loops, scopes, quota, config })
 }
@@ -223,9 +229,9 @@ impl App {
             stop.clone(),
         ));
         let reconciler = crate::reconcile::Reconciler {
-            layout: self.worker.layout.clone(),
-            jobs: self.worker.jobs.clone(),
-            results: self.worker.results.clone(),
+            layout: self.worker.stores.layout.clone(),
+            jobs: self.worker.stores.jobs.clone(),
+            results: self.worker.stores.results.clone(),
             clock: self.worker.clock.clone(),
             grace: self.config.reconcile.grace,
             metrics: self.worker.metrics.clone(),

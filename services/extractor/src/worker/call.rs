@@ -98,7 +98,7 @@ impl Worker {
             _ => None,
         };
         if let Some(b) = charged {
-            let left = self.allowed(b).saturating_sub(lease.rec.attempts.get(b) + 1);
+            let left = self.policy.budgets.of(b).saturating_sub(lease.rec.attempts.get(b) + 1);
             attempt.record("budget", b.as_str()).record("budget_remaining", left);
         }
         attempt.in_scope(|| {
@@ -118,10 +118,10 @@ impl Worker {
     ) -> Result<Option<Result<UpstreamOutcome, Answer>>, StoreError> {
         // A cancel is seen here at once; one racing the subscription, at the next
         // heartbeat's extend at the latest.
-        let mut changes = self.jobs.signals(job.id()).await?;
-        let call = tokio::time::timeout(self.provider_timeout, self.provider.review(req));
+        let mut changes = self.stores.jobs.signals(job.id()).await?;
+        let call = tokio::time::timeout(self.policy.provider_timeout, self.provider.review(req));
         tokio::pin!(call);
-        let mut heartbeat = tokio::time::interval(self.lease / 3);
+        let mut heartbeat = tokio::time::interval(self.policy.lease / 3);
         heartbeat.tick().await; // the first tick is immediate
         // A call still running at the job's deadline is abandoned: its answer would be
         // too late to be of use.
@@ -143,7 +143,7 @@ impl Worker {
                     }
                 }
                 Some(_) = futures::StreamExt::next(&mut changes) => {
-                    if let Some((rec, _)) = self.jobs.get(job.id()).await?
+                    if let Some((rec, _)) = self.stores.jobs.get(job.id()).await?
                         && rec.state == JobState::Terminal
                     {
                         return Ok(Some(Err(Answer::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled)))));
@@ -163,7 +163,7 @@ impl Worker {
         }
         let event = Event::Extended {
             generation: lease.generation(),
-            lease_expires_at_ms: self.clock.now_ms() + self.lease.as_millis() as u64,
+            lease_expires_at_ms: self.clock.now_ms() + self.policy.lease.as_millis() as u64,
         };
         match self.apply_leased(job, lease, &event, None).await {
             Ok(_) => None,

@@ -49,7 +49,7 @@ impl Worker {
                 span.record("result", invalid.as_str());
                 tracing::warn!(reason = invalid.as_str(), "invalid provider output");
                 self.metrics.invalid_output(&job.review.schema_version, invalid.as_str());
-                let left = self.allowed(Budget::Schema).saturating_sub(lease.rec.attempts.schema + 1);
+                let left = self.policy.budgets.of(Budget::Schema).saturating_sub(lease.rec.attempts.schema + 1);
                 tracing::info!(budget = "schema", budget_remaining = left, "schema retry budget");
                 Err(invalid)
             }
@@ -88,7 +88,7 @@ impl Worker {
             reviewlane_shared::telemetry::inject_nats(&mut trace);
             self.keep_paid(job, lease, "keep", || async {
                 self.faults.check(point::EXTRACTOR_KEEP)?;
-                self.results.keep(&result, &trace).await
+                self.stores.results.keep(&result, &trace).await
             })
             .await
         }
@@ -132,7 +132,7 @@ impl Worker {
             tokio::time::Instant::now() + std::time::Duration::from_millis(d.saturating_sub(self.clock.now_ms()))
         });
         let kept = tokio::select! {
-            kept = self.store_retry.run_until(until, write, |e, attempt, delay| self.store_retried(job, what, e, attempt, delay)) => kept,
+            kept = self.policy.store_retry.run_until(until, write, |e, attempt, delay| self.store_retried(job, what, e, attempt, delay)) => kept,
             _ = self.abort.cancelled() => {
                 tracing::warn!(what, "shutting down before a paid answer could be kept; the job goes back for another call");
                 return Err(Decision::Release(None));
@@ -159,7 +159,7 @@ impl Worker {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
     {
-        self.store_retry.run(write, |e, attempt, delay| self.store_retried(job, what, e, attempt, delay)).await
+        self.policy.store_retry.run(write, |e, attempt, delay| self.store_retried(job, what, e, attempt, delay)).await
     }
 
     /// Between two tries of a store write: counted, logged, and the lease kept alive.

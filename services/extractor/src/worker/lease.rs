@@ -27,17 +27,17 @@ const LEASE_MARGIN: Duration = Duration::from_millis(250);
 impl Worker {
     pub(super) async fn lease(&self, job: &Job<'_>) -> Result<Leased, StoreError> {
         let id = job.id();
-        let (rec, revision) = match self.jobs.get(id).await? {
+        let (rec, revision) = match self.stores.jobs.get(id).await? {
             Some(found) => found,
             // The message is durable before its record: finish what the ingress began.
-            None => match self.jobs.create(&job.review.record()).await? {
+            None => match self.stores.jobs.create(&job.review.record()).await? {
                 Created::New(rec, revision) => {
                     tracing::info!("job record created from its lane message");
-                    let index = reviewlane_shared::job_index::JobIndex::new(self.layout.js.clone(), self.region);
+                    let index = reviewlane_shared::job_index::JobIndex::new(self.stores.layout.js.clone(), self.region);
                     index.add(&rec, &job.review.metadata.repository).await?;
                     (rec, revision)
                 }
-                Created::Exists(_) => self.jobs.get(id).await?.ok_or(StoreError::NotFound)?,
+                Created::Exists(_) => self.stores.jobs.get(id).await?.ok_or(StoreError::NotFound)?,
             },
         };
         if !job.review.request_digest.is_empty() && rec.request_digest != job.review.request_digest {
@@ -55,7 +55,7 @@ impl Worker {
             // The holder's lease is over: it may have kept its answer before it died.
             JobState::Running if rec.lease_expires_at_ms.is_none_or(|until| now >= until) => {
                 let generation = rec.generation();
-                if let Some(kept) = self.results.read(&rec.tenant, id, generation).await? {
+                if let Some(kept) = self.stores.results.read(&rec.tenant, id, generation).await? {
                     tracing::info!(generation, "finishing from the answer a previous holder kept");
                     let decision = Decision::Validated {
                         findings: kept.findings.len(),
@@ -70,9 +70,9 @@ impl Worker {
         }
         let event = Event::Leased {
             owner: self.quota.replica_id().to_string(),
-            lease_expires_at_ms: now + self.lease.as_millis() as u64,
+            lease_expires_at_ms: now + self.policy.lease.as_millis() as u64,
         };
-        match self.jobs.apply_tracked(id, Some((rec, revision)), &event, None).await {
+        match self.stores.jobs.apply_tracked(id, Some((rec, revision)), &event, None).await {
             Ok((rec, revision)) => {
                 let lease = Lease::written(rec, revision);
                 // The provider account is out of money: end the job without paying for a

@@ -45,41 +45,52 @@ use reviewlane_shared::store::StoreRetry;
 pub use call::Answer;
 pub use settle::{Decision, Outcome};
 
+/// A worker of the region: a few named parts.
 pub struct Worker {
     pub region: Region,
-    pub layout: RegionLayout,
-    pub jobs: JobStore,
-    pub results: Results,
+    pub stores: Stores,
+    pub policy: WorkPolicy,
     pub provider: Arc<dyn Provider>,
     pub quota: Quota,
     pub metrics: Metrics,
-    /// How long an `insufficient_quota` answer closes a scope to calls.
-    pub circuit_open_for: Duration,
+    /// What the store refused (counted; a full store makes the replica unready).
+    pub health: reviewlane_shared::store_health::StoreHealth,
+    /// Lease times and eligibility.
+    pub clock: SharedClock,
+    pub faults: Faults,
+    /// The parts of the last few split reviews (see `parts`).
+    pub split_cache: parts::SplitCache,
+    /// Fires when the shutdown grace is over: work still running is handed back.
+    pub abort: CancellationToken,
+}
+
+/// The region's stores a worker writes and reads.
+pub struct Stores {
+    pub layout: RegionLayout,
+    pub jobs: JobStore,
+    pub results: Results,
+    /// `CACHE_<R>`: validated results by (tenant, diff, schema, depth, provider,
+    /// model, prompt version); `None` when the cache is off.
+    pub cache: Option<reviewlane_shared::result_cache::ResultCache>,
+}
+
+/// How a worker leases, calls, retries and keeps.
+pub struct WorkPolicy {
     pub budgets: Budgets,
     /// Backoff without a hint: interactive, batch.
     pub backoff: [Backoff; 2],
     pub lease: Duration,
     pub provider_timeout: Duration,
+    /// How long an `insufficient_quota` answer closes a scope to calls.
+    pub circuit_open_for: Duration,
     /// Retries of a store write once an answer is paid for.
     pub store_retry: StoreRetry,
     /// The model's price, for the estimated cost of each call (none: cost 0).
     pub price: Option<crate::config::Price>,
     /// Largest raw item kept with a quarantined finding (its JSON text).
     pub quarantine_raw_max: usize,
-    /// `CACHE_<R>`: validated results by (tenant, diff, schema, depth, provider,
-    /// model, prompt version); `None` when the cache is off.
-    pub cache: Option<reviewlane_shared::result_cache::ResultCache>,
-    /// Lease times and eligibility.
-    pub clock: SharedClock,
-    pub faults: Faults,
     /// Splitting reviews larger than the model's context.
     pub parts: crate::config::PartConfig,
-    /// The parts of the last few split reviews (see `parts`).
-    pub split_cache: parts::SplitCache,
-    /// What the store refused (counted; a full store makes the replica unready).
-    pub health: reviewlane_shared::store_health::StoreHealth,
-    /// Fires when the shutdown grace is over: work still running is handed back.
-    pub abort: CancellationToken,
 }
 
 /// What one call reviews: the whole diff, or one part of a split review.
@@ -329,7 +340,7 @@ impl Worker {
             }
             UpstreamOutcome::QuotaExhausted => {
                 tracing::error!("provider account out of quota; circuit open for the scope");
-                if let Err(e) = self.quota.open_circuit(self.circuit_open_for).await {
+                if let Err(e) = self.quota.open_circuit(self.policy.circuit_open_for).await {
                     tracing::warn!(error = %e, "recording the open circuit failed");
                 }
                 Decision::Terminal { reason: TerminalReason::InsufficientQuota, status }
@@ -351,20 +362,12 @@ impl Worker {
         charge: Option<(reviewlane_shared::job::Tokens, u64)>,
     ) -> Result<JobRecord, StoreError> {
         let known = lease.known.lock().expect("known lock").take();
-        let (rec, revision) = self.jobs.apply_tracked(job.id(), known, event, charge).await?;
+        let (rec, revision) = self.stores.jobs.apply_tracked(job.id(), known, event, charge).await?;
         *lease.known.lock().expect("known lock") = Some((rec.clone(), revision));
         Ok(rec)
     }
 
-    fn allowed(&self, budget: Budget) -> u32 {
-        match budget {
-            Budget::Congestion => self.budgets.congestion,
-            Budget::Transient => self.budgets.transient,
-            Budget::Schema => self.budgets.schema,
-        }
-    }
-
     fn backoff(&self, review: &ReviewMessage) -> &Backoff {
-        &self.backoff[usize::from(review.lane == reviewlane_shared::Lane::Batch)]
+        &self.policy.backoff[usize::from(review.lane == reviewlane_shared::Lane::Batch)]
     }
 }

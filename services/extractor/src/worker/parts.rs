@@ -48,7 +48,7 @@ impl Worker {
     pub(super) async fn plan(&self, job: &Job<'_>, lease: &Lease) -> Result<Planned, StoreError> {
         let diff = job.diff.as_ref().expect("trip checked the diff");
         let recorded = lease.rec.parts.clone();
-        let plan = recorded.as_ref().map_or(self.parts.plan, |p| p.plan);
+        let plan = recorded.as_ref().map_or(self.policy.parts.plan, |p| p.plan);
         if recorded.is_none() {
             // A token is at least one byte: a prompt no longer than the budget in bytes
             // fits without counting.
@@ -67,8 +67,8 @@ impl Worker {
                 return Ok(Planned::Decided(decision));
             }
             None if parts.len() <= 1 => return Ok(Planned::Whole),
-            None if parts.len() > self.parts.max_parts as usize => {
-                tracing::warn!(parts = parts.len(), max = self.parts.max_parts, "review needs too many parts");
+            None if parts.len() > self.policy.parts.max_parts as usize => {
+                tracing::warn!(parts = parts.len(), max = self.policy.parts.max_parts, "review needs too many parts");
                 let decision = Decision::Terminal { reason: TerminalReason::TooLarge, status: None };
                 return Ok(Planned::Decided(decision));
             }
@@ -135,7 +135,7 @@ impl Worker {
     ) -> Result<Outcome, StoreError> {
         if let Some(index) = progress.next() {
             let release = progress.done.len() + 1 < progress.total as usize;
-            let decision = match self.results.read_part(&job.review.tenant, job.id(), index).await? {
+            let decision = match self.stores.results.read_part(&job.review.tenant, job.id(), index).await? {
                 // Kept by a holder that died before recording it: recorded now, unpaid.
                 Some((kept, seq)) => {
                     tracing::info!(part = index, "part result kept before; recorded without a call");
@@ -179,7 +179,7 @@ impl Worker {
         let kept = self
             .keep_paid(job, lease, "keep part", || async {
                 self.faults.check(point::EXTRACTOR_KEEP)?;
-                self.results.keep_part(&result, &async_nats::HeaderMap::new()).await
+                self.stores.results.keep_part(&result, &async_nats::HeaderMap::new()).await
             })
             .await;
         match kept {
@@ -202,7 +202,7 @@ impl Worker {
     async fn merge_parts(&self, job: &Job<'_>, lease: &Lease, progress: &Parts) -> Decision {
         let mut results = Vec::with_capacity(progress.done.len());
         for done in &progress.done {
-            match self.with_store_retry(job, "read part", || self.results.read_part_at(done.seq)).await {
+            match self.with_store_retry(job, "read part", || self.stores.results.read_part_at(done.seq)).await {
                 Ok(m) => results.push(Validated { findings: m.findings, quarantined: m.quarantined }),
                 Err(e) => {
                     tracing::error!(error = %e, kind = e.kind(), part = done.index, "a kept part result is unreadable");
@@ -210,7 +210,7 @@ impl Worker {
                 }
             }
         }
-        let merged = aggregate::merge(results, self.parts.findings_cap as usize);
+        let merged = aggregate::merge(results, self.policy.parts.findings_cap as usize);
         tracing::info!(
             parts = progress.total,
             findings = merged.validated.findings.len(),
@@ -240,7 +240,7 @@ impl Worker {
             review_depth: review.review_depth,
             metadata: review.metadata.clone(),
             findings: v.findings.clone(),
-            quarantined: v.quarantined.iter().cloned().map(|q| q.bounded(self.quarantine_raw_max)).collect(),
+            quarantined: v.quarantined.iter().cloned().map(|q| q.bounded(self.policy.quarantine_raw_max)).collect(),
             submitted_at_ms: review.submitted_at_ms,
             part: None,
             findings_dropped: 0,

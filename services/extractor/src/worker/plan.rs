@@ -30,16 +30,6 @@ pub struct Policy<'a> {
     pub backoff: &'a Backoff,
 }
 
-impl Policy<'_> {
-    fn allowed(&self, budget: Budget) -> u32 {
-        match budget {
-            Budget::Congestion => self.budgets.congestion,
-            Budget::Transient => self.budgets.transient,
-            Budget::Schema => self.budgets.schema,
-        }
-    }
-}
-
 /// How the message is settled after the record is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ack {
@@ -105,7 +95,7 @@ pub fn plan(decision: Decision, lease: &LeaseView, policy: &Policy<'_>, now_ms: 
         }
         Decision::Retry { budget, hint, status, invalid } => {
             let used = lease.attempts.get(budget);
-            if used >= policy.allowed(budget) {
+            if used >= policy.budgets.of(budget) {
                 let reason = match budget {
                     Budget::Congestion => TerminalReason::RateLimitBudgetExhausted,
                     Budget::Transient => TerminalReason::TransientBudgetExhausted,

@@ -106,7 +106,7 @@ impl Worker {
         let generation = lease.generation();
         let tokens = *lease.tokens.lock().expect("tokens lock");
         let view = LeaseView { generation, attempts: lease.rec.attempts, deadline_ms: lease.rec.deadline_ms, tokens };
-        let policy = Policy { budgets: self.budgets, backoff: self.backoff(job.review) };
+        let policy = Policy { budgets: self.policy.budgets, backoff: self.backoff(job.review) };
         let (event, outcome, ack_kind) =
             match plan(decision, &view, &policy, self.clock.now_ms(), rand::random::<f64>()) {
                 Settlement::Stale => {
@@ -134,7 +134,7 @@ impl Worker {
             };
         let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The lease's paid call is charged to the job in the same write.
-        let charge = tokens.map(|t| (t, self.price.map_or(0, |p| p.cost_micro_usd(t))));
+        let charge = tokens.map(|t| (t, self.policy.price.map_or(0, |p| p.cost_micro_usd(t))));
         let applied = self
             .with_store_retry(job, "record", || async {
                 if validated {
@@ -199,7 +199,7 @@ impl Worker {
             // A kept result survives this: the next delivery finishes from it.
             Err(e) if validated => {
                 tracing::warn!(error = %e, kind = e.kind(), "recording validated failed; the kept result is resumed later");
-                ack(job.msg, AckKind::Nak(Some(self.store_retry.cap))).await;
+                ack(job.msg, AckKind::Nak(Some(self.policy.store_retry.cap))).await;
                 Ok(Outcome::Released)
             }
             Err(e) => Err(e),
@@ -212,11 +212,12 @@ impl Worker {
         if reason == TerminalReason::Cancelled {
             return Ok(());
         }
-        let attempts = match self.jobs.get(job.id()).await {
+        let attempts = match self.stores.jobs.get(job.id()).await {
             Ok(Some((rec, _))) => rec.attempts,
             _ => Default::default(),
         };
-        let dead_letters = reviewlane_shared::dead_letters::DeadLetters::new(self.layout.js.clone(), self.region);
+        let dead_letters =
+            reviewlane_shared::dead_letters::DeadLetters::new(self.stores.layout.js.clone(), self.region);
         dead_letters.publish(job.review, job.msg.payload.clone(), reason, attempts, self.clock.now_ms()).await
     }
 
@@ -237,7 +238,7 @@ impl Worker {
     /// Reads the result cache (`None`: the cache is off). Only a read: what it found
     /// counts once `cached` uses it.
     pub(super) async fn cache_lookup(&self, job: &Job<'_>) -> Option<Option<CacheEntry>> {
-        let cache = self.cache.as_ref()?;
+        let cache = self.stores.cache.as_ref()?;
         Some(cache.get(&self.cache_key(job)).await)
     }
 
@@ -260,7 +261,7 @@ impl Worker {
         v: &Validated,
         tokens: Option<reviewlane_shared::job::Tokens>,
     ) {
-        if let Some(cache) = &self.cache {
+        if let Some(cache) = &self.stores.cache {
             cache.put(&self.cache_key(job), &CacheEntry { validated: v.clone(), tokens }).await;
         }
     }
