@@ -167,7 +167,7 @@ impl Worker {
         }
         let rec_deadline = rec.deadline_ms;
         // From here a cancel no longer applies; one that came first wins.
-        let mut known = match self.jobs.apply_tracked(id, Some((rec, revision)), &Event::Delivering, None).await {
+        let known = match self.jobs.apply_tracked(id, Some((rec, revision)), &Event::Delivering, None).await {
             Ok(written) => Some(written),
             Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
                 self.claims.settle(id, &claim, PublicationState::Failed).await?;
@@ -180,44 +180,7 @@ impl Worker {
             Err(e) => return Err(e),
         };
         match self.deliver(f, claim.attempt).await {
-            SinkOutcome::Delivered => {
-                // The sink has it: recording that must not fail over a store outage or a
-                // full store, or the message comes back and is delivered again. The
-                // writes are retried while the message is held (its lease and the claim
-                // kept alive) until the store takes them or the job's deadline passes —
-                // after which a message that comes back is not delivered (too late).
-                let until = rec_deadline.map(|d| {
-                    tokio::time::Instant::now() + Duration::from_millis(d.saturating_sub(self.claims.clock.now_ms()))
-                });
-                let retry = |e: &StoreError, attempt: u32, delay: Duration| {
-                    self.health.refused(self.region, e);
-                    tracing::warn!(
-                        kind = e.kind(),
-                        attempt,
-                        delay_ms = delay.as_millis() as u64,
-                        "recording a delivery failed; retrying"
-                    );
-                    async {
-                        let _ = msg.ack_with(AckKind::Progress).await;
-                    }
-                };
-                let record = || async {
-                    self.faults.check(reviewlane_shared::faults::point::PUBLISHER_RECORD_DELIVERED)?;
-                    self.claims.settle(id, &claim, PublicationState::Published).await
-                };
-                self.store_retry.run_until(until, record, retry).await?;
-                self.store_retry
-                    .run_until(until, || self.mark_job_from(id, known.take(), &Event::Published), retry)
-                    .await?;
-                self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
-                tracing::info!(
-                    outcome = "published",
-                    findings = f.findings.len(),
-                    quarantined = f.quarantined.len(),
-                    "delivered"
-                );
-                Ok(Done::new(Ack::Ack, Outcome::Published))
-            }
+            SinkOutcome::Delivered => self.record_delivered(msg, f, &claim, known, rec_deadline).await,
             SinkOutcome::Transient(class) => {
                 let delay = self.backoff(claim.attempt);
                 tracing::warn!(status_class = class, attempt = claim.attempt, "delivery failed");
@@ -243,6 +206,50 @@ impl Worker {
                 self.fail(f, &claim, TerminalReason::DeliveryRejected).await
             }
         }
+    }
+
+    /// The record step: the sink has the findings, so recording that must not fail over
+    /// a store outage or a full store, or the message comes back and is delivered again.
+    /// The writes are retried while the message is held (its lease and the claim kept
+    /// alive) until the store takes them or the job's deadline passes — after which a
+    /// message that comes back is not delivered (too late).
+    async fn record_delivered(
+        &self,
+        msg: &jetstream::Message,
+        f: &FindingsMessage,
+        claim: &Claim,
+        mut known: Option<(JobRecord, u64)>,
+        deadline_ms: Option<u64>,
+    ) -> Result<Done, StoreError> {
+        let id = f.job_id.as_str();
+        let until = deadline_ms
+            .map(|d| tokio::time::Instant::now() + Duration::from_millis(d.saturating_sub(self.claims.clock.now_ms())));
+        let retry = |e: &StoreError, attempt: u32, delay: Duration| {
+            self.health.refused(self.region, e);
+            tracing::warn!(
+                kind = e.kind(),
+                attempt,
+                delay_ms = delay.as_millis() as u64,
+                "recording a delivery failed; retrying"
+            );
+            async {
+                let _ = msg.ack_with(AckKind::Progress).await;
+            }
+        };
+        let record = || async {
+            self.faults.check(reviewlane_shared::faults::point::PUBLISHER_RECORD_DELIVERED)?;
+            self.claims.settle(id, claim, PublicationState::Published).await
+        };
+        self.store_retry.run_until(until, record, retry).await?;
+        self.store_retry.run_until(until, || self.mark_job_from(id, known.take(), &Event::Published), retry).await?;
+        self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
+        tracing::info!(
+            outcome = "published",
+            findings = f.findings.len(),
+            quarantined = f.quarantined.len(),
+            "delivered"
+        );
+        Ok(Done::new(Ack::Ack, Outcome::Published))
     }
 
     /// The delivery itself, to the tenant's sink (none: findings are read with

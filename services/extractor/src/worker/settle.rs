@@ -150,39 +150,7 @@ impl Worker {
                 if charge.is_some() {
                     lease.tokens.lock().expect("tokens lock").take();
                 }
-                let calls = lease.calls(&rec);
-                if let Outcome::PartDone { .. } = outcome {
-                    let parts = rec.parts.clone().expect("a part done is recorded in a split job");
-                    tracing::info!(done = parts.done.len(), total = parts.total, "part recorded");
-                    // The last part: no hand-back, the merge follows under this lease.
-                    if !parts.complete() {
-                        ack(job.msg, ack_kind).await;
-                    }
-                    return Ok(Outcome::PartDone { parts });
-                }
-                match &outcome {
-                    Outcome::Validated { findings, quarantined } => {
-                        self.metrics.finished(job.review.lane, calls, None);
-                        tracing::info!(findings, quarantined, "validated");
-                    }
-                    Outcome::RetryScheduled { budget, delay } => {
-                        self.metrics.retry(*budget, *delay);
-                        tracing::info!(
-                            budget = budget.as_str(),
-                            attempt = rec.attempts.get(*budget),
-                            delay_ms = delay.as_millis() as u64,
-                            "retry scheduled"
-                        );
-                    }
-                    Outcome::Terminal(reason) => {
-                        self.metrics.finished(job.review.lane, calls, Some(*reason));
-                        self.dead_letter(job, *reason).await?;
-                        tracing::warn!(reason = reason.as_str(), "job terminal");
-                    }
-                    _ => {}
-                }
-                ack(job.msg, ack_kind).await;
-                Ok(outcome)
+                self.recorded(job, lease, &rec, outcome, ack_kind).await
             }
             Err(StoreError::Transition(TransitionError::Fenced { .. }, _)) => {
                 Box::pin(self.settle(job, lease, Decision::Stale)).await
@@ -204,6 +172,51 @@ impl Worker {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// After the decision's write: metrics, logs, the dead letter of a terminal job,
+    /// and the message settled.
+    async fn recorded(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        rec: &reviewlane_shared::job::JobRecord,
+        outcome: Outcome,
+        ack_kind: AckKind,
+    ) -> Result<Outcome, StoreError> {
+        let calls = lease.calls(rec);
+        if let Outcome::PartDone { .. } = outcome {
+            let parts = rec.parts.clone().expect("a part done is recorded in a split job");
+            tracing::info!(done = parts.done.len(), total = parts.total, "part recorded");
+            // The last part: no hand-back, the merge follows under this lease.
+            if !parts.complete() {
+                ack(job.msg, ack_kind).await;
+            }
+            return Ok(Outcome::PartDone { parts });
+        }
+        match &outcome {
+            Outcome::Validated { findings, quarantined } => {
+                self.metrics.finished(job.review.lane, calls, None);
+                tracing::info!(findings, quarantined, "validated");
+            }
+            Outcome::RetryScheduled { budget, delay } => {
+                self.metrics.retry(*budget, *delay);
+                tracing::info!(
+                    budget = budget.as_str(),
+                    attempt = rec.attempts.get(*budget),
+                    delay_ms = delay.as_millis() as u64,
+                    "retry scheduled"
+                );
+            }
+            Outcome::Terminal(reason) => {
+                self.metrics.finished(job.review.lane, calls, Some(*reason));
+                self.dead_letter(job, *reason).await?;
+                tracing::warn!(reason = reason.as_str(), "job terminal");
+            }
+            _ => {}
+        }
+        ack(job.msg, ack_kind).await;
+        Ok(outcome)
     }
 
     /// Moves a failed review off its lane into the dead letters (the store's
