@@ -129,13 +129,13 @@ async fn a_crash_between_the_ingress_writes_loses_no_job_with_or_without_a_retry
     // The lane message is stored, the record beside it is not.
     stack.faults().fail(point::INGRESS_RECORD, 2);
     let mut client = stack.client().await;
-    let diff = sample_diff("between");
+    // Two diffs, so neither job can be answered from the other's cached result.
     for key in ["between-retried", "between-abandoned"] {
-        let err = client.submit_review(submit_req(US_KEY, key, &diff)).await.expect_err("write fails");
+        let err = client.submit_review(submit_req(US_KEY, key, &sample_diff(key))).await.expect_err("write fails");
         assert_eq!(err.code(), tonic::Code::Unavailable);
     }
     // (a) The caller retries with the same key: the job goes on.
-    let retried = submit(&mut client, US_KEY, "between-retried", &diff).await;
+    let retried = submit(&mut client, US_KEY, "between-retried", &sample_diff("between-retried")).await;
     assert_eq!(wait_final(&mut client, US_KEY, &retried.job_id).await.state, JobState::Published as i32);
     // (b) Nobody retries: the message on the lane carries the job, the extractor
     // records it, and it is published all the same.
