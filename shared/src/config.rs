@@ -130,23 +130,6 @@ impl<'a> Reader<'a> {
     }
 
     /// Records a problem found by a cross-field check.
-    /// A required NATS URL (one or several, comma-separated) without credentials in it:
-    /// those go in `REVIEWLANE_NATS_*` files or variables, since URLs get logged.
-    pub fn nats_url(&mut self, key: &str) -> Option<String> {
-        let url: String = self.required(key, "nats://host:port or tls://host:port, comma-separated for a cluster")?;
-        self.check_nats_url(key, &url);
-        Some(url)
-    }
-
-    /// Refuses a NATS URL that carries credentials.
-    pub fn check_nats_url(&mut self, key: &str, url: &str) {
-        if crate::nats_client::has_credentials(url) {
-            self.errors.push(format!(
-                "{key} carries credentials; set them with REVIEWLANE_NATS_USER and REVIEWLANE_NATS_PASSWORD_FILE (or _TOKEN_FILE, _NKEY_SEED_FILE, _CREDS_FILE) instead"
-            ));
-        }
-    }
-
     pub fn error(&mut self, msg: impl Into<String>) {
         self.errors.push(msg.into());
     }

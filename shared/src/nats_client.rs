@@ -153,6 +153,23 @@ pub fn server_addrs(url: &str) -> std::io::Result<Vec<async_nats::ServerAddr>> {
 }
 
 /// Whether any of the URLs (comma-separated) carries a user, password or token.
+/// A required NATS URL (one or several, comma-separated) without credentials in it:
+/// those go in `REVIEWLANE_NATS_*` files or variables, since URLs get logged.
+pub fn read_url(r: &mut Reader<'_>, key: &str) -> Option<String> {
+    let url: String = r.required(key, "nats://host:port or tls://host:port, comma-separated for a cluster")?;
+    check_url(r, key, &url);
+    Some(url)
+}
+
+/// Refuses a NATS URL that carries credentials.
+pub fn check_url(r: &mut Reader<'_>, key: &str, url: &str) {
+    if has_credentials(url) {
+        r.error(format!(
+            "{key} carries credentials; set them with REVIEWLANE_NATS_USER and REVIEWLANE_NATS_PASSWORD_FILE (or _TOKEN_FILE, _NKEY_SEED_FILE, _CREDS_FILE) instead"
+        ));
+    }
+}
+
 pub fn has_credentials(url: &str) -> bool {
     url.split(',').any(|u| u.split_once("://").map_or(u, |(_, r)| r).contains('@'))
 }

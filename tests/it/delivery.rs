@@ -79,9 +79,14 @@ async fn a_publisher_that_died_after_claiming_is_taken_over_once_its_claim_expir
     );
     let delivered_at = stack.webhook.for_job(&rec.job_id)[0].at;
     assert!(delivered_at >= claimed_at + Duration::from_millis(1_900), "taken over before the claim expired");
-    let entry = s.layout.published.get(&rec.job_id).await.unwrap().unwrap();
-    let p: Publication = serde_json::from_slice(&entry).unwrap();
-    assert_eq!((p.state, p.attempts), (PublicationState::Published, 2));
+    // The claim is recorded published just after the receiver's 2xx: wait for it.
+    let published = poll_until(Duration::from_secs(5), || async {
+        let entry = s.layout.published.get(&rec.job_id).await.ok()??;
+        let p: Publication = serde_json::from_slice(&entry).ok()?;
+        (p.state == PublicationState::Published).then_some(p)
+    });
+    let p = published.await.expect("the claim is recorded published");
+    assert_eq!(p.attempts, 2);
     assert_ne!(p.owner, "dead");
     let mut client = stack.client().await;
     assert_eq!(wait_final(&mut client, US_KEY, &rec.job_id).await.state, JobState::Published as i32);

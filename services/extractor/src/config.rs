@@ -304,7 +304,7 @@ impl ExtractorConfig {
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
         let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
-        let nats_url: Option<String> = r.nats_url("REVIEWLANE_NATS_URL");
+        let nats_url: Option<String> = reviewlane_shared::nats_client::read_url(&mut r, "REVIEWLANE_NATS_URL");
         let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let provider = match r.raw("REVIEWLANE_PROVIDER").as_deref().unwrap_or("builtin") {
             "builtin" => Some(ProviderConfig::Builtin),

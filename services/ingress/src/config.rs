@@ -133,7 +133,7 @@ impl IngressConfig {
         for region in Region::ALL {
             let key = format!("REVIEWLANE_NATS_URL_{}", region.upper());
             if let Some(url) = r.raw(&key) {
-                r.check_nats_url(&key, &url);
+                reviewlane_shared::nats_client::check_url(&mut r, &key, &url);
                 nats_urls.insert(region, url);
             }
         }

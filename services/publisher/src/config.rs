@@ -73,7 +73,7 @@ impl PublisherConfig {
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
         let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
-        let nats_url: Option<String> = r.nats_url("REVIEWLANE_NATS_URL");
+        let nats_url: Option<String> = reviewlane_shared::nats_client::read_url(&mut r, "REVIEWLANE_NATS_URL");
         let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
         let d = PublisherConfig::new(Region::Us, "", Arc::default());
         let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", d.admin_addr, "host:port");

@@ -32,7 +32,7 @@ use reviewlane_shared::findings::{Finding, Side};
 use reviewlane_shared::messages::Delivery;
 use serde_json::{Value, json};
 
-use crate::sink::SinkOutcome;
+use crate::outcome::SinkOutcome;
 
 /// The hidden marker a finding's comment or summary line carries.
 pub fn marker(fingerprint: &str) -> String {

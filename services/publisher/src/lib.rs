@@ -6,6 +6,7 @@ pub mod config;
 pub mod gate;
 pub mod github;
 pub mod metrics;
+pub mod outcome;
 pub mod sink;
 pub mod startup;
 pub mod target;
