@@ -17,6 +17,28 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+/// How a pulled message is settled, as the workers' pure cores decide it (plain data,
+/// comparable in their tests; `kind` is what goes to the server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ack {
+    /// Done with: never again.
+    Ack,
+    /// Handed back, to come again after the delay (`None`: at once).
+    Nak(Option<Duration>),
+    /// Unusable: never again, and not as done.
+    Term,
+}
+
+impl Ack {
+    pub fn kind(self) -> AckKind {
+        match self {
+            Ack::Ack => AckKind::Ack,
+            Ack::Nak(d) => AckKind::Nak(d),
+            Ack::Term => AckKind::Term,
+        }
+    }
+}
+
 /// Longest a pull request waits on the server for a message.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// Longest wait for the next message of a pull: its expiry and a margin. A pull request

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use reviewlane_shared::job::{JobRecord, JobState, TerminalReason};
+pub use reviewlane_shared::pull::Ack;
 
 use crate::claim::Claimed;
 use crate::worker::Outcome;
@@ -14,28 +15,6 @@ use crate::worker::Outcome;
 pub const NOT_READY_RETRY: Duration = Duration::from_secs(2);
 /// Added when handing a message back until another publisher's claim expires.
 pub const CLAIM_MARGIN: Duration = Duration::from_millis(250);
-
-/// How a message is settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ack {
-    /// Done with: never again.
-    Ack,
-    /// Handed back, to come again after the delay (`None`: at once).
-    Nak(Option<Duration>),
-    /// Unusable: never again, and not as done.
-    Term,
-}
-
-impl Ack {
-    pub fn kind(self) -> async_nats::jetstream::AckKind {
-        use async_nats::jetstream::AckKind;
-        match self {
-            Ack::Ack => AckKind::Ack,
-            Ack::Nak(d) => AckKind::Nak(d),
-            Ack::Term => AckKind::Term,
-        }
-    }
-}
 
 /// The message settled, and what it came to.
 #[derive(Debug, Clone, PartialEq)]

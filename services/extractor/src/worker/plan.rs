@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use reviewlane_shared::job::{Attempts, Budget, Event, PartDone, TerminalReason, Tokens};
 
+pub use reviewlane_shared::pull::Ack;
+
 use super::settle::{Decision, Outcome};
 use crate::config::Budgets;
 use crate::upstream::Backoff;
@@ -30,23 +32,6 @@ pub struct Policy<'a> {
     pub backoff: &'a Backoff,
 }
 
-/// How the message is settled after the record is written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ack {
-    Ack,
-    /// Handed back, to come again after the delay (`None`: at once).
-    Nak(Option<Duration>),
-}
-
-impl Ack {
-    pub fn kind(self) -> async_nats::jetstream::AckKind {
-        match self {
-            Ack::Ack => async_nats::jetstream::AckKind::Ack,
-            Ack::Nak(d) => async_nats::jetstream::AckKind::Nak(d),
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq)]
 pub enum Settlement {
     /// The lease was taken over: record nothing, settle nothing.
@@ -56,7 +41,7 @@ pub enum Settlement {
     /// The job ended while the call ran: move the message to the dead letters.
     Ended(TerminalReason),
     /// Write `event` (fenced by the lease's generation), then settle the message with
-    /// `ack`; a terminal outcome is dead-lettered.
+    /// `ack` (an ack, or a nak after the delay); a terminal outcome is dead-lettered.
     Record { event: Event, outcome: Outcome, ack: Ack },
 }
 
