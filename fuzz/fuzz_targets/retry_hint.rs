@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 use libfuzzer_sys::fuzz_target;
-use reviewlane_extractor::retry_hint::{headroom_pause, parse_go_duration, parse_retry_after, retry_hint};
+use reviewlane_core::retry_hint::{headroom_pause, parse_go_duration, parse_retry_after, retry_hint};
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use reviewlane_shared::{diff, findings};
+use reviewlane_core::{diff, findings};
 
 fuzz_target!(|data: &[u8]| {
     let split = data.iter().position(|b| *b == 0).unwrap_or(data.len());

@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
-use reviewlane_shared::region::{Lane, Region};
+use reviewlane_api::proto::JobState;
+use reviewlane_api::proto::review_service_client::ReviewServiceClient;
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::telemetry::now_ms;
 use serde::Serialize;
 use serde_json::json;

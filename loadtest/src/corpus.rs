@@ -104,7 +104,7 @@ mod tests {
         {
             let d = generate(42, size);
             assert!((min..max).contains(&d.len()), "{size:?}: {} bytes", d.len());
-            let parsed = reviewlane_shared::diff::parse(&d).expect("parses");
+            let parsed = reviewlane_core::diff::parse(&d).expect("parses");
             let (files, hunks, added) = size.shape();
             assert_eq!(parsed.added_lines().count(), files * hunks * added);
         }

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
+use reviewlane_api::proto::JobState;
+use reviewlane_api::proto::review_service_client::ReviewServiceClient;
 use serde::Serialize;
 
 use crate::procs::ProcStack;

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
-use reviewlane_shared::proto::{self, GetReviewRequest, JobState, SubmitReviewRequest};
-use reviewlane_shared::region::{Lane, Region};
+use reviewlane_api::proto::review_service_client::ReviewServiceClient;
+use reviewlane_api::proto::{self, GetReviewRequest, JobState, SubmitReviewRequest};
+use reviewlane_core::region::{Lane, Region};
 use tokio::sync::Semaphore;
 use tonic::transport::Channel;
 
@@ -63,7 +63,7 @@ pub struct Job {
 impl Job {
     /// The job id the ingress derives for this request.
     pub fn job_id(&self) -> String {
-        reviewlane_shared::job_id::derive(self.tenant.region(), self.tenant.id(), &self.idempotency_key)
+        reviewlane_core::job_id::derive(self.tenant.region(), self.tenant.id(), &self.idempotency_key)
     }
 }
 

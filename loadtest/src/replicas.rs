@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::region::{Lane, Region};
+use reviewlane_api::proto::JobState;
+use reviewlane_core::region::{Lane, Region};
 use serde::Serialize;
 
 use crate::corpus::{self, Size};

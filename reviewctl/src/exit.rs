@@ -1,7 +1,7 @@
 //! Exit codes: what a CI job branches on. Pure.
 
-use reviewlane_shared::findings::severity_rank;
-use reviewlane_shared::proto::{self, JobState};
+use reviewlane_api::proto::{self, JobState};
+use reviewlane_core::findings::severity_rank;
 use tonic::Code;
 
 /// Published, nothing at or above `--fail-on`.

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{CommandFactory, Parser};
-use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
-use reviewlane_shared::proto::{
+use reviewlane_api::proto::review_service_client::ReviewServiceClient;
+use reviewlane_api::proto::{
     self, CancelReviewRequest, GetReviewRequest, JobState, SubmitReviewRequest, WatchReviewRequest,
 };
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
@@ -257,7 +257,7 @@ fn revisions(range: &str) -> (Option<String>, Option<String>) {
 /// The idempotency key of a submit: the same diff with the same options is the same
 /// review, so re-running a CI step does not pay twice.
 pub fn derived_key(diff: &[u8], lane: &str, schema: &str, meta: &proto::ReviewMetadata) -> String {
-    let digest = reviewlane_shared::job_id::sha256_hex(&[
+    let digest = reviewlane_core::job_id::sha256_hex(&[
         b"reviewctl.v1",
         diff,
         lane.as_bytes(),

@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use std::io::Write;
 
 use anstyle::{AnsiColor, Style};
-use reviewlane_shared::api;
-use reviewlane_shared::proto::{self, JobState};
-use reviewlane_shared::surfaces::{Report, rdjson, sarif};
+use reviewlane_api as api;
+use reviewlane_api::proto::{self, JobState};
+use reviewlane_core::surfaces::{Report, rdjson, sarif};
 use serde_json::{Value, json};
 
 use crate::cli::Format;
@@ -107,7 +107,7 @@ pub fn dead_letter_line(d: &proto::DeadLetter) -> String {
     format!("{}  {:<10}  {}", d.job_id, d.tenant, d.terminal_reason)
 }
 
-fn report<'a>(r: &'a proto::Review, findings: &'a [reviewlane_shared::findings::Finding]) -> Report<'a> {
+fn report<'a>(r: &'a proto::Review, findings: &'a [reviewlane_core::findings::Finding]) -> Report<'a> {
     Report { job_id: &r.job_id, schema_version: &r.schema_version, repository: "", head_revision: "", findings }
 }
 

@@ -106,7 +106,7 @@ async fn handle(
 /// received) — what the round trips per job are measured with. Read from the client at
 /// each scrape.
 #[derive(Debug)]
-pub struct NatsConnected(pub Vec<(crate::region::Region, async_nats::Client)>);
+pub struct NatsConnected(pub Vec<(reviewlane_core::region::Region, async_nats::Client)>);
 
 impl prometheus_client::collector::Collector for NatsConnected {
     fn encode(&self, mut encoder: prometheus_client::encoding::DescriptorEncoder) -> Result<(), std::fmt::Error> {

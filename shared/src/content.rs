@@ -4,9 +4,9 @@
 
 use async_nats::jetstream::object_store;
 
-use crate::job::JobRecord;
 use crate::layout::{self, RegionLayout};
 use crate::store::StoreError;
+use reviewlane_core::job::JobRecord;
 
 /// Removes the job's review from its lane, its results (inline and as objects, every
 /// generation and part) and any dead-letter content. Each removal is idempotent; what is already

@@ -10,9 +10,9 @@ use base64::Engine as _;
 use futures::StreamExt;
 
 use crate::layout;
-use crate::messages::{DeadLetter, ReviewMessage};
-use crate::region::Region;
 use crate::store::StoreError;
+use reviewlane_core::messages::{DeadLetter, ReviewMessage};
+use reviewlane_core::region::Region;
 
 #[derive(Clone)]
 pub struct DeadLetters {
@@ -55,11 +55,11 @@ impl DeadLetters {
         &self,
         review: &ReviewMessage,
         payload: bytes::Bytes,
-        reason: crate::job::TerminalReason,
-        attempts: crate::job::Attempts,
+        reason: reviewlane_core::job::TerminalReason,
+        attempts: reviewlane_core::job::Attempts,
         dead_at_ms: u64,
     ) -> Result<(), StoreError> {
-        if reason == crate::job::TerminalReason::Cancelled {
+        if reason == reviewlane_core::job::TerminalReason::Cancelled {
             return Ok(());
         }
         let headers = || {

@@ -18,11 +18,11 @@ use base64::Engine as _;
 use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
-use crate::job::{JobRecord, JobState};
 use crate::job_store::JobStore;
 use crate::layout;
-use crate::region::{Lane, Region};
 use crate::store::StoreError;
+use reviewlane_core::job::{JobRecord, JobState};
+use reviewlane_core::region::{Lane, Region};
 
 const HOUR_MS: u64 = 3_600_000;
 /// Entries looked at for one page at most: a page may come back short (with a token)
@@ -46,7 +46,7 @@ pub fn repository_digest(tenant: &str, repository: &str) -> String {
     if repository.is_empty() {
         return String::new();
     }
-    let mut d = crate::job_id::sha256_hex(&[b"repository", tenant.as_bytes(), repository.as_bytes()]);
+    let mut d = reviewlane_core::job_id::sha256_hex(&[b"repository", tenant.as_bytes(), repository.as_bytes()]);
     d.truncate(32);
     d
 }
@@ -85,7 +85,7 @@ impl Query {
             self.created_after_ms,
             self.created_before_ms
         );
-        let mut d = crate::job_id::sha256_hex(&[text.as_bytes()]);
+        let mut d = reviewlane_core::job_id::sha256_hex(&[text.as_bytes()]);
         d.truncate(16);
         d
     }

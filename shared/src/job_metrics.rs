@@ -7,8 +7,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-use crate::job::TerminalReason;
-use crate::region::{Lane, Region};
+use reviewlane_core::job::TerminalReason;
+use reviewlane_core::region::{Lane, Region};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TerminalLabels {

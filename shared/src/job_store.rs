@@ -3,9 +3,9 @@
 
 use async_nats::jetstream::kv;
 
-use crate::clock::SharedClock;
-use crate::job::{Event, JobRecord, transition};
 pub use crate::store::StoreError;
+use reviewlane_core::clock::SharedClock;
+use reviewlane_core::job::{Event, JobRecord, transition};
 
 /// Result of `create`.
 pub enum Created {
@@ -53,7 +53,7 @@ const CAS_TRIES: usize = 16;
 
 impl JobStore {
     pub fn new(kv: kv::Store, client: async_nats::Client) -> Self {
-        JobStore { kv, client, clock: crate::clock::system() }
+        JobStore { kv, client, clock: reviewlane_core::clock::system() }
     }
 
     /// The same store, stamping and judging leases with `clock`.
@@ -148,7 +148,7 @@ impl JobStore {
         job_id: &str,
         known: Option<(JobRecord, u64)>,
         event: &Event,
-        charge: Option<(crate::job::Tokens, u64)>,
+        charge: Option<(reviewlane_core::job::Tokens, u64)>,
     ) -> Result<JobRecord, StoreError> {
         self.apply_tracked(job_id, known, event, charge).await.map(|(rec, _)| rec)
     }
@@ -162,7 +162,7 @@ impl JobStore {
         job_id: &str,
         mut known: Option<(JobRecord, u64)>,
         event: &Event,
-        charge: Option<(crate::job::Tokens, u64)>,
+        charge: Option<(reviewlane_core::job::Tokens, u64)>,
     ) -> Result<(JobRecord, u64), StoreError> {
         for _ in 0..CAS_TRIES {
             let (from_known, (rec, revision)) = match known.take() {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, object_store, stream};
 
-use crate::region::{Lane, Region};
+use reviewlane_core::region::{Lane, Region};
 
 pub const IDENTITY_KEY: &str = "identity";
 
@@ -95,8 +95,9 @@ pub fn region_bucket(r: Region) -> String {
     format!("REGION_{}", r.upper())
 }
 
-/// Sizes, retention and replicas of the region's streams and buckets: part of every
-/// service's typed config (`REVIEWLANE_*` below), the defaults in `docs/retention.md`.
+/// Sizes, retention and replicas of the region's streams and buckets: provisioning's
+/// config (`reviewlane-admin provision`, `REVIEWLANE_*` below), the defaults in
+/// `docs/retention.md`. The services never read it: they open what was provisioned.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayoutConfig {
     /// Replicas of every stream and bucket (1 on a single server, 3 on a cluster).
@@ -154,9 +155,9 @@ impl Default for LayoutConfig {
 impl LayoutConfig {
     /// Reads the layout from `REVIEWLANE_*` variables (each with its default) and checks
     /// the rules between them.
-    pub fn from_reader(r: &mut crate::config::Reader<'_>) -> LayoutConfig {
+    pub fn from_reader(r: &mut reviewlane_core::config::Reader<'_>) -> LayoutConfig {
         let d = LayoutConfig::default();
-        let days = |r: &mut crate::config::Reader<'_>, key: &str, default: Duration| {
+        let days = |r: &mut reviewlane_core::config::Reader<'_>, key: &str, default: Duration| {
             Duration::from_secs(r.or(key, default.as_secs(), "whole seconds"))
         };
         let c = LayoutConfig {
@@ -237,6 +238,9 @@ impl LayoutConfig {
 pub struct RegionLayout {
     pub region: Region,
     pub js: jetstream::Context,
+    /// The largest message every lane stream accepts, as provisioned (the server's
+    /// `max_payload` bounds it too: see `results::message_max`).
+    pub max_message_bytes: Option<usize>,
     pub jobs: kv::Store,
     pub published: kv::Store,
     pub quota: kv::Store,
@@ -257,6 +261,10 @@ pub enum WiringError {
     Unprovisioned { configured: Region, url: String },
     #[error("the NATS server at {url} carries conflicting region identities")]
     Conflicting { url: String },
+    #[error(
+        "the NATS server at {url} lacks {missing} of region {configured}; provision it (`reviewlane-admin provision --region {configured} --nats-url {url}`)"
+    )]
+    NotLaidOut { configured: Region, url: String, missing: String },
     #[error("NATS error while checking the region identity at {url}: {source}")]
     Nats { url: String, source: async_nats::Error },
 }
@@ -549,8 +557,8 @@ async fn create_missing(js: &jetstream::Context, spec: &Spec) -> Result<bool, as
     }
 }
 
-/// Creates (idempotently) every stream and bucket of the region and returns handles.
-/// Call only after `verify_identity`.
+/// Creates (idempotently) every stream and bucket of the region and returns handles:
+/// what provisioning (and a test's stack) does. Call only after `verify_identity`.
 pub async fn ensure(
     js: &jetstream::Context,
     region: Region,
@@ -559,9 +567,44 @@ pub async fn ensure(
     for spec in specs(region, cfg) {
         create_missing(js, &spec).await?;
     }
+    handles(js, region).await
+}
+
+/// The streams (and the streams behind the buckets and the object store) of a region.
+pub fn stream_names(region: Region) -> Vec<String> {
+    specs(region, &LayoutConfig::default()).into_iter().map(|s| s.stream).collect()
+}
+
+/// Handles on a region's layout as provisioning laid it out: what a service does at
+/// start. Provisioning owns names, limits, retention and replicas; a service only checks
+/// that everything it uses exists, and a server missing any of it is a wiring error
+/// (exit 78) that names what is missing. Call only after `verify_identity`.
+pub async fn open(js: &jetstream::Context, region: Region, url: &str) -> Result<RegionLayout, WiringError> {
+    let nats = |e: async_nats::Error| WiringError::Nats { url: url.to_string(), source: e };
+    let mut missing = Vec::new();
+    for name in stream_names(region) {
+        if !stream_exists(js, &name).await.map_err(nats)? {
+            missing.push(name);
+        }
+    }
+    if !missing.is_empty() {
+        return Err(WiringError::NotLaidOut { configured: region, url: url.to_string(), missing: missing.join(", ") });
+    }
+    handles(js, region).await.map_err(nats)
+}
+
+async fn handles(js: &jetstream::Context, region: Region) -> Result<RegionLayout, async_nats::Error> {
+    let mut max_message_bytes: Option<usize> = None;
+    for lane in Lane::ALL {
+        let size = js.get_stream(lane_stream(region, lane)).await?.cached_info().config.max_message_size;
+        if let Ok(size) = usize::try_from(size) {
+            max_message_bytes = Some(max_message_bytes.map_or(size, |m| m.min(size)));
+        }
+    }
     Ok(RegionLayout {
         region,
         js: js.clone(),
+        max_message_bytes,
         jobs: js.get_key_value(jobs_bucket(region)).await?,
         published: js.get_key_value(published_bucket(region)).await?,
         quota: js.get_key_value(quota_bucket(region)).await?,

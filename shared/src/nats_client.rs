@@ -23,7 +23,7 @@ use std::path::PathBuf;
 
 use secrecy::{ExposeSecret, SecretString};
 
-use crate::config::Reader;
+use reviewlane_core::config::Reader;
 
 #[derive(Debug, Clone, Default)]
 pub struct NatsClientConfig {

@@ -6,8 +6,8 @@
 
 use async_nats::jetstream::kv;
 
-use crate::findings::Validated;
-use crate::job::Tokens;
+use reviewlane_core::findings::Validated;
+use reviewlane_core::job::Tokens;
 
 /// A cached value: the validated result, and the tokens the call that made it cost
 /// (absent in entries written before they were recorded).
@@ -34,7 +34,7 @@ pub struct CacheKey<'a> {
 impl CacheKey<'_> {
     /// The KV key: a digest of every part (no content, no tenant name in clear).
     pub fn digest(&self) -> String {
-        crate::job_id::sha256_hex(&[
+        reviewlane_core::job_id::sha256_hex(&[
             self.tenant.as_bytes(),
             self.input_digest.as_bytes(),
             self.schema_version.as_bytes(),

@@ -8,8 +8,8 @@
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 
 use crate::layout::{self, RegionLayout};
-use crate::messages::FindingsMessage;
 use crate::store::StoreError;
+use reviewlane_core::messages::FindingsMessage;
 
 /// Room left in a message for headers (ids, trace context).
 const HEADER_ROOM: usize = 1024;
@@ -152,7 +152,8 @@ impl Results {
     }
 }
 
-/// The largest message the server and the region's streams accept.
-pub fn message_max(client: &async_nats::Client, cfg: &layout::LayoutConfig) -> usize {
-    client.server_info().max_payload.min(cfg.max_message_bytes.max(0) as usize)
+/// The largest message the server and the region's lane streams accept.
+pub fn message_max(client: &async_nats::Client, layout: &layout::RegionLayout) -> usize {
+    let server = client.server_info().max_payload;
+    layout.max_message_bytes.map_or(server, |m| m.min(server))
 }

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 
-use crate::config::{ConfigErrors, EXIT_CONFIG, EXIT_NATS_AUTH, EXIT_WIRING};
-use crate::layout::{self, LayoutConfig, RegionLayout, WiringError};
+use crate::layout::{self, RegionLayout, WiringError};
 use crate::nats_client::{NatsClientConfig, redact};
-use crate::region::Region;
+use reviewlane_core::config::{ConfigErrors, EXIT_CONFIG, EXIT_NATS_AUTH, EXIT_WIRING};
+use reviewlane_core::region::Region;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -22,8 +22,6 @@ pub enum StartError {
     /// The server refused the credentials (or the TLS handshake).
     #[error("NATS at {url} refused the connection's credentials: {source}; check REVIEWLANE_NATS_* (see docs)")]
     Auth { url: String, source: async_nats::ConnectError },
-    #[error("cannot set up streams and buckets at {url}: {source}")]
-    Layout { url: String, source: async_nats::Error },
     #[error("{0}")]
     Other(#[from] anyhow::Error),
 }
@@ -79,7 +77,6 @@ pub async fn connect_region(
     region: Region,
     name: &str,
     client_cfg: &NatsClientConfig,
-    layout_cfg: &LayoutConfig,
 ) -> Result<RegionConnection, StartError> {
     let shown = redact(url);
     let options =
@@ -94,9 +91,7 @@ pub async fn connect_region(
     })?;
     let js = jetstream::new(client.clone());
     layout::verify_identity(&js, region, &shown).await?;
-    let layout = layout::ensure(&js, region, layout_cfg)
-        .await
-        .map_err(|source| StartError::Layout { url: shown.clone(), source })?;
+    let layout = layout::open(&js, region, &shown).await?;
     Ok(RegionConnection { client, layout })
 }
 

@@ -4,7 +4,7 @@
 
 use async_nats::jetstream::{self, context, kv, object_store};
 
-use crate::job::{JobRecord, TransitionError};
+use reviewlane_core::job::{JobRecord, TransitionError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -261,7 +261,7 @@ impl Default for StoreRetry {
 impl StoreRetry {
     /// Reads `REVIEWLANE_STORE_RETRIES`, `REVIEWLANE_STORE_BACKOFF_BASE_MS` and
     /// `REVIEWLANE_STORE_BACKOFF_CAP_MS`.
-    pub fn from_reader(r: &mut crate::config::Reader<'_>) -> StoreRetry {
+    pub fn from_reader(r: &mut reviewlane_core::config::Reader<'_>) -> StoreRetry {
         let d = StoreRetry::default();
         let ms = |v: std::time::Duration| v.as_millis() as u64;
         let s = StoreRetry {

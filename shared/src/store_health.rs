@@ -14,9 +14,9 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-use crate::clock::SharedClock;
-use crate::region::Region;
 use crate::store::StoreError;
+use reviewlane_core::clock::SharedClock;
+use reviewlane_core::region::Region;
 
 /// How long after a "full" answer a service stays unready (no later write tells it
 /// otherwise sooner: a full store answers every write the same).
@@ -96,7 +96,7 @@ impl StoreHealth {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
+    use reviewlane_core::clock::ManualClock;
 
     #[test]
     fn a_full_store_makes_the_service_unready_for_a_while_and_every_refusal_counts() {

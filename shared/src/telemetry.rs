@@ -31,7 +31,7 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::config::Reader;
+use reviewlane_core::config::Reader;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LogFormat {
@@ -305,9 +305,7 @@ where
 }
 
 /// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
+pub use reviewlane_core::clock::now_ms;
 
 #[cfg(test)]
 mod tests {
@@ -327,7 +325,7 @@ mod tests {
         }
     }
 
-    fn read(env: &[(&str, &str)]) -> Result<TelemetryConfig, crate::config::ConfigErrors> {
+    fn read(env: &[(&str, &str)]) -> Result<TelemetryConfig, reviewlane_core::config::ConfigErrors> {
         let env: HashMap<String, String> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let mut r = Reader::new(&env);
         let c = TelemetryConfig::read(&mut r);

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::region::Region;
+use reviewlane_core::region::Region;
 
 pub struct NatsServer {
     child: Child,
@@ -106,12 +106,26 @@ impl NatsServer {
         self.store.path()
     }
 
-    /// Starts a server and records `region` as its identity.
+    /// Starts a server provisioned for `region` as `reviewlane-admin provision` does
+    /// it: the region identity, then every stream and bucket with the default layout.
     pub async fn start_provisioned(region: Region) -> NatsServer {
+        NatsServer::start_laid_out(region, &crate::layout::LayoutConfig::default()).await
+    }
+
+    /// Starts a server provisioned for `region` with the given layout.
+    pub async fn start_laid_out(region: Region, layout: &crate::layout::LayoutConfig) -> NatsServer {
+        let s = NatsServer::start();
+        provision(s.url(), region, layout).await;
+        s
+    }
+
+    /// Starts a server that carries `region`'s identity and nothing else: provisioning
+    /// stopped half way.
+    pub async fn start_with_identity(region: Region) -> NatsServer {
         let s = NatsServer::start();
         let client = async_nats::connect(s.url()).await.expect("connect to test nats-server");
         let js = async_nats::jetstream::new(client);
-        crate::layout::provision_identity(&js, region, s.url()).await.expect("provision");
+        crate::layout::provision_identity(&js, region, s.url()).await.expect("provision the identity");
         s
     }
 
@@ -126,6 +140,16 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Provisions `url` for `region` as `reviewlane-admin provision` does: the identity,
+/// then every stream and bucket of `layout` (the services only open them).
+pub async fn provision(url: &str, region: Region, layout: &crate::layout::LayoutConfig) {
+    let addrs = crate::nats_client::server_addrs(url).expect("test NATS URLs");
+    let client = async_nats::connect(addrs).await.expect("connect to test nats-server");
+    let js = async_nats::jetstream::new(client);
+    crate::layout::provision_identity(&js, region, url).await.expect("provision the identity");
+    crate::layout::ensure(&js, region, layout).await.expect("provision the layout");
 }
 
 /// Three nats-servers on loopback forming one JetStream cluster (`server_name` n0..n2,

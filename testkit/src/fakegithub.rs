@@ -132,12 +132,12 @@ fn respond(status: StatusCode, headers: &[(&str, String)], body: Value) -> HttpR
 
 /// The (path, line, side) a review comment may be on: lines of the diff's hunks.
 fn commentable(diff: &str) -> Vec<(String, u32, &'static str)> {
-    let Ok(d) = reviewlane_shared::diff::parse(diff) else { return Vec::new() };
+    let Ok(d) = reviewlane_core::diff::parse(diff) else { return Vec::new() };
     let mut out = Vec::new();
     for f in &d.files {
         for h in &f.hunks {
             for (l, old, new) in h.numbered() {
-                use reviewlane_shared::diff::LineKind;
+                use reviewlane_core::diff::LineKind;
                 if let Some(p) = &f.new_path
                     && l.kind != LineKind::Removed
                 {
@@ -271,13 +271,13 @@ fn answer(
             respond(StatusCode::OK, &limit_headers, paged(reviews))
         }
         ("GET", Some("/files")) => {
-            let files: Vec<Value> = reviewlane_shared::diff::parse(&pr.diff)
+            let files: Vec<Value> = reviewlane_core::diff::parse(&pr.diff)
                 .map(|d| {
                     d.files
                         .iter()
                         .map(|f| {
                             let patch: String =
-                                f.hunks.iter().map(|h| reviewlane_shared::diff::render_run(&h.numbered())).collect();
+                                f.hunks.iter().map(|h| reviewlane_core::diff::render_run(&h.numbered())).collect();
                             json!({"filename": f.new_path.clone().or(f.old_path.clone()), "patch": patch})
                         })
                         .collect()

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use reviewlane_shared::region::Region;
+use reviewlane_core::region::Region;
 use reviewlane_shared::testing::NatsServer;
 
 use crate::simprovider::SimProvider;
@@ -217,21 +217,19 @@ impl ProcStack {
         let bins = bin_dir()?;
         let work = tempfile::Builder::new().prefix("reviewlane-load-").tempdir()?;
         let webhook = WebhookReceiver::start().await;
+        // Provisioning owns the layout, as `reviewlane-admin provision` does in a deployment.
+        let mut layout = opts.layout.clone();
+        if let Some(max) = opts.lane_max_messages {
+            layout.lane_max_messages = max;
+        }
         let us = RegionStack::single(
-            NatsServer::start_provisioned(Region::Us).await,
+            NatsServer::start_laid_out(Region::Us, &layout).await,
             SimProvider::start_with(opts.us_provider.clone(), opts.canaries.clone()).await,
         );
         let eu = RegionStack::single(
-            NatsServer::start_provisioned(Region::Eu).await,
+            NatsServer::start_laid_out(Region::Eu, &layout).await,
             SimProvider::start_with(opts.eu_provider.clone(), opts.canaries.clone()).await,
         );
-        if let Some(max) = opts.lane_max_messages {
-            for (region, rs) in [(Region::Us, &us), (Region::Eu, &eu)] {
-                let js = async_nats::jetstream::new(async_nats::connect(rs.nats.url()).await?);
-                let cfg = reviewlane_shared::layout::LayoutConfig { lane_max_messages: max, ..Default::default() };
-                reviewlane_shared::layout::ensure(&js, region, &cfg).await.map_err(|e| anyhow::anyhow!(e))?;
-            }
-        }
         let tenants_file = work.path().join("tenants.toml");
         std::fs::write(&tenants_file, tenants_toml(&webhook.url()))?;
         let tf = tenants_file.display().to_string();

@@ -18,7 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
-use reviewlane_shared::schema_dialect::{self, SchemaDialect};
+use reviewlane_core::schema_dialect::{self, SchemaDialect};
 use serde::Serialize;
 use serde_json::json;
 use tokio::sync::Semaphore;
@@ -476,7 +476,7 @@ fn strict_nulls(out: &mut serde_json::Value, item: &serde_json::Value) {
 /// two that point outside the diff when asked.
 pub fn findings_for(diff_text: &str, outside_diff: bool) -> serde_json::Value {
     let mut findings = Vec::new();
-    if let Ok(diff) = reviewlane_shared::diff::parse(diff_text) {
+    if let Ok(diff) = reviewlane_core::diff::parse(diff_text) {
         let mut seen = std::collections::HashSet::new();
         for (file, _, line) in diff.added_lines() {
             let Some(path) = file.new_path.as_deref() else { continue };

@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use crate::simprovider::{SimConfig, SimProvider};
 use crate::webhook::WebhookReceiver;
+use reviewlane_api::proto::review_service_client::ReviewServiceClient;
+use reviewlane_api::proto::{self, GetReviewRequest, SubmitReviewRequest, WatchReviewRequest};
+use reviewlane_core::region::Region;
+use reviewlane_core::tenants::{Tenants, hash_api_key};
 use reviewlane_extractor::config::{ExtractorConfig, ProviderConfig};
 use reviewlane_ingress::IngressConfig;
 use reviewlane_publisher::PublisherConfig;
-use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
-use reviewlane_shared::proto::{self, GetReviewRequest, SubmitReviewRequest, WatchReviewRequest};
-use reviewlane_shared::region::Region;
-use reviewlane_shared::tenants::{Tenants, hash_api_key};
 use reviewlane_shared::testing::NatsServer;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -79,8 +79,7 @@ struct ExtractorKnobs {
     faults: reviewlane_shared::faults::Faults,
     result_inline_max: Option<usize>,
     interactive_wait_limit: Duration,
-    schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
-    layout: reviewlane_shared::layout::LayoutConfig,
+    schema_dialect: reviewlane_core::schema_dialect::SchemaDialect,
     prices: std::collections::HashMap<String, reviewlane_extractor::config::Price>,
     anthropic: bool,
     context_tokens: Option<usize>,
@@ -101,7 +100,7 @@ pub struct StackOptions {
     /// Sizes and retention of every region's streams and buckets.
     pub layout: reviewlane_shared::layout::LayoutConfig,
     /// The schema dialect the extractors send.
-    pub schema_dialect: reviewlane_shared::schema_dialect::SchemaDialect,
+    pub schema_dialect: reviewlane_core::schema_dialect::SchemaDialect,
     pub canaries: Vec<String>,
     pub max_diff_bytes: usize,
     /// The extractors' `REVIEWLANE_CONTEXT_TOKENS` (`None`: the default).
@@ -219,13 +218,16 @@ impl Stack {
         let webhook = WebhookReceiver::start().await;
         let toml = format!("{}\n{}", tenants_toml(&webhook.url()), opts.extra_tenants);
         let tenants = Arc::new(Tenants::parse(&toml).expect("test tenants parse"));
+        // Provisioning owns the layout, as `reviewlane-admin provision` does in a deployment.
+        let mut layout = opts.layout.clone();
+        if let Some(max) = opts.lane_max_messages {
+            layout.lane_max_messages = max;
+        }
         let us = if opts.us_cluster {
             // Three JetStream nodes; every stream and bucket of the region on all three.
             let cluster = reviewlane_shared::testing::NatsCluster::start().await;
-            let addrs = reviewlane_shared::nats_client::server_addrs(&cluster.url()).expect("cluster URLs");
-            let client = async_nats::connect(addrs).await.expect("connect to the cluster");
-            let js = async_nats::jetstream::new(client);
-            reviewlane_shared::layout::provision_identity(&js, Region::Us, "cluster").await.expect("provision");
+            let replicated = reviewlane_shared::layout::LayoutConfig { replicas: 3, ..layout.clone() };
+            reviewlane_shared::testing::provision(&cluster.url(), Region::Us, &replicated).await;
             let mut nodes = cluster.nodes;
             RegionStack {
                 nats: nodes.remove(0),
@@ -235,18 +237,14 @@ impl Stack {
             }
         } else {
             RegionStack::single(
-                NatsServer::start_provisioned(Region::Us).await,
+                NatsServer::start_laid_out(Region::Us, &layout).await,
                 SimProvider::start_with(opts.us_provider, opts.canaries.clone()).await,
             )
         };
         let eu = RegionStack::single(
-            NatsServer::start_provisioned(Region::Eu).await,
+            NatsServer::start_laid_out(Region::Eu, &layout).await,
             SimProvider::start_with(opts.eu_provider, opts.canaries.clone()).await,
         );
-        let mut layout = opts.layout.clone();
-        if let Some(max) = opts.lane_max_messages {
-            layout.lane_max_messages = max;
-        }
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
         let mut publisher_admin = Vec::new();
@@ -260,7 +258,6 @@ impl Stack {
             pc.store_retry.base = Duration::from_millis(20);
             pc.store_retry.cap = Duration::from_millis(200);
             pc.admin_addr = "127.0.0.1:0".parse().expect("addr");
-            pc.layout = reviewlane_shared::layout::LayoutConfig { replicas: rs.replicas, ..layout.clone() };
             let p = reviewlane_publisher::build(pc).await.expect("publisher builds");
             publisher_admin.push((region, p.admin_addr()));
             let s = stop.clone();
@@ -276,7 +273,6 @@ impl Stack {
             result_inline_max: opts.result_inline_max,
             interactive_wait_limit: opts.interactive_wait_limit,
             schema_dialect: opts.schema_dialect,
-            layout: layout.clone(),
             prices: opts.model_prices.clone(),
             anthropic: opts.anthropic,
             context_tokens: opts.context_tokens,
@@ -294,7 +290,6 @@ impl Stack {
             admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
             faults: opts.faults.clone(),
             limits: opts.ingress_limits,
-            layout: layout.clone(),
             nats: Default::default(),
             grpc_tls: opts.grpc_tls.clone(),
         })
@@ -364,7 +359,6 @@ impl Stack {
         let mut xc = ExtractorConfig::new(region, rs.url(), self.tenants.clone(), provider);
         xc.lease = self.opts.lease;
         xc.prices = self.opts.prices.clone();
-        xc.layout = reviewlane_shared::layout::LayoutConfig { replicas: rs.replicas, ..self.opts.layout.clone() };
         xc.concurrency = self.opts.concurrency;
         xc.key_limit = self.opts.key_limit;
         xc.heartbeat = self.opts.heartbeat;
@@ -652,7 +646,7 @@ pub async fn extractors_ready(stack: &Stack) {
 /// their long-poll (each consumer has a pull request waiting).
 pub async fn lanes_polling(stack: &Stack, region: Region, tenant: &str) {
     let js = async_nats::jetstream::new(async_nats::connect(stack.region(region).url()).await.expect("connect"));
-    for lane in reviewlane_shared::region::Lane::ALL {
+    for lane in reviewlane_core::region::Lane::ALL {
         let stream = js.get_stream(reviewlane_shared::layout::lane_stream(region, lane)).await.expect("lane stream");
         let consumer: async_nats::jetstream::consumer::PullConsumer =
             stream.get_consumer(&reviewlane_shared::layout::lane_consumer(lane, tenant)).await.expect("lane consumer");

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use reviewlane_shared::region::Region;
+use reviewlane_core::region::Region;
 
 use crate::harness::*;
 
@@ -51,7 +51,7 @@ fn lane_sample(page: &str, name: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_age_rises_while_a_paused_scope_holds_work_and_falls_after_it_drains() {
-    use reviewlane_shared::proto::JobState;
+    use reviewlane_api::proto::JobState;
     use reviewlane_testkit::simprovider::Scripted;
 
     let stack = Stack::start().await;
@@ -124,7 +124,7 @@ fn referenced_metrics() -> std::collections::BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_alerts_and_dashboard_use_is_exposed_after_a_workload() {
-    use reviewlane_shared::proto::JobState;
+    use reviewlane_api::proto::JobState;
     use reviewlane_testkit::simprovider::{Scripted, findings_for};
 
     let stack = Stack::start().await;

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::schema_dialect::SchemaDialect;
+use reviewlane_api::proto::JobState;
+use reviewlane_core::schema_dialect::SchemaDialect;
 use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
 use crate::harness::*;

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use reviewlane_shared::proto::{CancelReviewRequest, GetReviewRequest, SubmitReviewRequest};
+use reviewlane_api::proto::{CancelReviewRequest, GetReviewRequest, SubmitReviewRequest};
 use tonic::Code;
 
 use crate::harness::*;
@@ -144,7 +144,7 @@ async fn health_and_readiness_follow_the_nats_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watches_are_kept_alive_and_limited_per_tenant() {
-    use reviewlane_shared::proto::WatchReviewRequest;
+    use reviewlane_api::proto::WatchReviewRequest;
     let limits = reviewlane_ingress::config::ServerLimits {
         watch_keepalive: Duration::from_millis(300),
         max_watches_per_tenant: 2,
@@ -154,7 +154,7 @@ async fn watches_are_kept_alive_and_limited_per_tenant() {
     let stack = Stack::start_with(StackOptions { extractors: 0, ingress_limits: limits, ..Default::default() }).await;
     let mut client = stack.client().await;
     let job = submit(&mut client, US_KEY, "watched", &sample_diff("watched")).await;
-    let watch = |client: &mut reviewlane_shared::proto::review_service_client::ReviewServiceClient<_>| {
+    let watch = |client: &mut reviewlane_api::proto::review_service_client::ReviewServiceClient<_>| {
         let req = authed(US_KEY, WatchReviewRequest { job_id: job.job_id.clone() });
         let mut c = client.clone();
         async move { c.watch_review(req).await }
@@ -187,9 +187,9 @@ async fn watches_are_kept_alive_and_limited_per_tenant() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_sees_every_revision_of_the_review_in_order() {
-    use reviewlane_shared::clock;
-    use reviewlane_shared::job::{Budget, Event};
-    use reviewlane_shared::proto::{JobState, WatchReviewRequest};
+    use reviewlane_api::proto::{JobState, WatchReviewRequest};
+    use reviewlane_core::clock;
+    use reviewlane_core::job::{Budget, Event};
 
     // No extractor: the revisions below are the only ones. They are written back to back,
     // faster than any polling interval; the watch follows the record itself, so it shows
@@ -269,24 +269,22 @@ async fn the_grpc_listener_serves_tls_and_can_require_client_certificates() {
     // With a client certificate: served over TLS.
     let with_cert = base.clone().identity(Identity::from_pem(&client_cert, &client_key));
     let channel = endpoint().tls_config(with_cert).unwrap().connect().await.expect("TLS connection");
-    let mut client = reviewlane_shared::proto::review_service_client::ReviewServiceClient::new(channel);
+    let mut client = reviewlane_api::proto::review_service_client::ReviewServiceClient::new(channel);
     let job = client.submit_review(submit_req(US_KEY, "over-tls", &sample_diff("tls"))).await.expect("submit over TLS");
     assert!(!job.into_inner().review.unwrap().job_id.is_empty());
 
     // Without one, or in plaintext: no service.
     let refused = match endpoint().tls_config(base).unwrap().connect().await {
         Err(_) => true,
-        Ok(channel) => reviewlane_shared::proto::review_service_client::ReviewServiceClient::new(channel)
+        Ok(channel) => reviewlane_api::proto::review_service_client::ReviewServiceClient::new(channel)
             .submit_review(submit_req(US_KEY, "no-cert", &sample_diff("x")))
             .await
             .is_err(),
     };
     assert!(refused, "served a client without a certificate");
-    let plain = reviewlane_shared::proto::review_service_client::ReviewServiceClient::connect(format!(
-        "http://{}",
-        stack.ingress
-    ))
-    .await;
+    let plain =
+        reviewlane_api::proto::review_service_client::ReviewServiceClient::connect(format!("http://{}", stack.ingress))
+            .await;
     let plain_refused = match plain {
         Err(_) => true,
         Ok(mut c) => c.submit_review(submit_req(US_KEY, "plain", &sample_diff("p"))).await.is_err(),
@@ -315,7 +313,7 @@ async fn the_local_development_certificate_serves_tls() {
         .connect()
         .await
         .unwrap();
-    let mut client = reviewlane_shared::proto::review_service_client::ReviewServiceClient::new(channel);
+    let mut client = reviewlane_api::proto::review_service_client::ReviewServiceClient::new(channel);
     let review =
         client.submit_review(submit_req(US_KEY, "dev-cert", &sample_diff("d"))).await.expect("served over TLS");
     assert!(!review.into_inner().review.unwrap().job_id.is_empty());

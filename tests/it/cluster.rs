@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
+use reviewlane_api::proto::JobState;
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::layout;
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::region::{Lane, Region};
 use reviewlane_testkit::simprovider::SimConfig;
 use tonic::Code;
 

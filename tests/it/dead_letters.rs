@@ -2,11 +2,11 @@
 //! region's; a replay is a new job linked to the dead one, idempotent; a replay whose
 //! content's retention ended is FAILED_PRECONDITION.
 
-use reviewlane_shared::layout;
-use reviewlane_shared::proto::{
+use reviewlane_api::proto::{
     self, GetDeadLetterRequest, JobState, ListDeadLettersRequest, ReplayDeadLetterRequest, TerminalReason,
 };
-use reviewlane_shared::region::Region;
+use reviewlane_core::region::Region;
+use reviewlane_shared::layout;
 use reviewlane_testkit::simprovider::Scripted;
 use tonic::Code;
 use tonic_types::StatusExt;

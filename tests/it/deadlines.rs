@@ -4,9 +4,9 @@
 
 use std::time::{Duration, SystemTime};
 
+use reviewlane_api::proto::{JobState, SubmitReviewRequest};
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::layout;
-use reviewlane_shared::proto::{JobState, SubmitReviewRequest};
-use reviewlane_shared::region::{Lane, Region};
 use reviewlane_testkit::simprovider::SimConfig;
 use tonic::Code;
 
@@ -22,7 +22,7 @@ fn prost_types_duration(d: Duration) -> prost_types::Duration {
     prost_types::Duration::try_from(d).unwrap()
 }
 
-fn assert_ended_late(r: &reviewlane_shared::proto::Review) {
+fn assert_ended_late(r: &reviewlane_api::proto::Review) {
     assert_eq!((r.state, r.terminal_reason.as_str()), (JobState::Terminal as i32, "deadline_exceeded"), "{r:?}");
 }
 

@@ -4,10 +4,10 @@
 
 use std::time::{Duration, Instant};
 
+use reviewlane_api::proto::JobState;
+use reviewlane_core::clock;
+use reviewlane_core::region::Region;
 use reviewlane_publisher::claim::{Publication, PublicationState};
-use reviewlane_shared::clock;
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
 
 use crate::harness::*;

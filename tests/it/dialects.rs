@@ -5,14 +5,14 @@
 
 use std::time::Duration;
 
+use reviewlane_core::job::ReviewDepth;
+use reviewlane_core::region::Region;
+use reviewlane_core::schema_dialect::SchemaDialect;
+use reviewlane_core::{diff, findings};
 use reviewlane_extractor::provider::anthropic::{AnthropicEndpoint, AnthropicProvider};
 use reviewlane_extractor::provider::openai::OpenAiProvider;
 use reviewlane_extractor::provider::{Provider, ProviderRequest};
 use reviewlane_extractor::upstream::UpstreamOutcome;
-use reviewlane_shared::job::ReviewDepth;
-use reviewlane_shared::region::Region;
-use reviewlane_shared::schema_dialect::SchemaDialect;
-use reviewlane_shared::{diff, findings};
 use reviewlane_testkit::simprovider::{SimConfig, SimProvider};
 
 use crate::harness::sample_diff;

@@ -6,17 +6,18 @@
 use std::time::Duration;
 
 use prometheus_client::registry::Registry;
+use reviewlane_api::proto::JobState;
+use reviewlane_core::clock::ManualClock;
+use reviewlane_core::job::{Event, TerminalReason};
+use reviewlane_core::job_id;
+use reviewlane_core::messages::FindingsMessage;
+use reviewlane_core::region::Region;
 use reviewlane_extractor::metrics::Metrics;
 use reviewlane_extractor::reconcile::{Pass, Reconciler};
-use reviewlane_shared::clock::ManualClock;
 use reviewlane_shared::faults::point;
-use reviewlane_shared::job::{Event, TerminalReason};
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout;
-use reviewlane_shared::messages::FindingsMessage;
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::region::Region;
-use reviewlane_shared::{job_id, telemetry};
+use reviewlane_shared::telemetry;
 
 use crate::harness::*;
 

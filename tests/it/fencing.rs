@@ -4,11 +4,11 @@
 
 use std::time::Duration;
 
-use reviewlane_shared::job::JobRecord;
+use reviewlane_api::proto::JobState;
+use reviewlane_api::proto::review_service_client::ReviewServiceClient;
+use reviewlane_core::job::JobRecord;
+use reviewlane_core::region::Region;
 use reviewlane_shared::layout;
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
-use reviewlane_shared::region::Region;
 use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
 use reviewlane_testkit::simprovider::SimConfig;
 

@@ -3,8 +3,8 @@
 //! category enums) and in the delivery — through OpenAI's strict rules with the default
 //! dialect (optional fields as nulls) and Anthropic's. v1 reviews keep their shape.
 
-use reviewlane_shared::proto::{self, JobState};
-use reviewlane_shared::schema_dialect::SchemaDialect;
+use reviewlane_api::proto::{self, JobState};
+use reviewlane_core::schema_dialect::SchemaDialect;
 use reviewlane_testkit::simprovider::SimConfig;
 
 use crate::harness::*;

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use reviewlane_shared::proto::{self, JobState};
+use reviewlane_api::proto::{self, JobState};
 use reviewlane_testkit::fakegithub::{FakeGitHub, PullRequest};
 
 use crate::harness::*;
@@ -35,7 +35,7 @@ async fn review(stack: &Stack, idem: &str, diff: &str, pr: u32) -> proto::Review
 async fn stack_for(fake: &FakeGitHub, auth: &str) -> Stack {
     let tenant = format!(
         "[[tenants]]\nid = \"octo\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nallow_private_webhook = true\nsink = {{ kind = \"github\", api_url = \"{}\", {auth}, max_comments = 20 }}\n",
-        reviewlane_shared::tenants::hash_api_key(OCTO_KEY),
+        reviewlane_core::tenants::hash_api_key(OCTO_KEY),
         fake.url(),
     );
     Stack::start_with(StackOptions { extra_tenants: tenant, ..Default::default() }).await

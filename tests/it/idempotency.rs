@@ -1,4 +1,4 @@
-use reviewlane_shared::proto::JobState;
+use reviewlane_api::proto::JobState;
 use tonic::Code;
 
 use crate::harness::*;

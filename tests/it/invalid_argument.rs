@@ -1,8 +1,8 @@
 use async_nats::jetstream;
 use futures::StreamExt;
+use reviewlane_api::proto::{self, SubmitReviewRequest};
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::layout;
-use reviewlane_shared::proto::{self, SubmitReviewRequest};
-use reviewlane_shared::region::{Lane, Region};
 use tonic::Code;
 use tonic_types::StatusExt;
 
@@ -149,7 +149,7 @@ async fn a_full_lane_is_resource_exhausted_with_retry_info_and_keeps_nothing() {
 
     // The refused request left no record; the two accepted ones finish, after which the
     // same request goes through.
-    let c_id = reviewlane_shared::job_id::derive(Region::Us, "acme", "full-c");
+    let c_id = reviewlane_core::job_id::derive(Region::Us, "acme", "full-c");
     assert_eq!(get(&mut client, US_KEY, &c_id).await.unwrap_err().code(), Code::NotFound);
     for id in [&a.job_id, &b.job_id] {
         assert_eq!(wait_final(&mut client, US_KEY, id).await.state, proto::JobState::Published as i32);

@@ -1,8 +1,8 @@
 use std::time::Duration;
 
+use reviewlane_api::proto::{CancelReviewRequest, JobState};
+use reviewlane_core::region::Region;
 use reviewlane_shared::layout;
-use reviewlane_shared::proto::{CancelReviewRequest, JobState};
-use reviewlane_shared::region::Region;
 use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
 use crate::harness::*;
@@ -122,17 +122,17 @@ async fn a_rejected_request_is_terminal_at_once_and_the_adapter_speaks_structure
     .unwrap_or_default();
     let (subject, _, body) = refs.first().expect("a dead-letter reference");
     assert_eq!(*subject, layout::deadletter_subject(Region::Us, "acme", &job.job_id));
-    let dead: reviewlane_shared::messages::DeadLetter = serde_json::from_slice(body).unwrap();
+    let dead: reviewlane_core::messages::DeadLetter = serde_json::from_slice(body).unwrap();
     assert_eq!(
         (dead.job_id.as_str(), dead.tenant.as_str(), dead.reason.as_str()),
         (job.job_id.as_str(), "acme", "upstream_rejected")
     );
-    assert_eq!(dead.input_digest, reviewlane_shared::job_id::sha256_hex(&[sample_diff("401").as_bytes()]));
+    assert_eq!(dead.input_digest, reviewlane_core::job_id::sha256_hex(&[sample_diff("401").as_bytes()]));
     assert!(!String::from_utf8_lossy(body).contains("unwrap()"), "the reference carries no diff");
     let content = stream_messages(&url, &layout::deadletter_content_stream(Region::Us)).await;
     assert_eq!(content.len(), 1);
     assert_eq!(content[0].0, dead.content_subject);
-    let kept: reviewlane_shared::messages::ReviewMessage = serde_json::from_slice(&content[0].2).unwrap();
+    let kept: reviewlane_core::messages::ReviewMessage = serde_json::from_slice(&content[0].2).unwrap();
     assert_eq!(kept.diff, sample_diff("401"));
     stack.shutdown().await;
 }
@@ -153,7 +153,7 @@ async fn an_answer_whose_every_finding_fails_the_schema_is_retried_never_publish
     // The job record says why, without content.
     let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
     let jobs = js.get_key_value(layout::jobs_bucket(Region::Us)).await.unwrap();
-    let rec: reviewlane_shared::job::JobRecord =
+    let rec: reviewlane_core::job::JobRecord =
         serde_json::from_slice(&jobs.get(&job.job_id).await.unwrap().unwrap()).unwrap();
     assert_eq!(rec.last_invalid_output.as_deref(), Some("all_findings_invalid"));
     stack.shutdown().await;
@@ -161,7 +161,7 @@ async fn an_answer_whose_every_finding_fails_the_schema_is_retried_never_publish
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_schema_sent_is_the_one_the_providers_dialect_accepts_and_the_answer_is_held_to_the_full_schema() {
-    use reviewlane_shared::schema_dialect::SchemaDialect;
+    use reviewlane_core::schema_dialect::SchemaDialect;
     use reviewlane_testkit::simprovider::SimConfig;
 
     // The provider accepts only what Anthropic's structured outputs accept, and the

@@ -2,7 +2,7 @@
 //! filtered by state, lane, repository and creation time, from the job index — never
 //! another tenant's.
 
-use reviewlane_shared::proto::{self, JobState, ListReviewsRequest};
+use reviewlane_api::proto::{self, JobState, ListReviewsRequest};
 use tonic::Code;
 
 use crate::harness::*;

@@ -2,13 +2,13 @@
 //! the pipeline passes through too quickly to catch (validated and not yet delivered,
 //! running with a dead holder).
 
-use reviewlane_shared::clock::SharedClock;
-use reviewlane_shared::job::{Event, JobRecord, ReviewDepth};
-use reviewlane_shared::job_id;
+use reviewlane_core::clock::SharedClock;
+use reviewlane_core::job::{Event, JobRecord, ReviewDepth};
+use reviewlane_core::job_id;
+use reviewlane_core::messages::{FindingsMessage, ReviewMetadata};
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig, RegionLayout};
-use reviewlane_shared::messages::{FindingsMessage, ReviewMetadata};
-use reviewlane_shared::region::{Lane, Region};
 use reviewlane_shared::results::Results;
 
 pub struct RegionStores {

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use reviewlane_core::config::Reader;
 use reviewlane_shared::Region;
-use reviewlane_shared::config::Reader;
 use reviewlane_shared::nats_client::NatsClientConfig;
 use reviewlane_shared::startup::StartError;
 use reviewlane_shared::testing::NatsServer;
@@ -22,14 +22,15 @@ fn client_config(env: &[(&str, String)]) -> NatsClientConfig {
     c
 }
 
-/// Provisions the server's identity through an authorised connection.
+/// Provisions the server (identity and layout) through an authorised connection.
 async fn provision(url: &str, options: async_nats::ConnectOptions) {
     let client = options.connect(url).await.expect("authorised connection");
     let js = async_nats::jetstream::new(client);
     reviewlane_shared::layout::provision_identity(&js, Region::Us, url).await.unwrap();
+    reviewlane_shared::layout::ensure(&js, Region::Us, &Default::default()).await.unwrap();
 }
 
-/// Builds a publisher (it connects, checks the identity and creates its layout).
+/// Builds a publisher (it connects, checks the identity and opens the layout).
 async fn start_publisher(url: &str, nats: NatsClientConfig) -> Result<(), StartError> {
     let mut pc = reviewlane_publisher::PublisherConfig::new(Region::Us, url, Arc::default());
     pc.admin_addr = "127.0.0.1:0".parse().unwrap();

@@ -1,9 +1,9 @@
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
-use reviewlane_shared::messages::Delivery;
-use reviewlane_shared::proto::{JobState, ReviewDepth};
-use reviewlane_shared::region::Region;
+use reviewlane_api::proto::{JobState, ReviewDepth};
+use reviewlane_core::messages::Delivery;
+use reviewlane_core::region::Region;
 use sha2::Sha256;
 
 use crate::harness::*;
@@ -76,7 +76,7 @@ async fn watch_streams_state_changes_until_final() {
     let mut client = stack.client().await;
     let review = submit(&mut client, EU_KEY, "watch-1", &sample_diff("w1")).await;
     let mut stream = client
-        .watch_review(authed(EU_KEY, reviewlane_shared::proto::WatchReviewRequest { job_id: review.job_id.clone() }))
+        .watch_review(authed(EU_KEY, reviewlane_api::proto::WatchReviewRequest { job_id: review.job_id.clone() }))
         .await
         .unwrap()
         .into_inner();

@@ -1,9 +1,9 @@
 use std::time::Duration;
 
 use async_nats::jetstream;
+use reviewlane_api::proto::JobState;
+use reviewlane_core::region::Region;
 use reviewlane_shared::layout;
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::region::Region;
 
 use crate::harness::*;
 

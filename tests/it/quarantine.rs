@@ -1,7 +1,7 @@
 use std::time::Duration;
 
-use reviewlane_shared::messages::Delivery;
-use reviewlane_shared::proto::JobState;
+use reviewlane_api::proto::JobState;
+use reviewlane_core::messages::Delivery;
 use reviewlane_testkit::simprovider::SimConfig;
 
 use crate::harness::*;

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use reviewlane_shared::proto::JobState;
-use reviewlane_shared::region::Region;
+use reviewlane_api::proto::JobState;
+use reviewlane_core::region::Region;
 use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
 use crate::harness::*;
@@ -167,10 +167,10 @@ async fn three_replicas_never_exceed_the_key_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scope_pause_and_an_open_circuit_end_when_the_clock_passes_them() {
+    use reviewlane_core::clock::ManualClock;
     use reviewlane_extractor::quota::Quota;
-    use reviewlane_shared::clock::ManualClock;
     let nats = reviewlane_shared::testing::NatsServer::start_provisioned(reviewlane_shared::Region::Us).await;
-    let s = crate::manual::stores(nats.url(), reviewlane_shared::Region::Us, reviewlane_shared::clock::system()).await;
+    let s = crate::manual::stores(nats.url(), reviewlane_shared::Region::Us, reviewlane_core::clock::system()).await;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let clock = ManualClock::at(1_000_000);
     let key = reviewlane_extractor::quota::KeyConfig {
@@ -210,7 +210,7 @@ async fn a_provider_answer_over_the_size_cap_is_never_read_whole() {
         4096,
     );
     let text = sample_diff("cap");
-    let diff = reviewlane_shared::diff::parse(&text).unwrap();
+    let diff = reviewlane_core::diff::parse(&text).unwrap();
     let req = ProviderRequest {
         job_id: "us_00000000000000000000000000000000",
         region: Region::Us,

@@ -1,7 +1,7 @@
 //! Requests as raw bytes on the wire: a diff that is not UTF-8, a body that does not
 //! decode, a body sent without a key. Each gets a specific status, never `INTERNAL`.
 
-use reviewlane_shared::proto::{self, SubmitReviewRequest};
+use reviewlane_api::proto::{self, SubmitReviewRequest};
 use tonic::Code;
 use tonic::codegen::http::uri::PathAndQuery;
 

@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::TryStreamExt;
-use reviewlane_shared::proto::JobState;
+use reviewlane_api::proto::JobState;
 
 use crate::harness::*;
 
@@ -77,9 +77,9 @@ async fn eu_content_never_reaches_the_us_server_or_provider() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publisher_and_ingress_refuse_a_miswired_region() {
-    use reviewlane_shared::region::Region;
+    use reviewlane_core::region::Region;
+    use reviewlane_core::tenants::Tenants;
     use reviewlane_shared::startup::StartError;
-    use reviewlane_shared::tenants::Tenants;
     use reviewlane_shared::testing::NatsServer;
     use std::sync::Arc;
 
@@ -106,7 +106,6 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
         admission_sample: Duration::from_secs(1),
         faults: Default::default(),
         limits: Default::default(),
-        layout: Default::default(),
         nats: Default::default(),
         grpc_tls: None,
     };
@@ -116,18 +115,14 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn services_starting_at_once_all_pass_the_wiring_check() {
-    use reviewlane_shared::layout::LayoutConfig;
-    use reviewlane_shared::region::Region;
+    use reviewlane_core::region::Region;
     use reviewlane_shared::startup::connect_region;
     use reviewlane_shared::testing::NatsServer;
 
+    // As after `reviewlane-admin provision`: the identity and the layout exist.
     let us = NatsServer::start_provisioned(Region::Us).await;
-    let cfg = LayoutConfig::default();
-    // As after `reviewlane-admin provision`: the layout exists already.
-    let js = async_nats::jetstream::new(async_nats::connect(us.url()).await.unwrap());
-    reviewlane_shared::layout::ensure(&js, Region::Us, &cfg).await.unwrap();
     let client = Default::default();
-    let starts = (0..6).map(|_| connect_region(us.url(), Region::Us, "t", &client, &cfg));
+    let starts = (0..6).map(|_| connect_region(us.url(), Region::Us, "t", &client));
     for r in futures::future::join_all(starts).await {
         if let Err(e) = r {
             panic!("concurrent start failed: {e}");

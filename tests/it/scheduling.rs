@@ -4,10 +4,10 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use reviewlane_api::proto::{CancelReviewRequest, JobState};
+use reviewlane_core::messages::Delivery;
+use reviewlane_core::region::Region;
 use reviewlane_shared::layout;
-use reviewlane_shared::messages::Delivery;
-use reviewlane_shared::proto::{CancelReviewRequest, JobState};
-use reviewlane_shared::region::Region;
 use reviewlane_testkit::simprovider::SimConfig;
 
 use crate::harness::*;
@@ -242,7 +242,7 @@ async fn slow_lane() -> Stack {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_lane_with_a_short_window_degrades_then_refuses() {
-    use reviewlane_shared::proto::ReviewDepth;
+    use reviewlane_api::proto::ReviewDepth;
     use tonic_types::StatusExt;
 
     let stack = slow_lane().await;
@@ -299,7 +299,7 @@ async fn a_slow_lane_with_a_short_window_degrades_then_refuses() {
     assert_eq!(last.review_depth, ReviewDepth::ChangedHunks as i32, "labelled in GetReview");
     assert!(eventually(Duration::from_secs(5), || stack.webhook.for_job(&degraded).len() == 1).await);
     let d: Delivery = serde_json::from_slice(&stack.webhook.for_job(&degraded)[0].body).unwrap();
-    assert_eq!(d.review_depth, reviewlane_shared::job::ReviewDepth::ChangedHunks, "labelled in the delivery");
+    assert_eq!(d.review_depth, reviewlane_core::job::ReviewDepth::ChangedHunks, "labelled in the delivery");
     stack.shutdown().await;
 }
 

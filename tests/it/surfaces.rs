@@ -2,8 +2,8 @@
 //! as SARIF 2.1.0 (OASIS schema) and as reviewdog rdjson / rdjsonl (reviewdog's Diagnostic
 //! Format schemas), vendored in `tests/vendor`.
 
-use reviewlane_shared::findings::Finding;
-use reviewlane_shared::surfaces::{Report, rdjson, sarif};
+use reviewlane_core::findings::Finding;
+use reviewlane_core::surfaces::{Report, rdjson, sarif};
 
 /// The schema's validator, formats (`uri`, `uri-reference`) checked as well.
 fn validator(path: &str) -> jsonschema::Validator {
@@ -64,7 +64,7 @@ fn findings() -> Vec<Finding> {
             ..base.clone()
         },
         // On removed lines.
-        Finding { side: Some(reviewlane_shared::findings::Side::Old), severity: "info".into(), ..base },
+        Finding { side: Some(reviewlane_core::findings::Side::Old), severity: "info".into(), ..base },
     ]
 }
 

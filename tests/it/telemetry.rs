@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use opentelemetry::trace::SpanId;
 use opentelemetry_sdk::trace::SpanData;
-use reviewlane_shared::proto::{self, JobState, SubmitReviewRequest};
+use reviewlane_api::proto::{self, JobState, SubmitReviewRequest};
 use reviewlane_shared::testing::capture;
 use reviewlane_testkit::simprovider::Scripted;
 

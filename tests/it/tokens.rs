@@ -2,8 +2,8 @@
 //! its job, with an estimated cost from the model's configured price, shown in
 //! `GetReview`; totals per tenant, model and region are Prometheus counters.
 
+use reviewlane_api::proto::JobState;
 use reviewlane_extractor::config::Price;
-use reviewlane_shared::proto::JobState;
 use reviewlane_testkit::simprovider::Scripted;
 
 use crate::harness::*;

@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use loadtest::procs::{Service, free_port};
-use reviewlane_shared::proto::review_service_client::ReviewServiceClient;
-use reviewlane_shared::proto::{self, SubmitReviewRequest, WatchReviewRequest};
-use reviewlane_shared::tenants::hash_api_key;
+use reviewlane_api::proto::review_service_client::ReviewServiceClient;
+use reviewlane_api::proto::{self, SubmitReviewRequest, WatchReviewRequest};
+use reviewlane_core::tenants::hash_api_key;
 use reviewlane_shared::testing::NatsServer;
 
 struct Submission {

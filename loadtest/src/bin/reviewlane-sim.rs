@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use loadtest::simprovider::{SimConfig, SimProvider};
-use reviewlane_shared::config::{EXIT_CONFIG, ProcessEnv, Reader};
+use reviewlane_core::config::{EXIT_CONFIG, ProcessEnv, Reader};
 
 #[tokio::main]
 async fn main() -> ExitCode {

@@ -51,10 +51,10 @@ use std::time::Duration;
 use reviewlane_shared::Region;
 use std::sync::Arc;
 
-use reviewlane_shared::config::{ConfigErrors, Env, Reader};
-use reviewlane_shared::schema_dialect::SchemaDialect;
+use reviewlane_core::config::{ConfigErrors, Env, Reader};
+use reviewlane_core::schema_dialect::SchemaDialect;
+use reviewlane_core::tenants::Tenants;
 use reviewlane_shared::store::StoreRetry;
-use reviewlane_shared::tenants::Tenants;
 use secrecy::SecretString;
 
 use crate::upstream::Backoff;
@@ -94,8 +94,8 @@ impl Default for Budgets {
 
 impl Budgets {
     /// Retries a job may spend on `budget`.
-    pub fn of(&self, budget: reviewlane_shared::job::Budget) -> u32 {
-        use reviewlane_shared::job::Budget;
+    pub fn of(&self, budget: reviewlane_core::job::Budget) -> u32 {
+        use reviewlane_core::job::Budget;
         match budget {
             Budget::Congestion => self.congestion,
             Budget::Transient => self.transient,
@@ -127,7 +127,7 @@ pub struct Price {
 
 impl Price {
     /// The estimated cost of `t` in millionths of a dollar.
-    pub fn cost_micro_usd(&self, t: reviewlane_shared::job::Tokens) -> u64 {
+    pub fn cost_micro_usd(&self, t: reviewlane_core::job::Tokens) -> u64 {
         (t.input as f64 * self.input_per_mtok + t.output as f64 * self.output_per_mtok).round() as u64
     }
 }
@@ -219,8 +219,6 @@ pub struct ExtractorConfig {
     pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
     /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
     pub faults: reviewlane_shared::faults::Faults,
-    /// Sizes, retention and replicas of the region's streams and buckets.
-    pub layout: reviewlane_shared::layout::LayoutConfig,
     /// Prices per model class (`REVIEWLANE_MODEL_PRICES`), for the estimated cost of
     /// each job.
     pub prices: std::collections::HashMap<String, Price>,
@@ -231,11 +229,11 @@ pub struct ExtractorConfig {
 }
 
 /// How reviews larger than the model's context are split (see
-/// `reviewlane_shared::chunk`) and merged.
+/// `reviewlane_core::chunk`) and merged.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PartConfig {
     /// Limits and tokenizer of new splits (a split job keeps the plan it started with).
-    pub plan: reviewlane_shared::chunk::Plan,
+    pub plan: reviewlane_core::chunk::Plan,
     pub max_parts: u32,
     pub findings_cap: u32,
 }
@@ -244,7 +242,7 @@ impl PartConfig {
     /// Defaults for a model: its tokenizer when tiktoken knows it, else the estimate.
     pub fn for_model(model: &str) -> Self {
         PartConfig {
-            plan: reviewlane_shared::chunk::Plan {
+            plan: reviewlane_core::chunk::Plan {
                 limits: Default::default(),
                 tokenizer: crate::tokenizer::for_model(model).unwrap_or_default(),
             },
@@ -294,7 +292,6 @@ impl ExtractorConfig {
             reconcile: ReconcileConfig::default(),
             telemetry: Default::default(),
             faults: Default::default(),
-            layout: Default::default(),
             nats: Default::default(),
             prices: Default::default(),
             parts,
@@ -443,7 +440,6 @@ impl ExtractorConfig {
         let parts = read_parts(&mut r, &provider);
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
-        let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
         let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
         r.finish()?;
         let provider = provider.expect("checked");
@@ -491,7 +487,6 @@ impl ExtractorConfig {
             reconcile,
             telemetry,
             faults: Default::default(),
-            layout,
             nats,
             prices,
             parts,
@@ -501,7 +496,7 @@ impl ExtractorConfig {
 
 /// `REVIEWLANE_CONTEXT_TOKENS` and the rest of the split settings.
 fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConfig {
-    use reviewlane_shared::chunk::{PartLimits, Plan, Tokenizer};
+    use reviewlane_core::chunk::{PartLimits, Plan, Tokenizer};
     let model = match provider {
         Some(ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. }) => model.as_str(),
         _ => "builtin",
@@ -551,9 +546,9 @@ mod tests {
     fn prices_parse_and_cost_is_in_micro_dollars() {
         let p = parse_prices("gpt-4o-mini=0.15/0.60, sim=1/2").unwrap();
         assert_eq!(p["sim"], Price { input_per_mtok: 1.0, output_per_mtok: 2.0 });
-        let t = reviewlane_shared::job::Tokens { input: 1_000_000, output: 500_000 };
+        let t = reviewlane_core::job::Tokens { input: 1_000_000, output: 500_000 };
         assert_eq!(p["gpt-4o-mini"].cost_micro_usd(t), 450_000);
-        assert_eq!(p["sim"].cost_micro_usd(reviewlane_shared::job::Tokens { input: 100, output: 50 }), 200);
+        assert_eq!(p["sim"].cost_micro_usd(reviewlane_core::job::Tokens { input: 100, output: 50 }), 200);
         assert!(parse_prices("sim=1").is_err());
         assert!(parse_prices("sim=-1/2").is_err());
         assert!(parse_prices("").unwrap().is_empty());
@@ -618,7 +613,7 @@ mod tests {
 
     #[test]
     fn split_settings_default_by_model_and_are_checked() {
-        use reviewlane_shared::chunk::Tokenizer;
+        use reviewlane_core::chunk::Tokenizer;
         let base = [
             ("REVIEWLANE_REGION", "eu"),
             ("REVIEWLANE_NATS_URL", "nats://x"),

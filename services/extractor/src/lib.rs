@@ -7,7 +7,6 @@ pub mod metrics;
 pub mod provider;
 pub mod quota;
 pub mod reconcile;
-pub mod retry_hint;
 pub mod schedule;
 pub mod startup;
 pub mod tokenizer;

@@ -1,5 +1,5 @@
+use reviewlane_core::config::ProcessEnv;
 use reviewlane_extractor::{ExtractorConfig, build};
-use reviewlane_shared::config::ProcessEnv;
 use reviewlane_shared::startup::run_service;
 
 #[tokio::main]

@@ -11,9 +11,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use reviewlane_shared::job::{Budget, TerminalReason};
+use reviewlane_core::job::{Budget, TerminalReason};
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::job_metrics::TerminalJobs;
-use reviewlane_shared::region::{Lane, Region};
 
 use crate::quota::Scope;
 use crate::upstream::Usage;
@@ -389,7 +389,7 @@ impl Metrics {
     pub fn invalid_output(&self, schema_version: &str, reason: &str) {
         // Only known versions reach the extractor (the ingress refuses others).
         let schema_version =
-            if reviewlane_shared::findings::is_known_schema(schema_version) { schema_version } else { "unknown" };
+            if reviewlane_core::findings::is_known_schema(schema_version) { schema_version } else { "unknown" };
         self.validation_failures
             .get_or_create(&ValidationLabels {
                 region: self.region.as_str().into(),

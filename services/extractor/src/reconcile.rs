@@ -12,8 +12,8 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use reviewlane_shared::clock::SharedClock;
-use reviewlane_shared::job::{Event, JobRecord, JobState, TerminalReason};
+use reviewlane_core::clock::SharedClock;
+use reviewlane_core::job::{Event, JobRecord, JobState, TerminalReason};
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::layout::{self, RegionLayout};
 use reviewlane_shared::results::Results;
@@ -170,8 +170,8 @@ impl Reconciler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reviewlane_shared::job::ReviewDepth;
-    use reviewlane_shared::region::{Lane, Region};
+    use reviewlane_core::job::ReviewDepth;
+    use reviewlane_core::region::{Lane, Region};
 
     fn rec(state: JobState) -> JobRecord {
         let mut r = JobRecord::waiting(

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
+use reviewlane_core::region::Lane;
 use reviewlane_shared::admin::Admin;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout;
-use reviewlane_shared::region::Lane;
 use reviewlane_shared::results::{Results, message_max};
 use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
 use tokio::sync::Notify;
@@ -53,7 +53,7 @@ pub async fn build_with_provider(
     config: ExtractorConfig,
     provider: Option<Arc<dyn Provider>>,
 ) -> Result<App, StartError> {
-    reviewlane_shared::findings::warm_up();
+    reviewlane_core::findings::warm_up();
     let provider: Arc<dyn Provider> = match (provider, &config.provider) {
         (Some(p), _) => p,
         (None, ProviderConfig::Builtin) => Arc::new(BuiltinAnalyzer::new(config.region)),
@@ -91,8 +91,7 @@ pub async fn build_with_provider(
             config.region
         )));
     }
-    let conn =
-        connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.nats, &config.layout).await?;
+    let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.nats).await?;
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
     let mut weights = HashMap::new();
@@ -134,7 +133,7 @@ pub async fn build_with_provider(
         metrics.slo(lane, window);
     }
     let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
-    let clock = reviewlane_shared::clock::system();
+    let clock = reviewlane_core::clock::system();
     let health = reviewlane_shared::store_health::StoreHealth::register(&mut registry, &[config.region], clock.clone());
     let key = KeyConfig {
         key: KeyConfig::token(provider.name(), &config.key_id),
@@ -158,7 +157,7 @@ pub async fn build_with_provider(
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
         results: Results::new(
             conn.layout.clone(),
-            config.result_inline_max.unwrap_or_else(|| message_max(&conn.client, &config.layout)),
+            config.result_inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout)),
         ),
         layout: conn.layout,
     };

@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use http::HeaderMap;
 
-use crate::retry_hint::{headroom_pause, retry_hint};
+use reviewlane_core::retry_hint::{headroom_pause, retry_hint};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamOutcome {
@@ -28,7 +28,7 @@ pub enum UpstreamOutcome {
 
 /// Tokens a call consumed, as the provider reports them: the same count a job is
 /// charged with.
-pub use reviewlane_shared::job::Tokens as Usage;
+pub use reviewlane_core::job::Tokens as Usage;
 
 impl UpstreamOutcome {
     /// Content-free status class for records, logs and labels.

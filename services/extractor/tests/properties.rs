@@ -6,8 +6,8 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 use proptest::prelude::*;
+use reviewlane_core::retry_hint::{HintSource, headroom_pause, parse_go_duration, retry_hint};
 use reviewlane_extractor::config::ExtractorConfig;
-use reviewlane_extractor::retry_hint::{HintSource, headroom_pause, parse_go_duration, retry_hint};
 
 const HINT_HEADERS: [&str; 9] = [
     "retry-after-ms",
@@ -113,7 +113,7 @@ fn config_value() -> impl Strategy<Value = String> {
 /// Every variable the extractor's config reads, taken from its source, so a new one
 /// is covered without touching this test.
 fn config_keys() -> Vec<String> {
-    let src = concat!(include_str!("../src/config.rs"), include_str!("../../../shared/src/config.rs"));
+    let src = concat!(include_str!("../src/config.rs"), include_str!("../../../core/src/config.rs"));
     let mut keys: Vec<String> = src
         .split('"')
         .filter(|t| t.starts_with("REVIEWLANE_") && t.chars().all(|c| c.is_ascii_uppercase() || c == '_'))

@@ -57,3 +57,28 @@ async fn an_unprovisioned_server_is_refused_and_a_bad_config_exits_64() {
     assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("REVIEWLANE_REGION"));
 }
+
+#[tokio::test]
+async fn a_server_with_the_identity_but_not_the_layout_is_refused_and_nothing_is_created() {
+    // Provisioning owns the streams and buckets: one stopped after the identity leaves
+    // a server the services must not lay out themselves, with their own idea of limits.
+    let half = NatsServer::start_with_identity(Region::Us).await;
+    let out = run_extractor("us", half.url());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "stderr: {stderr}");
+    assert!(
+        stderr.contains("REVIEWS_US_INTERACTIVE") && stderr.contains("KV_JOBS_US"),
+        "names what is missing: {stderr}"
+    );
+    assert!(stderr.contains("reviewlane-admin provision --region us"), "says how to fix it: {stderr}");
+    let js = async_nats::jetstream::new(async_nats::connect(half.url()).await.unwrap());
+    for name in reviewlane_shared::layout::stream_names(Region::Us) {
+        assert!(js.get_stream(&name).await.is_err(), "{name} was created");
+    }
+
+    // Once provisioned, the same server is accepted: the check is on what exists.
+    reviewlane_shared::testing::provision(half.url(), Region::Us, &Default::default()).await;
+    let js = async_nats::jetstream::new(async_nats::connect(half.url()).await.unwrap());
+    let opened = reviewlane_shared::layout::open(&js, Region::Us, half.url()).await;
+    assert!(opened.is_ok(), "a provisioned server opens: {:?}", opened.err());
+}

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::layout;
-use reviewlane_shared::region::{Lane, Region};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use http::HeaderMap;
-use reviewlane_shared::tenants::{Tenant, Tenants};
+use reviewlane_core::tenants::{Tenant, Tenants};
 use tonic::Request;
 use tonic::codegen::{BoxFuture, Service};
 use tonic::server::NamedService;

@@ -23,12 +23,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use reviewlane_core::region::Lane;
 use reviewlane_shared::Region;
-use reviewlane_shared::region::Lane;
 
 use crate::admission::LanePolicy;
-use reviewlane_shared::config::{ConfigErrors, Env, Reader};
-use reviewlane_shared::tenants::Tenants;
+use reviewlane_core::config::{ConfigErrors, Env, Reader};
+use reviewlane_core::tenants::Tenants;
 
 #[derive(Debug, Clone)]
 pub struct IngressConfig {
@@ -47,8 +47,6 @@ pub struct IngressConfig {
     /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
     pub faults: reviewlane_shared::faults::Faults,
     pub limits: ServerLimits,
-    /// Sizes, retention and replicas of the region's streams and buckets.
-    pub layout: reviewlane_shared::layout::LayoutConfig,
     /// TLS for the gRPC listener; plaintext when unset.
     pub grpc_tls: Option<GrpcTls>,
     /// Credentials and TLS per region (`REVIEWLANE_NATS_<R>_*`, else `REVIEWLANE_NATS_*`);
@@ -196,7 +194,6 @@ impl IngressConfig {
                 }
             }
         }
-        let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
         let file = |r: &mut Reader<'_>, key: &str| {
             let p = std::path::PathBuf::from(r.raw(key)?);
             if !p.is_file() {
@@ -231,7 +228,6 @@ impl IngressConfig {
         r.finish()?;
         Ok(IngressConfig {
             grpc_tls,
-            layout,
             nats,
             faults: Default::default(),
             grpc_addr,

@@ -8,8 +8,8 @@ use reviewlane_shared::job_store::StoreError;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
-use reviewlane_shared::api::ERROR_DOMAIN as DOMAIN;
-pub use reviewlane_shared::api::Reason;
+use reviewlane_api::ERROR_DOMAIN as DOMAIN;
+pub use reviewlane_api::Reason;
 
 /// How long a caller should wait before retrying after `UNAVAILABLE`.
 const UNAVAILABLE_RETRY: Duration = Duration::from_secs(1);

@@ -9,10 +9,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
+use reviewlane_api::proto::review_service_server::ReviewServiceServer;
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::admin::{Admin, Ready, nats_ready};
 use reviewlane_shared::layout;
-use reviewlane_shared::proto::review_service_server::ReviewServiceServer;
-use reviewlane_shared::region::{Lane, Region};
 use reviewlane_shared::startup::{StartError, connect_region};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -40,18 +40,13 @@ pub fn request_limit(max_diff_bytes: usize) -> usize {
 }
 
 pub async fn build(config: IngressConfig) -> Result<App, StartError> {
-    reviewlane_shared::findings::warm_up();
+    reviewlane_core::findings::warm_up();
     let mut regions = BTreeMap::new();
     let mut clients = Vec::new();
     for (region, url) in &config.nats_urls {
-        let conn = connect_region(
-            url,
-            *region,
-            "reviewlane-ingress",
-            &config.nats.get(region).cloned().unwrap_or_default(),
-            &config.layout,
-        )
-        .await?;
+        let conn =
+            connect_region(url, *region, "reviewlane-ingress", &config.nats.get(region).cloned().unwrap_or_default())
+                .await?;
         let max_payload = conn.client.server_info().max_payload;
         regions.insert(
             *region,
@@ -59,7 +54,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
                 jobs: reviewlane_shared::job_store::JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
                 results: reviewlane_shared::results::Results::new(
                     conn.layout.clone(),
-                    reviewlane_shared::results::message_max(&conn.client, &config.layout),
+                    reviewlane_shared::results::message_max(&conn.client, &conn.layout),
                 ),
                 layout: conn.layout,
                 max_payload,
@@ -85,7 +80,7 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     let health = reviewlane_shared::store_health::StoreHealth::register(
         &mut registry,
         &region_list,
-        reviewlane_shared::clock::system(),
+        reviewlane_core::clock::system(),
     );
     let connections = config.nats_urls.keys().copied().zip(clients.iter().cloned()).collect();
     registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(connections)));
@@ -123,7 +118,7 @@ impl App {
         // Reflection in both versions: grpcurl and the Python client of any age.
         let reflection = || {
             tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(reviewlane_shared::proto::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(reviewlane_api::proto::FILE_DESCRIPTOR_SET)
                 .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         };
         let (reflection_v1, reflection_v1alpha) = (reflection().build_v1()?, reflection().build_v1alpha()?);

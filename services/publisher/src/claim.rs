@@ -5,7 +5,7 @@
 //! budget counts deliveries tried, not messages bounced.
 
 use async_nats::jetstream::kv;
-use reviewlane_shared::clock::SharedClock;
+use reviewlane_core::clock::SharedClock;
 use reviewlane_shared::job_store::StoreError;
 use serde::{Deserialize, Serialize};
 

@@ -16,9 +16,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use reviewlane_core::config::{ConfigErrors, Env, Reader};
+use reviewlane_core::tenants::Tenants;
 use reviewlane_shared::Region;
-use reviewlane_shared::config::{ConfigErrors, Env, Reader};
-use reviewlane_shared::tenants::Tenants;
 
 #[derive(Debug, Clone)]
 pub struct PublisherConfig {
@@ -37,8 +37,6 @@ pub struct PublisherConfig {
     /// Each lane's service window: bucket bounds of the submit-to-published histogram.
     pub lane_windows: [Duration; 2],
     pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
-    /// Sizes, retention and replicas of the region's streams and buckets.
-    pub layout: reviewlane_shared::layout::LayoutConfig,
     /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
     pub nats: reviewlane_shared::nats_client::NatsClientConfig,
     /// Retries of the writes that record a delivery made (`REVIEWLANE_STORE_*`).
@@ -63,7 +61,6 @@ impl PublisherConfig {
             shutdown_grace: Duration::from_secs(20),
             lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
             telemetry: Default::default(),
-            layout: Default::default(),
             nats: Default::default(),
             store_retry: Default::default(),
             faults: Default::default(),
@@ -96,7 +93,6 @@ impl PublisherConfig {
         }
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
-        let layout = reviewlane_shared::layout::LayoutConfig::from_reader(&mut r);
         let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
         let store_retry = reviewlane_shared::store::StoreRetry::from_reader(&mut r);
         r.finish()?;
@@ -113,7 +109,6 @@ impl PublisherConfig {
             lease: Duration::from_secs(lease),
             lane_windows,
             telemetry,
-            layout,
             nats,
             store_retry,
             ..d

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use reviewlane_shared::job::{JobRecord, JobState, TerminalReason};
+use reviewlane_core::job::{JobRecord, JobState, TerminalReason};
 pub use reviewlane_shared::pull::Ack;
 
 use crate::claim::Claimed;
@@ -85,8 +85,8 @@ pub fn by_budget(attempt: u32, allowed: u32, deadline_ms: Option<u64>, now_ms: u
 mod tests {
     use super::*;
     use crate::claim::Claim;
-    use reviewlane_shared::job::ReviewDepth;
-    use reviewlane_shared::region::{Lane, Region};
+    use reviewlane_core::job::ReviewDepth;
+    use reviewlane_core::region::{Lane, Region};
 
     fn rec(state: JobState) -> JobRecord {
         let mut r = JobRecord::waiting(

@@ -28,8 +28,8 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use reviewlane_shared::findings::{Finding, Side};
-use reviewlane_shared::messages::Delivery;
+use reviewlane_core::findings::{Finding, Side};
+use reviewlane_core::messages::Delivery;
 use serde_json::{Value, json};
 
 use crate::outcome::SinkOutcome;
@@ -45,7 +45,7 @@ pub fn markers(text: &str) -> impl Iterator<Item = &str> {
 }
 
 fn fingerprint(f: &Finding) -> String {
-    f.fingerprint.clone().unwrap_or_else(|| reviewlane_shared::findings::fingerprint(f))
+    f.fingerprint.clone().unwrap_or_else(|| reviewlane_core::findings::fingerprint(f))
 }
 
 /// GitHub's side of a finding.
@@ -155,7 +155,7 @@ pub fn limit_delay(status: u16, headers: &reqwest::header::HeaderMap, now_unix: 
 
 /// The commentable lines of a pull request's files (from their patches).
 fn commentable_lines(files: &[Value]) -> HashSet<(String, u32, &'static str)> {
-    use reviewlane_shared::diff::{LineKind, parse};
+    use reviewlane_core::diff::{LineKind, parse};
     let mut out = HashSet::new();
     for file in files {
         let (Some(name), Some(patch)) = (file["filename"].as_str(), file["patch"].as_str()) else { continue };
@@ -236,7 +236,7 @@ fn pause_key(account: &str) -> String {
 }
 
 fn account_key(kind: &str, account: &str) -> String {
-    let mut d = reviewlane_shared::job_id::sha256_hex(&[account.as_bytes()]);
+    let mut d = reviewlane_core::job_id::sha256_hex(&[account.as_bytes()]);
     d.truncate(32);
     format!("{kind}.{d}")
 }
@@ -255,7 +255,7 @@ pub enum Auth<'a> {
     /// A token read from this file.
     TokenFile(&'a Path),
     /// Installation tokens of this App.
-    App(&'a reviewlane_shared::tenants::GitHubApp),
+    App(&'a reviewlane_core::tenants::GitHubApp),
 }
 
 /// The claims of a GitHub App's JWT: issued a minute ago (clock drift), valid nine
@@ -506,7 +506,7 @@ impl GitHub {
             return Ok(SinkOutcome::Refused("not_a_pull_request"));
         }
         let token = self.token(http, api_url, &auth).await?;
-        let account = format!("{api_url}#{}", reviewlane_shared::job_id::sha256_hex(&[token.as_bytes()]));
+        let account = format!("{api_url}#{}", reviewlane_core::job_id::sha256_hex(&[token.as_bytes()]));
         let base = format!("{}/repos/{repo}/pulls/{}", api_url.trim_end_matches('/'), d.metadata.pull_request);
         let mut existing = HashSet::new();
         for c in self.list(&account, http, &token, &format!("{base}/comments")).await? {
@@ -590,7 +590,7 @@ mod tests {
             evidence: format!("e{line}"),
             ..Default::default()
         };
-        f.fingerprint = Some(reviewlane_shared::findings::fingerprint(&f));
+        f.fingerprint = Some(reviewlane_core::findings::fingerprint(&f));
         f
     }
 

@@ -8,9 +8,9 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use reviewlane_shared::job::TerminalReason;
+use reviewlane_core::job::TerminalReason;
+use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::job_metrics::TerminalJobs;
-use reviewlane_shared::region::{Lane, Region};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hmac::{Hmac, Mac};
-use reviewlane_shared::tenants::SinkConfig;
+use reviewlane_core::tenants::SinkConfig;
 use secrecy::ExposeSecret;
 use sha2::Sha256;
 
@@ -113,7 +113,7 @@ impl Sinks {
         &self,
         sink: &SinkConfig,
         allow_private: bool,
-        delivery: &reviewlane_shared::messages::Delivery,
+        delivery: &reviewlane_core::messages::Delivery,
     ) -> SinkOutcome {
         match sink {
             SinkConfig::GitHub { api_url, token_file, app, max_comments } => {
@@ -177,9 +177,9 @@ impl Sinks {
 
 /// The body a sink gets for a delivery: the delivery as JSON, or for a file sink in
 /// another format, the findings as SARIF or rdjson.
-pub fn body_for(sink: &SinkConfig, d: &reviewlane_shared::messages::Delivery) -> Vec<u8> {
-    use reviewlane_shared::surfaces::{Report, rdjson, sarif};
-    use reviewlane_shared::tenants::FileFormat;
+pub fn body_for(sink: &SinkConfig, d: &reviewlane_core::messages::Delivery) -> Vec<u8> {
+    use reviewlane_core::surfaces::{Report, rdjson, sarif};
+    use reviewlane_core::tenants::FileFormat;
     let report = || Report {
         job_id: &d.job_id,
         schema_version: &d.schema_version,
@@ -258,8 +258,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_file_sink_can_write_sarif_or_rdjson_instead() {
-        use reviewlane_shared::messages::Delivery;
-        use reviewlane_shared::tenants::FileFormat;
+        use reviewlane_core::messages::Delivery;
+        use reviewlane_core::tenants::FileFormat;
         let delivery = Delivery {
             job_id: "us_1".into(),
             tenant: "acme".into(),
@@ -268,7 +268,7 @@ mod tests {
             schema_version: "findings.v1".into(),
             review_depth: Default::default(),
             metadata: Default::default(),
-            findings: vec![reviewlane_shared::findings::Finding {
+            findings: vec![reviewlane_core::findings::Finding {
                 path: "a.rs".into(),
                 line: 3,
                 severity: "high".into(),

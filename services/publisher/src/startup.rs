@@ -31,8 +31,7 @@ pub struct App {
 }
 
 pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
-    let conn =
-        connect_region(&config.nats_url, config.region, "reviewlane-publisher", &config.nats, &config.layout).await?;
+    let conn = connect_region(&config.nats_url, config.region, "reviewlane-publisher", &config.nats).await?;
     let consumer =
         durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, None, config.lease)
             .await?;
@@ -47,7 +46,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
     let health = reviewlane_shared::store_health::StoreHealth::register(
         &mut registry,
         &[config.region],
-        reviewlane_shared::clock::system(),
+        reviewlane_core::clock::system(),
     );
     let worker = Arc::new(Worker {
         metrics,
@@ -55,13 +54,13 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()),
         results: reviewlane_shared::results::Results::new(
             conn.layout.clone(),
-            reviewlane_shared::results::message_max(&conn.client, &config.layout),
+            reviewlane_shared::results::message_max(&conn.client, &conn.layout),
         ),
         claims: crate::claim::Claims {
             kv: conn.layout.published.clone(),
             me: format!("{:016x}", rand::random::<u64>()),
             lease_ms: config.lease.as_millis() as u64,
-            clock: reviewlane_shared::clock::system(),
+            clock: reviewlane_core::clock::system(),
         },
         tenants: config.tenants.clone(),
         sinks: Sinks::new(config.sink_timeout)

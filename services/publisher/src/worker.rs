@@ -14,12 +14,12 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use reviewlane_shared::job::{Event, JobRecord, JobState, TerminalReason, TransitionError};
+use reviewlane_core::job::{Event, JobRecord, JobState, TerminalReason, TransitionError};
+use reviewlane_core::messages::{Delivery, FindingsMessage};
+use reviewlane_core::region::Region;
+use reviewlane_core::tenants::Tenants;
 use reviewlane_shared::job_store::{JobStore, StoreError};
-use reviewlane_shared::messages::{Delivery, FindingsMessage};
-use reviewlane_shared::region::Region;
 use reviewlane_shared::telemetry::now_ms;
-use reviewlane_shared::tenants::Tenants;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 

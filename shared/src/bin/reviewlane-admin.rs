@@ -18,8 +18,8 @@
 
 use std::process::ExitCode;
 
+use reviewlane_core::config::{EXIT_CONFIG, EXIT_DRIFT, EXIT_NATS_AUTH, EXIT_WIRING, ProcessEnv, Reader};
 use reviewlane_shared::Region;
-use reviewlane_shared::config::{EXIT_CONFIG, EXIT_DRIFT, EXIT_NATS_AUTH, EXIT_WIRING, ProcessEnv, Reader};
 use reviewlane_shared::layout::{self, LayoutConfig};
 use reviewlane_shared::nats_client::{NatsClientConfig, redact};
 

@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use reviewlane_core::job::ReviewDepth;
+use reviewlane_core::schema_dialect::SchemaDialect;
 use reviewlane_shared::Region;
-use reviewlane_shared::job::ReviewDepth;
-use reviewlane_shared::schema_dialect::SchemaDialect;
 use secrecy::{ExposeSecret, SecretString};
 
 use super::{Provider, ProviderRequest};

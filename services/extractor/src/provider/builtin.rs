@@ -10,9 +10,9 @@ use std::sync::LazyLock;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use regex::Regex;
+use reviewlane_core::diff::{Diff, LineKind};
+use reviewlane_core::job::ReviewDepth;
 use reviewlane_shared::Region;
-use reviewlane_shared::diff::{Diff, LineKind};
-use reviewlane_shared::job::ReviewDepth;
 use serde_json::json;
 
 use super::{Provider, ProviderRequest, REFUSED_OTHER_REGION};
@@ -221,7 +221,7 @@ fn action(message: &str) -> &str {
 /// action and a confidence (high for the credential patterns, which rarely misfire).
 pub fn analyze_for(diff: &Diff, depth: ReviewDepth, schema_version: &str) -> serde_json::Value {
     let mut out = analyze_at(diff, depth);
-    if schema_version == reviewlane_shared::findings::FINDINGS_V2 {
+    if schema_version == reviewlane_core::findings::FINDINGS_V2 {
         for f in out["findings"].as_array_mut().into_iter().flatten() {
             let message = f["message"].as_str().unwrap_or_default().to_string();
             f["suggested_action"] = json!(action(&message));
@@ -316,8 +316,8 @@ impl Provider for BuiltinAnalyzer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reviewlane_shared::diff::parse;
-    use reviewlane_shared::findings::{FINDINGS_V1, FINDINGS_V2, validate};
+    use reviewlane_core::diff::parse;
+    use reviewlane_core::findings::{FINDINGS_V1, FINDINGS_V2, validate};
 
     #[test]
     fn v2_answers_carry_an_action_and_a_confidence_and_validate() {
@@ -436,8 +436,8 @@ mod tests {
 #[cfg(test)]
 mod sample_tests {
     use super::*;
-    use reviewlane_shared::diff::parse;
-    use reviewlane_shared::findings::{FINDINGS_V1, validate};
+    use reviewlane_core::diff::parse;
+    use reviewlane_core::findings::{FINDINGS_V1, validate};
 
     /// The demo's sample diffs parse, and every rule family shows up in them.
     #[test]

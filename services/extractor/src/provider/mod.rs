@@ -6,9 +6,9 @@ pub mod builtin;
 pub mod openai;
 
 use futures::future::BoxFuture;
+use reviewlane_core::diff::Diff;
+use reviewlane_core::job::ReviewDepth;
 use reviewlane_shared::Region;
-use reviewlane_shared::diff::Diff;
-use reviewlane_shared::job::ReviewDepth;
 
 use crate::upstream::UpstreamOutcome;
 
@@ -56,7 +56,7 @@ pub(crate) fn instructions(req: &ProviderRequest<'_>) -> String {
     if req.review_depth == ReviewDepth::ChangedHunks {
         text = format!("{text} {}", openai::CHANGED_HUNKS_PROMPT);
     }
-    if req.schema_version == reviewlane_shared::findings::FINDINGS_V2 {
+    if req.schema_version == reviewlane_core::findings::FINDINGS_V2 {
         text = format!("{text} {}", openai::V2_PROMPT);
     }
     if req.part.is_some() {
@@ -71,13 +71,10 @@ pub const REFUSED_OTHER_REGION: u16 = 421;
 /// The diff text a provider is shown: as submitted, or at degraded depth
 /// (`changed_hunks`) only the changed lines with one line of context either side, line
 /// numbers unchanged (findings on it validate against the whole diff).
-pub fn prompt_diff<'a>(
-    review: &'a reviewlane_shared::messages::ReviewMessage,
-    diff: &Diff,
-) -> std::borrow::Cow<'a, str> {
+pub fn prompt_diff<'a>(review: &'a reviewlane_core::messages::ReviewMessage, diff: &Diff) -> std::borrow::Cow<'a, str> {
     match review.review_depth {
         ReviewDepth::Full => review.diff_text(),
-        ReviewDepth::ChangedHunks => std::borrow::Cow::Owned(reviewlane_shared::diff::changed_lines_only(diff, 1)),
+        ReviewDepth::ChangedHunks => std::borrow::Cow::Owned(reviewlane_core::diff::changed_lines_only(diff, 1)),
     }
 }
 
@@ -88,8 +85,8 @@ pub fn prompt_diff<'a>(
 pub struct DialectSchemas(std::collections::HashMap<&'static str, (serde_json::Value, serde_json::Value)>);
 
 impl DialectSchemas {
-    pub fn new(dialect: reviewlane_shared::schema_dialect::SchemaDialect) -> Self {
-        use reviewlane_shared::{findings, schema_dialect};
+    pub fn new(dialect: reviewlane_core::schema_dialect::SchemaDialect) -> Self {
+        use reviewlane_core::{findings, schema_dialect};
         DialectSchemas(
             findings::known_schemas()
                 .into_iter()

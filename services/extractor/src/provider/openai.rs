@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use reviewlane_core::job::ReviewDepth;
+use reviewlane_core::schema_dialect::SchemaDialect;
 use reviewlane_shared::Region;
-use reviewlane_shared::job::ReviewDepth;
-use reviewlane_shared::schema_dialect::SchemaDialect;
 use secrecy::{ExposeSecret, SecretString};
 
 use super::{Provider, ProviderRequest};
@@ -164,7 +164,7 @@ impl Provider for OpenAiProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reviewlane_shared::{diff, findings};
+    use reviewlane_core::{diff, findings};
 
     /// A change of 3 lines in each of 3 places of a 150-line file, as `git diff -U20`
     /// might show it.
@@ -186,8 +186,8 @@ mod tests {
         d
     }
 
-    fn review(depth: ReviewDepth, text: &str) -> reviewlane_shared::messages::ReviewMessage {
-        reviewlane_shared::messages::ReviewMessage {
+    fn review(depth: ReviewDepth, text: &str) -> reviewlane_core::messages::ReviewMessage {
+        reviewlane_core::messages::ReviewMessage {
             job_id: "us_00000000000000000000000000000000".into(),
             tenant: "acme".into(),
             region: Region::Us,

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use reviewlane_shared::clock::SharedClock;
+use reviewlane_core::clock::SharedClock;
 use tokio::sync::Notify;
 
 pub use fleet::FleetError;

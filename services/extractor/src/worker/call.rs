@@ -6,8 +6,8 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
-use reviewlane_shared::findings::Validated;
-use reviewlane_shared::job::{Event, JobState, TerminalReason, TransitionError};
+use reviewlane_core::findings::Validated;
+use reviewlane_core::job::{Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::StoreError;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -93,8 +93,8 @@ impl Worker {
         self.metrics.upstream(job.scope, outcome_class, upstream.status_class(), took);
         attempt.record("outcome", outcome_class).record("status_class", upstream.status_class());
         let charged = match &upstream {
-            UpstreamOutcome::RateLimited { .. } => Some(reviewlane_shared::job::Budget::Congestion),
-            UpstreamOutcome::Transient { .. } => Some(reviewlane_shared::job::Budget::Transient),
+            UpstreamOutcome::RateLimited { .. } => Some(reviewlane_core::job::Budget::Congestion),
+            UpstreamOutcome::Transient { .. } => Some(reviewlane_core::job::Budget::Transient),
             _ => None,
         };
         if let Some(b) = charged {

@@ -10,11 +10,11 @@
 use std::future::Future;
 
 use async_nats::jetstream::AckKind;
+use reviewlane_core::findings::{self, InvalidOutput, Validated};
+use reviewlane_core::job::{Budget, TerminalReason};
+use reviewlane_core::messages::FindingsMessage;
 use reviewlane_shared::faults::point;
-use reviewlane_shared::findings::{self, InvalidOutput, Validated};
-use reviewlane_shared::job::{Budget, TerminalReason};
 use reviewlane_shared::job_store::StoreError;
-use reviewlane_shared::messages::FindingsMessage;
 use tracing::Instrument;
 use tracing::field::Empty;
 
@@ -27,7 +27,7 @@ impl Worker {
         &self,
         job: &Job<'_>,
         lease: &Lease,
-        diff: &reviewlane_shared::diff::Diff,
+        diff: &reviewlane_core::diff::Diff,
         output: &str,
     ) -> Result<Validated, InvalidOutput> {
         let span = tracing::info_span!(
@@ -65,7 +65,7 @@ impl Worker {
         lease: &Lease,
         v: Validated,
         dropped: u32,
-        cache: Option<Option<reviewlane_shared::job::Tokens>>,
+        cache: Option<Option<reviewlane_core::job::Tokens>>,
     ) -> Decision {
         let (n, q) = (v.findings.len(), v.quarantined.len());
         for reason in v.quarantined.iter().map(|q| q.reason.as_str()) {

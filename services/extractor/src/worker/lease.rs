@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
-use reviewlane_shared::job::{Event, JobState, TerminalReason, TransitionError};
+use reviewlane_core::job::{Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::{Created, StoreError};
 
 use super::settle::{self, Decision, Outcome};

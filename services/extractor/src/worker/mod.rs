@@ -21,14 +21,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
-use reviewlane_shared::clock::SharedClock;
-use reviewlane_shared::diff::{self, Diff};
+use reviewlane_core::clock::SharedClock;
+use reviewlane_core::diff::{self, Diff};
+use reviewlane_core::job::{Budget, JobRecord, TerminalReason};
+use reviewlane_core::messages::ReviewMessage;
+use reviewlane_core::region::Region;
 use reviewlane_shared::faults::Faults;
-use reviewlane_shared::job::{Budget, JobRecord, TerminalReason};
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::layout::RegionLayout;
-use reviewlane_shared::messages::ReviewMessage;
-use reviewlane_shared::region::Region;
 use reviewlane_shared::results::Results;
 use tokio_util::sync::CancellationToken;
 use tracing::field::Empty;
@@ -126,7 +126,7 @@ pub struct Lease {
     /// resumed answer do not).
     pub called: std::sync::atomic::AtomicBool,
     /// The tokens of this lease's paid call, charged to the record with its next write.
-    pub tokens: std::sync::Mutex<Option<reviewlane_shared::job::Tokens>>,
+    pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
     /// The record and revision this lease last wrote: its next write is a
     /// compare-and-set on that revision without reading first (a read follows only when
     /// someone else wrote meanwhile).
@@ -358,8 +358,8 @@ impl Worker {
         &self,
         job: &Job<'_>,
         lease: &Lease,
-        event: &reviewlane_shared::job::Event,
-        charge: Option<(reviewlane_shared::job::Tokens, u64)>,
+        event: &reviewlane_core::job::Event,
+        charge: Option<(reviewlane_core::job::Tokens, u64)>,
     ) -> Result<JobRecord, StoreError> {
         let known = lease.known.lock().expect("known lock").take();
         let (rec, revision) = self.stores.jobs.apply_tracked(job.id(), known, event, charge).await?;

@@ -1,6 +1,6 @@
 //! Reviews larger than the model's context: one job, many parts.
 //!
-//! The first holder splits the diff (`reviewlane_shared::chunk`) and records the plan
+//! The first holder splits the diff (`reviewlane_core::chunk`) and records the plan
 //! in the job record; every later holder splits it alike from the recorded plan. Each
 //! delivery of the message answers one part — one call, admitted like any other call
 //! (call slot, the scope's window and pause) — keeps that part's validated result on
@@ -9,18 +9,18 @@
 //! therefore redoes only the part not yet recorded, and a part kept just before a
 //! crash is recorded from what was kept, without a call: no part is paid twice. The
 //! delivery that records the last part merges the parts' findings
-//! (`reviewlane_shared::aggregate`) into the job's one result.
+//! (`reviewlane_core::aggregate`) into the job's one result.
 
 use std::borrow::Cow;
 
-use reviewlane_shared::chunk::{self, Part};
-use reviewlane_shared::diff;
+use reviewlane_core::chunk::{self, Part};
+use reviewlane_core::diff;
+use reviewlane_core::findings::Validated;
+use reviewlane_core::job::{Event, JobState, Parts, TerminalReason, TransitionError};
+use reviewlane_core::messages::FindingsMessage;
+use reviewlane_core::{aggregate, job::ReviewDepth};
 use reviewlane_shared::faults::point;
-use reviewlane_shared::findings::Validated;
-use reviewlane_shared::job::{Event, JobState, Parts, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::StoreError;
-use reviewlane_shared::messages::FindingsMessage;
-use reviewlane_shared::{aggregate, job::ReviewDepth};
 use tokio_util::sync::CancellationToken;
 
 use super::settle::{Decision, Outcome};
@@ -218,7 +218,7 @@ impl Worker {
             "parts merged"
         );
         // The cache remembers what the whole review cost: every part's call.
-        let total = progress.done.iter().fold(reviewlane_shared::job::Tokens::default(), |mut t, d| {
+        let total = progress.done.iter().fold(reviewlane_core::job::Tokens::default(), |mut t, d| {
             t.input += d.tokens.input;
             t.output += d.tokens.output;
             t

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use reviewlane_shared::job::{Attempts, Budget, Event, PartDone, TerminalReason, Tokens};
+use reviewlane_core::job::{Attempts, Budget, Event, PartDone, TerminalReason, Tokens};
 
 pub use reviewlane_shared::pull::Ack;
 

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
+use reviewlane_core::findings::Validated;
+use reviewlane_core::job::{Budget, Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::faults::point;
-use reviewlane_shared::findings::Validated;
-use reviewlane_shared::job::{Budget, Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::StoreError;
 
 use reviewlane_shared::result_cache::{CacheEntry, CacheKey};
@@ -79,7 +79,7 @@ pub enum Outcome {
     /// A part of a split review is recorded done; `parts` as recorded. Unless they are
     /// all done, the message went back for the next part.
     PartDone {
-        parts: reviewlane_shared::job::Parts,
+        parts: reviewlane_core::job::Parts,
     },
 }
 
@@ -180,7 +180,7 @@ impl Worker {
         &self,
         job: &Job<'_>,
         lease: &Lease,
-        rec: &reviewlane_shared::job::JobRecord,
+        rec: &reviewlane_core::job::JobRecord,
         outcome: Outcome,
         ack_kind: AckKind,
     ) -> Result<Outcome, StoreError> {
@@ -272,7 +272,7 @@ impl Worker {
         &self,
         job: &Job<'_>,
         v: &Validated,
-        tokens: Option<reviewlane_shared::job::Tokens>,
+        tokens: Option<reviewlane_core::job::Tokens>,
     ) {
         if let Some(cache) = &self.stores.cache {
             cache.put(&self.cache_key(job), &CacheEntry { validated: v.clone(), tokens }).await;

@@ -11,25 +11,25 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use futures::Stream;
-use reviewlane_shared::api;
-use reviewlane_shared::diff;
-use reviewlane_shared::faults::{Faults, point};
-use reviewlane_shared::findings::{self, Finding};
-use reviewlane_shared::job::{Event, JobRecord, JobState, ReviewDepth};
-use reviewlane_shared::job_id;
-use reviewlane_shared::job_index;
-use reviewlane_shared::job_store::{Created, JobStore, StoreError};
-use reviewlane_shared::layout::{self, RegionLayout};
-use reviewlane_shared::messages::{DeadLetter, ReviewMessage, ReviewMetadata};
-use reviewlane_shared::proto::{
+use reviewlane_api as api;
+use reviewlane_api::proto::{
     self, CancelReviewRequest, CancelReviewResponse, GetDeadLetterRequest, GetDeadLetterResponse, GetReviewRequest,
     GetReviewResponse, ListDeadLettersRequest, ListDeadLettersResponse, ListLanesRequest, ListLanesResponse,
     ListReviewsRequest, ListReviewsResponse, ReplayDeadLetterRequest, ReplayDeadLetterResponse, SubmitReviewRequest,
     SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
 };
-use reviewlane_shared::region::Region;
+use reviewlane_core::diff;
+use reviewlane_core::findings::{self, Finding};
+use reviewlane_core::job::{Event, JobRecord, JobState, ReviewDepth};
+use reviewlane_core::job_id;
+use reviewlane_core::messages::{DeadLetter, ReviewMessage, ReviewMetadata};
+use reviewlane_core::region::Region;
+use reviewlane_core::tenants::{Role, Tenant};
+use reviewlane_shared::faults::{Faults, point};
+use reviewlane_shared::job_index;
+use reviewlane_shared::job_store::{Created, JobStore, StoreError};
+use reviewlane_shared::layout::{self, RegionLayout};
 use reviewlane_shared::telemetry::now_ms;
-use reviewlane_shared::tenants::{Role, Tenant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -110,7 +110,7 @@ impl ReviewApi {
             health: reviewlane_shared::store_health::StoreHealth::register(
                 &mut prometheus_client::registry::Registry::default(),
                 &[],
-                reviewlane_shared::clock::system(),
+                reviewlane_core::clock::system(),
             ),
         }
     }
@@ -151,7 +151,7 @@ impl ReviewApi {
     }
 
     /// The tenants whose shares of each lane admission weighs.
-    pub fn with_tenants(mut self, tenants: &reviewlane_shared::tenants::Tenants) -> Self {
+    pub fn with_tenants(mut self, tenants: &reviewlane_core::tenants::Tenants) -> Self {
         let mut weights: BTreeMap<Region, Vec<(String, u32)>> = BTreeMap::new();
         for t in tenants.iter() {
             weights.entry(t.region).or_default().push((t.id.clone(), t.weight));

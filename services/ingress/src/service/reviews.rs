@@ -81,7 +81,7 @@ impl ReviewApi {
         let rec = match handle.jobs.apply(&rec.job_id, &Event::Cancel).await {
             Ok(r) => {
                 tracing::info!("review cancelled");
-                self.metrics.terminal.inc(r.region, r.lane, reviewlane_shared::job::TerminalReason::Cancelled);
+                self.metrics.terminal.inc(r.region, r.lane, reviewlane_core::job::TerminalReason::Cancelled);
                 // A cancelled job keeps none of its content. If this fails, retention
                 // removes it later; the cancel itself stands.
                 if let Err(e) = reviewlane_shared::content::drop_content(&handle.layout, &r).await {

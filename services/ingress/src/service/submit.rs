@@ -152,13 +152,13 @@ impl ReviewApi {
         };
         index(handle).add(&rec, &msg.metadata.repository).await?;
         let ended = Event::Terminate {
-            reason: reviewlane_shared::job::TerminalReason::DeadlineExceeded,
+            reason: reviewlane_core::job::TerminalReason::DeadlineExceeded,
             upstream_status: None,
             generation: None,
         };
         let rec = match handle.jobs.apply(&rec.job_id, &ended).await {
             Ok(r) => {
-                self.metrics.terminal.inc(r.region, r.lane, reviewlane_shared::job::TerminalReason::DeadlineExceeded);
+                self.metrics.terminal.inc(r.region, r.lane, reviewlane_core::job::TerminalReason::DeadlineExceeded);
                 tracing::info!("deadline before the predicted wait ends: ended at admission");
                 r
             }

@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use reviewlane_shared::diff::{self, Diff, LineKind};
+use reviewlane_core::diff::{self, Diff, LineKind};
 
 struct Repo {
     dir: tempfile::TempDir,

@@ -70,8 +70,8 @@ pub fn decode_status(e: &prost::DecodeError) -> Status {
         what
     };
     let details = ErrorDetails::with_error_info(
-        crate::api::Reason::MalformedRequest.as_str(),
-        crate::api::ERROR_DOMAIN,
+        crate::Reason::MalformedRequest.as_str(),
+        crate::ERROR_DOMAIN,
         std::collections::HashMap::new(),
     );
     Status::with_error_details(tonic::Code::InvalidArgument, message, details)

@@ -1,9 +1,20 @@
-//! Conversions between the job model and the gRPC API types.
+//! reviewlane's gRPC API: the generated types (`proto`), the codec that makes a
+//! request that does not decode the caller's error (`codec`), the closed set of
+//! `ErrorInfo` reasons, and the conversions between the job model and the API types.
+//! `reviewctl` and the ingress both build on it; it has no NATS and no store.
 
-use crate::findings::{Finding, Side};
-use crate::job::{JobRecord, JobState, ReviewDepth, TerminalReason};
-use crate::proto;
-use crate::region::Lane;
+pub mod codec;
+
+/// Generated gRPC types and the descriptor set for reflection.
+pub mod proto {
+    #![allow(clippy::all)]
+    tonic::include_proto!("reviewlane.v1");
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/reviewlane_descriptor.bin"));
+}
+
+use reviewlane_core::findings::{Finding, Side};
+use reviewlane_core::job::{JobRecord, JobState, ReviewDepth, TerminalReason};
+use reviewlane_core::region::Lane;
 
 /// `google.rpc.ErrorInfo.domain` of every error reviewlane returns.
 pub const ERROR_DOMAIN: &str = "reviewlane";
@@ -185,7 +196,7 @@ pub fn finding_to_proto(f: &Finding) -> proto::Finding {
         suggested_action: f.suggested_action.clone().unwrap_or_default(),
         suggested_replacement: f.suggested_replacement.clone(),
         confidence: f.confidence.clone().unwrap_or_default(),
-        fingerprint: f.fingerprint.clone().unwrap_or_else(|| crate::findings::fingerprint(f)),
+        fingerprint: f.fingerprint.clone().unwrap_or_else(|| reviewlane_core::findings::fingerprint(f)),
         severity_enum: severity_to_proto(&f.severity) as i32,
         category_enum: category_to_proto(&f.category) as i32,
     }
@@ -256,7 +267,7 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
 
 /// The API view of a dead letter's reference; `content_available` when its content is
 /// still kept.
-pub fn dead_letter(d: &crate::messages::DeadLetter, content_available: bool) -> proto::DeadLetter {
+pub fn dead_letter(d: &reviewlane_core::messages::DeadLetter, content_available: bool) -> proto::DeadLetter {
     let reason = TerminalReason::parse(&d.reason);
     proto::DeadLetter {
         job_id: d.job_id.clone(),
@@ -295,9 +306,9 @@ mod tests {
 
     #[test]
     fn every_terminal_reason_has_its_enum_with_the_same_name() {
-        let all = crate::job::TerminalReason::ALL;
+        let all = reviewlane_core::job::TerminalReason::ALL;
         for r in all {
-            assert_eq!(crate::job::TerminalReason::parse(r.as_str()), Some(r));
+            assert_eq!(reviewlane_core::job::TerminalReason::parse(r.as_str()), Some(r));
             let name = reason_to_proto(r).as_str_name();
             assert_eq!(name, format!("TERMINAL_REASON_{}", r.as_str().to_uppercase()));
         }

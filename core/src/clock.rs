@@ -15,7 +15,7 @@ pub struct SystemClock;
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
-        crate::telemetry::now_ms()
+        now_ms()
     }
 }
 
@@ -44,6 +44,11 @@ impl Clock for ManualClock {
 }
 
 /// The shared handle services pass around.
+/// Milliseconds since the Unix epoch by the system's clock (0 before the epoch).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
 pub type SharedClock = Arc<dyn Clock>;
 
 pub fn system() -> SharedClock {

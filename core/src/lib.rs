@@ -1,0 +1,25 @@
+//! reviewlane's pure core: what the services decide, with no NATS, no async runtime and
+//! no network. The diff parser, findings validation against the versioned schemas, the
+//! job state machine, chunking and aggregation, regions and tenants, the schema dialects
+//! the providers accept, the messages on the lanes, the SARIF and rdjson surfaces, the
+//! typed environment reader and the providers' retry hints.
+//!
+//! `reviewctl` and the fuzz targets depend on this crate alone; the services reach it
+//! through `reviewlane-shared`, which adds the NATS stores, telemetry and the API.
+
+pub mod aggregate;
+pub mod chunk;
+pub mod clock;
+pub mod config;
+pub mod diff;
+pub mod findings;
+pub mod job;
+pub mod job_id;
+pub mod messages;
+pub mod region;
+pub mod retry_hint;
+pub mod schema_dialect;
+pub mod surfaces;
+pub mod tenants;
+
+pub use region::{Lane, Region};
