@@ -121,8 +121,8 @@ impl<'a> Reader<'a> {
     /// (3600), indexed like `Lane::ALL`. Admission, the latency buckets and the
     /// queue-age alerts all use these.
     pub fn lane_windows(&mut self) -> [std::time::Duration; 2] {
-        let i: u64 = self.or("REVIEWLANE_INTERACTIVE_WINDOW_SECS", 60, "whole seconds");
-        let b: u64 = self.or("REVIEWLANE_BATCH_WINDOW_SECS", 3600, "whole seconds");
+        let i: u64 = self.or(crate::env::INTERACTIVE_WINDOW_SECS, 60, "whole seconds");
+        let b: u64 = self.or(crate::env::BATCH_WINDOW_SECS, 3600, "whole seconds");
         if i == 0 || b == 0 {
             self.error("lane windows (REVIEWLANE_*_WINDOW_SECS) must be positive");
         }

@@ -12,6 +12,7 @@ pub mod chunk;
 pub mod clock;
 pub mod config;
 pub mod diff;
+pub mod env;
 pub mod findings;
 pub mod job;
 pub mod job_id;

@@ -682,6 +682,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn provisioning_reads_the_layout_names_and_the_readme_lists_them() {
+        use reviewlane_core::env::{LAYOUT, Recording, documented};
+        let asked = Recording::default();
+        let mut r = reviewlane_core::config::Reader::new(&asked);
+        let _ = LayoutConfig::from_reader(&mut r);
+        let layout: std::collections::BTreeSet<String> = LAYOUT.iter().map(|n| n.to_string()).collect();
+        assert_eq!(asked.names(), layout, "the layout config reads exactly `LAYOUT`");
+        let readme = documented(include_str!("../../README.md"), &["reviewlane-admin"]);
+        assert_eq!(readme, layout, "the README's reviewlane-admin table lists the layout");
+    }
+
+    #[test]
     fn names_follow_the_design() {
         assert_eq!(lane_stream(Region::Eu, Lane::Interactive), "REVIEWS_EU_INTERACTIVE");
         assert_eq!(lane_filter(Region::Us, Lane::Batch, "acme"), "reviews.us.batch.acme.>");

@@ -55,18 +55,7 @@ impl NatsClientConfig {
     /// Reads the first of `prefixes` that sets anything (see the module docs). Files are
     /// read here, so a missing one is a config error at start, naming the variable.
     pub fn from_reader(r: &mut Reader<'_>, prefixes: &[&str]) -> NatsClientConfig {
-        let keys = [
-            "_USER",
-            "_PASSWORD",
-            "_PASSWORD_FILE",
-            "_TOKEN",
-            "_TOKEN_FILE",
-            "_NKEY_SEED_FILE",
-            "_CREDS_FILE",
-            "_TLS_CA_FILE",
-            "_TLS_CERT_FILE",
-            "_TLS_KEY_FILE",
-        ];
+        let keys = reviewlane_core::env::NATS_CREDENTIALS;
         let Some(p) = prefixes.iter().find(|p| keys.iter().any(|k| r.raw(&format!("{p}{k}")).is_some())) else {
             return NatsClientConfig::default();
         };

@@ -38,6 +38,14 @@ impl StartError {
     }
 }
 
+/// Logs each configuration notice (a variable set that the service no longer reads);
+/// notices name variables, never values.
+pub fn log_notices(notices: &[String]) {
+    for notice in notices {
+        tracing::warn!(notice = %notice, "configuration");
+    }
+}
+
 /// A durable pull consumer with explicit acks whose ack wait is the lease. Delivery is
 /// unlimited (`max_deliver` -1): retry budgets live in the job record, and naks must
 /// not run into a cap.

@@ -259,19 +259,12 @@ impl Default for StoreRetry {
 }
 
 impl StoreRetry {
-    /// Reads `REVIEWLANE_STORE_RETRIES`, `REVIEWLANE_STORE_BACKOFF_BASE_MS` and
-    /// `REVIEWLANE_STORE_BACKOFF_CAP_MS`.
+    /// Reads `REVIEWLANE_STORE_RETRIES`; the backoff between tries is fixed (100 ms
+    /// doubling to 4 s: twelve tries take about 26 s, longer than a cluster's failover).
     pub fn from_reader(r: &mut reviewlane_core::config::Reader<'_>) -> StoreRetry {
-        let d = StoreRetry::default();
-        let ms = |v: std::time::Duration| v.as_millis() as u64;
         let s = StoreRetry {
-            tries: r.or("REVIEWLANE_STORE_RETRIES", d.tries, "a count"),
-            base: std::time::Duration::from_millis(r.or(
-                "REVIEWLANE_STORE_BACKOFF_BASE_MS",
-                ms(d.base),
-                "milliseconds",
-            )),
-            cap: std::time::Duration::from_millis(r.or("REVIEWLANE_STORE_BACKOFF_CAP_MS", ms(d.cap), "milliseconds")),
+            tries: r.or(reviewlane_core::env::STORE_RETRIES, StoreRetry::default().tries, "a count"),
+            ..StoreRetry::default()
         };
         if s.tries == 0 {
             r.error("REVIEWLANE_STORE_RETRIES must be positive");

@@ -51,7 +51,7 @@ pub struct TelemetryConfig {
 impl TelemetryConfig {
     /// Reads `REVIEWLANE_LOG_FORMAT` (`text` | `json`) and `OTEL_EXPORTER_OTLP_ENDPOINT`.
     pub fn read(r: &mut Reader<'_>) -> TelemetryConfig {
-        let log_format = match r.raw("REVIEWLANE_LOG_FORMAT").as_deref() {
+        let log_format = match r.raw(reviewlane_core::env::LOG_FORMAT).as_deref() {
             None | Some("text") => LogFormat::Text,
             Some("json") => LogFormat::Json,
             Some(_) => {
@@ -59,7 +59,7 @@ impl TelemetryConfig {
                 LogFormat::Text
             }
         };
-        let otlp_endpoint = r.raw("OTEL_EXPORTER_OTLP_ENDPOINT").filter(|v| !v.is_empty());
+        let otlp_endpoint = r.raw(reviewlane_core::env::OTEL_EXPORTER_OTLP_ENDPOINT).filter(|v| !v.is_empty());
         if let Some(ep) = &otlp_endpoint {
             let ok = ep
                 .parse::<http::Uri>()

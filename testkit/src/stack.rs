@@ -292,6 +292,7 @@ impl Stack {
             limits: opts.ingress_limits,
             nats: Default::default(),
             grpc_tls: opts.grpc_tls.clone(),
+            notices: Vec::new(),
         })
         .await
         .expect("ingress builds");
@@ -357,20 +358,20 @@ impl Stack {
             }
         };
         let mut xc = ExtractorConfig::new(region, rs.url(), self.tenants.clone(), provider);
-        xc.lease = self.opts.lease;
-        xc.prices = self.opts.prices.clone();
-        xc.concurrency = self.opts.concurrency;
-        xc.key_limit = self.opts.key_limit;
-        xc.heartbeat = self.opts.heartbeat;
-        xc.backoff.base = Duration::from_millis(200);
-        xc.backoff.cap = Duration::from_secs(2);
-        xc.batch_backoff = xc.backoff;
+        xc.scheduling.lease = self.opts.lease;
+        xc.results.prices = self.opts.prices.clone();
+        xc.scheduling.concurrency = self.opts.concurrency;
+        xc.quota.key_limit = self.opts.key_limit;
+        xc.quota.heartbeat = self.opts.heartbeat;
+        xc.retry.backoff.base = Duration::from_millis(200);
+        xc.retry.backoff.cap = Duration::from_secs(2);
+        xc.retry.batch_backoff = xc.retry.backoff;
         xc.shutdown_grace = self.opts.grace;
         xc.faults = self.opts.faults.clone();
-        xc.result_inline_max = self.opts.result_inline_max;
-        xc.interactive_wait_limit = self.opts.interactive_wait_limit;
-        xc.store_retry.base = Duration::from_millis(20);
-        xc.store_retry.cap = Duration::from_millis(200);
+        xc.results.inline_max = self.opts.result_inline_max;
+        xc.scheduling.interactive_wait_limit = self.opts.interactive_wait_limit;
+        xc.retry.store.base = Duration::from_millis(20);
+        xc.retry.store.cap = Duration::from_millis(200);
         xc.admin_addr = "127.0.0.1:0".parse().expect("addr");
         if let Some(t) = self.opts.context_tokens {
             xc.parts.plan.limits.max_tokens = t;

@@ -213,7 +213,20 @@ fn the_package_keeps_its_promises_object_by_object() {
                 })
                 .unwrap();
             assert_eq!(regional["data"]["REVIEWLANE_REGION"], region);
-            assert_eq!(regional["data"]["REVIEWLANE_STREAM_REPLICAS"], "3");
+            // The layout is provisioning's alone: the services' config carries none of it.
+            let layout = objects
+                .iter()
+                .find(|o| {
+                    kind(o) == "ConfigMap" && o["metadata"]["name"].as_str().unwrap().starts_with("reviewlane-layout")
+                })
+                .unwrap_or_else(|| panic!("{dir}: no layout config"));
+            assert_eq!(layout["data"]["REVIEWLANE_STREAM_REPLICAS"], "3");
+            for name in reviewlane_core::env::LAYOUT {
+                assert!(regional["data"][name].is_null(), "{dir}: {name} in the services' region config");
+            }
+            let job = objects.iter().find(|o| kind(o) == "Job").unwrap_or_else(|| panic!("{dir}: no provisioning job"));
+            let env_from = job["spec"]["template"]["spec"]["containers"][0]["envFrom"].to_string();
+            assert!(env_from.contains("reviewlane-layout"), "{dir}: the provisioning job reads the layout");
             for pdb in ["reviewlane-extractor", "reviewlane-publisher", "nats"] {
                 assert!(
                     objects.iter().any(|o| kind(o) == "PodDisruptionBudget" && o["metadata"]["name"] == pdb),
@@ -282,8 +295,8 @@ fn every_regions_stream_byte_limits_fit_its_nats_nodes() {
         let (_, objects) = render(dir);
         let region = objects
             .iter()
-            .find(|o| kind(o) == "ConfigMap" && o["data"]["REVIEWLANE_REGION"].is_string())
-            .unwrap_or_else(|| panic!("{dir}: no region config"));
+            .find(|o| kind(o) == "ConfigMap" && o["data"]["REVIEWLANE_STREAM_REPLICAS"].is_string())
+            .unwrap_or_else(|| panic!("{dir}: no layout config"));
         let limit = |var: &str, default: i64| {
             region["data"][var].as_str().map_or(default as u64, |v| v.parse::<u64>().unwrap())
         };

@@ -108,6 +108,7 @@ async fn publisher_and_ingress_refuse_a_miswired_region() {
         limits: Default::default(),
         nats: Default::default(),
         grpc_tls: None,
+        notices: Vec::new(),
     };
     let err = reviewlane_ingress::build(cfg).await.err().expect("ingress refuses");
     assert!(matches!(err, StartError::Wiring(_)), "{err}");

@@ -1,56 +1,13 @@
-//! Extractor configuration, read once and validated whole.
-//!
-//! | variable | default | meaning |
-//! | --- | --- | --- |
-//! | `REVIEWLANE_REGION` | required | `us` or `eu`: the only region this process touches |
-//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9465` | admin HTTP: `/metrics`, `/healthz`, `/readyz` |
-//! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
-//! | `REVIEWLANE_TENANTS_FILE` | required | this region's tenants get a consumer per lane (weight, scope limit) |
-//! | `REVIEWLANE_MODEL_CLASS` | the model | model class of the quota scope (provider, model class, tenant, region) |
-//! | `REVIEWLANE_KEY_LIMIT` | `8` | calls in flight on the provider key (account) across all replicas and tenants; tenants share it by `weight`, and a tenant's `scope_limit` caps it |
-//! | `REVIEWLANE_KEY_ID` | `default` | names the provider key (account) this deployment calls with: deployments with the same id share one window, pause and circuit |
-//! | `REVIEWLANE_HEARTBEAT_MS` | `1000` | replica heartbeat in `QUOTA_<R>` |
-//! | `REVIEWLANE_QUOTA_CIRCUIT_SECS` | `600` | after `insufficient_quota`, the scope's jobs end at once for this long |
-//! | `REVIEWLANE_PROBE_EVERY_SECS` | `60` | a scope's window probes one call higher after this long without a 429 |
-//! | `REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS` | `5` | batch pulls no more than its minimum while interactive work waited longer |
-//! | `REVIEWLANE_BATCH_MIN_SLOTS` | `1` | call slots batch keeps whenever it has work (its aging bound: under an interactive backlog batch slows down, never stops) |
-//! | `REVIEWLANE_INTERACTIVE_RESERVE_SLOTS` | concurrency / 8 | call slots batch leaves free beyond its minimum while interactive work came within the last minute, so an interactive review arriving during a batch flood starts at once instead of waiting for a batch call to end (batch alone still uses every slot) |
-//! | `REVIEWLANE_PROVIDER` | `builtin` | `builtin`, `openai` (any OpenAI-compatible API) or `anthropic` (Messages API) |
-//! | `REVIEWLANE_OPENAI_BASE_URL` | for `openai` | e.g. `https://api.openai.com/v1` |
-//! | `REVIEWLANE_OPENAI_MODEL` | for `openai` | model name |
-//! | `REVIEWLANE_OPENAI_API_KEY_FILE` (or `REVIEWLANE_OPENAI_API_KEY`) | optional | bearer key, from a file (a mounted Secret) or the variable (kept secret) |
-//! | `REVIEWLANE_PROVIDER_REGION` | for `openai` | region the endpoint is bound to; must equal `REVIEWLANE_REGION` |
-//! | `REVIEWLANE_ANTHROPIC_BASE_URL`, `_MODEL`, `_API_KEY_FILE` (or `_API_KEY`), `_MAX_TOKENS` | for `anthropic` (max tokens `4096`) | Anthropic Messages API endpoint (region-bound like any provider), model, key, output token limit |
-//! | `REVIEWLANE_OPENAI_SCHEMA_DIALECT` | `portable` | the JSON Schema subset the endpoint's structured outputs accept: `portable` (structure only, every property required: any provider), `openai`, `openai-fine-tuned`, `anthropic`, `full`; the answer is always checked against the full schema |
-//! | `REVIEWLANE_CONCURRENCY` | `8` | provider calls in flight in this process |
-//! | `REVIEWLANE_LEASE_SECS` | `30` | consumer ack wait; extended by progress acks during a call |
-//! | `REVIEWLANE_PROVIDER_TIMEOUT_SECS` | `120` | one provider call |
-//! | `REVIEWLANE_BUDGET_CONGESTION` / `_TRANSIENT` / `_SCHEMA` | `5` / `3` / `2` | retries per job and kind |
-//! | `REVIEWLANE_BACKOFF_BASE_MS` / `REVIEWLANE_BACKOFF_CAP_SECS` | `1000` / `60` | backoff without a hint |
-//! | `REVIEWLANE_BATCH_BACKOFF_BASE_MS` / `REVIEWLANE_BATCH_BACKOFF_CAP_SECS` | as above | the batch lane's own |
-//! | `REVIEWLANE_HINT_CEILING_SECS` | `300` | longest provider retry hint honoured |
-//! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
-//! | `REVIEWLANE_MODEL_PRICES` | unset | `model=in/out,...`: US dollars per million input/output tokens, for the estimated cost of each job (`GetReview`); a model not listed costs 0 |
-//! | `REVIEWLANE_STORE_RETRIES` | `12` | tries of one store write after a paid answer (never the call) |
-//! | `REVIEWLANE_STORE_BACKOFF_BASE_MS` / `REVIEWLANE_STORE_BACKOFF_CAP_MS` | `100` / `4000` | backoff between those tries (about 26 s in all: longer than a JetStream cluster's failover) |
-//! | `REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES` | `4194304` | provider response body read at most; a longer answer is invalid output |
-//! | `REVIEWLANE_RESULT_INLINE_MAX_BYTES` | the server's message limit | results larger than this go whole to the `FINDINGS_<R>` object store |
-//! | `REVIEWLANE_QUARANTINE_RAW_MAX_BYTES` | `4096` | raw item kept with a quarantined finding; longer ones are cut (digest and length kept) |
-//! | `REVIEWLANE_RECONCILE_EVERY_SECS` | `30` | how often the reconciler looks for stranded jobs |
-//! | `REVIEWLANE_CONTEXT_TOKENS` | `100000` | the model's context budget for the diff; a larger review is split into parts, each its own call |
-//! | `REVIEWLANE_PART_FILL_PERCENT` | `80` | share of that budget a part fills (the rest is the count's margin) |
-//! | `REVIEWLANE_PART_OVERLAP_LINES` | `3` | unchanged lines repeated before each range of a hunk cut across parts |
-//! | `REVIEWLANE_TOKENIZER` | `auto` | how parts are counted: `o200k`, `cl100k` (OpenAI's tokenizers), `estimate`, or `auto` (the model's tokenizer when it is an OpenAI model, else `estimate`) |
-//! | `REVIEWLANE_BYTES_PER_TOKEN` | `3.0` | the estimate's ratio (code is about 3.5 with OpenAI's and Anthropic's tokenizers; lower is safer) |
-//! | `REVIEWLANE_MAX_PARTS` | `64` | a review needing more parts ends `too_large` without a call |
-//! | `REVIEWLANE_FINDINGS_CAP` | `500` | findings kept of a split review's merged result (most severe first); the rest are counted as dropped |
-//! | `REVIEWLANE_RECONCILE_GRACE_SECS` | `120` | how long a job may go without a message or live lease before it counts as stranded |
+//! Extractor configuration, read once and validated whole, in sections: the provider,
+//! the quota, scheduling, retries, parts and results. The variables are listed in
+//! `env.rs` and documented in the README ("Configuration: extractor").
 
 use std::time::Duration;
 
 use reviewlane_shared::Region;
 use std::sync::Arc;
 
+use crate::env;
 use reviewlane_core::config::{ConfigErrors, Env, Reader};
 use reviewlane_core::schema_dialect::SchemaDialect;
 use reviewlane_core::tenants::Tenants;
@@ -104,13 +61,13 @@ impl Budgets {
     }
 }
 
-/// A provider key from `<var>_FILE` (a mounted Secret) or `<var>`.
-fn api_key(r: &mut Reader<'_>, var: &str) -> Option<SecretString> {
-    match r.raw(&format!("{var}_FILE")) {
+/// A provider key from `file` (naming a mounted Secret) or `var`.
+fn api_key(r: &mut Reader<'_>, file: &str, var: &str) -> Option<SecretString> {
+    match r.raw(file) {
         Some(path) => match std::fs::read_to_string(&path) {
             Ok(k) => Some(SecretString::from(k.trim().to_string())),
             Err(_) => {
-                r.error(format!("{var}_FILE names a file that cannot be read"));
+                r.error(format!("{file} names a file that cannot be read"));
                 None
             }
         },
@@ -166,15 +123,41 @@ impl Default for ReconcileConfig {
     }
 }
 
+/// The extractor's whole configuration: what every service has (region, NATS,
+/// tenants, admin, telemetry, drain), then one section per concern, each read by its
+/// own function.
 #[derive(Debug, Clone)]
 pub struct ExtractorConfig {
     pub region: Region,
     /// Admin HTTP port: `/metrics`, `/healthz`.
     pub admin_addr: std::net::SocketAddr,
     pub nats_url: String,
+    /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
+    pub nats: reviewlane_shared::nats_client::NatsClientConfig,
     /// Tenants: this region's get a consumer per lane, with their weight and scope limit.
     pub tenants: Arc<Tenants>,
+    pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
+    pub shutdown_grace: Duration,
+    /// Each lane's service window, exported as `reviewlane_lane_slo_seconds`.
+    pub lane_windows: [Duration; 2],
+    /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
+    pub faults: reviewlane_shared::faults::Faults,
+    /// The provider endpoint this extractor calls.
     pub provider: ProviderConfig,
+    pub quota: QuotaSettings,
+    pub scheduling: SchedulingSettings,
+    pub retry: RetrySettings,
+    /// Splitting reviews larger than the model's context into parts.
+    pub parts: PartConfig,
+    pub results: ResultSettings,
+    /// Variables set in the environment that this service no longer reads, with where
+    /// they went (logged at start).
+    pub notices: Vec<String>,
+}
+
+/// The provider key's shared quota: its scope, its fleet window and its pauses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaSettings {
     /// Model class of the quota scope (provider, model class, tenant, region).
     pub model_class: String,
     /// Calls in flight on the provider key (account) across the fleet: the ceiling of
@@ -185,47 +168,185 @@ pub struct ExtractorConfig {
     pub key_id: String,
     /// Replica heartbeat period in `QUOTA_<R>`.
     pub heartbeat: Duration,
-    /// How long an `insufficient_quota` answer keeps a scope's circuit open.
-    pub circuit_open_for: Duration,
     /// How long a scope's window holds before it probes one call higher.
     pub probe_every: Duration,
+    /// How long an `insufficient_quota` answer keeps a scope's circuit open.
+    pub circuit_open_for: Duration,
+    /// Longest provider retry hint honoured; longer ones are cut to this and counted.
+    pub hint_ceiling: Duration,
+}
+
+/// How this process takes work: its call slots, its lease, and the lanes' shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulingSettings {
+    /// Provider calls in flight in this process.
+    pub concurrency: usize,
+    /// The consumer's ack wait; extended by progress acks during a call.
+    pub lease: Duration,
+    /// One provider call.
+    pub provider_timeout: Duration,
     /// Batch stops pulling while interactive work has waited longer than this.
     pub interactive_wait_limit: Duration,
     /// Call slots batch keeps whenever it has work, backlog or not: its aging bound.
     pub batch_min_slots: usize,
     /// Slots batch leaves free for interactive work (`None`: concurrency / 8).
     pub interactive_reserve_slots: Option<usize>,
-    pub concurrency: usize,
-    pub lease: Duration,
-    pub provider_timeout: Duration,
+}
+
+/// What a job may retry, how it backs off, and how a store write after a paid answer
+/// is retried.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RetrySettings {
     pub budgets: Budgets,
     /// Backoff without a provider hint, interactive lane.
     pub backoff: Backoff,
     /// Backoff without a provider hint, batch lane.
     pub batch_backoff: Backoff,
-    /// Longest provider retry hint honoured; longer ones are cut to this and counted.
-    pub hint_ceiling: Duration,
-    pub shutdown_grace: Duration,
+    pub store: StoreRetry,
+}
+
+/// What is kept of an answer, where, and for how long it is reused.
+#[derive(Debug, Clone)]
+pub struct ResultSettings {
     /// Reuse validated results of identical reviews (`CACHE_<R>`).
-    pub result_cache: bool,
-    /// Each lane's service window, exported as `reviewlane_lane_slo_seconds`.
-    pub lane_windows: [Duration; 2],
-    pub store_retry: StoreRetry,
-    pub quarantine_raw_max: usize,
-    pub max_response_bytes: usize,
+    pub cache: bool,
     /// Results larger than this go to the object store (`None`: the server's limit).
-    pub result_inline_max: Option<usize>,
-    pub reconcile: ReconcileConfig,
-    pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
-    /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
-    pub faults: reviewlane_shared::faults::Faults,
+    pub inline_max: Option<usize>,
+    /// Raw item kept with a quarantined finding; longer ones are cut.
+    pub quarantine_raw_max: usize,
+    /// Provider response body read at most; a longer answer is invalid output.
+    pub max_response_bytes: usize,
     /// Prices per model class (`REVIEWLANE_MODEL_PRICES`), for the estimated cost of
     /// each job.
     pub prices: std::collections::HashMap<String, Price>,
-    /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
-    pub nats: reviewlane_shared::nats_client::NatsClientConfig,
-    /// Splitting reviews larger than the model's context into parts.
-    pub parts: PartConfig,
+    /// The reconciler: how often it runs and whom it considers stranded.
+    pub reconcile: ReconcileConfig,
+}
+
+impl QuotaSettings {
+    /// Defaults for a deployment calling `model_class`.
+    pub fn for_model(model_class: impl Into<String>) -> Self {
+        QuotaSettings {
+            model_class: model_class.into(),
+            key_limit: 8,
+            key_id: "default".into(),
+            heartbeat: Duration::from_secs(1),
+            probe_every: Duration::from_secs(60),
+            circuit_open_for: Duration::from_secs(600),
+            hint_ceiling: Duration::from_secs(300),
+        }
+    }
+
+    fn read(r: &mut Reader<'_>, model: &str) -> Self {
+        let d = QuotaSettings::for_model(model);
+        let q = QuotaSettings {
+            model_class: r.or(env::MODEL_CLASS, d.model_class.clone(), "a name"),
+            key_limit: r.or(env::KEY_LIMIT, d.key_limit, "a count"),
+            key_id: r.or(env::KEY_ID, d.key_id.clone(), "a name"),
+            heartbeat: Duration::from_millis(r.or(env::HEARTBEAT_MS, 1000, "milliseconds")),
+            circuit_open_for: Duration::from_secs(r.or(env::QUOTA_CIRCUIT_SECS, 600, "whole seconds")),
+            hint_ceiling: Duration::from_secs(r.or(env::HINT_CEILING_SECS, 300, "whole seconds")),
+            ..d
+        };
+        if q.heartbeat.is_zero() {
+            r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
+        }
+        q
+    }
+}
+
+impl Default for SchedulingSettings {
+    fn default() -> Self {
+        SchedulingSettings {
+            concurrency: 8,
+            lease: Duration::from_secs(30),
+            provider_timeout: Duration::from_secs(120),
+            interactive_wait_limit: Duration::from_secs(5),
+            batch_min_slots: 1,
+            interactive_reserve_slots: None,
+        }
+    }
+}
+
+impl SchedulingSettings {
+    fn read(r: &mut Reader<'_>) -> Self {
+        let d = SchedulingSettings::default();
+        let s = SchedulingSettings {
+            concurrency: r.or(env::CONCURRENCY, d.concurrency, "a positive count"),
+            lease: Duration::from_secs(r.or(env::LEASE_SECS, 30, "whole seconds")),
+            provider_timeout: Duration::from_secs(r.or(env::PROVIDER_TIMEOUT_SECS, 120, "whole seconds")),
+            interactive_wait_limit: Duration::from_secs(r.or(env::INTERACTIVE_WAIT_LIMIT_SECS, 5, "whole seconds")),
+            batch_min_slots: r.or(env::BATCH_MIN_SLOTS, d.batch_min_slots, "a count"),
+            interactive_reserve_slots: r
+                .raw(env::INTERACTIVE_RESERVE_SLOTS)
+                .map(|_| r.or(env::INTERACTIVE_RESERVE_SLOTS, 0, "a count")),
+        };
+        if s.concurrency == 0 {
+            r.error("REVIEWLANE_CONCURRENCY must be positive");
+        }
+        if s.lease.is_zero() {
+            r.error("REVIEWLANE_LEASE_SECS must be positive");
+        }
+        s
+    }
+}
+
+impl RetrySettings {
+    fn read(r: &mut Reader<'_>) -> Self {
+        let d = Budgets::default();
+        let budgets = Budgets {
+            congestion: r.or(env::BUDGET_CONGESTION, d.congestion, "a count"),
+            transient: r.or(env::BUDGET_TRANSIENT, d.transient, "a count"),
+            schema: r.or(env::BUDGET_SCHEMA, d.schema, "a count"),
+        };
+        let backoff = Backoff {
+            base: Duration::from_millis(r.or(env::BACKOFF_BASE_MS, 1000, "milliseconds")),
+            cap: Duration::from_secs(r.or(env::BACKOFF_CAP_SECS, 60, "whole seconds")),
+            ..Backoff::default()
+        };
+        RetrySettings { budgets, backoff, batch_backoff: backoff, store: StoreRetry::from_reader(r) }
+    }
+}
+
+impl Default for ResultSettings {
+    fn default() -> Self {
+        ResultSettings {
+            cache: true,
+            inline_max: None,
+            quarantine_raw_max: 4096,
+            max_response_bytes: 4 * 1024 * 1024,
+            prices: Default::default(),
+            reconcile: ReconcileConfig::default(),
+        }
+    }
+}
+
+impl ResultSettings {
+    fn read(r: &mut Reader<'_>) -> Self {
+        let cache = match r.raw(env::RESULT_CACHE).as_deref() {
+            None | Some("on") => true,
+            Some("off") => false,
+            Some(_) => {
+                r.error("REVIEWLANE_RESULT_CACHE must be `on` or `off`");
+                true
+            }
+        };
+        let prices = match r.raw(env::MODEL_PRICES).map(|t| parse_prices(&t)) {
+            None => Default::default(),
+            Some(Ok(p)) => p,
+            Some(Err(e)) => {
+                r.error(format!(
+                    "REVIEWLANE_MODEL_PRICES: {e} (expected `model=in/out,...`, dollars per million tokens)"
+                ));
+                Default::default()
+            }
+        };
+        let reconcile = ReconcileConfig {
+            grace: Duration::from_secs(r.or(env::RECONCILE_GRACE_SECS, 120, "whole seconds")),
+            ..ReconcileConfig::default()
+        };
+        ResultSettings { cache, prices, reconcile, ..ResultSettings::default() }
+    }
 }
 
 /// How reviews larger than the model's context are split (see
@@ -255,243 +376,151 @@ impl PartConfig {
 impl ExtractorConfig {
     /// A configuration with defaults, for tests and embedding.
     pub fn new(region: Region, nats_url: impl Into<String>, tenants: Arc<Tenants>, provider: ProviderConfig) -> Self {
-        let model_class = match &provider {
-            ProviderConfig::Builtin => "builtin".to_string(),
-            ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model.clone(),
-        };
-        let parts = PartConfig::for_model(&model_class);
+        let model = provider.model().to_string();
         ExtractorConfig {
             region,
             admin_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9465)),
             nats_url: nats_url.into(),
-            tenants,
-            provider,
-            model_class,
-            key_limit: 8,
-            key_id: "default".into(),
-            heartbeat: Duration::from_secs(1),
-            probe_every: Duration::from_secs(60),
-            circuit_open_for: Duration::from_secs(600),
-            interactive_wait_limit: Duration::from_secs(5),
-            batch_min_slots: 1,
-            interactive_reserve_slots: None,
-            concurrency: 8,
-            lease: Duration::from_secs(30),
-            provider_timeout: Duration::from_secs(120),
-            budgets: Budgets::default(),
-            backoff: Backoff::default(),
-            batch_backoff: Backoff::default(),
-            hint_ceiling: Duration::from_secs(300),
-            shutdown_grace: Duration::from_secs(20),
-            result_cache: true,
-            lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
-            store_retry: StoreRetry::default(),
-            quarantine_raw_max: 4096,
-            max_response_bytes: 4 * 1024 * 1024,
-            result_inline_max: None,
-            reconcile: ReconcileConfig::default(),
-            telemetry: Default::default(),
-            faults: Default::default(),
             nats: Default::default(),
-            prices: Default::default(),
-            parts,
+            tenants,
+            telemetry: Default::default(),
+            shutdown_grace: Duration::from_secs(20),
+            lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
+            faults: Default::default(),
+            provider,
+            quota: QuotaSettings::for_model(model.clone()),
+            scheduling: SchedulingSettings::default(),
+            retry: RetrySettings::default(),
+            parts: PartConfig::for_model(&model),
+            results: ResultSettings::default(),
+            notices: Vec::new(),
         }
     }
 
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
-        let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
-        let nats_url: Option<String> = reviewlane_shared::nats_client::read_url(&mut r, "REVIEWLANE_NATS_URL");
-        let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
-        let provider = match r.raw("REVIEWLANE_PROVIDER").as_deref().unwrap_or("builtin") {
-            "builtin" => Some(ProviderConfig::Builtin),
-            "openai" => {
-                let base_url: Option<String> = r.required("REVIEWLANE_OPENAI_BASE_URL", "http(s) URL of the API");
-                let model: Option<String> = r.required("REVIEWLANE_OPENAI_MODEL", "model name");
-                let endpoint_region: Option<Region> =
-                    r.required("REVIEWLANE_PROVIDER_REGION", "`us` or `eu`: where the endpoint processes data");
-                let api_key = api_key(&mut r, "REVIEWLANE_OPENAI_API_KEY");
-                let schema_dialect = match r.raw("REVIEWLANE_OPENAI_SCHEMA_DIALECT") {
-                    None => SchemaDialect::default(),
-                    Some(v) => v.parse().unwrap_or_else(|()| {
-                        r.error(
-                            "REVIEWLANE_OPENAI_SCHEMA_DIALECT has an invalid value (`portable`, `openai`, `openai-fine-tuned`, `anthropic` or `full`)",
-                        );
-                        SchemaDialect::default()
-                    }),
-                };
-                if let Some(u) = &base_url
-                    && !(u.starts_with("http://") || u.starts_with("https://"))
-                {
-                    r.error("REVIEWLANE_OPENAI_BASE_URL must be an http(s) URL");
-                }
-                match (base_url, model, endpoint_region) {
-                    (Some(base_url), Some(model), Some(endpoint_region)) => {
-                        Some(ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect })
-                    }
-                    _ => None,
-                }
-            }
-            "anthropic" => {
-                let base_url: Option<String> = r.required(
-                    "REVIEWLANE_ANTHROPIC_BASE_URL",
-                    "http(s) URL of the API, e.g. https://api.anthropic.com",
-                );
-                let model: Option<String> = r.required("REVIEWLANE_ANTHROPIC_MODEL", "model name");
-                let endpoint_region: Option<Region> =
-                    r.required("REVIEWLANE_PROVIDER_REGION", "`us` or `eu`: where the endpoint processes data");
-                let api_key = api_key(&mut r, "REVIEWLANE_ANTHROPIC_API_KEY");
-                let max_tokens: u32 = r.or("REVIEWLANE_ANTHROPIC_MAX_TOKENS", 4096, "a token count");
-                if let Some(u) = &base_url
-                    && !(u.starts_with("http://") || u.starts_with("https://"))
-                {
-                    r.error("REVIEWLANE_ANTHROPIC_BASE_URL must be an http(s) URL");
-                }
-                match (base_url, model, endpoint_region) {
-                    (Some(base_url), Some(model), Some(endpoint_region)) => {
-                        Some(ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens })
-                    }
-                    _ => None,
-                }
-            }
-            _ => {
-                r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin`, `openai` or `anthropic`)");
-                None
-            }
-        };
-        let endpoint_region = match &provider {
-            Some(
-                ProviderConfig::OpenAi { endpoint_region, .. } | ProviderConfig::Anthropic { endpoint_region, .. },
-            ) => Some(*endpoint_region),
-            _ => None,
-        };
-        if let (Some(region), Some(endpoint_region)) = (region, endpoint_region)
-            && endpoint_region != region
-        {
-            r.error(format!(
-                "provider endpoint belongs to region `{endpoint_region}` but this extractor serves `{region}`; refusing to send `{region}` content there"
-            ));
-        }
-        let d = ExtractorConfig::new(Region::Us, "", Arc::default(), ProviderConfig::Builtin);
-        let model_class: Option<String> = r.optional("REVIEWLANE_MODEL_CLASS", "a name");
-        let key_limit: u32 = r.or("REVIEWLANE_KEY_LIMIT", d.key_limit, "a count");
-        let key_id: String = r.or("REVIEWLANE_KEY_ID", d.key_id.clone(), "a name");
-        let heartbeat_ms: u64 = r.or("REVIEWLANE_HEARTBEAT_MS", 1000, "milliseconds");
-        let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", d.admin_addr, "host:port");
-        let probe_every: u64 = r.or("REVIEWLANE_PROBE_EVERY_SECS", 60, "whole seconds");
-        let circuit: u64 = r.or("REVIEWLANE_QUOTA_CIRCUIT_SECS", 600, "whole seconds");
-        let wait_limit: u64 = r.or("REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS", 5, "whole seconds");
-        let batch_min_slots: usize = r.or("REVIEWLANE_BATCH_MIN_SLOTS", d.batch_min_slots, "a count");
-        let interactive_reserve_slots: Option<usize> = r
-            .raw("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS")
-            .map(|_| r.or("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS", 0, "a count"));
-        if heartbeat_ms == 0 {
-            r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
-        }
-        let concurrency: usize = r.or("REVIEWLANE_CONCURRENCY", d.concurrency, "a positive count");
-        if concurrency == 0 {
-            r.error("REVIEWLANE_CONCURRENCY must be positive");
-        }
-        let lease: u64 = r.or("REVIEWLANE_LEASE_SECS", 30, "whole seconds");
-        if lease == 0 {
-            r.error("REVIEWLANE_LEASE_SECS must be positive");
-        }
-        let timeout: u64 = r.or("REVIEWLANE_PROVIDER_TIMEOUT_SECS", 120, "whole seconds");
-        let budgets = Budgets {
-            congestion: r.or("REVIEWLANE_BUDGET_CONGESTION", d.budgets.congestion, "a count"),
-            transient: r.or("REVIEWLANE_BUDGET_TRANSIENT", d.budgets.transient, "a count"),
-            schema: r.or("REVIEWLANE_BUDGET_SCHEMA", d.budgets.schema, "a count"),
-        };
-        let base_ms: u64 = r.or("REVIEWLANE_BACKOFF_BASE_MS", 1000, "milliseconds");
-        let cap_s: u64 = r.or("REVIEWLANE_BACKOFF_CAP_SECS", 60, "whole seconds");
-        let batch_base_ms: u64 = r.or("REVIEWLANE_BATCH_BACKOFF_BASE_MS", base_ms, "milliseconds");
-        let batch_cap_s: u64 = r.or("REVIEWLANE_BATCH_BACKOFF_CAP_SECS", cap_s, "whole seconds");
-        let ceiling: u64 = r.or("REVIEWLANE_HINT_CEILING_SECS", 300, "whole seconds");
-        let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
-        let result_cache = match r.raw("REVIEWLANE_RESULT_CACHE").as_deref() {
-            None | Some("on") => true,
-            Some("off") => false,
-            Some(_) => {
-                r.error("REVIEWLANE_RESULT_CACHE must be `on` or `off`");
-                true
-            }
-        };
-        let store_retry = StoreRetry::from_reader(&mut r);
-        let prices = match r.raw("REVIEWLANE_MODEL_PRICES").map(|t| parse_prices(&t)) {
-            None => Default::default(),
-            Some(Ok(p)) => p,
-            Some(Err(e)) => {
-                r.error(format!(
-                    "REVIEWLANE_MODEL_PRICES: {e} (expected `model=in/out,...`, dollars per million tokens)"
-                ));
-                Default::default()
-            }
-        };
-        let quarantine_raw_max: usize = r.or("REVIEWLANE_QUARANTINE_RAW_MAX_BYTES", 4096, "bytes");
-        let max_response_bytes: usize = r.or("REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES", d.max_response_bytes, "bytes");
-        let result_inline_max: Option<usize> = r.optional("REVIEWLANE_RESULT_INLINE_MAX_BYTES", "bytes");
-        let reconcile = ReconcileConfig {
-            every: Duration::from_secs(r.or("REVIEWLANE_RECONCILE_EVERY_SECS", 30, "whole seconds")),
-            grace: Duration::from_secs(r.or("REVIEWLANE_RECONCILE_GRACE_SECS", 120, "whole seconds")),
-        };
-        if reconcile.every.is_zero() {
-            r.error("REVIEWLANE_RECONCILE_EVERY_SECS must be positive");
-        }
+        let region: Option<Region> = r.required(reviewlane_core::env::REGION, "`us` or `eu`");
+        let nats_url: Option<String> = reviewlane_shared::nats_client::read_url(&mut r, reviewlane_core::env::NATS_URL);
+        let tenants = r.tenants(reviewlane_core::env::TENANTS_FILE);
+        let admin_addr =
+            r.or(reviewlane_core::env::ADMIN_ADDR, std::net::SocketAddr::from(([127, 0, 0, 1], 9465)), "host:port");
+        let grace: u64 = r.or(reviewlane_core::env::SHUTDOWN_GRACE_SECS, 20, "whole seconds");
+        let provider = read_provider(&mut r, region);
+        let model = provider.as_ref().map_or("builtin", ProviderConfig::model).to_string();
+        let quota = QuotaSettings::read(&mut r, &model);
+        let scheduling = SchedulingSettings::read(&mut r);
+        let retry = RetrySettings::read(&mut r);
         let parts = read_parts(&mut r, &provider);
+        let results = ResultSettings::read(&mut r);
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
-        let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
+        let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &[reviewlane_core::env::NATS]);
+        let notices = reviewlane_core::env::retired(&r, env::RETIRED);
         r.finish()?;
-        let provider = provider.expect("checked");
-        let model_class = model_class.unwrap_or_else(|| match &provider {
-            ProviderConfig::Builtin => "builtin".to_string(),
-            ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model.clone(),
-        });
         Ok(ExtractorConfig {
             region: region.expect("checked"),
             admin_addr,
             nats_url: nats_url.expect("checked"),
-            tenants: Arc::new(tenants.expect("checked")),
-            provider,
-            model_class,
-            key_limit,
-            key_id,
-            heartbeat: Duration::from_millis(heartbeat_ms),
-            probe_every: Duration::from_secs(probe_every),
-            circuit_open_for: Duration::from_secs(circuit),
-            interactive_wait_limit: Duration::from_secs(wait_limit),
-            batch_min_slots,
-            interactive_reserve_slots,
-            concurrency,
-            lease: Duration::from_secs(lease),
-            provider_timeout: Duration::from_secs(timeout),
-            budgets,
-            backoff: Backoff {
-                base: Duration::from_millis(base_ms),
-                cap: Duration::from_secs(cap_s),
-                ..Backoff::default()
-            },
-            batch_backoff: Backoff {
-                base: Duration::from_millis(batch_base_ms),
-                cap: Duration::from_secs(batch_cap_s),
-                ..Backoff::default()
-            },
-            hint_ceiling: Duration::from_secs(ceiling),
-            shutdown_grace: Duration::from_secs(grace),
-            result_cache,
-            lane_windows,
-            store_retry,
-            quarantine_raw_max,
-            max_response_bytes,
-            result_inline_max,
-            reconcile,
-            telemetry,
-            faults: Default::default(),
             nats,
-            prices,
+            tenants: Arc::new(tenants.expect("checked")),
+            telemetry,
+            shutdown_grace: Duration::from_secs(grace),
+            lane_windows,
+            faults: Default::default(),
+            provider: provider.expect("checked"),
+            quota,
+            scheduling,
+            retry,
             parts,
+            results,
+            notices,
         })
     }
+}
+
+impl ProviderConfig {
+    /// The model called (`builtin` for the built-in analyzer).
+    pub fn model(&self) -> &str {
+        match self {
+            ProviderConfig::Builtin => "builtin",
+            ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model,
+        }
+    }
+}
+
+/// `REVIEWLANE_PROVIDER` and the chosen provider's settings; an endpoint bound to
+/// another region than the extractor's is refused.
+fn read_provider(r: &mut Reader<'_>, region: Option<Region>) -> Option<ProviderConfig> {
+    let endpoint = |r: &mut Reader<'_>, url_var: &str, example: &str, model_var: &str| {
+        let base_url: Option<String> = r.required(url_var, example);
+        if let Some(u) = &base_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            r.error(format!("{url_var} must be an http(s) URL"));
+        }
+        let model: Option<String> = r.required(model_var, "model name");
+        let endpoint_region: Option<Region> =
+            r.required(env::PROVIDER_REGION, "`us` or `eu`: where the endpoint processes data");
+        Some((base_url?, model?, endpoint_region?))
+    };
+    let provider = match r.raw(env::PROVIDER).as_deref().unwrap_or("builtin") {
+        "builtin" => Some(ProviderConfig::Builtin),
+        "openai" => {
+            let found = endpoint(r, env::OPENAI_BASE_URL, "http(s) URL of the API", env::OPENAI_MODEL);
+            let api_key = api_key(r, env::OPENAI_API_KEY_FILE, env::OPENAI_API_KEY);
+            let schema_dialect = match r.raw(env::OPENAI_SCHEMA_DIALECT) {
+                None => SchemaDialect::default(),
+                Some(v) => v.parse().unwrap_or_else(|()| {
+                    r.error(
+                        "REVIEWLANE_OPENAI_SCHEMA_DIALECT has an invalid value (`portable`, `openai`, `openai-fine-tuned`, `anthropic` or `full`)",
+                    );
+                    SchemaDialect::default()
+                }),
+            };
+            found.map(|(base_url, model, endpoint_region)| ProviderConfig::OpenAi {
+                base_url,
+                model,
+                api_key,
+                endpoint_region,
+                schema_dialect,
+            })
+        }
+        "anthropic" => {
+            let found = endpoint(
+                r,
+                env::ANTHROPIC_BASE_URL,
+                "http(s) URL of the API, e.g. https://api.anthropic.com",
+                env::ANTHROPIC_MODEL,
+            );
+            let api_key = api_key(r, env::ANTHROPIC_API_KEY_FILE, env::ANTHROPIC_API_KEY);
+            let max_tokens: u32 = r.or(env::ANTHROPIC_MAX_TOKENS, 4096, "a token count");
+            found.map(|(base_url, model, endpoint_region)| ProviderConfig::Anthropic {
+                base_url,
+                model,
+                api_key,
+                endpoint_region,
+                max_tokens,
+            })
+        }
+        _ => {
+            r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin`, `openai` or `anthropic`)");
+            None
+        }
+    };
+    let endpoint_region = match &provider {
+        Some(ProviderConfig::OpenAi { endpoint_region, .. } | ProviderConfig::Anthropic { endpoint_region, .. }) => {
+            Some(*endpoint_region)
+        }
+        _ => None,
+    };
+    if let (Some(region), Some(endpoint_region)) = (region, endpoint_region)
+        && endpoint_region != region
+    {
+        r.error(format!(
+            "provider endpoint belongs to region `{endpoint_region}` but this extractor serves `{region}`; refusing to send `{region}` content there"
+        ));
+    }
+    provider
 }
 
 /// `REVIEWLANE_CONTEXT_TOKENS` and the rest of the split settings.
@@ -503,9 +532,9 @@ fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConf
     };
     let d = PartConfig::for_model(model);
     let limits = PartLimits {
-        max_tokens: r.or("REVIEWLANE_CONTEXT_TOKENS", d.plan.limits.max_tokens, "a token count"),
-        fill_percent: r.or("REVIEWLANE_PART_FILL_PERCENT", d.plan.limits.fill_percent, "a percentage"),
-        overlap: r.or("REVIEWLANE_PART_OVERLAP_LINES", d.plan.limits.overlap, "a line count"),
+        max_tokens: r.or(env::CONTEXT_TOKENS, d.plan.limits.max_tokens, "a token count"),
+        fill_percent: r.or(env::PART_FILL_PERCENT, d.plan.limits.fill_percent, "a percentage"),
+        overlap: d.plan.limits.overlap,
     };
     if limits.max_tokens < 1000 {
         r.error("REVIEWLANE_CONTEXT_TOKENS must be at least 1000");
@@ -513,14 +542,14 @@ fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConf
     if !(1..=100).contains(&limits.fill_percent) {
         r.error("REVIEWLANE_PART_FILL_PERCENT must be between 1 and 100");
     }
-    let bytes_per_token: f64 = r.or("REVIEWLANE_BYTES_PER_TOKEN", 3.0, "a number");
+    let bytes_per_token: f64 = r.or(env::BYTES_PER_TOKEN, 3.0, "a number");
     // At least 1: no tokenizer makes more tokens than bytes, which is what lets a diff
     // no longer in bytes than the budget skip counting.
     if !(1.0..=16.0).contains(&bytes_per_token) {
         r.error("REVIEWLANE_BYTES_PER_TOKEN must be between 1 and 16");
     }
     let estimate = Tokenizer::Estimate { milli_bytes_per_token: (bytes_per_token * 1000.0) as u32 };
-    let tokenizer = match r.raw("REVIEWLANE_TOKENIZER").as_deref().unwrap_or("auto") {
+    let tokenizer = match r.raw(env::TOKENIZER).as_deref().unwrap_or("auto") {
         "auto" => crate::tokenizer::for_model(model).unwrap_or(estimate),
         "o200k" => Tokenizer::O200k,
         "cl100k" => Tokenizer::Cl100k,
@@ -530,8 +559,8 @@ fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConf
             estimate
         }
     };
-    let max_parts: u32 = r.or("REVIEWLANE_MAX_PARTS", d.max_parts, "a count");
-    let findings_cap: u32 = r.or("REVIEWLANE_FINDINGS_CAP", d.findings_cap, "a count");
+    let max_parts: u32 = r.or(env::MAX_PARTS, d.max_parts, "a count");
+    let findings_cap: u32 = r.or(env::FINDINGS_CAP, d.findings_cap, "a count");
     if max_parts == 0 || findings_cap == 0 {
         r.error("REVIEWLANE_MAX_PARTS and REVIEWLANE_FINDINGS_CAP must be positive");
     }
@@ -559,44 +588,47 @@ mod tests {
         let path = std::env::temp_dir().join(format!("reviewlane-x-tenants-{}.toml", std::process::id()));
         std::fs::write(&path, "[[tenants]]\nid = \"a\"\nregion = \"eu\"\n").unwrap();
         let mut m: HashMap<&'static str, String> = pairs.iter().map(|(k, v)| (*k, v.to_string())).collect();
-        m.entry("REVIEWLANE_TENANTS_FILE").or_insert(path.display().to_string());
+        m.entry(reviewlane_core::env::TENANTS_FILE).or_insert(path.display().to_string());
         m
     }
 
     #[test]
     fn builtin_defaults() {
-        let c = ExtractorConfig::from_env(&env(&[("REVIEWLANE_REGION", "eu"), ("REVIEWLANE_NATS_URL", "nats://x")]))
-            .unwrap();
-        assert_eq!(c.region, Region::Eu);
-        assert!(matches!(c.provider, ProviderConfig::Builtin));
-        assert_eq!(c.concurrency, 8);
-        assert_eq!(c.interactive_reserve_slots, None, "concurrency / 8 unless set");
-        let set = ExtractorConfig::from_env(&env(&[
-            ("REVIEWLANE_REGION", "eu"),
-            ("REVIEWLANE_NATS_URL", "nats://x"),
-            ("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS", "0"),
+        let c = ExtractorConfig::from_env(&env(&[
+            (reviewlane_core::env::REGION, "eu"),
+            (reviewlane_core::env::NATS_URL, "nats://x"),
         ]))
         .unwrap();
-        assert_eq!(set.interactive_reserve_slots, Some(0));
+        assert_eq!(c.region, Region::Eu);
+        assert!(matches!(c.provider, ProviderConfig::Builtin));
+        assert_eq!(c.scheduling.concurrency, 8);
+        assert_eq!(c.scheduling.interactive_reserve_slots, None, "concurrency / 8 unless set");
+        let set = ExtractorConfig::from_env(&env(&[
+            (reviewlane_core::env::REGION, "eu"),
+            (reviewlane_core::env::NATS_URL, "nats://x"),
+            (env::INTERACTIVE_RESERVE_SLOTS, "0"),
+        ]))
+        .unwrap();
+        assert_eq!(set.scheduling.interactive_reserve_slots, Some(0));
         let errs = ExtractorConfig::from_env(&env(&[
-            ("REVIEWLANE_REGION", "eu"),
-            ("REVIEWLANE_NATS_URL", "nats://x"),
-            ("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS", "some"),
+            (reviewlane_core::env::REGION, "eu"),
+            (reviewlane_core::env::NATS_URL, "nats://x"),
+            (env::INTERACTIVE_RESERVE_SLOTS, "some"),
         ]))
         .unwrap_err();
-        assert!(errs.to_string().contains("REVIEWLANE_INTERACTIVE_RESERVE_SLOTS"), "{errs}");
+        assert!(errs.to_string().contains(env::INTERACTIVE_RESERVE_SLOTS), "{errs}");
     }
 
     #[test]
     fn refuses_a_provider_endpoint_of_another_region() {
         let errs = ExtractorConfig::from_env(&env(&[
-            ("REVIEWLANE_REGION", "eu"),
-            ("REVIEWLANE_NATS_URL", "nats://x"),
-            ("REVIEWLANE_PROVIDER", "openai"),
-            ("REVIEWLANE_OPENAI_BASE_URL", "https://api.example/v1"),
-            ("REVIEWLANE_OPENAI_MODEL", "m"),
-            ("REVIEWLANE_OPENAI_API_KEY", "sk-secret-value"),
-            ("REVIEWLANE_PROVIDER_REGION", "us"),
+            (reviewlane_core::env::REGION, "eu"),
+            (reviewlane_core::env::NATS_URL, "nats://x"),
+            (env::PROVIDER, "openai"),
+            (env::OPENAI_BASE_URL, "https://api.example/v1"),
+            (env::OPENAI_MODEL, "m"),
+            (env::OPENAI_API_KEY, "sk-secret-value"),
+            (env::PROVIDER_REGION, "us"),
         ]))
         .unwrap_err();
         assert_eq!(errs.0.len(), 1, "{errs}");
@@ -615,28 +647,28 @@ mod tests {
     fn split_settings_default_by_model_and_are_checked() {
         use reviewlane_core::chunk::Tokenizer;
         let base = [
-            ("REVIEWLANE_REGION", "eu"),
-            ("REVIEWLANE_NATS_URL", "nats://x"),
-            ("REVIEWLANE_PROVIDER", "openai"),
-            ("REVIEWLANE_OPENAI_BASE_URL", "https://api.example/v1"),
-            ("REVIEWLANE_OPENAI_MODEL", "gpt-4o-mini"),
-            ("REVIEWLANE_PROVIDER_REGION", "eu"),
+            (reviewlane_core::env::REGION, "eu"),
+            (reviewlane_core::env::NATS_URL, "nats://x"),
+            (env::PROVIDER, "openai"),
+            (env::OPENAI_BASE_URL, "https://api.example/v1"),
+            (env::OPENAI_MODEL, "gpt-4o-mini"),
+            (env::PROVIDER_REGION, "eu"),
         ];
         let c = ExtractorConfig::from_env(&env(&base)).unwrap();
         assert_eq!(c.parts.plan.tokenizer, Tokenizer::O200k);
         assert_eq!((c.parts.plan.limits.max_tokens, c.parts.max_parts, c.parts.findings_cap), (100_000, 64, 500));
         let mut set = base.to_vec();
-        set.extend([("REVIEWLANE_TOKENIZER", "estimate"), ("REVIEWLANE_BYTES_PER_TOKEN", "3.5")]);
-        set.push(("REVIEWLANE_CONTEXT_TOKENS", "20000"));
+        set.extend([(env::TOKENIZER, "estimate"), (env::BYTES_PER_TOKEN, "3.5")]);
+        set.push((env::CONTEXT_TOKENS, "20000"));
         let c = ExtractorConfig::from_env(&env(&set)).unwrap();
         assert_eq!(c.parts.plan.tokenizer, Tokenizer::Estimate { milli_bytes_per_token: 3500 });
         assert_eq!(c.parts.plan.limits.max_tokens, 20_000);
         let mut bad = base.to_vec();
         bad.extend([
-            ("REVIEWLANE_TOKENIZER", "words"),
-            ("REVIEWLANE_BYTES_PER_TOKEN", "0.5"),
-            ("REVIEWLANE_PART_FILL_PERCENT", "0"),
-            ("REVIEWLANE_MAX_PARTS", "0"),
+            (env::TOKENIZER, "words"),
+            (env::BYTES_PER_TOKEN, "0.5"),
+            (env::PART_FILL_PERCENT, "0"),
+            (env::MAX_PARTS, "0"),
         ]);
         let errs = ExtractorConfig::from_env(&env(&bad)).unwrap_err();
         assert_eq!(errs.0.len(), 4, "{errs}");
@@ -644,9 +676,7 @@ mod tests {
 
     #[test]
     fn reports_all_missing() {
-        let errs =
-            ExtractorConfig::from_env(&env(&[("REVIEWLANE_PROVIDER", "openai"), ("REVIEWLANE_CONCURRENCY", "0")]))
-                .unwrap_err();
+        let errs = ExtractorConfig::from_env(&env(&[(env::PROVIDER, "openai"), (env::CONCURRENCY, "0")])).unwrap_err();
         // region, nats url, base url, model, provider region, concurrency
         assert_eq!(errs.0.len(), 6, "{errs}");
     }

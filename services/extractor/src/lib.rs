@@ -3,6 +3,7 @@
 //! publishes the validated findings to `FINDINGS_<R>`.
 
 pub mod config;
+pub mod env;
 pub mod metrics;
 pub mod provider;
 pub mod quota;

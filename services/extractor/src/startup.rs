@@ -53,6 +53,7 @@ pub async fn build_with_provider(
     config: ExtractorConfig,
     provider: Option<Arc<dyn Provider>>,
 ) -> Result<App, StartError> {
+    reviewlane_shared::startup::log_notices(&config.notices);
     reviewlane_core::findings::warm_up();
     let provider: Arc<dyn Provider> = match (provider, &config.provider) {
         (Some(p), _) => p,
@@ -63,9 +64,9 @@ pub async fn build_with_provider(
                 model.clone(),
                 api_key.clone(),
                 *endpoint_region,
-                config.provider_timeout,
-                config.hint_ceiling,
-                config.max_response_bytes,
+                config.scheduling.provider_timeout,
+                config.quota.hint_ceiling,
+                config.results.max_response_bytes,
             )
             .with_schema_dialect(*schema_dialect),
         ),
@@ -78,9 +79,9 @@ pub async fn build_with_provider(
                     region: *endpoint_region,
                     max_tokens: *max_tokens,
                 },
-                config.provider_timeout,
-                config.hint_ceiling,
-                config.max_response_bytes,
+                config.scheduling.provider_timeout,
+                config.quota.hint_ceiling,
+                config.results.max_response_bytes,
             ))
         }
     };
@@ -102,7 +103,7 @@ pub async fn build_with_provider(
         weights.insert(tenant.id.clone(), tenant.weight);
         let scope = Scope {
             provider: provider.name().to_string(),
-            model_class: config.model_class.clone(),
+            model_class: config.quota.model_class.clone(),
             tenant: tenant.id.clone(),
         };
         for lane in Lane::ALL {
@@ -111,7 +112,7 @@ pub async fn build_with_provider(
                 &layout::lane_stream(config.region, lane),
                 &consumer_name(lane, &tenant.id),
                 Some(layout::lane_filter(config.region, lane, &tenant.id)),
-                config.lease,
+                config.scheduling.lease,
             )
             .await?;
             loops.push((LaneLoop { lane, scope: scope.clone(), consumer }, tenant.weight));
@@ -136,8 +137,8 @@ pub async fn build_with_provider(
     let clock = reviewlane_core::clock::system();
     let health = reviewlane_shared::store_health::StoreHealth::register(&mut registry, &[config.region], clock.clone());
     let key = KeyConfig {
-        key: KeyConfig::token(provider.name(), &config.key_id),
-        limit: config.key_limit,
+        key: KeyConfig::token(provider.name(), &config.quota.key_id),
+        limit: config.quota.key_limit,
         tenant_limits: limits,
         weights,
     };
@@ -145,31 +146,32 @@ pub async fn build_with_provider(
         conn.layout.quota.clone(),
         conn.client.clone(),
         key,
-        config.heartbeat,
-        config.probe_every,
+        config.quota.heartbeat,
+        config.quota.probe_every,
         clock.clone(),
     );
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
     let stores = crate::worker::Stores {
         cache: config
-            .result_cache
+            .results
+            .cache
             .then(|| reviewlane_shared::result_cache::ResultCache::new(conn.layout.cache.clone())),
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
         results: Results::new(
             conn.layout.clone(),
-            config.result_inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout)),
+            config.results.inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout)),
         ),
         layout: conn.layout,
     };
     let policy = crate::worker::WorkPolicy {
-        budgets: config.budgets,
-        backoff: [config.backoff, config.batch_backoff],
-        lease: config.lease,
-        provider_timeout: config.provider_timeout,
-        circuit_open_for: config.circuit_open_for,
-        store_retry: config.store_retry,
-        price: config.prices.get(&config.model_class).copied(),
-        quarantine_raw_max: config.quarantine_raw_max,
+        budgets: config.retry.budgets,
+        backoff: [config.retry.backoff, config.retry.batch_backoff],
+        lease: config.scheduling.lease,
+        provider_timeout: config.scheduling.provider_timeout,
+        circuit_open_for: config.quota.circuit_open_for,
+        store_retry: config.retry.store,
+        price: config.results.prices.get(&config.quota.model_class).copied(),
+        quarantine_raw_max: config.results.quarantine_raw_max,
         parts: config.parts,
     };
     let worker = Arc::new(Worker {
@@ -215,8 +217,10 @@ impl App {
         });
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
-        let reserve = self.config.interactive_reserve_slots.unwrap_or(self.config.concurrency / 8);
-        let slots = Slots::new(self.config.concurrency, self.config.batch_min_slots, reserve, changed);
+        let reserve =
+            self.config.scheduling.interactive_reserve_slots.unwrap_or(self.config.scheduling.concurrency / 8);
+        let slots =
+            Slots::new(self.config.scheduling.concurrency, self.config.scheduling.batch_min_slots, reserve, changed);
         let backlog = Backlog::default();
         let tasks = TaskTracker::new();
         let interactive: Vec<_> =
@@ -224,7 +228,7 @@ impl App {
         let monitor = tokio::spawn(watch_interactive_backlog(
             interactive,
             backlog.clone(),
-            self.config.interactive_wait_limit,
+            self.config.scheduling.interactive_wait_limit,
             stop.clone(),
         ));
         let reconciler = crate::reconcile::Reconciler {
@@ -232,12 +236,12 @@ impl App {
             jobs: self.worker.stores.jobs.clone(),
             results: self.worker.stores.results.clone(),
             clock: self.worker.clock.clone(),
-            grace: self.config.reconcile.grace,
+            grace: self.config.results.reconcile.grace,
             metrics: self.worker.metrics.clone(),
         };
         let reconciling = tokio::spawn(
             reconciler
-                .run(self.config.reconcile.every, stop.clone())
+                .run(self.config.results.reconcile.every, stop.clone())
                 .instrument(tracing::info_span!("reconcile", region = %self.config.region)),
         );
         let lanes = tokio::spawn(sample(
@@ -270,7 +274,7 @@ impl App {
                         slots.clone(),
                         self.quota.clone(),
                         backlog.clone(),
-                        self.config.lease,
+                        self.config.scheduling.lease,
                         tasks.clone(),
                         stop.clone(),
                         run,
@@ -279,7 +283,7 @@ impl App {
                 ));
             }
         }
-        tracing::info!(region = %self.config.region, concurrency = self.config.concurrency, "extractor running");
+        tracing::info!(region = %self.config.region, concurrency = self.config.scheduling.concurrency, "extractor running");
         shutdown.await;
         tracing::info!("shutting down: no new pulls");
         stop.cancel();

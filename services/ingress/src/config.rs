@@ -1,28 +1,13 @@
-//! Ingress configuration, read once from the environment and validated whole.
-//!
-//! | variable | default | meaning |
-//! | --- | --- | --- |
-//! | `REVIEWLANE_GRPC_ADDR` | `127.0.0.1:50051` | gRPC listen address |
-//! | `REVIEWLANE_GRPC_TLS_CERT_FILE`, `REVIEWLANE_GRPC_TLS_KEY_FILE` | unset | serve gRPC over TLS (rustls) with this PEM certificate chain and key |
-//! | `REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE` | unset | with TLS: require client certificates signed by this CA (mutual TLS) |
-//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9464` | admin HTTP: `/metrics`, `/healthz`, `/readyz` |
-//! | `REVIEWLANE_TENANTS_FILE` | required | tenants, key hashes, regions, limits |
-//! | `REVIEWLANE_NATS_URL_US` / `_EU` | at least one | each region's NATS |
-//! | `REVIEWLANE_MAX_DIFF_BYTES` | `1048576` | largest diff accepted (a tenant may set its own) |
-//! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for in-flight calls at SIGTERM |
-//! | `REVIEWLANE_LOG_FORMAT` | `text` | `json` for one JSON object a line |
-//! | `OTEL_EXPORTER_OTLP_ENDPOINT` | unset | OTLP/gRPC collector for traces; no export when unset |
-//! | `REVIEWLANE_INTERACTIVE_WINDOW_SECS` / `REVIEWLANE_BATCH_WINDOW_SECS` | `60` / `3600` | admission window per lane |
-//! | `REVIEWLANE_INTERACTIVE_DEADLINE_SECS` / `REVIEWLANE_BATCH_DEADLINE_SECS` | `900` / `86400` | a review's deadline when its submit sets none |
-//! | `REVIEWLANE_DEGRADE_FACTOR` | `2` | predicted age up to window x this: accepted at depth `changed_hunks` |
-//! | `REVIEWLANE_ADMISSION_MIN_WAITING` | `16` | below this many waiting, accept without predicting |
-//! | `REVIEWLANE_ADMISSION_SAMPLE_MS` | `1000` | lane metadata sampling period |
+//! Ingress configuration, read once from the environment and validated whole. The
+//! variables are listed in `env.rs` and documented in the README ("Configuration:
+//! ingress").
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::env;
 use reviewlane_core::region::Lane;
 use reviewlane_shared::Region;
 
@@ -49,6 +34,9 @@ pub struct IngressConfig {
     pub limits: ServerLimits,
     /// TLS for the gRPC listener; plaintext when unset.
     pub grpc_tls: Option<GrpcTls>,
+    /// Variables set in the environment that the ingress no longer reads, with where
+    /// they went (logged at start).
+    pub notices: Vec<String>,
     /// Credentials and TLS per region (`REVIEWLANE_NATS_<R>_*`, else `REVIEWLANE_NATS_*`);
     /// a region without an entry connects without.
     pub nats: BTreeMap<Region, reviewlane_shared::nats_client::NatsClientConfig>,
@@ -124,9 +112,9 @@ pub const DEFAULT_MAX_DIFF_BYTES: usize = 1024 * 1024;
 impl IngressConfig {
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
-        let grpc_addr = r.or("REVIEWLANE_GRPC_ADDR", SocketAddr::from(([127, 0, 0, 1], 50051)), "host:port");
-        let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", SocketAddr::from(([127, 0, 0, 1], 9464)), "host:port");
-        let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
+        let grpc_addr = r.or(env::GRPC_ADDR, SocketAddr::from(([127, 0, 0, 1], 50051)), "host:port");
+        let admin_addr = r.or(reviewlane_core::env::ADMIN_ADDR, SocketAddr::from(([127, 0, 0, 1], 9464)), "host:port");
+        let tenants = r.tenants(reviewlane_core::env::TENANTS_FILE);
         let mut nats_urls = BTreeMap::new();
         for region in Region::ALL {
             let key = format!("REVIEWLANE_NATS_URL_{}", region.upper());
@@ -138,49 +126,38 @@ impl IngressConfig {
         if nats_urls.is_empty() {
             r.error("REVIEWLANE_NATS_URL_US or REVIEWLANE_NATS_URL_EU is required");
         }
-        let max_diff_bytes = r.or("REVIEWLANE_MAX_DIFF_BYTES", DEFAULT_MAX_DIFF_BYTES, "a byte count");
+        let max_diff_bytes = r.or(env::MAX_DIFF_BYTES, DEFAULT_MAX_DIFF_BYTES, "a byte count");
         if max_diff_bytes == 0 {
             r.error("REVIEWLANE_MAX_DIFF_BYTES must be positive");
         }
-        let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
+        let grace: u64 = r.or(reviewlane_core::env::SHUTDOWN_GRACE_SECS, 20, "whole seconds");
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let (mut interactive, mut batch) = Self::default_policies();
         [interactive.window, batch.window] = r.lane_windows();
-        let factor: f64 = r.or("REVIEWLANE_DEGRADE_FACTOR", 2.0, "a number >= 1");
+        let factor: f64 = r.or(env::DEGRADE_FACTOR, 2.0, "a number >= 1");
         if factor.is_nan() || factor < 1.0 {
             r.error("REVIEWLANE_DEGRADE_FACTOR must be at least 1");
         }
-        let min_waiting: u64 = r.or("REVIEWLANE_ADMISSION_MIN_WAITING", 16, "a count");
+        let min_waiting: u64 = r.or(env::ADMISSION_MIN_WAITING, 16, "a count");
         for p in [&mut interactive, &mut batch] {
             p.degrade_factor = factor;
             p.min_waiting = min_waiting;
         }
-        interactive.deadline = Duration::from_secs(r.or(
-            "REVIEWLANE_INTERACTIVE_DEADLINE_SECS",
-            interactive.deadline.as_secs(),
-            "whole seconds",
-        ));
-        batch.deadline =
-            Duration::from_secs(r.or("REVIEWLANE_BATCH_DEADLINE_SECS", batch.deadline.as_secs(), "whole seconds"));
-        for (key, p) in
-            [("REVIEWLANE_INTERACTIVE_DEADLINE_SECS", &interactive), ("REVIEWLANE_BATCH_DEADLINE_SECS", &batch)]
-        {
+        interactive.deadline =
+            Duration::from_secs(r.or(env::INTERACTIVE_DEADLINE_SECS, interactive.deadline.as_secs(), "whole seconds"));
+        batch.deadline = Duration::from_secs(r.or(env::BATCH_DEADLINE_SECS, batch.deadline.as_secs(), "whole seconds"));
+        for (key, p) in [(env::INTERACTIVE_DEADLINE_SECS, &interactive), (env::BATCH_DEADLINE_SECS, &batch)] {
             if p.deadline.is_zero() {
                 r.error(format!("{key} must be positive"));
             }
         }
-        let sample_ms: u64 = r.or("REVIEWLANE_ADMISSION_SAMPLE_MS", 1000, "milliseconds");
         let d = ServerLimits::default();
         let limits = ServerLimits {
-            watch_keepalive: Duration::from_secs(r.or("REVIEWLANE_WATCH_KEEPALIVE_SECS", 15, "whole seconds").max(1)),
-            max_watches_per_tenant: r.or("REVIEWLANE_MAX_WATCHES_PER_TENANT", d.max_watches_per_tenant, "a count"),
-            request_timeout: Duration::from_secs(r.or("REVIEWLANE_REQUEST_TIMEOUT_SECS", 30, "whole seconds").max(1)),
-            max_streams_per_connection: r.or(
-                "REVIEWLANE_MAX_STREAMS_PER_CONNECTION",
-                d.max_streams_per_connection,
-                "a count",
-            ),
-            http2_keepalive: Duration::from_secs(r.or("REVIEWLANE_HTTP2_KEEPALIVE_SECS", 30, "whole seconds").max(1)),
+            watch_keepalive: Duration::from_secs(r.or(env::WATCH_KEEPALIVE_SECS, 15, "whole seconds").max(1)),
+            max_watches_per_tenant: r.or(env::MAX_WATCHES_PER_TENANT, d.max_watches_per_tenant, "a count"),
+            request_timeout: Duration::from_secs(r.or(env::REQUEST_TIMEOUT_SECS, 30, "whole seconds").max(1)),
+            max_streams_per_connection: r.or(env::MAX_STREAMS_PER_CONNECTION, d.max_streams_per_connection, "a count"),
+            http2_keepalive: Duration::from_secs(r.or(env::HTTP2_KEEPALIVE_SECS, 30, "whole seconds").max(1)),
         };
         if let Some(t) = &tenants {
             for tenant in t.iter() {
@@ -201,8 +178,8 @@ impl IngressConfig {
             }
             Some(p)
         };
-        let (cert, key) = (file(&mut r, "REVIEWLANE_GRPC_TLS_CERT_FILE"), file(&mut r, "REVIEWLANE_GRPC_TLS_KEY_FILE"));
-        let client_ca_file = file(&mut r, "REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE");
+        let (cert, key) = (file(&mut r, env::GRPC_TLS_CERT_FILE), file(&mut r, env::GRPC_TLS_KEY_FILE));
+        let client_ca_file = file(&mut r, env::GRPC_TLS_CLIENT_CA_FILE);
         let grpc_tls = match (cert, key) {
             (Some(cert_file), Some(key_file)) => Some(GrpcTls { cert_file, key_file, client_ca_file }),
             (None, None) => {
@@ -220,13 +197,17 @@ impl IngressConfig {
             .keys()
             .map(|region| {
                 let own = format!("REVIEWLANE_NATS_{}", region.upper());
-                let c =
-                    reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &[&own, "REVIEWLANE_NATS"]);
+                let c = reviewlane_shared::nats_client::NatsClientConfig::from_reader(
+                    &mut r,
+                    &[&own, reviewlane_core::env::NATS],
+                );
                 (*region, c)
             })
             .collect();
+        let notices = reviewlane_core::env::retired(&r, env::RETIRED);
         r.finish()?;
         Ok(IngressConfig {
+            notices,
             grpc_tls,
             nats,
             faults: Default::default(),
@@ -239,7 +220,7 @@ impl IngressConfig {
             telemetry,
             interactive,
             batch,
-            admission_sample: Duration::from_millis(sample_ms.max(50)),
+            admission_sample: Duration::from_secs(1),
             limits,
         })
     }
@@ -256,16 +237,16 @@ mod tests {
         let path = dir.join("tenants.toml");
         std::fs::write(&path, "[[tenants]]\nid = \"a\"\nregion = \"eu\"\n").unwrap();
         let env: HashMap<&str, String> = [
-            ("REVIEWLANE_TENANTS_FILE", path.display().to_string()),
-            ("REVIEWLANE_NATS_URL_US", "nats://127.0.0.1:1".to_string()),
-            ("REVIEWLANE_MAX_DIFF_BYTES", "lots".to_string()),
-            ("REVIEWLANE_GRPC_ADDR", "nowhere".to_string()),
+            (reviewlane_core::env::TENANTS_FILE, path.display().to_string()),
+            (env::NATS_URL_US, "nats://127.0.0.1:1".to_string()),
+            (env::MAX_DIFF_BYTES, "lots".to_string()),
+            (env::GRPC_ADDR, "nowhere".to_string()),
         ]
         .into_iter()
         .collect();
         let errs = IngressConfig::from_env(&env).unwrap_err();
         assert_eq!(errs.0.len(), 3, "{errs}");
-        assert!(errs.to_string().contains("REVIEWLANE_NATS_URL_EU"));
+        assert!(errs.to_string().contains(env::NATS_URL_EU));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 pub mod admission;
 pub mod auth;
 pub mod config;
+pub mod env;
 pub mod error;
 pub mod request_limit;
 pub mod rpc;

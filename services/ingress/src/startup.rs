@@ -40,6 +40,7 @@ pub fn request_limit(max_diff_bytes: usize) -> usize {
 }
 
 pub async fn build(config: IngressConfig) -> Result<App, StartError> {
+    reviewlane_shared::startup::log_notices(&config.notices);
     reviewlane_core::findings::warm_up();
     let mut regions = BTreeMap::new();
     let mut clients = Vec::new();

@@ -1,21 +1,10 @@
-//! Publisher configuration, read once and validated whole.
-//!
-//! | variable | default | meaning |
-//! | --- | --- | --- |
-//! | `REVIEWLANE_REGION` | required | `us` or `eu` |
-//! | `REVIEWLANE_ADMIN_ADDR` | `127.0.0.1:9466` | admin HTTP: `/metrics`, `/healthz`, `/readyz` |
-//! | `REVIEWLANE_NATS_URL` | required | that region's NATS |
-//! | `REVIEWLANE_TENANTS_FILE` | required | sinks and webhook secrets per tenant |
-//! | `REVIEWLANE_CONCURRENCY` | `16` | deliveries in flight |
-//! | `REVIEWLANE_SINK_TIMEOUT_SECS` | `10` | one webhook request |
-//! | `REVIEWLANE_DELIVERY_ATTEMPTS` | `8` | deliveries tried before a job fails |
-//! | `REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS` | `60` | longest wait between deliveries |
-//! | `REVIEWLANE_PUBLISH_LEASE_SECS` | `30` | the consumer's ack wait and a delivery claim's expiry: a publisher that dies after claiming is taken over this long after its claim; must exceed the sink timeout |
-//! | `REVIEWLANE_SHUTDOWN_GRACE_SECS` | `20` | time for deliveries in flight at SIGTERM |
+//! Publisher configuration, read once and validated whole. The variables are listed in
+//! `env.rs` and documented in the README ("Configuration: publisher").
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::env;
 use reviewlane_core::config::{ConfigErrors, Env, Reader};
 use reviewlane_core::tenants::Tenants;
 use reviewlane_shared::Region;
@@ -39,6 +28,9 @@ pub struct PublisherConfig {
     pub telemetry: reviewlane_shared::telemetry::TelemetryConfig,
     /// Credentials and TLS for the region's NATS (`REVIEWLANE_NATS_*`).
     pub nats: reviewlane_shared::nats_client::NatsClientConfig,
+    /// Variables set in the environment that the publisher no longer reads, with where
+    /// they went (logged at start).
+    pub notices: Vec<String>,
     /// Retries of the writes that record a delivery made (`REVIEWLANE_STORE_*`).
     pub store_retry: reviewlane_shared::store::StoreRetry,
     /// Fault hooks (tests only; no-ops in release builds).
@@ -62,6 +54,7 @@ impl PublisherConfig {
             lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
             telemetry: Default::default(),
             nats: Default::default(),
+            notices: Vec::new(),
             store_retry: Default::default(),
             faults: Default::default(),
         }
@@ -69,23 +62,23 @@ impl PublisherConfig {
 
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
-        let region: Option<Region> = r.required("REVIEWLANE_REGION", "`us` or `eu`");
-        let nats_url: Option<String> = reviewlane_shared::nats_client::read_url(&mut r, "REVIEWLANE_NATS_URL");
-        let tenants = r.tenants("REVIEWLANE_TENANTS_FILE");
+        let region: Option<Region> = r.required(reviewlane_core::env::REGION, "`us` or `eu`");
+        let nats_url: Option<String> = reviewlane_shared::nats_client::read_url(&mut r, reviewlane_core::env::NATS_URL);
+        let tenants = r.tenants(reviewlane_core::env::TENANTS_FILE);
         let d = PublisherConfig::new(Region::Us, "", Arc::default());
-        let admin_addr = r.or("REVIEWLANE_ADMIN_ADDR", d.admin_addr, "host:port");
-        let concurrency: usize = r.or("REVIEWLANE_CONCURRENCY", d.concurrency, "a positive count");
+        let admin_addr = r.or(reviewlane_core::env::ADMIN_ADDR, d.admin_addr, "host:port");
+        let concurrency: usize = r.or(env::CONCURRENCY, d.concurrency, "a positive count");
         if concurrency == 0 {
             r.error("REVIEWLANE_CONCURRENCY must be positive");
         }
-        let timeout: u64 = r.or("REVIEWLANE_SINK_TIMEOUT_SECS", 10, "whole seconds");
-        let attempts: u32 = r.or("REVIEWLANE_DELIVERY_ATTEMPTS", d.delivery_attempts, "a count");
+        let timeout: u64 = r.or(env::SINK_TIMEOUT_SECS, 10, "whole seconds");
+        let attempts: u32 = r.or(env::DELIVERY_ATTEMPTS, d.delivery_attempts, "a count");
         if attempts == 0 {
             r.error("REVIEWLANE_DELIVERY_ATTEMPTS must be positive");
         }
-        let cap: u64 = r.or("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", 60, "whole seconds");
-        let grace: u64 = r.or("REVIEWLANE_SHUTDOWN_GRACE_SECS", 20, "whole seconds");
-        let lease: u64 = r.or("REVIEWLANE_PUBLISH_LEASE_SECS", d.lease.as_secs(), "whole seconds");
+        let cap: u64 = r.or(env::DELIVERY_BACKOFF_CAP_SECS, 60, "whole seconds");
+        let grace: u64 = r.or(reviewlane_core::env::SHUTDOWN_GRACE_SECS, 20, "whole seconds");
+        let lease: u64 = r.or(env::PUBLISH_LEASE_SECS, d.lease.as_secs(), "whole seconds");
         if lease <= timeout {
             r.error(
                 "REVIEWLANE_PUBLISH_LEASE_SECS must exceed REVIEWLANE_SINK_TIMEOUT_SECS (a claim must outlive its delivery)",
@@ -93,10 +86,12 @@ impl PublisherConfig {
         }
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
-        let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &["REVIEWLANE_NATS"]);
+        let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &[reviewlane_core::env::NATS]);
         let store_retry = reviewlane_shared::store::StoreRetry::from_reader(&mut r);
+        let notices = reviewlane_core::env::retired(&r, &[]);
         r.finish()?;
         Ok(PublisherConfig {
+            notices,
             region: region.expect("checked"),
             admin_addr,
             nats_url: nats_url.expect("checked"),

@@ -3,6 +3,7 @@
 
 pub mod claim;
 pub mod config;
+pub mod env;
 pub mod gate;
 pub mod github;
 pub mod metrics;

@@ -31,6 +31,7 @@ pub struct App {
 }
 
 pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
+    reviewlane_shared::startup::log_notices(&config.notices);
     let conn = connect_region(&config.nats_url, config.region, "reviewlane-publisher", &config.nats).await?;
     let consumer =
         durable_consumer(&conn.layout.js, &layout::findings_stream(config.region), CONSUMER_NAME, None, config.lease)

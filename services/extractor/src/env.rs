@@ -1,0 +1,143 @@
+//! Every environment variable the extractor reads: its own names here, the ones it shares
+//! with the other services in `reviewlane_core::env`. `all()` is the whole set; a test
+//! holds the README's table for the extractor to it, and another that the config reads
+//! nothing else.
+
+use std::collections::BTreeSet;
+
+use reviewlane_core::env as common;
+
+pub const PROVIDER: &str = "REVIEWLANE_PROVIDER";
+pub const OPENAI_BASE_URL: &str = "REVIEWLANE_OPENAI_BASE_URL";
+pub const OPENAI_MODEL: &str = "REVIEWLANE_OPENAI_MODEL";
+pub const PROVIDER_REGION: &str = "REVIEWLANE_PROVIDER_REGION";
+pub const OPENAI_API_KEY: &str = "REVIEWLANE_OPENAI_API_KEY";
+pub const OPENAI_API_KEY_FILE: &str = "REVIEWLANE_OPENAI_API_KEY_FILE";
+pub const OPENAI_SCHEMA_DIALECT: &str = "REVIEWLANE_OPENAI_SCHEMA_DIALECT";
+pub const ANTHROPIC_BASE_URL: &str = "REVIEWLANE_ANTHROPIC_BASE_URL";
+pub const ANTHROPIC_MODEL: &str = "REVIEWLANE_ANTHROPIC_MODEL";
+pub const ANTHROPIC_API_KEY: &str = "REVIEWLANE_ANTHROPIC_API_KEY";
+pub const ANTHROPIC_API_KEY_FILE: &str = "REVIEWLANE_ANTHROPIC_API_KEY_FILE";
+pub const ANTHROPIC_MAX_TOKENS: &str = "REVIEWLANE_ANTHROPIC_MAX_TOKENS";
+pub const MODEL_CLASS: &str = "REVIEWLANE_MODEL_CLASS";
+pub const KEY_LIMIT: &str = "REVIEWLANE_KEY_LIMIT";
+pub const KEY_ID: &str = "REVIEWLANE_KEY_ID";
+pub const HEARTBEAT_MS: &str = "REVIEWLANE_HEARTBEAT_MS";
+pub const QUOTA_CIRCUIT_SECS: &str = "REVIEWLANE_QUOTA_CIRCUIT_SECS";
+pub const INTERACTIVE_WAIT_LIMIT_SECS: &str = "REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS";
+pub const BATCH_MIN_SLOTS: &str = "REVIEWLANE_BATCH_MIN_SLOTS";
+pub const INTERACTIVE_RESERVE_SLOTS: &str = "REVIEWLANE_INTERACTIVE_RESERVE_SLOTS";
+pub const CONCURRENCY: &str = "REVIEWLANE_CONCURRENCY";
+pub const LEASE_SECS: &str = "REVIEWLANE_LEASE_SECS";
+pub const PROVIDER_TIMEOUT_SECS: &str = "REVIEWLANE_PROVIDER_TIMEOUT_SECS";
+pub const BUDGET_CONGESTION: &str = "REVIEWLANE_BUDGET_CONGESTION";
+pub const BUDGET_TRANSIENT: &str = "REVIEWLANE_BUDGET_TRANSIENT";
+pub const BUDGET_SCHEMA: &str = "REVIEWLANE_BUDGET_SCHEMA";
+pub const BACKOFF_BASE_MS: &str = "REVIEWLANE_BACKOFF_BASE_MS";
+pub const BACKOFF_CAP_SECS: &str = "REVIEWLANE_BACKOFF_CAP_SECS";
+pub const HINT_CEILING_SECS: &str = "REVIEWLANE_HINT_CEILING_SECS";
+pub const RESULT_CACHE: &str = "REVIEWLANE_RESULT_CACHE";
+pub const MODEL_PRICES: &str = "REVIEWLANE_MODEL_PRICES";
+pub const RECONCILE_GRACE_SECS: &str = "REVIEWLANE_RECONCILE_GRACE_SECS";
+pub const CONTEXT_TOKENS: &str = "REVIEWLANE_CONTEXT_TOKENS";
+pub const PART_FILL_PERCENT: &str = "REVIEWLANE_PART_FILL_PERCENT";
+pub const BYTES_PER_TOKEN: &str = "REVIEWLANE_BYTES_PER_TOKEN";
+pub const TOKENIZER: &str = "REVIEWLANE_TOKENIZER";
+pub const MAX_PARTS: &str = "REVIEWLANE_MAX_PARTS";
+pub const FINDINGS_CAP: &str = "REVIEWLANE_FINDINGS_CAP";
+
+/// Names the extractor read before and no longer does, with where they went.
+pub const RETIRED: common::Retired = &[
+    ("REVIEWLANE_PROBE_EVERY_SECS", "a window probes after 60 s without a 429"),
+    ("REVIEWLANE_RECONCILE_EVERY_SECS", "the reconciler runs every 30 s"),
+    ("REVIEWLANE_BATCH_BACKOFF_BASE_MS", "the batch lane backs off as REVIEWLANE_BACKOFF_BASE_MS says"),
+    ("REVIEWLANE_BATCH_BACKOFF_CAP_SECS", "the batch lane backs off as REVIEWLANE_BACKOFF_CAP_SECS says"),
+    ("REVIEWLANE_RESULT_INLINE_MAX_BYTES", "results over the lane streams' message limit go to the object store"),
+    ("REVIEWLANE_QUARANTINE_RAW_MAX_BYTES", "4096 bytes of a quarantined item are kept"),
+    ("REVIEWLANE_PROVIDER_MAX_RESPONSE_BYTES", "4 MiB of a provider answer are read"),
+    ("REVIEWLANE_PART_OVERLAP_LINES", "3 unchanged lines repeat before a cut"),
+];
+
+/// The names only the extractor reads.
+pub const OWN: &[&str] = &[
+    PROVIDER,
+    OPENAI_BASE_URL,
+    OPENAI_MODEL,
+    PROVIDER_REGION,
+    OPENAI_API_KEY,
+    OPENAI_API_KEY_FILE,
+    OPENAI_SCHEMA_DIALECT,
+    ANTHROPIC_BASE_URL,
+    ANTHROPIC_MODEL,
+    ANTHROPIC_API_KEY,
+    ANTHROPIC_API_KEY_FILE,
+    ANTHROPIC_MAX_TOKENS,
+    MODEL_CLASS,
+    KEY_LIMIT,
+    KEY_ID,
+    HEARTBEAT_MS,
+    QUOTA_CIRCUIT_SECS,
+    INTERACTIVE_WAIT_LIMIT_SECS,
+    BATCH_MIN_SLOTS,
+    INTERACTIVE_RESERVE_SLOTS,
+    CONCURRENCY,
+    LEASE_SECS,
+    PROVIDER_TIMEOUT_SECS,
+    BUDGET_CONGESTION,
+    BUDGET_TRANSIENT,
+    BUDGET_SCHEMA,
+    BACKOFF_BASE_MS,
+    BACKOFF_CAP_SECS,
+    HINT_CEILING_SECS,
+    RESULT_CACHE,
+    MODEL_PRICES,
+    RECONCILE_GRACE_SECS,
+    CONTEXT_TOKENS,
+    PART_FILL_PERCENT,
+    BYTES_PER_TOKEN,
+    TOKENIZER,
+    MAX_PARTS,
+    FINDINGS_CAP,
+];
+
+/// Every name the extractor reads.
+pub fn all() -> BTreeSet<String> {
+    let shared = common::EVERY_SERVICE
+        .iter()
+        .chain(&common::REGION_BOUND)
+        .chain(&common::LANE_WINDOWS)
+        .chain(&[common::STORE_RETRIES]);
+    let nats = common::nats_names(&[common::NATS]);
+    OWN.iter().chain(shared).map(|n| n.to_string()).chain(nats).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_readme_lists_exactly_what_extractor_reads() {
+        let readme = include_str!("../../../README.md");
+        let documented = common::documented(readme, &["every service", "extractor"]);
+        let read = all();
+        let undocumented: Vec<_> = read.difference(&documented).collect();
+        let unread: Vec<_> = documented.difference(&read).collect();
+        assert!(
+            undocumented.is_empty() && unread.is_empty(),
+            "README lacks {undocumented:?}; README has, unread: {unread:?}"
+        );
+    }
+
+    #[test]
+    fn the_config_reads_only_names_listed_here() {
+        // Each provider reads its own settings.
+        for provider in ["builtin", "openai", "anthropic"] {
+            let asked = common::Recording::with(&[(PROVIDER, provider)]);
+            let _ = crate::config::ExtractorConfig::from_env(&asked);
+            assert!(asked.names().contains(PROVIDER), "the recording saw the config's reads");
+            let known: BTreeSet<String> = all().into_iter().chain(common::retired_names(RETIRED)).collect();
+            let stray: Vec<_> = asked.names().difference(&known).cloned().collect();
+            assert!(stray.is_empty(), "{provider}: read but not in env.rs: {stray:?}");
+        }
+    }
+}
