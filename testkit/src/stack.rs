@@ -129,6 +129,8 @@ pub struct StackOptions {
     /// Batch pulls no more than its minimum while interactive work waited longer.
     pub interactive_wait_limit: Duration,
     pub ingress_limits: reviewlane_ingress::config::ServerLimits,
+    /// The ingress's clock: where submits start their deadlines (the system's if unset).
+    pub ingress_clock: Option<reviewlane_core::clock::SharedClock>,
 }
 
 impl Default for StackOptions {
@@ -159,6 +161,7 @@ impl Default for StackOptions {
             publish_lease: Duration::from_secs(30),
             interactive_wait_limit: Duration::from_secs(5),
             ingress_limits: Default::default(),
+            ingress_clock: None,
         }
     }
 }
@@ -277,23 +280,27 @@ impl Stack {
             anthropic: opts.anthropic,
             context_tokens: opts.context_tokens,
         };
-        let ingress = reviewlane_ingress::build(IngressConfig {
-            grpc_addr: "127.0.0.1:0".parse().expect("addr"),
-            admin_addr: "127.0.0.1:0".parse().expect("addr"),
-            tenants: tenants.clone(),
-            nats_urls: [(Region::Us, us.url()), (Region::Eu, eu.url())].into(),
-            max_diff_bytes: opts.max_diff_bytes,
-            shutdown_grace: Duration::from_secs(2),
-            telemetry: Default::default(),
-            interactive: opts.interactive_policy.map(|p| p.0).unwrap_or(IngressConfig::default_policies().0),
-            batch: IngressConfig::default_policies().1,
-            admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
-            faults: opts.faults.clone(),
-            limits: opts.ingress_limits,
-            nats: Default::default(),
-            grpc_tls: opts.grpc_tls.clone(),
-            notices: Vec::new(),
-        })
+        let ingress_clock = opts.ingress_clock.clone().unwrap_or_else(reviewlane_core::clock::system);
+        let ingress = reviewlane_ingress::build_with_clock(
+            IngressConfig {
+                grpc_addr: "127.0.0.1:0".parse().expect("addr"),
+                admin_addr: "127.0.0.1:0".parse().expect("addr"),
+                tenants: tenants.clone(),
+                nats_urls: [(Region::Us, us.url()), (Region::Eu, eu.url())].into(),
+                max_diff_bytes: opts.max_diff_bytes,
+                shutdown_grace: Duration::from_secs(2),
+                telemetry: Default::default(),
+                interactive: opts.interactive_policy.map(|p| p.0).unwrap_or(IngressConfig::default_policies().0),
+                batch: IngressConfig::default_policies().1,
+                admission_sample: opts.interactive_policy.map(|p| p.1).unwrap_or(Duration::from_millis(500)),
+                faults: opts.faults.clone(),
+                limits: opts.ingress_limits,
+                nats: Default::default(),
+                grpc_tls: opts.grpc_tls.clone(),
+                notices: Vec::new(),
+            },
+            ingress_clock,
+        )
         .await
         .expect("ingress builds");
         let addr = ingress.local_addr();

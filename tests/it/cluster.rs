@@ -42,7 +42,7 @@ async fn losing_a_node_of_a_three_node_cluster_loses_nothing_and_pays_nothing_tw
         assert_eq!(info.config.num_replicas, 3, "{name}");
     }
 
-    let mut client = stack.client().await;
+    let client = stack.client().await;
     let mut ids = Vec::new();
     for i in 0..JOBS {
         if i == JOBS / 3 {
@@ -51,33 +51,44 @@ async fn losing_a_node_of_a_three_node_cluster_loses_nothing_and_pays_nothing_tw
         }
         // A caller resends with the same key while the cluster fails over.
         let key = format!("cluster-{i}");
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        let review = loop {
-            match client.submit_review(submit_req(US_KEY, &key, &sample_diff(&key))).await {
-                Ok(r) => break r.into_inner().review.unwrap(),
-                Err(e) if matches!(e.code(), Code::Unavailable | Code::ResourceExhausted) => {
-                    assert!(tokio::time::Instant::now() < deadline, "submit {i} not accepted in 30 s: {e:?}");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+        let review = poll_until(Duration::from_secs(30), || {
+            let mut client = client.clone();
+            let key = key.clone();
+            async move {
+                match client.submit_review(submit_req(US_KEY, &key, &sample_diff(&key))).await {
+                    Ok(r) => r.into_inner().review,
+                    Err(e) if matches!(e.code(), Code::Unavailable | Code::ResourceExhausted) => None,
+                    Err(e) => panic!("submit {key}: {e:?}"),
                 }
-                Err(e) => panic!("submit {i}: {e:?}"),
             }
-        };
+        })
+        .await
+        .unwrap_or_else(|| panic!("submit {i} not accepted in 30 s"));
         ids.push(review.job_id);
     }
     // Every job ends published (a caller retries a read the failover answers UNAVAILABLE).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    let mut errors = 0;
+    let unavailable = std::sync::atomic::AtomicU32::new(0);
     for id in &ids {
-        loop {
-            match get(&mut client, US_KEY, id).await {
-                Ok(r) if r.state == JobState::Published as i32 => break,
-                Ok(r) => assert!(r.state != JobState::Terminal as i32, "{id}: {r:?}"),
-                Err(e) if e.code() == Code::Unavailable => errors += 1,
-                Err(e) => panic!("{id}: {e:?}"),
+        let published = poll_until(Duration::from_secs(90), || {
+            let mut client = client.clone();
+            let unavailable = &unavailable;
+            async move {
+                match get(&mut client, US_KEY, id).await {
+                    Ok(r) if r.state == JobState::Published as i32 => Some(()),
+                    Ok(r) => {
+                        assert!(r.state != JobState::Terminal as i32, "{id}: {r:?}");
+                        None
+                    }
+                    Err(e) if e.code() == Code::Unavailable => {
+                        unavailable.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        None
+                    }
+                    Err(e) => panic!("{id}: {e:?}"),
+                }
             }
-            assert!(tokio::time::Instant::now() < deadline, "{id} not published in 90 s ({errors} reads unavailable)");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
+        .await;
+        assert!(published.is_some(), "{id} not published in 90 s ({} reads unavailable)", unavailable.into_inner());
     }
     let stats = stack.us.provider.stats();
     for id in &ids {

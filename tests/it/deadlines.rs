@@ -58,14 +58,18 @@ async fn a_deadline_already_past_ends_the_job_at_admission_and_keeps_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_that_passes_while_queued_ends_the_job_without_a_call() {
-    // No extractor yet: the review waits on the lane past its deadline.
-    let mut stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
+    // The ingress's clock is a minute behind: a review given 300 ms is admitted by its
+    // time and already late by the extractor's, as if it had waited on the lane past
+    // its deadline while no extractor ran.
+    let behind = reviewlane_core::clock::ManualClock::at(reviewlane_core::clock::now_ms() - 60_000);
+    let mut stack =
+        Stack::start_with(StackOptions { extractors: 0, ingress_clock: Some(behind), ..Default::default() }).await;
     let mut client = stack.client().await;
     let job = client.submit_review(with_timeout("queued", Duration::from_millis(300))).await.unwrap().into_inner();
     let job = job.review.unwrap();
     let deadline = job.deadline.unwrap();
     let until = SystemTime::UNIX_EPOCH + Duration::new(deadline.seconds as u64, deadline.nanos as u32);
-    tokio::time::sleep(until.duration_since(SystemTime::now()).unwrap_or_default()).await;
+    assert!(until < SystemTime::now(), "the deadline was set by the ingress's clock");
     stack.start_extractor(Region::Us).await;
     assert_ended_late(&wait_final(&mut client, US_KEY, &job.job_id).await);
     assert_eq!(stack.us.provider.stats().total_calls, 0, "no call for a job already late");

@@ -124,16 +124,13 @@ async fn an_extractor_killed_mid_review_resumes_without_paying_again_for_recorde
 
     // Kill -9 the extractor once a few parts are recorded.
     let url = stack.us.nats.url();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let recorded = loop {
+    let recorded = poll_until(Duration::from_secs(60), || async {
         let rec = record(url, &job.job_id).await;
         let done: BTreeSet<u32> = rec.parts.iter().flat_map(|p| p.done.iter().map(|d| d.index)).collect();
-        if done.len() >= 3 {
-            break done;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "parts not recorded: {rec:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+        (done.len() >= 3).then_some(done)
+    })
+    .await
+    .expect("three parts recorded within 60 s");
     stack.service_mut("extractor-us").unwrap().kill_and_restart().unwrap();
 
     let done = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(90)).await;

@@ -357,16 +357,13 @@ async fn batch_slows_down_under_an_interactive_backlog_but_is_never_starved() {
         interactive.push(submit(&mut client, US_KEY, &format!("int-{i}"), &sample_diff(&format!("i{i}"))).await.job_id);
     }
     // Once the interactive lane counts as backlogged, batch work arrives.
-    let backlogged = async {
-        loop {
-            let page = http_get(stack.extractor_admin[0].1, "/metrics").await;
-            if metric_sum(&page, "reviewlane_queue_age_seconds{region=\"us\",lane=\"interactive\"}") > 1.5 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), backlogged).await.expect("interactive backlog builds up");
+    let admin = stack.extractor_admin[0].1;
+    let backlogged = poll_until(Duration::from_secs(10), || async move {
+        let page = http_get(admin, "/metrics").await;
+        (metric_sum(&page, "reviewlane_queue_age_seconds{region=\"us\",lane=\"interactive\"}") > 1.5).then_some(())
+    })
+    .await;
+    assert!(backlogged.is_some(), "interactive backlog builds up");
     let mut batch = Vec::new();
     for i in 0..2 {
         batch

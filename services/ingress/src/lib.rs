@@ -13,4 +13,4 @@ pub mod service;
 pub mod startup;
 
 pub use config::IngressConfig;
-pub use startup::{App, build};
+pub use startup::{App, build, build_with_clock};

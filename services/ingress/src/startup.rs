@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
 use reviewlane_api::proto::review_service_server::ReviewServiceServer;
+use reviewlane_core::clock::SharedClock;
 use reviewlane_core::region::{Lane, Region};
 use reviewlane_shared::admin::{Admin, Ready, nats_ready};
 use reviewlane_shared::layout;
@@ -40,6 +41,11 @@ pub fn request_limit(max_diff_bytes: usize) -> usize {
 }
 
 pub async fn build(config: IngressConfig) -> Result<App, StartError> {
+    build_with_clock(config, reviewlane_core::clock::system()).await
+}
+
+/// `build`, with deadlines started from `clock`'s time (tests move it).
+pub async fn build_with_clock(config: IngressConfig, clock: SharedClock) -> Result<App, StartError> {
     reviewlane_shared::startup::log_notices(&config.notices);
     reviewlane_core::findings::warm_up();
     let mut regions = BTreeMap::new();
@@ -97,7 +103,8 @@ pub async fn build(config: IngressConfig) -> Result<App, StartError> {
     .with_faults(config.faults.clone())
     .with_store_health(health.clone())
     .with_limits(config.limits)
-    .with_tenants(&config.tenants);
+    .with_tenants(&config.tenants)
+    .with_clock(clock);
     Ok(App { listener, admin, registry: Arc::new(registry), api, config, clients, shutdown, health })
 }
 

@@ -276,79 +276,79 @@ impl Worker {
         self.settle(job, &lease, decision).await
     }
 
-    /// What an answer means for the job. A usable answer is validated and kept here,
-    /// before any other write.
+    /// What an answer means for the job (the pure `plan::verdict`). A usable answer is
+    /// validated and kept here, before any other write; then the key's quota learns
+    /// from it.
     async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
-        let (upstream, started_ms) = match answer {
-            Answer::Cached(hit) => {
-                tracing::info!("result cache hit");
-                return self.keep(job, lease, hit, 0, None).await;
-            }
-            Answer::Upstream { outcome, started_ms } => (outcome, started_ms),
-            Answer::Aborted => return Decision::Release(None),
-            Answer::LostLease => return Decision::Stale,
-            Answer::Ended(reason) => return Decision::Ended(reason),
-            Answer::DeadlinePassed => {
-                tracing::info!("deadline reached during the provider call; call abandoned");
-                return Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None };
-            }
-        };
-        let status = Some(upstream.status_class().to_string());
-        match upstream {
-            UpstreamOutcome::Ok { output, slow_down, usage } => {
+        self.note(&answer);
+        let used = lease.rec.attempts.congestion;
+        let (verdict, effect) = plan::verdict(answer, used, self.backoff(job.review), rand::random::<f64>());
+        let decision = match verdict {
+            plan::Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
+            plan::Verdict::Usable { output, usage, status } => {
                 if let Some(u) = usage {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
                     *lease.tokens.lock().expect("tokens lock") = Some(u);
                 }
-                let decision = match self.validate(job, lease, target.diff, &output) {
-                    Ok(validated) => match target.part {
-                        None => {
-                            let tokens = *lease.tokens.lock().expect("tokens lock");
-                            self.keep(job, lease, validated, 0, Some(tokens)).await
-                        }
-                        Some(index) => self.keep_part(job, lease, index, validated).await,
-                    },
-                    Err(invalid) => {
+                match (self.validate(job, lease, target.diff, &output), target.part) {
+                    (Ok(validated), None) => {
+                        let tokens = *lease.tokens.lock().expect("tokens lock");
+                        self.keep(job, lease, validated, 0, Some(tokens)).await
+                    }
+                    (Ok(validated), Some(index)) => self.keep_part(job, lease, index, validated).await,
+                    (Err(invalid), _) => {
                         Decision::Retry { budget: Budget::Schema, hint: None, status, invalid: Some(invalid.as_str()) }
                     }
-                };
-                // Kept (or ended): now the shared scope state may learn from the answer.
-                self.quota.succeeded(started_ms).await;
-                if let Some(d) = slow_down
-                    && let Err(e) = self.quota.pause(d).await
-                {
-                    tracing::warn!(error = %e, "recording a headroom pause failed");
                 }
-                decision
             }
-            UpstreamOutcome::RateLimited { retry_after, capped } => {
-                if capped {
-                    self.metrics.hint_capped();
-                    tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
-                }
-                // The whole scope waits, on every replica, for as long as this job does.
-                let delay = retry_after.unwrap_or_else(|| {
-                    self.backoff(job.review).delay(lease.rec.attempts.congestion + 1, rand::random::<f64>())
-                });
-                if let Err(e) = self.quota.rate_limited(delay, started_ms).await {
-                    tracing::warn!(error = %e, "recording the scope pause failed");
-                }
-                Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status, invalid: None }
+            plan::Verdict::Decided(decision) => decision,
+        };
+        self.learn(effect).await;
+        decision
+    }
+
+    /// What an answer tells the operator, before it is decided on.
+    fn note(&self, answer: &Answer) {
+        match answer {
+            Answer::Cached(_) => tracing::info!("result cache hit"),
+            Answer::DeadlinePassed => tracing::info!("deadline reached during the provider call; call abandoned"),
+            Answer::Upstream { outcome: UpstreamOutcome::RateLimited { capped: true, .. }, .. } => {
+                self.metrics.hint_capped();
+                tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
             }
-            UpstreamOutcome::Transient { .. } => {
-                Decision::Retry { budget: Budget::Transient, hint: None, status, invalid: None }
-            }
-            UpstreamOutcome::QuotaExhausted => {
+            Answer::Upstream { outcome: UpstreamOutcome::QuotaExhausted, .. } => {
                 tracing::error!("provider account out of quota; circuit open for the scope");
-                if let Err(e) = self.quota.open_circuit(self.policy.circuit_open_for).await {
-                    tracing::warn!(error = %e, "recording the open circuit failed");
+            }
+            Answer::Upstream { outcome: UpstreamOutcome::Permanent { status }, .. } => {
+                tracing::warn!(status = *status, "provider rejected the request");
+            }
+            _ => {}
+        }
+    }
+
+    /// Records what the key's shared quota learns (best effort: a failed write is
+    /// logged, and the next answer teaches it again).
+    async fn learn(&self, effect: plan::QuotaEffect) {
+        let written = match effect {
+            plan::QuotaEffect::None => return,
+            plan::QuotaEffect::Succeeded { started_ms, pause } => {
+                self.quota.succeeded(started_ms).await;
+                match pause {
+                    Some(d) => self.quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e)),
+                    None => Ok(()),
                 }
-                Decision::Terminal { reason: TerminalReason::InsufficientQuota, status }
             }
-            UpstreamOutcome::Permanent { status: code } => {
-                tracing::warn!(status = code, "provider rejected the request");
-                Decision::Terminal { reason: TerminalReason::UpstreamRejected, status }
+            plan::QuotaEffect::RateLimited { started_ms, delay } => {
+                self.quota.rate_limited(delay, started_ms).await.map_err(|e| ("recording the scope pause failed", e))
             }
+            plan::QuotaEffect::OpenCircuit => self
+                .quota
+                .open_circuit(self.policy.circuit_open_for)
+                .await
+                .map_err(|e| ("recording the open circuit failed", e)),
+        };
+        if let Err((what, e)) = written {
+            tracing::warn!(error = %e, "{what}");
         }
     }
 

@@ -1,7 +1,9 @@
-//! The pure settlement core: what a decided attempt comes to — the event the job
-//! record gets, how the message is settled, the outcome, whether a dead letter follows —
-//! from the decision, the lease as held, the policy and the time. `settle` applies a
-//! settlement in one place; every row of the table has a unit test here.
+//! The pure cores of a job's trip. `verdict`: what an answer means — a decision, or an
+//! output to validate and keep — and what the provider key's shared quota learns from
+//! it. `plan`: what a decided attempt comes to — the event the job record gets, how the
+//! message is settled, the outcome, whether a dead letter follows — from the decision,
+//! the lease as held, the policy and the time. The worker applies both in one place
+//! each; every row of both tables has a unit test here.
 
 use std::time::Duration;
 
@@ -9,9 +11,83 @@ use reviewlane_core::job::{Attempts, Budget, Event, PartDone, TerminalReason, To
 
 pub use reviewlane_shared::pull::Ack;
 
+use super::call::Answer;
 use super::settle::{Decision, Outcome};
 use crate::config::Budgets;
-use crate::upstream::Backoff;
+use crate::upstream::{Backoff, UpstreamOutcome};
+use reviewlane_core::findings::Validated;
+
+/// What an answer comes to before anything is written.
+#[derive(Debug)]
+pub enum Verdict {
+    /// The same review's validated result, from the cache: keep it as this job's.
+    Cached(Validated),
+    /// A 2xx: validate the output against the schema and the diff, then keep it (an
+    /// invalid one spends the schema budget, with `status`).
+    Usable {
+        output: String,
+        usage: Option<Tokens>,
+        status: Option<String>,
+    },
+    Decided(Decision),
+}
+
+/// What the provider key's shared quota learns from an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaEffect {
+    None,
+    /// A 2xx: the window may grow; `pause` when the answer's headers said a dimension
+    /// is empty (the key slows down before a 429).
+    Succeeded {
+        started_ms: u64,
+        pause: Option<Duration>,
+    },
+    /// A 429: every replica's calls on the key wait `delay`, as this job does.
+    RateLimited {
+        started_ms: u64,
+        delay: Duration,
+    },
+    /// `insufficient_quota`: the key's circuit opens.
+    OpenCircuit,
+}
+
+/// The verdict on `answer` for a lease that has spent `congestion_used` congestion
+/// retries: a 429 without the provider's hint waits the lane's `backoff` for the next
+/// one (`unit`: uniform in [0, 1), the jitter).
+pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f64) -> (Verdict, QuotaEffect) {
+    let decided = |d| (Verdict::Decided(d), QuotaEffect::None);
+    let (upstream, started_ms) = match answer {
+        Answer::Cached(hit) => return (Verdict::Cached(hit), QuotaEffect::None),
+        Answer::Upstream { outcome, started_ms } => (outcome, started_ms),
+        Answer::Aborted => return decided(Decision::Release(None)),
+        Answer::LostLease => return decided(Decision::Stale),
+        Answer::Ended(reason) => return decided(Decision::Ended(reason)),
+        Answer::DeadlinePassed => {
+            return decided(Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None });
+        }
+    };
+    let status = Some(upstream.status_class().to_string());
+    match upstream {
+        UpstreamOutcome::Ok { output, slow_down, usage } => {
+            (Verdict::Usable { output, usage, status }, QuotaEffect::Succeeded { started_ms, pause: slow_down })
+        }
+        UpstreamOutcome::RateLimited { retry_after, .. } => {
+            let delay = retry_after.unwrap_or_else(|| backoff.delay(congestion_used + 1, unit));
+            let retry = Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status, invalid: None };
+            (Verdict::Decided(retry), QuotaEffect::RateLimited { started_ms, delay })
+        }
+        UpstreamOutcome::Transient { .. } => {
+            decided(Decision::Retry { budget: Budget::Transient, hint: None, status, invalid: None })
+        }
+        UpstreamOutcome::QuotaExhausted => (
+            Verdict::Decided(Decision::Terminal { reason: TerminalReason::InsufficientQuota, status }),
+            QuotaEffect::OpenCircuit,
+        ),
+        UpstreamOutcome::Permanent { .. } => {
+            decided(Decision::Terminal { reason: TerminalReason::UpstreamRejected, status })
+        }
+    }
+}
 
 /// What the plan needs of the lease.
 #[derive(Debug, Clone, Copy)]
@@ -116,6 +192,84 @@ mod tests {
     use super::*;
 
     const NOW: u64 = 1_000_000;
+
+    fn decided(answer: Answer, used: u32, backoff: &Backoff) -> (Decision, QuotaEffect) {
+        match verdict(answer, used, backoff, 0.5) {
+            (Verdict::Decided(d), effect) => (d, effect),
+            (other, _) => panic!("{other:?}"),
+        }
+    }
+
+    fn upstream(outcome: UpstreamOutcome) -> Answer {
+        Answer::Upstream { outcome, started_ms: NOW }
+    }
+
+    #[test]
+    fn a_2xx_is_kept_and_the_key_learns_it_succeeded() {
+        let usage = Tokens { input: 10, output: 2 };
+        let pause = Some(Duration::from_secs(3));
+        let ok = UpstreamOutcome::Ok { output: "{}".into(), slow_down: pause, usage: Some(usage) };
+        let (v, effect) = verdict(upstream(ok), 0, &Backoff::default(), 0.5);
+        assert!(
+            matches!(&v, Verdict::Usable { output, usage: Some(u), status: Some(s) } if output == "{}" && *u == usage && s == "2xx"),
+            "{v:?}"
+        );
+        assert_eq!(effect, QuotaEffect::Succeeded { started_ms: NOW, pause });
+    }
+
+    #[test]
+    fn a_429_retries_on_the_congestion_budget_and_pauses_the_key_for_the_same_delay() {
+        let b = Backoff { base: Duration::from_secs(1), cap: Duration::from_secs(60), jitter: (1.0, 1.0) };
+        let hinted = UpstreamOutcome::RateLimited { retry_after: Some(Duration::from_secs(7)), capped: false };
+        let (d, effect) = decided(upstream(hinted), 0, &b);
+        let seven = Duration::from_secs(7);
+        assert_eq!(
+            d,
+            Decision::Retry {
+                budget: Budget::Congestion,
+                hint: Some(seven),
+                status: Some("429".into()),
+                invalid: None
+            }
+        );
+        assert_eq!(effect, QuotaEffect::RateLimited { started_ms: NOW, delay: seven });
+        // Without a hint: the backoff of the next congestion retry (the third: 4 s).
+        let bare = UpstreamOutcome::RateLimited { retry_after: None, capped: false };
+        let (d, effect) = decided(upstream(bare), 2, &b);
+        let four = Duration::from_secs(4);
+        assert!(matches!(d, Decision::Retry { budget: Budget::Congestion, hint: Some(h), .. } if h == four), "{d:?}");
+        assert_eq!(effect, QuotaEffect::RateLimited { started_ms: NOW, delay: four });
+    }
+
+    #[test]
+    fn transient_quota_and_permanent_answers_decide_without_keeping() {
+        let b = Backoff::default();
+        let (d, effect) = decided(upstream(UpstreamOutcome::Transient { status_class: "5xx" }), 0, &b);
+        assert_eq!(
+            d,
+            Decision::Retry { budget: Budget::Transient, hint: None, status: Some("5xx".into()), invalid: None }
+        );
+        assert_eq!(effect, QuotaEffect::None);
+        let (d, effect) = decided(upstream(UpstreamOutcome::QuotaExhausted), 0, &b);
+        assert_eq!(d, Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: Some("429".into()) });
+        assert_eq!(effect, QuotaEffect::OpenCircuit);
+        let (d, effect) = decided(upstream(UpstreamOutcome::Permanent { status: 400 }), 0, &b);
+        assert!(matches!(d, Decision::Terminal { reason: TerminalReason::UpstreamRejected, status: Some(_) }), "{d:?}");
+        assert_eq!(effect, QuotaEffect::None);
+    }
+
+    #[test]
+    fn an_answer_that_never_came_decides_alone() {
+        let b = Backoff::default();
+        for (answer, want) in [
+            (Answer::Aborted, Decision::Release(None)),
+            (Answer::LostLease, Decision::Stale),
+            (Answer::Ended(TerminalReason::Cancelled), Decision::Ended(TerminalReason::Cancelled)),
+            (Answer::DeadlinePassed, Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None }),
+        ] {
+            assert_eq!(decided(answer, 0, &b), (want, QuotaEffect::None));
+        }
+    }
 
     fn lease(attempts: Attempts, deadline_ms: Option<u64>) -> LeaseView {
         LeaseView { generation: 3, attempts, deadline_ms, tokens: None }

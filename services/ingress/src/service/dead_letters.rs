@@ -57,7 +57,7 @@ impl ReviewApi {
                 what: "the dead letter's content is no longer kept (its retention ended); submit the review again",
             });
         };
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let lane_deadline = self.policies[usize::from(old.lane == reviewlane_shared::Lane::Batch)].deadline;
         let msg = ReviewMessage {
             job_id: new_id,

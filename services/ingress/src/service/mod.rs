@@ -18,6 +18,7 @@ use reviewlane_api::proto::{
     ListReviewsRequest, ListReviewsResponse, ReplayDeadLetterRequest, ReplayDeadLetterResponse, SubmitReviewRequest,
     SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
 };
+use reviewlane_core::clock::SharedClock;
 use reviewlane_core::diff;
 use reviewlane_core::findings::{self, Finding};
 use reviewlane_core::job::{Event, JobRecord, JobState, ReviewDepth};
@@ -29,7 +30,6 @@ use reviewlane_shared::faults::{Faults, point};
 use reviewlane_shared::job_index;
 use reviewlane_shared::job_store::{Created, JobStore, StoreError};
 use reviewlane_shared::layout::{self, RegionLayout};
-use reviewlane_shared::telemetry::now_ms;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -83,6 +83,8 @@ pub struct ReviewApi {
     watches: Arc<std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>>,
     /// What the regions' stores refused (counted; readiness).
     health: reviewlane_shared::store_health::StoreHealth,
+    /// The time submits and replays start their deadlines from.
+    clock: SharedClock,
 }
 
 impl ReviewApi {
@@ -112,7 +114,14 @@ impl ReviewApi {
                 &[],
                 reviewlane_core::clock::system(),
             ),
+            clock: reviewlane_core::clock::system(),
         }
+    }
+
+    /// Deadlines start from `clock`'s time (the system's unless a test sets one).
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// Store refusals are counted in `health`.

@@ -19,7 +19,7 @@ impl ReviewApi {
             idempotency_key,
             metadata,
             request_digest,
-        } = plan(req, &limits, now_ms())?;
+        } = plan(req, &limits, self.clock.now_ms())?;
         let idempotency_key = idempotency_key.unwrap_or_else(|| hex::encode(rand::random::<[u8; 16]>()));
 
         let region = tenant.region;
