@@ -346,34 +346,26 @@ impl ProcStack {
     /// Waits until the extractor `name` is ready (warmed up), at most 30 s.
     pub async fn wait_ready(&self, name: &str) -> anyhow::Result<()> {
         let addr = self.admin_of(name).context("no such service")?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !crate::stack::http_status_ok(addr, "/readyz").await {
-            if Instant::now() > deadline {
-                bail!("{name} not ready in 30 s");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Ok(())
+        let ready = crate::stack::poll_until(Duration::from_secs(30), || async move {
+            crate::stack::http_status_ok(addr, "/readyz").await.then_some(())
+        });
+        ready.await.with_context(|| format!("{name} not ready in 30 s"))
     }
 
     /// Waits until the ingress answers gRPC (health) and the extractors' consumers exist.
     async fn wait_serving(&self) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
+        let serving = crate::stack::poll_until(Duration::from_secs(30), || async {
             let up = async {
                 let ch = tonic::transport::Channel::from_shared(format!("http://{}", self.ingress))?.connect().await?;
                 let mut health = tonic_health::pb::health_client::HealthClient::new(ch);
                 health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await?;
                 anyhow::Ok(())
             };
-            if up.await.is_ok() && self.extractors_ready().await {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("services did not come up in 30 s; logs in {}", self.work.path().display());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            (up.await.is_ok() && self.extractors_ready().await).then_some(())
+        });
+        serving
+            .await
+            .with_context(|| format!("services did not come up in 30 s; logs in {}", self.work.path().display()))
     }
 
     async fn extractors_ready(&self) -> bool {

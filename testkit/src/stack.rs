@@ -397,11 +397,9 @@ impl Stack {
         let task = tokio::spawn(x.run_until_stopped(async move { s.cancelled().await }));
         self.extractors.push((region, stop, task));
         // Ready once it has warmed up: before that it takes no share of the key.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !http_status_ok(admin, "/readyz").await {
-            assert!(tokio::time::Instant::now() < deadline, "extractor not ready in 10 s");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let ready =
+            poll_until(Duration::from_secs(10), || async move { http_status_ok(admin, "/readyz").await.then_some(()) });
+        assert!(ready.await.is_some(), "extractor not ready in 10 s");
     }
 
     /// Stops every extractor of `region` as SIGTERM would, and waits for them.

@@ -18,8 +18,10 @@ use reviewlane_shared::job_store::StoreError;
 use tracing::Instrument;
 use tracing::field::Empty;
 
+use super::call::Answer;
 use super::settle::Decision;
-use super::{Job, Lease, Worker};
+use super::{Job, Lease, Target, Worker, plan};
+use crate::upstream::UpstreamOutcome;
 
 impl Worker {
     /// JSON, JSON Schema, then the diff: `Err` when the whole output is unusable.
@@ -183,6 +185,82 @@ impl Worker {
         let msg = job.msg.clone();
         async move {
             let _ = msg.ack_with(AckKind::Progress).await;
+        }
+    }
+
+    /// What an answer means for the job (the pure `plan::verdict`). A usable answer is
+    /// validated and kept here, before any other write; then the key's quota learns
+    /// from it.
+    pub(super) async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
+        self.note(&answer);
+        let used = lease.rec.attempts.congestion;
+        let (verdict, effect) = plan::verdict(answer, used, self.backoff(job.review), rand::random::<f64>());
+        let decision = match verdict {
+            plan::Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
+            plan::Verdict::Usable { output, usage, status } => {
+                if let Some(u) = usage {
+                    self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
+                    *lease.tokens.lock().expect("tokens lock") = Some(u);
+                }
+                match (self.validate(job, lease, target.diff, &output), target.part) {
+                    (Ok(validated), None) => {
+                        let tokens = *lease.tokens.lock().expect("tokens lock");
+                        self.keep(job, lease, validated, 0, Some(tokens)).await
+                    }
+                    (Ok(validated), Some(index)) => self.keep_part(job, lease, index, validated).await,
+                    (Err(invalid), _) => {
+                        Decision::Retry { budget: Budget::Schema, hint: None, status, invalid: Some(invalid.as_str()) }
+                    }
+                }
+            }
+            plan::Verdict::Decided(decision) => decision,
+        };
+        self.learn(effect).await;
+        decision
+    }
+
+    /// What an answer tells the operator, before it is decided on.
+    fn note(&self, answer: &Answer) {
+        match answer {
+            Answer::Cached(_) => tracing::info!("result cache hit"),
+            Answer::DeadlinePassed => tracing::info!("deadline reached during the provider call; call abandoned"),
+            Answer::Upstream { outcome: UpstreamOutcome::RateLimited { capped: true, .. }, .. } => {
+                self.metrics.hint_capped();
+                tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
+            }
+            Answer::Upstream { outcome: UpstreamOutcome::QuotaExhausted, .. } => {
+                tracing::error!("provider account out of quota; circuit open for the scope");
+            }
+            Answer::Upstream { outcome: UpstreamOutcome::Permanent { status }, .. } => {
+                tracing::warn!(status = *status, "provider rejected the request");
+            }
+            _ => {}
+        }
+    }
+
+    /// Records what the key's shared quota learns (best effort: a failed write is
+    /// logged, and the next answer teaches it again).
+    async fn learn(&self, effect: plan::QuotaEffect) {
+        let written = match effect {
+            plan::QuotaEffect::None => return,
+            plan::QuotaEffect::Succeeded { started_ms, pause } => {
+                self.quota.succeeded(started_ms).await;
+                match pause {
+                    Some(d) => self.quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e)),
+                    None => Ok(()),
+                }
+            }
+            plan::QuotaEffect::RateLimited { started_ms, delay } => {
+                self.quota.rate_limited(delay, started_ms).await.map_err(|e| ("recording the scope pause failed", e))
+            }
+            plan::QuotaEffect::OpenCircuit => self
+                .quota
+                .open_circuit(self.policy.circuit_open_for)
+                .await
+                .map_err(|e| ("recording the open circuit failed", e)),
+        };
+        if let Err((what, e)) = written {
+            tracing::warn!(error = %e, "{what}");
         }
     }
 }

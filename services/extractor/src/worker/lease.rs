@@ -13,7 +13,47 @@ use reviewlane_core::job::{Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::{Created, StoreError};
 
 use super::settle::{self, Decision, Outcome};
-use super::{Job, Lease, Worker};
+use reviewlane_core::job::JobRecord;
+
+use super::{Job, Worker};
+
+/// A lease this worker holds: the record as leased (its generation is the one every
+/// later write names).
+pub struct Lease {
+    pub rec: JobRecord,
+    /// Whether this lease made a provider call (a cache hit, an open circuit or a
+    /// resumed answer do not).
+    pub called: std::sync::atomic::AtomicBool,
+    /// The tokens of this lease's paid call, charged to the record with its next write.
+    pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
+    /// The record and revision this lease last wrote: its next write is a
+    /// compare-and-set on that revision without reading first (a read follows only when
+    /// someone else wrote meanwhile).
+    known: std::sync::Mutex<Option<(JobRecord, u64)>>,
+}
+
+impl Lease {
+    pub fn new(rec: JobRecord) -> Self {
+        Lease { rec, called: Default::default(), tokens: Default::default(), known: Default::default() }
+    }
+
+    /// A lease whose record was written at `revision`.
+    pub fn written(rec: JobRecord, revision: u64) -> Self {
+        let known = std::sync::Mutex::new(Some((rec.clone(), revision)));
+        Lease { known, ..Lease::new(rec) }
+    }
+
+    pub fn generation(&self) -> u32 {
+        self.rec.generation()
+    }
+
+    /// Provider calls the job has made, this lease's included: one per retry spent, and
+    /// this one if it called.
+    pub fn calls(&self, rec: &JobRecord) -> u32 {
+        let a = rec.attempts;
+        a.congestion + a.transient + a.schema + u32::from(self.called.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
 
 pub enum Leased {
     Held(Box<Lease>),
@@ -126,5 +166,20 @@ impl Worker {
         }
         settle::ack(job.msg, AckKind::Ack).await;
         Ok(Leased::Settled(Outcome::Skipped))
+    }
+
+    /// Applies `event` to the job's record from the revision this lease last wrote,
+    /// remembering the revision it writes.
+    pub(super) async fn apply_leased(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        event: &reviewlane_core::job::Event,
+        charge: Option<(reviewlane_core::job::Tokens, u64)>,
+    ) -> Result<JobRecord, StoreError> {
+        let known = lease.known.lock().expect("known lock").take();
+        let (rec, revision) = self.stores.jobs.apply_tracked(job.id(), known, event, charge).await?;
+        *lease.known.lock().expect("known lock") = Some((rec.clone(), revision));
+        Ok(rec)
     }
 }

@@ -3,13 +3,17 @@
 //! before the message is settled. No worker sleeps holding a lease waiting for the
 //! provider: a retry is a nak with a delay.
 //!
-//! A job's trip reads top to bottom as named steps, each in its own file:
-//! `lease` (take the job, or find it needs nothing), `call` (the provider, with the
-//! lease kept alive and watched), `keep` (validate, then store the answer before any
-//! other write), `settle` (the one place that records a decision and settles the
-//! message). A review larger than the model's context goes through `parts`: one part
-//! per delivery, then the merge.
+//! A job's trip (`Worker::trip`, here) reads top to bottom as named steps, each in its
+//! own file with the helpers it needs: `lease` (take the job, or find it needs nothing;
+//! the lease type and its fenced writes), `call` (the provider, with the lease kept
+//! alive and watched), `keep` (what the answer means — the pure `plan::verdict` —
+//! then validate and store it before any other write, and let the key's quota learn),
+//! `settle` (the one place that records a decision and settles the message, through
+//! the pure `plan::plan`). `cache` is read beside the lease and written by `keep`. A
+//! review larger than the model's context goes through `parts`: one part per delivery,
+//! then the merge. This file holds the worker's parts, the job and the trip.
 
+mod cache;
 mod call;
 mod keep;
 mod lease;
@@ -23,7 +27,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use reviewlane_core::clock::SharedClock;
 use reviewlane_core::diff::{self, Diff};
-use reviewlane_core::job::{Budget, JobRecord, TerminalReason};
+use reviewlane_core::job::TerminalReason;
 use reviewlane_core::messages::ReviewMessage;
 use reviewlane_core::region::Region;
 use reviewlane_shared::faults::Faults;
@@ -39,10 +43,11 @@ use crate::metrics::Metrics;
 use crate::provider::Provider;
 use crate::quota::{Quota, Scope};
 use crate::schedule::{Admitted, Work};
-use crate::upstream::{Backoff, UpstreamOutcome};
+use crate::upstream::Backoff;
 use reviewlane_shared::store::StoreRetry;
 
 pub use call::Answer;
+pub use lease::Lease;
 pub use settle::{Decision, Outcome};
 
 /// A worker of the region: a few named parts.
@@ -115,44 +120,6 @@ pub struct Job<'a> {
 impl Job<'_> {
     pub fn id(&self) -> &str {
         &self.review.job_id
-    }
-}
-
-/// A lease this worker holds: the record as leased (its generation is the one every
-/// later write names).
-pub struct Lease {
-    pub rec: JobRecord,
-    /// Whether this lease made a provider call (a cache hit, an open circuit or a
-    /// resumed answer do not).
-    pub called: std::sync::atomic::AtomicBool,
-    /// The tokens of this lease's paid call, charged to the record with its next write.
-    pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
-    /// The record and revision this lease last wrote: its next write is a
-    /// compare-and-set on that revision without reading first (a read follows only when
-    /// someone else wrote meanwhile).
-    known: std::sync::Mutex<Option<(JobRecord, u64)>>,
-}
-
-impl Lease {
-    pub fn new(rec: JobRecord) -> Self {
-        Lease { rec, called: Default::default(), tokens: Default::default(), known: Default::default() }
-    }
-
-    /// A lease whose record was written at `revision`.
-    pub fn written(rec: JobRecord, revision: u64) -> Self {
-        let known = std::sync::Mutex::new(Some((rec.clone(), revision)));
-        Lease { known, ..Lease::new(rec) }
-    }
-
-    pub fn generation(&self) -> u32 {
-        self.rec.generation()
-    }
-
-    /// Provider calls the job has made, this lease's included: one per retry spent, and
-    /// this one if it called.
-    pub fn calls(&self, rec: &JobRecord) -> u32 {
-        let a = rec.attempts;
-        a.congestion + a.transient + a.schema + u32::from(self.called.load(std::sync::atomic::Ordering::Relaxed))
     }
 }
 
@@ -276,98 +243,7 @@ impl Worker {
         self.settle(job, &lease, decision).await
     }
 
-    /// What an answer means for the job (the pure `plan::verdict`). A usable answer is
-    /// validated and kept here, before any other write; then the key's quota learns
-    /// from it.
-    async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
-        self.note(&answer);
-        let used = lease.rec.attempts.congestion;
-        let (verdict, effect) = plan::verdict(answer, used, self.backoff(job.review), rand::random::<f64>());
-        let decision = match verdict {
-            plan::Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
-            plan::Verdict::Usable { output, usage, status } => {
-                if let Some(u) = usage {
-                    self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
-                    *lease.tokens.lock().expect("tokens lock") = Some(u);
-                }
-                match (self.validate(job, lease, target.diff, &output), target.part) {
-                    (Ok(validated), None) => {
-                        let tokens = *lease.tokens.lock().expect("tokens lock");
-                        self.keep(job, lease, validated, 0, Some(tokens)).await
-                    }
-                    (Ok(validated), Some(index)) => self.keep_part(job, lease, index, validated).await,
-                    (Err(invalid), _) => {
-                        Decision::Retry { budget: Budget::Schema, hint: None, status, invalid: Some(invalid.as_str()) }
-                    }
-                }
-            }
-            plan::Verdict::Decided(decision) => decision,
-        };
-        self.learn(effect).await;
-        decision
-    }
-
-    /// What an answer tells the operator, before it is decided on.
-    fn note(&self, answer: &Answer) {
-        match answer {
-            Answer::Cached(_) => tracing::info!("result cache hit"),
-            Answer::DeadlinePassed => tracing::info!("deadline reached during the provider call; call abandoned"),
-            Answer::Upstream { outcome: UpstreamOutcome::RateLimited { capped: true, .. }, .. } => {
-                self.metrics.hint_capped();
-                tracing::warn!("provider retry hint above the ceiling; rescheduled at the ceiling");
-            }
-            Answer::Upstream { outcome: UpstreamOutcome::QuotaExhausted, .. } => {
-                tracing::error!("provider account out of quota; circuit open for the scope");
-            }
-            Answer::Upstream { outcome: UpstreamOutcome::Permanent { status }, .. } => {
-                tracing::warn!(status = *status, "provider rejected the request");
-            }
-            _ => {}
-        }
-    }
-
-    /// Records what the key's shared quota learns (best effort: a failed write is
-    /// logged, and the next answer teaches it again).
-    async fn learn(&self, effect: plan::QuotaEffect) {
-        let written = match effect {
-            plan::QuotaEffect::None => return,
-            plan::QuotaEffect::Succeeded { started_ms, pause } => {
-                self.quota.succeeded(started_ms).await;
-                match pause {
-                    Some(d) => self.quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e)),
-                    None => Ok(()),
-                }
-            }
-            plan::QuotaEffect::RateLimited { started_ms, delay } => {
-                self.quota.rate_limited(delay, started_ms).await.map_err(|e| ("recording the scope pause failed", e))
-            }
-            plan::QuotaEffect::OpenCircuit => self
-                .quota
-                .open_circuit(self.policy.circuit_open_for)
-                .await
-                .map_err(|e| ("recording the open circuit failed", e)),
-        };
-        if let Err((what, e)) = written {
-            tracing::warn!(error = %e, "{what}");
-        }
-    }
-
-    /// Applies `event` to the job's record from the revision this lease last wrote,
-    /// remembering the revision it writes.
-    async fn apply_leased(
-        &self,
-        job: &Job<'_>,
-        lease: &Lease,
-        event: &reviewlane_core::job::Event,
-        charge: Option<(reviewlane_core::job::Tokens, u64)>,
-    ) -> Result<JobRecord, StoreError> {
-        let known = lease.known.lock().expect("known lock").take();
-        let (rec, revision) = self.stores.jobs.apply_tracked(job.id(), known, event, charge).await?;
-        *lease.known.lock().expect("known lock") = Some((rec.clone(), revision));
-        Ok(rec)
-    }
-
-    fn backoff(&self, review: &ReviewMessage) -> &Backoff {
+    pub(super) fn backoff(&self, review: &ReviewMessage) -> &Backoff {
         &self.policy.backoff[usize::from(review.lane == reviewlane_shared::Lane::Batch)]
     }
 }
