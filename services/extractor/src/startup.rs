@@ -55,36 +55,7 @@ pub async fn build_with_provider(
 ) -> Result<App, StartError> {
     reviewlane_shared::startup::log_notices(&config.notices);
     reviewlane_core::findings::warm_up();
-    let provider: Arc<dyn Provider> = match (provider, &config.provider) {
-        (Some(p), _) => p,
-        (None, ProviderConfig::Builtin) => Arc::new(BuiltinAnalyzer::new(config.region)),
-        (None, ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect }) => Arc::new(
-            OpenAiProvider::new(
-                base_url,
-                model.clone(),
-                api_key.clone(),
-                *endpoint_region,
-                config.scheduling.provider_timeout,
-                config.quota.hint_ceiling,
-                config.results.max_response_bytes,
-            )
-            .with_schema_dialect(*schema_dialect),
-        ),
-        (None, ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens }) => {
-            Arc::new(crate::provider::anthropic::AnthropicProvider::new(
-                crate::provider::anthropic::AnthropicEndpoint {
-                    base_url: base_url.clone(),
-                    model: model.clone(),
-                    api_key: api_key.clone(),
-                    region: *endpoint_region,
-                    max_tokens: *max_tokens,
-                },
-                config.scheduling.provider_timeout,
-                config.quota.hint_ceiling,
-                config.results.max_response_bytes,
-            ))
-        }
-    };
+    let provider = provider.unwrap_or_else(|| provider_of(&config));
     if provider.region() != config.region {
         return Err(StartError::Other(anyhow::anyhow!(
             "provider endpoint belongs to region `{}` but this extractor serves `{}`",
@@ -93,6 +64,77 @@ pub async fn build_with_provider(
         )));
     }
     let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.nats).await?;
+    let (loops, key) = lane_loops(&config, &conn, provider.name()).await?;
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry, config.region);
+    for (l, _) in loops.iter().filter(|(l, _)| l.lane == Lane::Interactive) {
+        metrics.known_scope(&l.scope);
+    }
+    registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(vec![(
+        config.region,
+        conn.client.clone(),
+    )])));
+    for (lane, window) in Lane::ALL.into_iter().zip(config.lane_windows) {
+        metrics.slo(lane, window);
+    }
+    let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
+    let clock = reviewlane_core::clock::system();
+    let health = reviewlane_shared::store_health::StoreHealth::register(&mut registry, &[config.region], clock.clone());
+    let q = &config.quota;
+    let quota =
+        Quota::new(conn.layout.quota.clone(), conn.client.clone(), key, q.heartbeat, q.probe_every, clock.clone());
+    let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
+    let client = conn.client.clone();
+    let worker = Arc::new(Worker {
+        region: config.region,
+        stores: stores_of(&config, conn, &clock),
+        policy: policy_of(&config),
+        provider,
+        quota: quota.clone(),
+        metrics,
+        health,
+        clock,
+        faults: config.faults.clone(),
+        split_cache: Default::default(),
+        abort: CancellationToken::new(),
+    });
+    Ok(App { admin, registry: Arc::new(registry), client, worker, loops, scopes, quota, config })
+}
+
+/// The provider adapter the config names.
+fn provider_of(config: &ExtractorConfig) -> Arc<dyn Provider> {
+    let (timeout, ceiling, max_body) =
+        (config.scheduling.provider_timeout, config.quota.hint_ceiling, config.results.max_response_bytes);
+    match &config.provider {
+        ProviderConfig::Builtin => Arc::new(BuiltinAnalyzer::new(config.region)),
+        ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect } => Arc::new(
+            OpenAiProvider::new(base_url, model.clone(), api_key.clone(), *endpoint_region, timeout, ceiling, max_body)
+                .with_schema_dialect(*schema_dialect),
+        ),
+        ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens } => {
+            Arc::new(crate::provider::anthropic::AnthropicProvider::new(
+                crate::provider::anthropic::AnthropicEndpoint {
+                    base_url: base_url.clone(),
+                    model: model.clone(),
+                    api_key: api_key.clone(),
+                    region: *endpoint_region,
+                    max_tokens: *max_tokens,
+                },
+                timeout,
+                ceiling,
+                max_body,
+            ))
+        }
+    }
+}
+
+/// One durable consumer per (lane, tenant of this region), with its tenant's weight;
+/// and the provider key those tenants share, with their limits and weights.
+async fn lane_loops(
+    config: &ExtractorConfig,
+    conn: &reviewlane_shared::startup::RegionConnection,
+    provider: &str,
+) -> Result<(Vec<(LaneLoop, u32)>, KeyConfig), StartError> {
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
     let mut weights = HashMap::new();
@@ -102,7 +144,7 @@ pub async fn build_with_provider(
         }
         weights.insert(tenant.id.clone(), tenant.weight);
         let scope = Scope {
-            provider: provider.name().to_string(),
+            provider: provider.to_string(),
             model_class: config.quota.model_class.clone(),
             tenant: tenant.id.clone(),
         };
@@ -121,49 +163,36 @@ pub async fn build_with_provider(
     if loops.is_empty() {
         tracing::warn!(region = %config.region, "no tenant of this region in the tenants file: nothing to serve");
     }
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry, config.region);
-    for (l, _) in loops.iter().filter(|(l, _)| l.lane == Lane::Interactive) {
-        metrics.known_scope(&l.scope);
-    }
-    registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(vec![(
-        config.region,
-        conn.client.clone(),
-    )])));
-    for (lane, window) in Lane::ALL.into_iter().zip(config.lane_windows) {
-        metrics.slo(lane, window);
-    }
-    let admin = Admin::bind(config.admin_addr).await.map_err(|e| StartError::Other(e.into()))?;
-    let clock = reviewlane_core::clock::system();
-    let health = reviewlane_shared::store_health::StoreHealth::register(&mut registry, &[config.region], clock.clone());
     let key = KeyConfig {
-        key: KeyConfig::token(provider.name(), &config.quota.key_id),
+        key: KeyConfig::token(provider, &config.quota.key_id),
         limit: config.quota.key_limit,
         tenant_limits: limits,
         weights,
     };
-    let quota = Quota::new(
-        conn.layout.quota.clone(),
-        conn.client.clone(),
-        key,
-        config.quota.heartbeat,
-        config.quota.probe_every,
-        clock.clone(),
-    );
-    let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
-    let stores = crate::worker::Stores {
+    Ok((loops, key))
+}
+
+/// The region's stores the worker writes to.
+fn stores_of(
+    config: &ExtractorConfig,
+    conn: reviewlane_shared::startup::RegionConnection,
+    clock: &reviewlane_core::clock::SharedClock,
+) -> crate::worker::Stores {
+    let inline_max = config.results.inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout));
+    crate::worker::Stores {
         cache: config
             .results
             .cache
             .then(|| reviewlane_shared::result_cache::ResultCache::new(conn.layout.cache.clone())),
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
-        results: Results::new(
-            conn.layout.clone(),
-            config.results.inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout)),
-        ),
+        results: Results::new(conn.layout.clone(), inline_max),
         layout: conn.layout,
-    };
-    let policy = crate::worker::WorkPolicy {
+    }
+}
+
+/// How the worker paces and bounds its work.
+fn policy_of(config: &ExtractorConfig) -> crate::worker::WorkPolicy {
+    crate::worker::WorkPolicy {
         budgets: config.retry.budgets,
         backoff: [config.retry.backoff, config.retry.batch_backoff],
         lease: config.scheduling.lease,
@@ -173,21 +202,7 @@ pub async fn build_with_provider(
         price: config.results.prices.get(&config.quota.model_class).copied(),
         quarantine_raw_max: config.results.quarantine_raw_max,
         parts: config.parts,
-    };
-    let worker = Arc::new(Worker {
-        region: config.region,
-        stores,
-        policy,
-        provider,
-        quota: quota.clone(),
-        metrics,
-        health,
-        clock,
-        faults: config.faults.clone(),
-        split_cache: Default::default(),
-        abort: CancellationToken::new(),
-    });
-    Ok(App { admin, registry: Arc::new(registry), client: conn.client, worker, loops, scopes, quota, config })
+    }
 }
 
 impl App {

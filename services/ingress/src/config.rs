@@ -110,100 +110,23 @@ impl IngressConfig {
 pub const DEFAULT_MAX_DIFF_BYTES: usize = 1024 * 1024;
 
 impl IngressConfig {
+    /// The whole config, read in sections: the listeners and tenants, the regions'
+    /// NATS, the lanes' admission policies, the server's limits and gRPC TLS.
     pub fn from_env(env: &dyn Env) -> Result<Self, ConfigErrors> {
         let mut r = Reader::new(env);
         let grpc_addr = r.or(env::GRPC_ADDR, SocketAddr::from(([127, 0, 0, 1], 50051)), "host:port");
         let admin_addr = r.or(reviewlane_core::env::ADMIN_ADDR, SocketAddr::from(([127, 0, 0, 1], 9464)), "host:port");
         let tenants = r.tenants(reviewlane_core::env::TENANTS_FILE);
-        let mut nats_urls = BTreeMap::new();
-        for region in Region::ALL {
-            let key = format!("REVIEWLANE_NATS_URL_{}", region.upper());
-            if let Some(url) = r.raw(&key) {
-                reviewlane_shared::nats_client::check_url(&mut r, &key, &url);
-                nats_urls.insert(region, url);
-            }
-        }
-        if nats_urls.is_empty() {
-            r.error("REVIEWLANE_NATS_URL_US or REVIEWLANE_NATS_URL_EU is required");
-        }
         let max_diff_bytes = r.or(env::MAX_DIFF_BYTES, DEFAULT_MAX_DIFF_BYTES, "a byte count");
         if max_diff_bytes == 0 {
             r.error("REVIEWLANE_MAX_DIFF_BYTES must be positive");
         }
         let grace: u64 = r.or(reviewlane_core::env::SHUTDOWN_GRACE_SECS, 20, "whole seconds");
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
-        let (mut interactive, mut batch) = Self::default_policies();
-        [interactive.window, batch.window] = r.lane_windows();
-        let factor: f64 = r.or(env::DEGRADE_FACTOR, 2.0, "a number >= 1");
-        if factor.is_nan() || factor < 1.0 {
-            r.error("REVIEWLANE_DEGRADE_FACTOR must be at least 1");
-        }
-        let min_waiting: u64 = r.or(env::ADMISSION_MIN_WAITING, 16, "a count");
-        for p in [&mut interactive, &mut batch] {
-            p.degrade_factor = factor;
-            p.min_waiting = min_waiting;
-        }
-        interactive.deadline =
-            Duration::from_secs(r.or(env::INTERACTIVE_DEADLINE_SECS, interactive.deadline.as_secs(), "whole seconds"));
-        batch.deadline = Duration::from_secs(r.or(env::BATCH_DEADLINE_SECS, batch.deadline.as_secs(), "whole seconds"));
-        for (key, p) in [(env::INTERACTIVE_DEADLINE_SECS, &interactive), (env::BATCH_DEADLINE_SECS, &batch)] {
-            if p.deadline.is_zero() {
-                r.error(format!("{key} must be positive"));
-            }
-        }
-        let d = ServerLimits::default();
-        let limits = ServerLimits {
-            watch_keepalive: Duration::from_secs(r.or(env::WATCH_KEEPALIVE_SECS, 15, "whole seconds").max(1)),
-            max_watches_per_tenant: r.or(env::MAX_WATCHES_PER_TENANT, d.max_watches_per_tenant, "a count"),
-            request_timeout: Duration::from_secs(r.or(env::REQUEST_TIMEOUT_SECS, 30, "whole seconds").max(1)),
-            max_streams_per_connection: r.or(env::MAX_STREAMS_PER_CONNECTION, d.max_streams_per_connection, "a count"),
-            http2_keepalive: Duration::from_secs(r.or(env::HTTP2_KEEPALIVE_SECS, 30, "whole seconds").max(1)),
-        };
-        if let Some(t) = &tenants {
-            for tenant in t.iter() {
-                if !nats_urls.contains_key(&tenant.region) && !nats_urls.is_empty() {
-                    r.error(format!(
-                        "tenant `{}` lives in region `{}`, which has no REVIEWLANE_NATS_URL_{}",
-                        tenant.id,
-                        tenant.region,
-                        tenant.region.upper()
-                    ));
-                }
-            }
-        }
-        let file = |r: &mut Reader<'_>, key: &str| {
-            let p = std::path::PathBuf::from(r.raw(key)?);
-            if !p.is_file() {
-                r.error(format!("{key} names a file that does not exist"));
-            }
-            Some(p)
-        };
-        let (cert, key) = (file(&mut r, env::GRPC_TLS_CERT_FILE), file(&mut r, env::GRPC_TLS_KEY_FILE));
-        let client_ca_file = file(&mut r, env::GRPC_TLS_CLIENT_CA_FILE);
-        let grpc_tls = match (cert, key) {
-            (Some(cert_file), Some(key_file)) => Some(GrpcTls { cert_file, key_file, client_ca_file }),
-            (None, None) => {
-                if client_ca_file.is_some() {
-                    r.error("REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE needs REVIEWLANE_GRPC_TLS_CERT_FILE and _KEY_FILE");
-                }
-                None
-            }
-            _ => {
-                r.error("REVIEWLANE_GRPC_TLS_CERT_FILE and REVIEWLANE_GRPC_TLS_KEY_FILE go together");
-                None
-            }
-        };
-        let nats = nats_urls
-            .keys()
-            .map(|region| {
-                let own = format!("REVIEWLANE_NATS_{}", region.upper());
-                let c = reviewlane_shared::nats_client::NatsClientConfig::from_reader(
-                    &mut r,
-                    &[&own, reviewlane_core::env::NATS],
-                );
-                (*region, c)
-            })
-            .collect();
+        let (nats_urls, nats) = read_regions(&mut r, tenants.as_ref());
+        let (interactive, batch) = read_policies(&mut r);
+        let limits = ServerLimits::read(&mut r);
+        let grpc_tls = read_grpc_tls(&mut r);
         let notices = reviewlane_core::env::retired(&r, env::RETIRED);
         r.finish()?;
         Ok(IngressConfig {
@@ -223,6 +146,105 @@ impl IngressConfig {
             admission_sample: Duration::from_secs(1),
             limits,
         })
+    }
+}
+
+type RegionsNats = (BTreeMap<Region, String>, BTreeMap<Region, reviewlane_shared::nats_client::NatsClientConfig>);
+
+/// Each region's NATS URL and credentials (its own prefix first); every tenant's
+/// region needs a URL.
+fn read_regions(r: &mut Reader<'_>, tenants: Option<&Tenants>) -> RegionsNats {
+    let mut urls = BTreeMap::new();
+    for region in Region::ALL {
+        let key = env::nats_url(region);
+        if let Some(url) = r.raw(key) {
+            reviewlane_shared::nats_client::check_url(r, key, &url);
+            urls.insert(region, url);
+        }
+    }
+    if urls.is_empty() {
+        r.error("REVIEWLANE_NATS_URL_US or REVIEWLANE_NATS_URL_EU is required");
+    }
+    for tenant in tenants.iter().flat_map(|t| t.iter()) {
+        if !urls.contains_key(&tenant.region) && !urls.is_empty() {
+            r.error(format!(
+                "tenant `{}` lives in region `{}`, which has no {}",
+                tenant.id,
+                tenant.region,
+                env::nats_url(tenant.region)
+            ));
+        }
+    }
+    let nats = urls
+        .keys()
+        .map(|region| {
+            let prefixes = [env::nats_prefix(*region), reviewlane_core::env::NATS];
+            (*region, reviewlane_shared::nats_client::NatsClientConfig::from_reader(r, &prefixes))
+        })
+        .collect();
+    (urls, nats)
+}
+
+/// The lanes' admission policies: windows, degradation, and the default deadlines.
+fn read_policies(r: &mut Reader<'_>) -> (LanePolicy, LanePolicy) {
+    let (mut interactive, mut batch) = IngressConfig::default_policies();
+    [interactive.window, batch.window] = r.lane_windows();
+    let factor: f64 = r.or(env::DEGRADE_FACTOR, 2.0, "a number >= 1");
+    if factor.is_nan() || factor < 1.0 {
+        r.error("REVIEWLANE_DEGRADE_FACTOR must be at least 1");
+    }
+    let min_waiting: u64 = r.or(env::ADMISSION_MIN_WAITING, 16, "a count");
+    for p in [&mut interactive, &mut batch] {
+        p.degrade_factor = factor;
+        p.min_waiting = min_waiting;
+    }
+    interactive.deadline =
+        Duration::from_secs(r.or(env::INTERACTIVE_DEADLINE_SECS, interactive.deadline.as_secs(), "whole seconds"));
+    batch.deadline = Duration::from_secs(r.or(env::BATCH_DEADLINE_SECS, batch.deadline.as_secs(), "whole seconds"));
+    for (key, p) in [(env::INTERACTIVE_DEADLINE_SECS, &interactive), (env::BATCH_DEADLINE_SECS, &batch)] {
+        if p.deadline.is_zero() {
+            r.error(format!("{key} must be positive"));
+        }
+    }
+    (interactive, batch)
+}
+
+impl ServerLimits {
+    fn read(r: &mut Reader<'_>) -> Self {
+        let d = ServerLimits::default();
+        ServerLimits {
+            watch_keepalive: Duration::from_secs(r.or(env::WATCH_KEEPALIVE_SECS, 15, "whole seconds").max(1)),
+            max_watches_per_tenant: r.or(env::MAX_WATCHES_PER_TENANT, d.max_watches_per_tenant, "a count"),
+            request_timeout: Duration::from_secs(r.or(env::REQUEST_TIMEOUT_SECS, 30, "whole seconds").max(1)),
+            max_streams_per_connection: r.or(env::MAX_STREAMS_PER_CONNECTION, d.max_streams_per_connection, "a count"),
+            http2_keepalive: Duration::from_secs(r.or(env::HTTP2_KEEPALIVE_SECS, 30, "whole seconds").max(1)),
+        }
+    }
+}
+
+/// gRPC over TLS: a certificate and key together, and optionally a client CA.
+fn read_grpc_tls(r: &mut Reader<'_>) -> Option<GrpcTls> {
+    let file = |r: &mut Reader<'_>, key: &str| {
+        let p = std::path::PathBuf::from(r.raw(key)?);
+        if !p.is_file() {
+            r.error(format!("{key} names a file that does not exist"));
+        }
+        Some(p)
+    };
+    let (cert, key) = (file(r, env::GRPC_TLS_CERT_FILE), file(r, env::GRPC_TLS_KEY_FILE));
+    let client_ca_file = file(r, env::GRPC_TLS_CLIENT_CA_FILE);
+    match (cert, key) {
+        (Some(cert_file), Some(key_file)) => Some(GrpcTls { cert_file, key_file, client_ca_file }),
+        (None, None) => {
+            if client_ca_file.is_some() {
+                r.error("REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE needs REVIEWLANE_GRPC_TLS_CERT_FILE and _KEY_FILE");
+            }
+            None
+        }
+        _ => {
+            r.error("REVIEWLANE_GRPC_TLS_CERT_FILE and REVIEWLANE_GRPC_TLS_KEY_FILE go together");
+            None
+        }
     }
 }
 

@@ -28,6 +28,22 @@ pub const GRPC_TLS_CLIENT_CA_FILE: &str = "REVIEWLANE_GRPC_TLS_CLIENT_CA_FILE";
 pub const NATS_URL_US: &str = "REVIEWLANE_NATS_URL_US";
 pub const NATS_URL_EU: &str = "REVIEWLANE_NATS_URL_EU";
 
+/// The NATS URL variable of `region`.
+pub fn nats_url(region: reviewlane_shared::Region) -> &'static str {
+    match region {
+        reviewlane_shared::Region::Us => NATS_URL_US,
+        reviewlane_shared::Region::Eu => NATS_URL_EU,
+    }
+}
+
+/// The prefix of `region`'s own NATS credentials.
+pub fn nats_prefix(region: reviewlane_shared::Region) -> &'static str {
+    match region {
+        reviewlane_shared::Region::Us => NATS_US,
+        reviewlane_shared::Region::Eu => NATS_EU,
+    }
+}
+
 /// Names the ingress read before and no longer does, with where they went.
 pub const RETIRED: common::Retired = &[("REVIEWLANE_ADMISSION_SAMPLE_MS", "lanes are sampled every second")];
 
