@@ -194,7 +194,8 @@ impl Worker {
     pub(super) async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
         self.note(&answer);
         let used = lease.rec.attempts.congestion;
-        let (verdict, effect) = plan::verdict(answer, used, self.backoff(job.review), rand::random::<f64>());
+        let (verdict, effect) =
+            plan::verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>());
         let decision = match verdict {
             plan::Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
             plan::Verdict::Usable { output, usage, status } => {

@@ -98,6 +98,13 @@ pub struct WorkPolicy {
     pub parts: crate::config::PartConfig,
 }
 
+impl WorkPolicy {
+    /// The backoff of `lane` without a provider's hint.
+    pub fn backoff(&self, lane: reviewlane_shared::Lane) -> &Backoff {
+        &self.backoff[usize::from(lane == reviewlane_shared::Lane::Batch)]
+    }
+}
+
 /// What one call reviews: the whole diff, or one part of a split review.
 pub struct Target<'a> {
     /// What findings are validated against.
@@ -241,9 +248,5 @@ impl Worker {
         let answer = self.call(job, &lease, &whole, abort).await?;
         let decision = self.decide(job, &lease, &whole, answer).await;
         self.settle(job, &lease, decision).await
-    }
-
-    pub(super) fn backoff(&self, review: &ReviewMessage) -> &Backoff {
-        &self.policy.backoff[usize::from(review.lane == reviewlane_shared::Lane::Batch)]
     }
 }

@@ -103,7 +103,7 @@ impl Worker {
         let generation = lease.generation();
         let tokens = *lease.tokens.lock().expect("tokens lock");
         let view = LeaseView { generation, attempts: lease.rec.attempts, deadline_ms: lease.rec.deadline_ms, tokens };
-        let policy = Policy { budgets: self.policy.budgets, backoff: self.backoff(job.review) };
+        let policy = Policy { budgets: self.policy.budgets, backoff: self.policy.backoff(job.review.lane) };
         let (event, outcome, ack_kind) =
             match plan(decision, &view, &policy, self.clock.now_ms(), rand::random::<f64>()) {
                 Settlement::Stale => {
