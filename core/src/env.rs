@@ -91,6 +91,30 @@ pub fn nats_names(prefixes: &[&str]) -> Vec<String> {
     prefixes.iter().flat_map(|p| NATS_CREDENTIALS.iter().map(move |k| format!("{p}{k}"))).collect()
 }
 
+/// Every name a service of one region reads: its `own`, those every service reads, the
+/// region and its NATS URL, the lane windows, the store retries and the NATS
+/// credentials.
+pub fn region_service(own: &[&str]) -> BTreeSet<String> {
+    let shared = EVERY_SERVICE.iter().chain(&REGION_BOUND).chain(&LANE_WINDOWS).chain(&[STORE_RETRIES]);
+    own.iter().chain(shared).map(|n| n.to_string()).chain(nats_names(&[NATS])).collect()
+}
+
+/// Where the README's tables for `headings` and the names a service reads disagree: the
+/// names read but not listed, and those listed but not read (`None`: they agree).
+pub fn readme_mismatch(readme: &str, headings: &[&str], read: &BTreeSet<String>) -> Option<String> {
+    let listed = documented(readme, headings);
+    let unlisted: Vec<_> = read.difference(&listed).collect();
+    let unread: Vec<_> = listed.difference(read).collect();
+    (!unlisted.is_empty() || !unread.is_empty())
+        .then(|| format!("the README lacks {unlisted:?}; it lists {unread:?}, which are not read"))
+}
+
+/// The names a config asked `asked` for that are neither in `read` nor retired.
+pub fn stray(asked: &Recording, read: BTreeSet<String>, retired: Retired) -> Vec<String> {
+    let known: BTreeSet<String> = read.into_iter().chain(retired_names(retired)).collect();
+    asked.names().difference(&known).cloned().collect()
+}
+
 /// The names in the README's `### Configuration: <heading>` tables' first column, for
 /// each heading given. `REVIEWLANE_NATS_US_*` stands for every credential name under
 /// that prefix.

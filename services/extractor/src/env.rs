@@ -102,13 +102,7 @@ pub const OWN: &[&str] = &[
 
 /// Every name the extractor reads.
 pub fn all() -> BTreeSet<String> {
-    let shared = common::EVERY_SERVICE
-        .iter()
-        .chain(&common::REGION_BOUND)
-        .chain(&common::LANE_WINDOWS)
-        .chain(&[common::STORE_RETRIES]);
-    let nats = common::nats_names(&[common::NATS]);
-    OWN.iter().chain(shared).map(|n| n.to_string()).chain(nats).collect()
+    common::region_service(OWN)
 }
 
 #[cfg(test)]
@@ -118,14 +112,8 @@ mod tests {
     #[test]
     fn the_readme_lists_exactly_what_extractor_reads() {
         let readme = include_str!("../../../README.md");
-        let documented = common::documented(readme, &["every service", "extractor"]);
-        let read = all();
-        let undocumented: Vec<_> = read.difference(&documented).collect();
-        let unread: Vec<_> = documented.difference(&read).collect();
-        assert!(
-            undocumented.is_empty() && unread.is_empty(),
-            "README lacks {undocumented:?}; README has, unread: {unread:?}"
-        );
+        let mismatch = common::readme_mismatch(readme, &["every service", "extractor"], &all());
+        assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 
     #[test]
@@ -135,8 +123,7 @@ mod tests {
             let asked = common::Recording::with(&[(PROVIDER, provider)]);
             let _ = crate::config::ExtractorConfig::from_env(&asked);
             assert!(asked.names().contains(PROVIDER), "the recording saw the config's reads");
-            let known: BTreeSet<String> = all().into_iter().chain(common::retired_names(RETIRED)).collect();
-            let stray: Vec<_> = asked.names().difference(&known).cloned().collect();
+            let stray = common::stray(&asked, all(), RETIRED);
             assert!(stray.is_empty(), "{provider}: read but not in env.rs: {stray:?}");
         }
     }

@@ -81,14 +81,8 @@ mod tests {
     #[test]
     fn the_readme_lists_exactly_what_ingress_reads() {
         let readme = include_str!("../../../README.md");
-        let documented = common::documented(readme, &["every service", "ingress"]);
-        let read = all();
-        let undocumented: Vec<_> = read.difference(&documented).collect();
-        let unread: Vec<_> = documented.difference(&read).collect();
-        assert!(
-            undocumented.is_empty() && unread.is_empty(),
-            "README lacks {undocumented:?}; README has, unread: {unread:?}"
-        );
+        let mismatch = common::readme_mismatch(readme, &["every service", "ingress"], &all());
+        assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 
     #[test]
@@ -96,8 +90,7 @@ mod tests {
         let asked = common::Recording::default();
         let _ = crate::config::IngressConfig::from_env(&asked);
         assert!(asked.names().contains(GRPC_ADDR), "the recording saw the config's reads");
-        let known: BTreeSet<String> = all().into_iter().chain(common::retired_names(RETIRED)).collect();
-        let stray: Vec<_> = asked.names().difference(&known).cloned().collect();
+        let stray = common::stray(&asked, all(), RETIRED);
         assert!(stray.is_empty(), "read but not in env.rs: {stray:?}");
     }
 }

@@ -19,13 +19,7 @@ pub const OWN: &[&str] =
 
 /// Every name the publisher reads.
 pub fn all() -> BTreeSet<String> {
-    let shared = common::EVERY_SERVICE
-        .iter()
-        .chain(&common::REGION_BOUND)
-        .chain(&common::LANE_WINDOWS)
-        .chain(&[common::STORE_RETRIES]);
-    let nats = common::nats_names(&[common::NATS]);
-    OWN.iter().chain(shared).map(|n| n.to_string()).chain(nats).collect()
+    common::region_service(OWN)
 }
 
 #[cfg(test)]
@@ -35,14 +29,8 @@ mod tests {
     #[test]
     fn the_readme_lists_exactly_what_publisher_reads() {
         let readme = include_str!("../../../README.md");
-        let documented = common::documented(readme, &["every service", "publisher"]);
-        let read = all();
-        let undocumented: Vec<_> = read.difference(&documented).collect();
-        let unread: Vec<_> = documented.difference(&read).collect();
-        assert!(
-            undocumented.is_empty() && unread.is_empty(),
-            "README lacks {undocumented:?}; README has, unread: {unread:?}"
-        );
+        let mismatch = common::readme_mismatch(readme, &["every service", "publisher"], &all());
+        assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 
     #[test]
@@ -50,8 +38,7 @@ mod tests {
         let asked = common::Recording::default();
         let _ = crate::config::PublisherConfig::from_env(&asked);
         assert!(asked.names().contains(CONCURRENCY), "the recording saw the config's reads");
-        let known: BTreeSet<String> = all().into_iter().chain(common::retired_names(&[])).collect();
-        let stray: Vec<_> = asked.names().difference(&known).cloned().collect();
+        let stray = common::stray(&asked, all(), &[]);
         assert!(stray.is_empty(), "read but not in env.rs: {stray:?}");
     }
 }
