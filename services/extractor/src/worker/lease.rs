@@ -15,7 +15,10 @@ use reviewlane_shared::job_store::{Created, StoreError};
 use super::settle::{self, Decision, Outcome};
 use reviewlane_core::job::JobRecord;
 
-use super::{Job, Worker};
+use reviewlane_core::findings::Validated;
+
+use super::parts::Planned;
+use super::{Job, Target, Worker};
 
 /// A lease this worker holds: the record as leased (its generation is the one every
 /// later write names).
@@ -61,10 +64,55 @@ pub enum Leased {
     Settled(Outcome),
 }
 
+/// Step 1 as the trip sees it: a lease and what the job needs next, or nothing to do.
+pub(super) enum Taken<'j> {
+    Held(Box<Lease>, Next<'j>),
+    Settled(Outcome),
+}
+
+/// What a held lease is for.
+pub(super) enum Next<'j> {
+    /// One call for the whole review.
+    Call(Target<'j>),
+    /// The same review's validated result is cached: kept without a call.
+    Cached(Target<'j>, Validated),
+    /// A review larger than the model's context, finished part by part.
+    Split(std::sync::Arc<Vec<reviewlane_core::chunk::Part>>, reviewlane_core::job::Parts),
+    /// Decided without a call: the diff cannot be read back, or it splits too large.
+    Settle(Decision),
+}
+
 /// Margin added when handing a message back until another holder's lease ends.
 const LEASE_MARGIN: Duration = Duration::from_millis(250);
 
 impl Worker {
+    /// Takes the lease (with the result cache read beside it, not after it), then finds
+    /// what the job needs: one call, the cached result, its parts, or a decision.
+    pub(super) async fn take<'j>(&self, job: &'j Job<'_>) -> Result<Taken<'j>, StoreError> {
+        let (leased, lookup) = tokio::join!(self.lease(job), self.cache_lookup(job));
+        let lease = match leased? {
+            Leased::Held(lease) => lease,
+            Leased::Settled(outcome) => return Ok(Taken::Settled(outcome)),
+        };
+        let Some(diff) = job.diff.as_ref() else {
+            let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
+            return Ok(Taken::Held(lease, Next::Settle(decision)));
+        };
+        let whole = Target { diff, text: crate::provider::prompt_diff(job.review, diff), part: None };
+        // A split review under way is finished part by part, never from the cache.
+        if lease.rec.parts.is_none()
+            && let Some(hit) = self.cached(job, lookup)
+        {
+            return Ok(Taken::Held(lease, Next::Cached(whole, hit)));
+        }
+        let next = match self.plan(job, &lease).await? {
+            Planned::Whole => Next::Call(whole),
+            Planned::Split(parts, progress) => Next::Split(parts, progress),
+            Planned::Decided(decision) => Next::Settle(decision),
+        };
+        Ok(Taken::Held(lease, next))
+    }
+
     pub(super) async fn lease(&self, job: &Job<'_>) -> Result<Leased, StoreError> {
         let id = job.id();
         let (rec, revision) = match self.stores.jobs.get(id).await? {

@@ -27,7 +27,6 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use reviewlane_core::clock::SharedClock;
 use reviewlane_core::diff::{self, Diff};
-use reviewlane_core::job::TerminalReason;
 use reviewlane_core::messages::ReviewMessage;
 use reviewlane_core::region::Region;
 use reviewlane_shared::faults::Faults;
@@ -217,34 +216,23 @@ impl Worker {
         }
     }
 
-    /// lease -> call (or the result cache) -> keep -> settle; or, for a review larger
-    /// than the model's context, lease -> one part -> settle (-> merge -> settle).
+    /// lease -> call -> keep -> settle. The lease step also finds what the job needs:
+    /// its cached result (keep -> settle), its parts (one part, then the merge, in
+    /// `parts`), or a decision without a call (settle).
     async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<Outcome, StoreError> {
-        // The result cache is read beside the lease, not after it.
-        let (leased, lookup) = tokio::join!(self.lease(job), self.cache_lookup(job));
-        let lease = match leased? {
-            lease::Leased::Held(lease) => lease,
-            lease::Leased::Settled(outcome) => return Ok(outcome),
+        let (lease, next) = match self.take(job).await? {
+            lease::Taken::Held(lease, next) => (lease, next),
+            lease::Taken::Settled(outcome) => return Ok(outcome),
         };
-        let Some(diff) = job.diff.as_ref() else {
-            let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
-            return self.settle(job, &lease, decision).await;
-        };
-        let whole = Target { diff, text: crate::provider::prompt_diff(job.review, diff), part: None };
-        // A split review under way is finished part by part, never from the cache.
-        if lease.rec.parts.is_none()
-            && let Some(hit) = self.cached(job, lookup)
-        {
-            let decision = self.decide(job, &lease, &whole, Answer::Cached(hit)).await;
-            return self.settle(job, &lease, decision).await;
-        }
-        match self.plan(job, &lease).await? {
-            parts::Planned::Whole => {}
-            parts::Planned::Split(parts, progress) => {
-                return self.split_trip(job, &lease, parts, progress, abort).await;
+        let whole = match next {
+            lease::Next::Call(whole) => whole,
+            lease::Next::Cached(whole, hit) => {
+                let decision = self.decide(job, &lease, &whole, Answer::Cached(hit)).await;
+                return self.settle(job, &lease, decision).await;
             }
-            parts::Planned::Decided(decision) => return self.settle(job, &lease, decision).await,
-        }
+            lease::Next::Split(parts, progress) => return self.split_trip(job, &lease, parts, progress, abort).await,
+            lease::Next::Settle(decision) => return self.settle(job, &lease, decision).await,
+        };
         let answer = self.call(job, &lease, &whole, abort).await?;
         let decision = self.decide(job, &lease, &whole, answer).await;
         self.settle(job, &lease, decision).await
