@@ -17,6 +17,7 @@ pub mod findings;
 pub mod job;
 pub mod job_id;
 pub mod messages;
+pub mod meter;
 pub mod region;
 pub mod retry_hint;
 pub mod schema_dialect;

@@ -24,12 +24,16 @@
 //! its weighted share is served before one above it, and a tenant alone takes it all.
 //! A tenant's `scope_limit` caps it across the fleet.
 //!
-//! The rooms: `scope` (names), `share` and `window` (pure arithmetic), `ledger` (the
+//! The rooms: `scope` (names), `share` and `window` (pure arithmetic), `bucket` (one
+//! metered dimension — requests or tokens per minute — as a token bucket with
+//! continuous refill, corrected by usage and the provider's readings; pure, not yet
+//! drawn from by the scheduler), `ledger` (the
 //! pure decisions of room, fairness and tenant caps, given the time), `fleet` (the
 //! protocol on `QUOTA_<R>`, one compare-and-set step, a typed error), and here the
 //! key-wide facade the scheduler and the worker call: what acts on the key takes no
 //! scope.
 
+pub mod bucket;
 mod fleet;
 mod ledger;
 mod scope;

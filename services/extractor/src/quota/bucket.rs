@@ -1,0 +1,182 @@
+//! One metered dimension of a provider key (requests, tokens, input or output tokens
+//! per minute) as a token bucket with continuous refill, the way the providers meter:
+//! a full bucket holds the per-minute limit and refills at the limit per 60 s. Pure:
+//! the time is given, in milliseconds.
+//!
+//! A call reserves its cost before it starts, only when the whole cost fits; otherwise
+//! it is told exactly how long until it does, and nothing is taken. When the answer
+//! says what was used, the reservation is corrected. The provider's own readings
+//! (`reviewlane_core::meter`) only ever lower the level: a provider that reports less
+//! than the bucket holds wins, so a second deployment on the same account, or traffic
+//! outside reviewlane, is absorbed within one answer.
+
+use std::time::Duration;
+
+use reviewlane_core::meter::Reading;
+use serde::{Deserialize, Serialize};
+
+/// The providers' metering window.
+pub const WINDOW_MS: u64 = 60_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Bucket {
+    /// The per-minute limit: what a full bucket holds.
+    pub capacity: u64,
+    /// What it held at `at_ms`. Below zero when answers used more than was reserved.
+    pub level: f64,
+    pub at_ms: u64,
+}
+
+/// Why a reservation was not made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The cost fits after this long (nothing was taken).
+    Wait(Duration),
+    /// The cost is more than the bucket ever holds: the call can never run.
+    TooLarge { capacity: u64 },
+}
+
+/// The limit to meter by: the configured one, or the one the provider reported, never
+/// above a configured value.
+pub fn capacity(configured: Option<u64>, reported: Option<u64>) -> Option<u64> {
+    match (configured, reported) {
+        (Some(c), Some(r)) => Some(c.min(r)),
+        (c, r) => c.or(r),
+    }
+    .filter(|c| *c > 0)
+}
+
+impl Bucket {
+    /// A full bucket of `capacity` at `now_ms`.
+    pub fn full(capacity: u64, now_ms: u64) -> Bucket {
+        Bucket { capacity, level: capacity as f64, at_ms: now_ms }
+    }
+
+    fn per_ms(&self) -> f64 {
+        self.capacity as f64 / WINDOW_MS as f64
+    }
+
+    /// What the bucket holds at `now_ms` (a time before the last change counts as it).
+    pub fn level_at(&self, now_ms: u64) -> f64 {
+        let elapsed = now_ms.saturating_sub(self.at_ms) as f64;
+        (self.level + elapsed * self.per_ms()).min(self.capacity as f64)
+    }
+
+    fn settle_at(&mut self, now_ms: u64) {
+        self.level = self.level_at(now_ms);
+        self.at_ms = self.at_ms.max(now_ms);
+    }
+
+    /// Takes `cost` at `now_ms` if all of it is there; otherwise says how long until it
+    /// is, taking nothing.
+    pub fn reserve(&mut self, cost: u64, now_ms: u64) -> Result<(), Refused> {
+        if cost > self.capacity {
+            return Err(Refused::TooLarge { capacity: self.capacity });
+        }
+        let level = self.level_at(now_ms);
+        let short = cost as f64 - level;
+        if short > 0.0 {
+            let ms = (short / self.per_ms()).ceil() as u64;
+            return Err(Refused::Wait(Duration::from_millis(ms.max(1))));
+        }
+        self.settle_at(now_ms);
+        self.level -= cost as f64;
+        Ok(())
+    }
+
+    /// Corrects a reservation of `reserved` to what the answer `used`: the difference
+    /// is given back, or taken (the level may go below zero: later calls wait it out).
+    pub fn correct(&mut self, reserved: u64, used: u64, now_ms: u64) {
+        self.settle_at(now_ms);
+        self.level = (self.level + reserved as f64 - used as f64).min(self.capacity as f64);
+    }
+
+    /// Follows what the provider reported at `now_ms`. What remains is at most what it
+    /// says; a reset says the bucket is full only then, so it holds at most what our
+    /// refill would bring to full by that time. Either only lowers the level.
+    pub fn follow(&mut self, reading: &Reading, now_ms: u64) {
+        self.settle_at(now_ms);
+        if let Some(remaining) = reading.remaining {
+            self.level = self.level.min(remaining as f64);
+        }
+        if let Some(reset) = reading.reset {
+            let by_reset = self.capacity as f64 - reset.as_millis() as f64 * self.per_ms();
+            self.level = self.level.min(by_reset.max(0.0));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T0: u64 = 1_000_000;
+
+    #[test]
+    fn a_full_bucket_refills_continuously_at_its_limit_per_minute() {
+        let mut b = Bucket::full(48_000, T0);
+        assert_eq!(b.reserve(48_000, T0), Ok(()));
+        // 800 tokens a second: after 1.5 s, 1,200 are back.
+        assert!((b.level_at(T0 + 1_500) - 1_200.0).abs() < 1e-6);
+        // Never above what a full bucket holds.
+        assert_eq!(b.level_at(T0 + 10 * WINDOW_MS), 48_000.0);
+    }
+
+    #[test]
+    fn a_cost_that_does_not_fit_waits_exactly_until_it_does_and_takes_nothing() {
+        let mut b = Bucket::full(48_000, T0);
+        b.reserve(45_000, T0).unwrap();
+        // 3,000 left; 4,300 more needs 1,300 at 0.8 a millisecond: 1,625 ms.
+        assert_eq!(b.reserve(4_300, T0), Err(Refused::Wait(Duration::from_millis(1_625))));
+        assert_eq!(b.level_at(T0), 3_000.0, "a refused reservation takes nothing");
+        assert_eq!(b.reserve(4_300, T0 + 1_624).map_err(|_| ()), Err(()));
+        assert_eq!(b.reserve(4_300, T0 + 1_625), Ok(()));
+    }
+
+    #[test]
+    fn a_cost_above_the_whole_bucket_can_never_run() {
+        let mut b = Bucket::full(20, T0);
+        assert_eq!(b.reserve(21, T0 + WINDOW_MS), Err(Refused::TooLarge { capacity: 20 }));
+        assert_eq!(b.reserve(20, T0), Ok(()));
+    }
+
+    #[test]
+    fn usage_corrects_the_reservation_both_ways() {
+        let mut b = Bucket::full(10_000, T0);
+        b.reserve(6_000, T0).unwrap();
+        // The answer used less than reserved (max_tokens counted at start): refunded.
+        b.correct(6_000, 4_000, T0);
+        assert_eq!(b.level_at(T0), 6_000.0);
+        // One used more than reserved: the bucket goes into debt, and later calls wait.
+        b.reserve(6_000, T0).unwrap();
+        b.correct(6_000, 9_000, T0);
+        assert_eq!(b.level_at(T0), -3_000.0);
+        assert!(matches!(b.reserve(1, T0), Err(Refused::Wait(_))));
+    }
+
+    #[test]
+    fn the_providers_reading_only_ever_lowers_the_level() {
+        let mut b = Bucket::full(48_000, T0);
+        // Another deployment on the same account used most of the minute.
+        b.follow(&Reading { remaining: Some(5_000), ..Default::default() }, T0);
+        assert_eq!(b.level_at(T0), 5_000.0);
+        // A reading of more than the bucket holds changes nothing.
+        b.follow(&Reading { remaining: Some(40_000), ..Default::default() }, T0);
+        assert_eq!(b.level_at(T0), 5_000.0);
+        // Full again only in 30 s: at most what half a minute's refill leaves missing.
+        let mut c = Bucket::full(48_000, T0);
+        c.follow(&Reading { reset: Some(Duration::from_secs(30)), ..Default::default() }, T0);
+        assert_eq!(c.level_at(T0), 24_000.0);
+        assert_eq!(c.level_at(T0 + 30_000), 48_000.0, "full at the reset");
+    }
+
+    #[test]
+    fn the_limit_is_the_configured_one_or_the_reported_one_never_above_the_configured() {
+        assert_eq!(capacity(Some(20), None), Some(20));
+        assert_eq!(capacity(None, Some(48_000)), Some(48_000));
+        assert_eq!(capacity(Some(40_000), Some(48_000)), Some(40_000), "never raised above the configured value");
+        assert_eq!(capacity(Some(40_000), Some(30_000)), Some(30_000), "the provider's lower limit wins");
+        assert_eq!(capacity(None, None), None);
+        assert_eq!(capacity(None, Some(0)), None);
+    }
+}
