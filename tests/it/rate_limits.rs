@@ -235,3 +235,72 @@ async fn a_provider_answer_over_the_size_cap_is_never_read_whole() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_on_one_key_never_take_more_than_its_token_bucket_holds() {
+    use reviewlane_core::clock::ManualClock;
+    use reviewlane_core::meter::{Dimension, Reading};
+    use reviewlane_extractor::quota::bucket::Refused;
+    use reviewlane_extractor::quota::{KeyConfig, Quota};
+    let nats = reviewlane_shared::testing::NatsServer::start_provisioned(reviewlane_shared::Region::Us).await;
+    let s = crate::manual::stores(nats.url(), reviewlane_shared::Region::Us, reviewlane_core::clock::system()).await;
+    // The clock stands still: nothing refills while the two race.
+    let clock = ManualClock::at(1_000_000);
+    let key = || KeyConfig {
+        key: "openai.default".into(),
+        limit: 8,
+        tenant_limits: Default::default(),
+        weights: Default::default(),
+    };
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        let (hb, probe) = (Duration::from_secs(1), Duration::from_secs(60));
+        replicas.push(Quota::new(s.layout.quota.clone(), client, key(), hb, probe, clock.clone()));
+    }
+    // 48,000 tokens a minute; each replica tries 40 calls of 1,000 tokens at once.
+    const TPM: u64 = 48_000;
+    let tries = replicas.iter().flat_map(|q| (0..40).map(move |_| q.reserve(Dimension::Tokens, TPM, 1_000)));
+    let results = futures::future::join_all(tries).await;
+    let taken = results.iter().filter(|r| matches!(r, Ok(Ok(())))).count();
+    let waits: Vec<Duration> = results
+        .iter()
+        .filter_map(|r| match r {
+            Ok(Err(Refused::Wait(d))) => Some(*d),
+            _ => None,
+        })
+        .collect();
+    let failed: Vec<_> = results.iter().filter(|r| r.is_err()).collect();
+    // Every one was decided: contenders are spread out, not given up on.
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(taken, 48, "the fleet took {taken} calls of 1,000 from a bucket of 48,000");
+    assert_eq!(waits.len(), 32);
+    assert_eq!(taken as f64 * 1_000.0, TPM as f64 - replicas[0].bucket_level(Dimension::Tokens, TPM).await.unwrap());
+    // Each refused one was told how long until its 1,000 tokens are back: 1,000 at 800 a
+    // second.
+    assert!(waits.iter().all(|w| *w <= Duration::from_millis(1_250)), "{waits:?}");
+
+    // Drain the rest, then the refill brings exactly what the wait said.
+    while let Ok(Ok(())) = replicas[1].reserve(Dimension::Tokens, TPM, 1_000).await {}
+    let Ok(Err(Refused::Wait(wait))) = replicas[0].reserve(Dimension::Tokens, TPM, 1_000).await else {
+        panic!("an empty bucket refuses")
+    };
+    clock.advance(wait);
+    assert!(matches!(replicas[0].reserve(Dimension::Tokens, TPM, 1_000).await, Ok(Ok(()))));
+
+    // Usage below the reservation is given back to every replica.
+    replicas[0].correct(Dimension::Tokens, TPM, 1_000, 200).await.unwrap();
+    assert!(matches!(replicas[1].reserve(Dimension::Tokens, TPM, 800).await, Ok(Ok(()))));
+    // A call larger than the whole bucket never runs.
+    assert_eq!(
+        replicas[1].reserve(Dimension::Tokens, TPM, TPM + 1).await.unwrap(),
+        Err(Refused::TooLarge { capacity: TPM })
+    );
+    // The provider reporting less than the bucket holds wins, for both replicas.
+    clock.advance(Duration::from_secs(60));
+    replicas[0]
+        .follow(Dimension::Tokens, TPM, &Reading { remaining: Some(2_000), ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(replicas[1].bucket_level(Dimension::Tokens, TPM).await.unwrap(), 2_000.0);
+}

@@ -8,12 +8,16 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+use super::bucket::{Bucket, Refused};
 use super::{Quota, Window};
+use reviewlane_core::meter::{Dimension, Reading};
 
 pub(super) const PAUSE_PREFIX: &str = "pause.";
 pub(super) const CIRCUIT_PREFIX: &str = "circuit.";
 pub(super) const WINDOW_PREFIX: &str = "window.";
 pub(super) const REPLICA_PREFIX: &str = "replica.";
+/// `bucket.<key>.<dimension>`: one metered dimension of the key, for the whole fleet.
+pub(super) const BUCKET_PREFIX: &str = "bucket.";
 
 /// Compare-and-set tries before giving up on a contended entry.
 const CAS_TRIES: usize = 8;
@@ -78,6 +82,27 @@ pub(super) async fn cas<T: Serialize + DeserializeOwned>(
         };
         if written {
             return Ok(Some(value));
+        }
+    }
+    Err(FleetError::Contended)
+}
+
+/// [`cas`] for an entry every replica draws from at once (a bucket): after a round of
+/// lost races, a short random pause spreads the contenders out before the next round.
+/// At most `ROUNDS` rounds; the pause is a few milliseconds and no lease is held.
+async fn cas_spread<T: Serialize + DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    mut next: impl FnMut(Option<T>) -> Option<T>,
+) -> Result<Option<T>, FleetError> {
+    const ROUNDS: u32 = 8;
+    for round in 0..ROUNDS {
+        match cas(kv, key, &mut next).await {
+            Err(FleetError::Contended) if round + 1 < ROUNDS => {
+                let ms = rand::random_range(1..=(2u64 << round));
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
+            other => return other,
         }
     }
     Err(FleetError::Contended)
@@ -251,5 +276,79 @@ impl Quota {
             self.changed.notify_waiters();
         }
         Ok(())
+    }
+}
+
+/// The key's buckets, one per metered dimension, shared by every replica and tenant on
+/// the key through `QUOTA_<R>`: each change is one compare-and-set, so two replicas
+/// never both take what only one of them could have.
+impl Quota {
+    fn bucket_key(&self, dim: Dimension) -> String {
+        format!("{BUCKET_PREFIX}{}.{}", self.key, dim.as_str())
+    }
+
+    /// The bucket as stored, at `capacity` (a changed limit keeps what is left, up to
+    /// the new capacity); a full one when there is none yet.
+    fn at_capacity(stored: Option<Bucket>, capacity: u64, now_ms: u64) -> Bucket {
+        match stored {
+            Some(b) if b.capacity == capacity => b,
+            Some(b) => Bucket { capacity, level: b.level_at(now_ms).min(capacity as f64), at_ms: now_ms.max(b.at_ms) },
+            None => Bucket::full(capacity, now_ms),
+        }
+    }
+
+    /// Reserves `cost` of `dim` (a bucket of `capacity` per minute) for the whole fleet.
+    /// `Ok(Err(refused))`: it does not fit yet (nothing taken: wait that long), or never.
+    pub async fn reserve(&self, dim: Dimension, capacity: u64, cost: u64) -> Result<Result<(), Refused>, FleetError> {
+        let now = self.now_ms();
+        let mut refused = None;
+        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
+            let mut b = Quota::at_capacity(stored, capacity, now);
+            match b.reserve(cost, now) {
+                Ok(()) => {
+                    refused = None;
+                    Some(b)
+                }
+                Err(r) => {
+                    refused = Some(r);
+                    None
+                }
+            }
+        })
+        .await?;
+        Ok(refused.map_or(Ok(()), Err))
+    }
+
+    /// Corrects a reservation of `reserved` to what the answer `used`.
+    pub async fn correct(&self, dim: Dimension, capacity: u64, reserved: u64, used: u64) -> Result<(), FleetError> {
+        let now = self.now_ms();
+        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
+            let mut b = Quota::at_capacity(stored, capacity, now);
+            b.correct(reserved, used, now);
+            Some(b)
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Follows what the provider reported (it only ever lowers the level).
+    pub async fn follow(&self, dim: Dimension, capacity: u64, reading: &Reading) -> Result<(), FleetError> {
+        let now = self.now_ms();
+        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
+            let mut b = Quota::at_capacity(stored, capacity, now);
+            let before = b;
+            b.follow(reading, now);
+            (b != before).then_some(b)
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// What the fleet's bucket of `dim` holds now (full when nothing was drawn yet).
+    pub async fn bucket_level(&self, dim: Dimension, capacity: u64) -> Result<f64, FleetError> {
+        let now = self.now_ms();
+        let stored = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)?;
+        let stored = stored.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok());
+        Ok(Quota::at_capacity(stored, capacity, now).level_at(now))
     }
 }

@@ -17,6 +17,9 @@
 //!   a share, so the others see it first and the shares never sum above the window.
 //! - `pause.<key>` = `{"until_ms": …}`: a 429 pauses the key, once, for every replica
 //!   (compare-and-set keeps the later time).
+//! - `bucket.<key>.<dimension>` = a `Bucket`: one metered dimension of the key
+//!   (requests or tokens per minute) for the whole fleet; a reservation, a correction
+//!   from usage and a provider's reading are each one compare-and-set.
 //! - `circuit.<key>` = `{"until_ms": …}`: a 429 `insufficient_quota` (the account is out
 //!   of money); until then the key's jobs end at once with that reason.
 //!
@@ -26,8 +29,8 @@
 //!
 //! The rooms: `scope` (names), `share` and `window` (pure arithmetic), `bucket` (one
 //! metered dimension — requests or tokens per minute — as a token bucket with
-//! continuous refill, corrected by usage and the provider's readings; pure, not yet
-//! drawn from by the scheduler), `ledger` (the
+//! continuous refill, corrected by usage and the provider's readings; pure; the fleet's
+//! buckets are not yet drawn from by the scheduler), `ledger` (the
 //! pure decisions of room, fairness and tenant caps, given the time), `fleet` (the
 //! protocol on `QUOTA_<R>`, one compare-and-set step, a typed error), and here the
 //! key-wide facade the scheduler and the worker call: what acts on the key takes no
