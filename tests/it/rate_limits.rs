@@ -304,3 +304,51 @@ async fn two_replicas_on_one_key_never_take_more_than_its_token_bucket_holds() {
         .unwrap();
     assert_eq!(replicas[1].bucket_level(Dimension::Tokens, TPM).await.unwrap(), 2_000.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requests_per_minute_budget_paces_calls_without_a_429_a_lease_or_a_retry() {
+    // Three requests a minute: three calls at once, then one every 20 s.
+    let stack = Stack::start_with(StackOptions { key_rpm: Some(3), ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(submit(&mut client, US_KEY, &format!("rpm-{i}"), &sample_diff(&format!("rpm {i}"))).await.job_id);
+    }
+    // Three are answered; the other two wait on the lane for the bucket, not the provider.
+    let three =
+        poll_until(Duration::from_secs(15), || async {
+            let done =
+                futures::future::join_all(ids.iter().map(|id| {
+                    let mut c = client.clone();
+                    async move {
+                        get(&mut c, US_KEY, id).await.map(|r| r.state == JobState::Published as i32).unwrap_or(false)
+                    }
+                }))
+                .await;
+            (done.iter().filter(|d| **d).count() == 3).then_some(())
+        })
+        .await;
+    assert!(three.is_some(), "three calls fit the budget at once");
+    let stats = stack.us.provider.stats();
+    assert_eq!((stats.total_calls, stats.calls_429), (3, 0), "the bucket held the rest back, not the provider");
+    for id in &ids {
+        let r = get(&mut client, US_KEY, id).await.unwrap();
+        assert!(r.state != JobState::Terminal as i32, "{id} ended: {r:?}");
+        let a = r.attempts.unwrap_or_default();
+        assert_eq!((a.congestion, a.transient), (0, 0), "{id}: a wait the bucket predicted spends no retry");
+    }
+    // The fourth call starts when the bucket has a request again: 20 s after the first.
+    let fourth = poll_until(Duration::from_secs(40), || async {
+        let s = stack.us.provider.stats();
+        (s.total_calls >= 4).then(|| {
+            let mut starts: Vec<u64> = s.call_times_ms.values().flatten().copied().collect();
+            starts.sort();
+            starts[3] - starts[0]
+        })
+    })
+    .await
+    .expect("a fourth call within 40 s");
+    assert!(fourth >= 19_000, "the fourth call started {fourth} ms after the first");
+    assert_eq!(stack.us.provider.stats().calls_429, 0);
+    stack.shutdown().await;
+}

@@ -174,6 +174,11 @@ pub struct QuotaSettings {
     pub circuit_open_for: Duration,
     /// Longest provider retry hint honoured; longer ones are cut to this and counted.
     pub hint_ceiling: Duration,
+    /// The key's requests per minute, when the account meters them.
+    pub requests_per_minute: Option<u64>,
+    /// The key's tokens per minute (prompt and output limit, counted at start), when the
+    /// account meters them.
+    pub tokens_per_minute: Option<u64>,
 }
 
 /// How this process takes work: its call slots, its lease, and the lanes' shares.
@@ -234,7 +239,18 @@ impl QuotaSettings {
             probe_every: Duration::from_secs(60),
             circuit_open_for: Duration::from_secs(600),
             hint_ceiling: Duration::from_secs(300),
+            requests_per_minute: None,
+            tokens_per_minute: None,
         }
+    }
+
+    /// The key's budgets calls reserve from.
+    pub fn budgets(&self) -> Vec<(reviewlane_core::meter::Dimension, u64)> {
+        use reviewlane_core::meter::Dimension;
+        [(Dimension::Requests, self.requests_per_minute), (Dimension::Tokens, self.tokens_per_minute)]
+            .into_iter()
+            .filter_map(|(d, l)| Some((d, l?)))
+            .collect()
     }
 
     fn read(r: &mut Reader<'_>, model: &str) -> Self {
@@ -246,8 +262,13 @@ impl QuotaSettings {
             heartbeat: Duration::from_millis(r.or(env::HEARTBEAT_MS, 1000, "milliseconds")),
             circuit_open_for: Duration::from_secs(r.or(env::QUOTA_CIRCUIT_SECS, 600, "whole seconds")),
             hint_ceiling: Duration::from_secs(r.or(env::HINT_CEILING_SECS, 300, "whole seconds")),
+            requests_per_minute: r.optional(env::KEY_RPM, "requests per minute"),
+            tokens_per_minute: r.optional(env::KEY_TPM, "tokens per minute"),
             ..d
         };
+        if q.requests_per_minute == Some(0) || q.tokens_per_minute == Some(0) {
+            r.error("REVIEWLANE_KEY_RPM and REVIEWLANE_KEY_TPM must be positive when set");
+        }
         if q.heartbeat.is_zero() {
             r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
         }
@@ -410,7 +431,19 @@ impl ExtractorConfig {
         let quota = QuotaSettings::read(&mut r, &model);
         let scheduling = SchedulingSettings::read(&mut r);
         let retry = RetrySettings::read(&mut r);
-        let parts = read_parts(&mut r, &provider);
+        let mut parts = read_parts(&mut r, &provider);
+        // A part must fit the key's token budget with its output limit, or it could never run.
+        if let (Some(tpm), Some(p)) = (quota.tokens_per_minute, &provider) {
+            let output = u64::from(p.output_reserve());
+            match tpm.checked_sub(output).filter(|room| *room > 0) {
+                None => r.error(format!("REVIEWLANE_KEY_TPM must exceed the output limit of a call ({output} tokens)")),
+                Some(room) => {
+                    let fill = parts.plan.limits.fill_percent.max(1);
+                    let cap = usize::try_from(room).unwrap_or(usize::MAX).saturating_mul(100) / fill;
+                    parts.plan.limits.max_tokens = parts.plan.limits.max_tokens.min(cap);
+                }
+            }
+        }
         let results = ResultSettings::read(&mut r);
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
@@ -439,6 +472,16 @@ impl ExtractorConfig {
 }
 
 impl ProviderConfig {
+    /// Output tokens the provider counts against a token budget when a call starts (the
+    /// request's output limit; the built-in analyzer is not metered).
+    pub fn output_reserve(&self) -> u32 {
+        match self {
+            ProviderConfig::Builtin => 0,
+            ProviderConfig::OpenAi { .. } => crate::provider::openai::MAX_OUTPUT_TOKENS,
+            ProviderConfig::Anthropic { max_tokens, .. } => *max_tokens,
+        }
+    }
+
     /// The model called (`builtin` for the built-in analyzer).
     pub fn model(&self) -> &str {
         match self {
@@ -641,6 +684,37 @@ mod tests {
         let r = StoreRetry { tries: 5, base: Duration::from_millis(100), cap: Duration::from_millis(500) };
         let delays: Vec<_> = (1..=5).map(|n| r.delay(n).as_millis()).collect();
         assert_eq!(delays, [100, 200, 400, 500, 500]);
+    }
+
+    #[test]
+    fn a_token_budget_caps_a_part_so_that_it_fits_with_its_output_limit() {
+        let c = ExtractorConfig::from_env(&env(&[
+            (env::PROVIDER, "openai"),
+            (env::OPENAI_BASE_URL, "http://127.0.0.1:1/v1"),
+            (env::OPENAI_MODEL, "gpt-4o-mini"),
+            (env::PROVIDER_REGION, "eu"),
+            (reviewlane_core::env::REGION, "eu"),
+            (reviewlane_core::env::NATS_URL, "nats://127.0.0.1:1"),
+            (env::KEY_TPM, "20000"),
+            (env::KEY_RPM, "30"),
+        ]))
+        .unwrap();
+        let budget = c.parts.plan.limits.budget() as u64;
+        assert!(budget + 4096 <= 20_000 && budget > 15_000, "part budget {budget}");
+        use reviewlane_core::meter::Dimension;
+        assert_eq!(c.quota.budgets(), vec![(Dimension::Requests, 30), (Dimension::Tokens, 20_000)]);
+        // A budget no larger than one call's output limit could never run a call.
+        let e = ExtractorConfig::from_env(&env(&[
+            (env::PROVIDER, "openai"),
+            (env::OPENAI_BASE_URL, "http://127.0.0.1:1/v1"),
+            (env::OPENAI_MODEL, "gpt-4o-mini"),
+            (env::PROVIDER_REGION, "eu"),
+            (reviewlane_core::env::REGION, "eu"),
+            (reviewlane_core::env::NATS_URL, "nats://127.0.0.1:1"),
+            (env::KEY_TPM, "4000"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("REVIEWLANE_KEY_TPM"), "{e}");
     }
 
     #[test]

@@ -176,7 +176,13 @@ pub struct LaneLoop {
     pub lane: Lane,
     pub scope: Scope,
     pub consumer: PullConsumer,
+    /// The tokens a review's call will be metered for (its prompt, and the output limit
+    /// the provider counts at start): what it reserves of the key's budgets.
+    pub cost: CallCost,
 }
+
+/// The tokens a review message's call will be metered for.
+pub type CallCost = Arc<dyn Fn(&[u8]) -> u64 + Send + Sync>;
 
 /// What a started message needs to run.
 pub struct Admitted {
@@ -364,7 +370,21 @@ async fn admit(
             if let Some(slot) = slots.try_take(t) {
                 ticket = None;
                 match quota.try_start(&l.scope) {
-                    Some(running) => return Some(Admitted { msg, scope: l.scope.clone(), slot, running }),
+                    Some(running) => match reserve(l, &msg, quota).await {
+                        Ok(()) => return Some(Admitted { msg, scope: l.scope.clone(), slot, running }),
+                        // The key's budgets have no room for this call yet: back to the
+                        // lane until they do (or just past its deadline), no lease taken,
+                        // no retry spent.
+                        Err(wait) => {
+                            drop((running, slot));
+                            let delay = match while_paused(deadline_of(&msg), quota.now_ms(), wait) {
+                                WhilePaused::Late => Duration::ZERO,
+                                WhilePaused::HandBack(d) => d,
+                            };
+                            settle(&msg, AckKind::Nak(Some(delay))).await;
+                            return None;
+                        }
+                    },
                     // Lost a race for the scope's last place: the slot goes to the next.
                     None => drop(slot),
                 }
@@ -383,6 +403,23 @@ async fn admit(
                 settle(&msg, AckKind::Nak(None)).await;
                 return None;
             }
+        }
+    }
+}
+
+/// Reserves the message's call in the key's budgets; `Err`: how long until they have
+/// room. A call larger than a whole budget goes ahead unreserved (logged): the part
+/// budget is capped so that it cannot happen, and the provider still answers 429.
+async fn reserve(l: &LaneLoop, msg: &jetstream::Message, quota: &Quota) -> Result<(), Duration> {
+    if !quota.has_budgets() {
+        return Ok(());
+    }
+    match quota.reserve_call((l.cost)(&msg.payload)).await {
+        Ok(()) => Ok(()),
+        Err(crate::quota::bucket::Refused::Wait(wait)) => Err(wait),
+        Err(crate::quota::bucket::Refused::TooLarge { capacity }) => {
+            tracing::error!(capacity, "a call larger than the key's whole budget; sent unreserved");
+            Ok(())
         }
     }
 }

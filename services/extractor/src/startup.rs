@@ -82,7 +82,8 @@ pub async fn build_with_provider(
     let health = reviewlane_shared::store_health::StoreHealth::register(&mut registry, &[config.region], clock.clone());
     let q = &config.quota;
     let quota =
-        Quota::new(conn.layout.quota.clone(), conn.client.clone(), key, q.heartbeat, q.probe_every, clock.clone());
+        Quota::new(conn.layout.quota.clone(), conn.client.clone(), key, q.heartbeat, q.probe_every, clock.clone())
+            .with_budgets(q.budgets());
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
     let client = conn.client.clone();
     let worker = Arc::new(Worker {
@@ -135,6 +136,7 @@ async fn lane_loops(
     conn: &reviewlane_shared::startup::RegionConnection,
     provider: &str,
 ) -> Result<(Vec<(LaneLoop, u32)>, KeyConfig), StartError> {
+    let cost = call_cost(config);
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
     let mut weights = HashMap::new();
@@ -157,7 +159,7 @@ async fn lane_loops(
                 config.scheduling.lease,
             )
             .await?;
-            loops.push((LaneLoop { lane, scope: scope.clone(), consumer }, tenant.weight));
+            loops.push((LaneLoop { lane, scope: scope.clone(), consumer, cost: cost.clone() }, tenant.weight));
         }
     }
     if loops.is_empty() {
@@ -170,6 +172,27 @@ async fn lane_loops(
         weights,
     };
     Ok((loops, key))
+}
+
+/// What a review's call is metered for: the prompt's tokens (one part's at most, as a
+/// split review calls one part per delivery) and the output limit the provider counts
+/// when the call starts.
+fn call_cost(config: &ExtractorConfig) -> crate::schedule::CallCost {
+    let plan = config.parts.plan;
+    let output = u64::from(config.provider.output_reserve());
+    Arc::new(move |payload: &[u8]| {
+        let Ok(review) = serde_json::from_slice::<reviewlane_core::messages::ReviewMessage>(payload) else {
+            return output;
+        };
+        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return output };
+        let prompt = crate::provider::prompt_diff(&review, &diff);
+        let tokens = if prompt.len() <= plan.limits.budget() && prompt.len() < 4 * 1024 * 1024 {
+            crate::tokenizer::counter(plan.tokenizer).tokens(&prompt)
+        } else {
+            plan.limits.budget()
+        };
+        (tokens.min(plan.limits.budget()) as u64) + output
+    })
 }
 
 /// The region's stores the worker writes to.
@@ -272,7 +295,12 @@ impl App {
             let span = tracing::info_span!("lane", region = %self.config.region, lane = l.lane.as_str(), tenant = %l.scope.tenant);
             let shared = Arc::new(l);
             for _ in 0..weight {
-                let l = LaneLoop { lane: shared.lane, scope: shared.scope.clone(), consumer: shared.consumer.clone() };
+                let l = LaneLoop {
+                    lane: shared.lane,
+                    scope: shared.scope.clone(),
+                    consumer: shared.consumer.clone(),
+                    cost: shared.cost.clone(),
+                };
                 let worker = self.worker.clone();
                 let abort = abort.clone();
                 let run = move |admitted| {

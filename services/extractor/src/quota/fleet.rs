@@ -351,4 +351,38 @@ impl Quota {
         let stored = stored.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok());
         Ok(Quota::at_capacity(stored, capacity, now).level_at(now))
     }
+
+    /// Reserves one call of `tokens` in every configured budget of the key, or none:
+    /// when one refuses, what the others took is given back, and the longest wait is
+    /// returned (nothing spent). A store error lets the call go unreserved (logged): the
+    /// provider's own 429 still paces it.
+    pub async fn reserve_call(&self, tokens: u64) -> Result<(), Refused> {
+        let mut taken: Vec<(Dimension, u64, u64)> = Vec::new();
+        let mut refused: Option<Refused> = None;
+        for (dim, capacity) in self.budgets.iter().copied() {
+            let cost = if dim == Dimension::Requests { 1 } else { tokens };
+            match self.reserve(dim, capacity, cost).await {
+                Ok(Ok(())) => taken.push((dim, capacity, cost)),
+                Ok(Err(r)) => {
+                    refused = Some(match (refused, r) {
+                        (Some(Refused::Wait(a)), Refused::Wait(b)) => Refused::Wait(a.max(b)),
+                        (Some(too @ Refused::TooLarge { .. }), _) | (_, too @ Refused::TooLarge { .. }) => too,
+                        (None, r) => r,
+                    })
+                }
+                Err(e) => tracing::warn!(error = %e, dimension = dim.as_str(), "reserving a call's budget failed"),
+            }
+        }
+        let Some(refused) = refused else { return Ok(()) };
+        for (dim, capacity, cost) in taken {
+            if let Err(e) = self.correct(dim, capacity, cost, 0).await {
+                tracing::warn!(error = %e, dimension = dim.as_str(), "giving a reservation back failed");
+            }
+        }
+        Err(refused)
+    }
+
+    pub fn has_budgets(&self) -> bool {
+        !self.budgets.is_empty()
+    }
 }

@@ -70,6 +70,9 @@ pub struct Quota {
     pub changed: Arc<Notify>,
     /// Pause times, heartbeats and windows are judged on this clock.
     clock: SharedClock,
+    /// The key's metered limits per minute, as configured: every call reserves its cost
+    /// in each before it starts (`reserve_call`).
+    budgets: Arc<Vec<(reviewlane_core::meter::Dimension, u64)>>,
 }
 
 /// A running call in a scope; ends it when dropped.
@@ -116,7 +119,14 @@ impl Quota {
             ledger: Arc::new(Mutex::new(ledger)),
             changed: Arc::new(Notify::new()),
             clock,
+            budgets: Arc::default(),
         }
+    }
+
+    /// The key's limits per minute (requests, tokens) that calls reserve from.
+    pub fn with_budgets(mut self, budgets: Vec<(reviewlane_core::meter::Dimension, u64)>) -> Quota {
+        self.budgets = Arc::new(budgets);
+        self
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
