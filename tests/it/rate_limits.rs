@@ -352,3 +352,26 @@ async fn a_requests_per_minute_budget_paces_calls_without_a_429_a_lease_or_a_ret
     assert_eq!(stack.us.provider.stats().calls_429, 0);
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokens_per_minute_reservation_is_corrected_to_the_answers_usage() {
+    // A call reserves its prompt and the 4,096-token output limit (OpenAI counts it at
+    // start); the simulated provider reports 150 tokens used. 13,000 a minute holds three
+    // reservations: corrected by usage, each answer frees room for the next call at
+    // once. Uncorrected, the fourth would wait about 18 s for the refill.
+    let stack = Stack::start_with(StackOptions { key_tpm: Some(13_000), ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let started = std::time::Instant::now();
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        ids.push(submit(&mut client, US_KEY, &format!("tpm-{i}"), &sample_diff(&format!("tpm {i}"))).await.job_id);
+    }
+    for id in &ids {
+        let r = wait_final_within(&mut client, US_KEY, id, Duration::from_secs(30)).await;
+        assert_eq!(r.state, JobState::Published as i32, "{id}: {r:?}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(12), "six reviews took {:?}", started.elapsed());
+    let stats = stack.us.provider.stats();
+    assert_eq!((stats.total_calls, stats.calls_429), (6, 0));
+    stack.shutdown().await;
+}

@@ -432,17 +432,10 @@ impl ExtractorConfig {
         let scheduling = SchedulingSettings::read(&mut r);
         let retry = RetrySettings::read(&mut r);
         let mut parts = read_parts(&mut r, &provider);
-        // A part must fit the key's token budget with its output limit, or it could never run.
-        if let (Some(tpm), Some(p)) = (quota.tokens_per_minute, &provider) {
-            let output = u64::from(p.output_reserve());
-            match tpm.checked_sub(output).filter(|room| *room > 0) {
-                None => r.error(format!("REVIEWLANE_KEY_TPM must exceed the output limit of a call ({output} tokens)")),
-                Some(room) => {
-                    let fill = parts.plan.limits.fill_percent.max(1);
-                    let cap = usize::try_from(room).unwrap_or(usize::MAX).saturating_mul(100) / fill;
-                    parts.plan.limits.max_tokens = parts.plan.limits.max_tokens.min(cap);
-                }
-            }
+        if provider.is_some()
+            && let Err(e) = fit_parts_to_budget(&mut parts, quota.tokens_per_minute, p_output(&provider))
+        {
+            r.error(e);
         }
         let results = ResultSettings::read(&mut r);
         let lane_windows = r.lane_windows();
@@ -564,6 +557,24 @@ fn read_provider(r: &mut Reader<'_>, region: Option<Region>) -> Option<ProviderC
         ));
     }
     provider
+}
+
+fn p_output(provider: &Option<ProviderConfig>) -> u32 {
+    provider.as_ref().map_or(0, ProviderConfig::output_reserve)
+}
+
+/// Caps a part so that it fits the key's token budget (`tpm`) with the call's output
+/// limit: a part that does not could never run. `Err` when no part could.
+pub fn fit_parts_to_budget(parts: &mut PartConfig, tpm: Option<u64>, output: u32) -> Result<(), String> {
+    let Some(tpm) = tpm else { return Ok(()) };
+    let output = u64::from(output);
+    let Some(room) = tpm.checked_sub(output).filter(|room| *room > 0) else {
+        return Err(format!("REVIEWLANE_KEY_TPM must exceed the output limit of a call ({output} tokens)"));
+    };
+    let fill = parts.plan.limits.fill_percent.max(1);
+    let cap = usize::try_from(room).unwrap_or(usize::MAX).saturating_mul(100) / fill;
+    parts.plan.limits.max_tokens = parts.plan.limits.max_tokens.min(cap);
+    Ok(())
 }
 
 /// `REVIEWLANE_CONTEXT_TOKENS` and the rest of the split settings.

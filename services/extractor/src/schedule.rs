@@ -190,6 +190,8 @@ pub struct Admitted {
     pub scope: Scope,
     pub slot: Slot,
     pub running: ScopeGuard,
+    /// The tokens reserved for its call in the key's budgets, if any.
+    pub reserved: Option<u64>,
 }
 
 /// What a loop hands the worker.
@@ -371,7 +373,7 @@ async fn admit(
                 ticket = None;
                 match quota.try_start(&l.scope) {
                     Some(running) => match reserve(l, &msg, quota).await {
-                        Ok(()) => return Some(Admitted { msg, scope: l.scope.clone(), slot, running }),
+                        Ok(reserved) => return Some(Admitted { msg, scope: l.scope.clone(), slot, running, reserved }),
                         // The key's budgets have no room for this call yet: back to the
                         // lane until they do (or just past its deadline), no lease taken,
                         // no retry spent.
@@ -410,16 +412,17 @@ async fn admit(
 /// Reserves the message's call in the key's budgets; `Err`: how long until they have
 /// room. A call larger than a whole budget goes ahead unreserved (logged): the part
 /// budget is capped so that it cannot happen, and the provider still answers 429.
-async fn reserve(l: &LaneLoop, msg: &jetstream::Message, quota: &Quota) -> Result<(), Duration> {
+async fn reserve(l: &LaneLoop, msg: &jetstream::Message, quota: &Quota) -> Result<Option<u64>, Duration> {
     if !quota.has_budgets() {
-        return Ok(());
+        return Ok(None);
     }
-    match quota.reserve_call((l.cost)(&msg.payload)).await {
-        Ok(()) => Ok(()),
+    let tokens = (l.cost)(&msg.payload);
+    match quota.reserve_call(tokens).await {
+        Ok(()) => Ok(Some(tokens)),
         Err(crate::quota::bucket::Refused::Wait(wait)) => Err(wait),
         Err(crate::quota::bucket::Refused::TooLarge { capacity }) => {
             tracing::error!(capacity, "a call larger than the key's whole budget; sent unreserved");
-            Ok(())
+            Ok(None)
         }
     }
 }

@@ -50,10 +50,13 @@ pub async fn build(config: ExtractorConfig) -> Result<App, StartError> {
 
 /// As `build`, with a provider supplied by the caller (tests, embedding).
 pub async fn build_with_provider(
-    config: ExtractorConfig,
+    mut config: ExtractorConfig,
     provider: Option<Arc<dyn Provider>>,
 ) -> Result<App, StartError> {
     reviewlane_shared::startup::log_notices(&config.notices);
+    let output = config.provider.output_reserve();
+    crate::config::fit_parts_to_budget(&mut config.parts, config.quota.tokens_per_minute, output)
+        .map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
     reviewlane_core::findings::warm_up();
     let provider = provider.unwrap_or_else(|| provider_of(&config));
     if provider.region() != config.region {

@@ -382,6 +382,26 @@ impl Quota {
         Err(refused)
     }
 
+    /// A reserved call that was answered: its tokens are corrected to what it `used`
+    /// (its request stays spent).
+    pub async fn settle_call(&self, reserved: u64, used: u64) {
+        for (dim, capacity) in self.budgets.iter().copied().filter(|(d, _)| *d != Dimension::Requests) {
+            if let Err(e) = self.correct(dim, capacity, reserved, used).await {
+                tracing::warn!(error = %e, dimension = dim.as_str(), "correcting a reservation failed");
+            }
+        }
+    }
+
+    /// A reserved call that was never made: all of it is given back.
+    pub async fn release_call(&self, reserved: u64) {
+        for (dim, capacity) in self.budgets.iter().copied() {
+            let cost = if dim == Dimension::Requests { 1 } else { reserved };
+            if let Err(e) = self.correct(dim, capacity, cost, 0).await {
+                tracing::warn!(error = %e, dimension = dim.as_str(), "giving a reservation back failed");
+            }
+        }
+    }
+
     pub fn has_budgets(&self) -> bool {
         !self.budgets.is_empty()
     }

@@ -73,6 +73,7 @@ impl Worker {
         );
         let started = Instant::now();
         lease.called.store(true, std::sync::atomic::Ordering::Relaxed);
+        job.metering.called.store(true, std::sync::atomic::Ordering::Relaxed);
         let answer = self.call_with_lease(job, lease, &req, abort).instrument(attempt.clone()).await?;
         let took = started.elapsed();
         attempt.record("duration_ms", took.as_millis() as u64);

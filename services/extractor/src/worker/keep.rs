@@ -202,6 +202,11 @@ impl Worker {
                 if let Some(u) = usage {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
                     *lease.tokens.lock().expect("tokens lock") = Some(u);
+                    if let Some(reserved) = job.metering.reserved
+                        && !job.metering.settled.swap(true, std::sync::atomic::Ordering::Relaxed)
+                    {
+                        self.quota.settle_call(reserved, u.input + u.output).await;
+                    }
                 }
                 match (self.validate(job, lease, target.diff, &output), target.part) {
                     (Ok(validated), None) => {

@@ -121,6 +121,19 @@ pub struct Job<'a> {
     /// The diff, parsed once; `None` when it cannot be read back (never expected: the
     /// ingress validated it).
     pub diff: Option<Diff>,
+    /// What this delivery reserved of the key's budgets, and what became of it.
+    pub metering: Metering,
+}
+
+/// A delivery's reservation in the key's budgets: corrected to the usage of its answer,
+/// kept when a call was made without one, given back when no call was made.
+#[derive(Debug, Default)]
+pub struct Metering {
+    pub reserved: Option<u64>,
+    /// A provider call was made for it.
+    pub called: std::sync::atomic::AtomicBool,
+    /// Its answer's usage corrected it.
+    pub settled: std::sync::atomic::AtomicBool,
 }
 
 impl Job<'_> {
@@ -174,12 +187,12 @@ impl Worker {
 
     async fn process(&self, work: Work, abort: &CancellationToken) -> Outcome {
         // A call holds its slot and the scope's allowance until this returns.
-        let (msg, scope, held) = match work {
+        let (msg, scope, held, reserved) = match work {
             Work::Call(admitted) => {
-                let Admitted { msg, scope, slot, running } = *admitted;
-                (msg, scope, Some((slot, running)))
+                let Admitted { msg, scope, slot, running, reserved } = *admitted;
+                (msg, scope, Some((slot, running)), reserved)
             }
-            Work::Late { msg, scope } => (*msg, scope, None),
+            Work::Late { msg, scope } => (*msg, scope, None, None),
         };
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
             Ok(r) => r,
@@ -200,11 +213,18 @@ impl Worker {
             settle::ack(&msg, AckKind::Term).await;
             return Outcome::Skipped;
         }
-        let job = Job { msg: &msg, review: &review, scope: &scope, diff: diff::parse(&review.diff_text()).ok() };
+        let metering = Metering { reserved, ..Default::default() };
+        let job =
+            Job { msg: &msg, review: &review, scope: &scope, diff: diff::parse(&review.diff_text()).ok(), metering };
         let trip = match held {
             Some(_) => self.trip(&job, abort).await,
             None => self.late_trip(&job).await,
         };
+        if let Some(reserved) = job.metering.reserved
+            && !job.metering.called.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.quota.release_call(reserved).await;
+        }
         match trip {
             Ok(outcome) => outcome,
             Err(e) => {
