@@ -699,32 +699,25 @@ mod tests {
 
     #[test]
     fn a_token_budget_caps_a_part_so_that_it_fits_with_its_output_limit() {
-        let c = ExtractorConfig::from_env(&env(&[
-            (env::PROVIDER, "openai"),
-            (env::OPENAI_BASE_URL, "http://127.0.0.1:1/v1"),
-            (env::OPENAI_MODEL, "gpt-4o-mini"),
-            (env::PROVIDER_REGION, "eu"),
-            (reviewlane_core::env::REGION, "eu"),
-            (reviewlane_core::env::NATS_URL, "nats://127.0.0.1:1"),
-            (env::KEY_TPM, "20000"),
-            (env::KEY_RPM, "30"),
-        ]))
-        .unwrap();
+        let openai = |budgets: &[(&'static str, &'static str)]| {
+            let mut pairs = vec![
+                (env::PROVIDER, "openai"),
+                (env::OPENAI_BASE_URL, "http://127.0.0.1:1/v1"),
+                (env::OPENAI_MODEL, "gpt-4o-mini"),
+                (env::PROVIDER_REGION, "eu"),
+                (reviewlane_core::env::REGION, "eu"),
+                (reviewlane_core::env::NATS_URL, "nats://127.0.0.1:1"),
+            ];
+            pairs.extend_from_slice(budgets);
+            ExtractorConfig::from_env(&env(&pairs))
+        };
+        let c = openai(&[(env::KEY_TPM, "20000"), (env::KEY_RPM, "30")]).unwrap();
         let budget = c.parts.plan.limits.budget() as u64;
         assert!(budget + 4096 <= 20_000 && budget > 15_000, "part budget {budget}");
         use reviewlane_core::meter::Dimension;
         assert_eq!(c.quota.budgets(), vec![(Dimension::Requests, 30), (Dimension::Tokens, 20_000)]);
         // A budget no larger than one call's output limit could never run a call.
-        let e = ExtractorConfig::from_env(&env(&[
-            (env::PROVIDER, "openai"),
-            (env::OPENAI_BASE_URL, "http://127.0.0.1:1/v1"),
-            (env::OPENAI_MODEL, "gpt-4o-mini"),
-            (env::PROVIDER_REGION, "eu"),
-            (reviewlane_core::env::REGION, "eu"),
-            (reviewlane_core::env::NATS_URL, "nats://127.0.0.1:1"),
-            (env::KEY_TPM, "4000"),
-        ]))
-        .unwrap_err();
+        let e = openai(&[(env::KEY_TPM, "4000")]).unwrap_err();
         assert!(e.to_string().contains("REVIEWLANE_KEY_TPM"), "{e}");
     }
 
