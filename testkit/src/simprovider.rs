@@ -137,6 +137,8 @@ struct State {
     stats: Mutex<Stats>,
     script: Mutex<VecDeque<Scripted>>,
     throttled: Mutex<Option<u64>>,
+    /// Headers every 200 carries (a provider's rate-limit readings).
+    answer_headers: Mutex<Vec<(String, String)>>,
     started: Instant,
     canaries: Vec<String>,
 }
@@ -167,6 +169,7 @@ impl SimProvider {
             stats: Mutex::new(Stats::default()),
             script: Mutex::new(VecDeque::new()),
             throttled: Mutex::new(None),
+            answer_headers: Mutex::new(Vec::new()),
             started: Instant::now(),
             canaries,
         });
@@ -202,6 +205,11 @@ impl SimProvider {
     /// provider-wide burst of throttling).
     pub fn set_throttled(&self, retry_after_secs: Option<u64>) {
         *self.state.throttled.lock().expect("throttle lock") = retry_after_secs;
+    }
+
+    /// Every 200 from now on carries these headers (e.g. `x-ratelimit-remaining-tokens`).
+    pub fn set_answer_headers(&self, headers: Vec<(String, String)>) {
+        *self.state.answer_headers.lock().expect("headers lock") = headers;
     }
 
     /// Queues scripted answers, used in order before the knobs apply.
@@ -422,7 +430,8 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         });
     }
     let body = if anthropic { anthropic_message(&output) } else { chat_completion(&output) };
-    Ok(respond(StatusCode::OK, &[], body))
+    let headers = st.answer_headers.lock().expect("headers lock").clone();
+    Ok(respond(StatusCode::OK, &headers, body))
 }
 
 /// The JSON Schema a request asks the answer to follow.

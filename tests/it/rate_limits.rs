@@ -375,3 +375,26 @@ async fn a_tokens_per_minute_reservation_is_corrected_to_the_answers_usage() {
     assert_eq!((stats.total_calls, stats.calls_429), (6, 0));
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_reporting_fewer_tokens_left_than_the_bucket_holds_wins() {
+    // 120,000 tokens a minute (2,000 a second) configured; the provider's answers say
+    // only 1,000 remain (another deployment on the account used the rest). The next
+    // call (about 4,200 tokens) waits for the refill instead of being sent for a 429.
+    let stack = Stack::start_with(StackOptions { key_tpm: Some(120_000), ..Default::default() }).await;
+    stack.us.provider.set_answer_headers(vec![
+        ("x-ratelimit-limit-tokens".into(), "120000".into()),
+        ("x-ratelimit-remaining-tokens".into(), "1000".into()),
+    ]);
+    let mut client = stack.client().await;
+    let first = submit(&mut client, US_KEY, "meter-1", &sample_diff("meter 1")).await.job_id;
+    assert_eq!(wait_final(&mut client, US_KEY, &first).await.state, JobState::Published as i32);
+    let second = submit(&mut client, US_KEY, "meter-2", &sample_diff("meter 2")).await.job_id;
+    assert_eq!(wait_final(&mut client, US_KEY, &second).await.state, JobState::Published as i32);
+    let stats = stack.us.provider.stats();
+    let (a, b) = (stats.call_times_ms[&first][0], stats.call_times_ms[&second][0]);
+    // 1,000 left, about 4,200 needed: at least 1.5 s of refill at 2,000 a second.
+    assert!(b - a >= 1_500, "the second call started {} ms after the first", b - a);
+    assert_eq!(stats.calls_429, 0);
+    stack.shutdown().await;
+}

@@ -14,7 +14,8 @@ use reviewlane_core::retry_hint::{headroom_pause, retry_hint};
 pub enum UpstreamOutcome {
     /// 2xx with the model's output text; `slow_down` when a rate-limit dimension is
     /// empty, so the scope pauses before a 429; the tokens billed, when reported.
-    Ok { output: String, slow_down: Option<Duration>, usage: Option<Usage> },
+    /// `meter`: what the answer's headers say of the key's limits (`core::meter`).
+    Ok { output: String, slow_down: Option<Duration>, usage: Option<Usage>, meter: Meter },
     /// 429 rate limit: retry after the provider's hint (cut to the ceiling, `capped`),
     /// else backoff.
     RateLimited { retry_after: Option<Duration>, capped: bool },
@@ -25,6 +26,9 @@ pub enum UpstreamOutcome {
     /// Other 4xx (auth, bad request): never retried.
     Permanent { status: u16 },
 }
+
+/// What an answer's headers said per metered dimension.
+pub type Meter = std::collections::BTreeMap<reviewlane_core::meter::Dimension, reviewlane_core::meter::Reading>;
 
 /// Tokens a call consumed, as the provider reports them: the same count a job is
 /// charged with.
@@ -50,6 +54,7 @@ pub fn classify(status: u16, headers: &HeaderMap, body: &[u8], now: SystemTime, 
             output: chat_output(body).unwrap_or_default(),
             slow_down: headroom_pause(headers, now, ceiling),
             usage: usage(body),
+            meter: reviewlane_core::meter::readings(headers, now),
         },
         429 if is_insufficient_quota(body) => UpstreamOutcome::QuotaExhausted,
         429 => {
@@ -91,7 +96,8 @@ pub fn classify_anthropic(
                 .as_u64()
                 .zip(u["output_tokens"].as_u64())
                 .map(|(input, output)| Usage { input, output });
-            UpstreamOutcome::Ok { output, slow_down: headroom_pause(headers, now, ceiling), usage }
+            let meter = reviewlane_core::meter::readings(headers, now);
+            UpstreamOutcome::Ok { output, slow_down: headroom_pause(headers, now, ceiling), usage, meter }
         }
         429 => {
             let hint = retry_hint(headers, now, ceiling);
@@ -167,7 +173,8 @@ mod tests {
             UpstreamOutcome::Ok {
                 output: r#"{"findings":[]}"#.into(),
                 slow_down: None,
-                usage: Some(Usage { input: 12, output: 3 })
+                usage: Some(Usage { input: 12, output: 3 }),
+                meter: Meter::new(),
             }
         );
         let text = br#"{"content":[{"type":"text","text":"{\"findings\": []}"}]}"#;
@@ -206,7 +213,12 @@ mod tests {
     fn classifies_by_status() {
         let h = HeaderMap::new();
         let ok = br#"{"choices":[{"message":{"content":"{\"findings\":[]}"}}]}"#;
-        let out = |output: &str, usage| UpstreamOutcome::Ok { output: output.into(), slow_down: None, usage };
+        let out = |output: &str, usage| UpstreamOutcome::Ok {
+            output: output.into(),
+            slow_down: None,
+            usage,
+            meter: Meter::new(),
+        };
         assert_eq!(classify(200, &h, ok), out("{\"findings\":[]}", None));
         assert_eq!(classify(200, &h, b"garbage"), out("", None));
         let billed =

@@ -307,6 +307,7 @@ impl Provider for BuiltinAnalyzer {
                 slow_down: None,
                 // No model, no tokens.
                 usage: None,
+                meter: Default::default(),
             }
         };
         futures::future::ready(outcome).boxed()

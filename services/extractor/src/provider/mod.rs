@@ -144,7 +144,7 @@ pub(crate) async fn send(
         Ok((body, false)) => classify(status, &headers, &body, now, hint_ceiling),
         Ok((_, true)) if (200..300).contains(&status) => {
             tracing::warn!(cap, "provider answer over the size cap; treated as invalid output");
-            UpstreamOutcome::Ok { output: String::new(), slow_down: None, usage: None }
+            UpstreamOutcome::Ok { output: String::new(), slow_down: None, usage: None, meter: Default::default() }
         }
         Ok((body, true)) => classify(status, &headers, &body, now, hint_ceiling),
         Err(e) if e.is_timeout() => UpstreamOutcome::Transient { status_class: "timeout" },

@@ -402,6 +402,18 @@ impl Quota {
         }
     }
 
+    /// Follows what an answer's headers said of each configured budget: a provider that
+    /// reports less than the fleet's bucket holds wins (another deployment on the account,
+    /// or traffic outside reviewlane, is absorbed within one answer).
+    pub async fn follow_readings(&self, meter: &crate::upstream::Meter) {
+        for (dim, capacity) in self.budgets.iter().copied() {
+            let Some(reading) = meter.get(&dim) else { continue };
+            if let Err(e) = self.follow(dim, capacity, reading).await {
+                tracing::warn!(error = %e, dimension = dim.as_str(), "following the provider's reading failed");
+            }
+        }
+    }
+
     pub fn has_budgets(&self) -> bool {
         !self.budgets.is_empty()
     }

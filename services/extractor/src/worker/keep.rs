@@ -193,6 +193,10 @@ impl Worker {
     /// from it.
     pub(super) async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
         self.note(&answer);
+        let meter = match &answer {
+            Answer::Upstream { outcome: UpstreamOutcome::Ok { meter, .. }, .. } => meter.clone(),
+            _ => Default::default(),
+        };
         let used = lease.rec.attempts.congestion;
         let (verdict, effect) =
             plan::verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>());
@@ -222,6 +226,7 @@ impl Worker {
             plan::Verdict::Decided(decision) => decision,
         };
         self.learn(effect).await;
+        self.quota.follow_readings(&meter).await;
         decision
     }
 

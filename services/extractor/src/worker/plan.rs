@@ -68,7 +68,7 @@ pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f6
     };
     let status = Some(upstream.status_class().to_string());
     match upstream {
-        UpstreamOutcome::Ok { output, slow_down, usage } => {
+        UpstreamOutcome::Ok { output, slow_down, usage, .. } => {
             (Verdict::Usable { output, usage, status }, QuotaEffect::Succeeded { started_ms, pause: slow_down })
         }
         UpstreamOutcome::RateLimited { retry_after, .. } => {
@@ -208,7 +208,12 @@ mod tests {
     fn a_2xx_is_kept_and_the_key_learns_it_succeeded() {
         let usage = Tokens { input: 10, output: 2 };
         let pause = Some(Duration::from_secs(3));
-        let ok = UpstreamOutcome::Ok { output: "{}".into(), slow_down: pause, usage: Some(usage) };
+        let ok = UpstreamOutcome::Ok {
+            output: "{}".into(),
+            slow_down: pause,
+            usage: Some(usage),
+            meter: Default::default(),
+        };
         let (v, effect) = verdict(upstream(ok), 0, &Backoff::default(), 0.5);
         assert!(
             matches!(&v, Verdict::Usable { output, usage: Some(u), status: Some(s) } if output == "{}" && *u == usage && s == "2xx"),
