@@ -29,11 +29,27 @@ pub enum Dimension {
     InputTokens,
     /// Output tokens per minute (Anthropic, counted as produced).
     OutputTokens,
+    /// Tokens per day, input and output together (configured only: no provider
+    /// reports it in headers).
+    TokensPerDay,
+}
+
+/// What one call is metered for: its prompt, and its output (the output limit before
+/// it runs, what it produced after).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Cost {
+    pub input: u64,
+    pub output: u64,
 }
 
 impl Dimension {
-    pub const ALL: [Dimension; 4] =
-        [Dimension::Requests, Dimension::Tokens, Dimension::InputTokens, Dimension::OutputTokens];
+    pub const ALL: [Dimension; 5] = [
+        Dimension::Requests,
+        Dimension::Tokens,
+        Dimension::InputTokens,
+        Dimension::OutputTokens,
+        Dimension::TokensPerDay,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -41,8 +57,81 @@ impl Dimension {
             Dimension::Tokens => "tokens",
             Dimension::InputTokens => "input_tokens",
             Dimension::OutputTokens => "output_tokens",
+            Dimension::TokensPerDay => "tokens_per_day",
         }
     }
+
+    /// The name of its limit in `REVIEWLANE_KEY_BUDGETS` (the providers' own terms).
+    pub fn short(self) -> &'static str {
+        match self {
+            Dimension::Requests => "rpm",
+            Dimension::Tokens => "tpm",
+            Dimension::InputTokens => "itpm",
+            Dimension::OutputTokens => "otpm",
+            Dimension::TokensPerDay => "tpd",
+        }
+    }
+
+    /// The period its limit is metered over: a minute, or a day.
+    pub fn period(self) -> Duration {
+        match self {
+            Dimension::TokensPerDay => Duration::from_secs(86_400),
+            _ => Duration::from_secs(60),
+        }
+    }
+
+    /// What a call of `cost` takes of this dimension.
+    pub fn of(self, cost: Cost) -> u64 {
+        match self {
+            Dimension::Requests => 1,
+            Dimension::Tokens | Dimension::TokensPerDay => cost.input + cost.output,
+            Dimension::InputTokens => cost.input,
+            Dimension::OutputTokens => cost.output,
+        }
+    }
+
+    /// Which dimension a 429's error message names, if any (OpenAI: "on tokens per min
+    /// (TPM)", error type `tokens`; Anthropic: "... input tokens per minute").
+    pub fn named_in(message: &str) -> Option<Dimension> {
+        let m = message.to_ascii_lowercase();
+        [
+            ("input tokens per minute", Dimension::InputTokens),
+            ("output tokens per minute", Dimension::OutputTokens),
+            ("tokens per day", Dimension::TokensPerDay),
+            ("(tpd)", Dimension::TokensPerDay),
+            ("tokens per min", Dimension::Tokens),
+            ("(tpm)", Dimension::Tokens),
+            ("requests per min", Dimension::Requests),
+            ("(rpm)", Dimension::Requests),
+        ]
+        .into_iter()
+        .find(|(needle, _)| m.contains(needle))
+        .map(|(_, d)| d)
+    }
+}
+
+/// A key's configured limits, as `REVIEWLANE_KEY_BUDGETS` gives them: comma-separated
+/// `name=limit` pairs with the providers' names (`rpm`, `tpm`, `itpm`, `otpm`, `tpd`),
+/// each at most once, each positive. `Err` names what is wrong, never a value.
+pub fn parse_budgets(text: &str) -> Result<Vec<(Dimension, u64)>, String> {
+    let mut out: Vec<(Dimension, u64)> = Vec::new();
+    for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, limit) = pair.split_once('=').ok_or("each budget is name=limit")?;
+        let dim = Dimension::ALL
+            .into_iter()
+            .find(|d| d.short() == name.trim())
+            .ok_or("a budget's name is one of rpm, tpm, itpm, otpm, tpd")?;
+        let limit: u64 = limit.trim().parse().map_err(|_| "a budget's limit is a whole number")?;
+        if limit == 0 {
+            return Err(format!("the {} budget must be positive", dim.short()));
+        }
+        if out.iter().any(|(d, _)| *d == dim) {
+            return Err(format!("the {} budget is given twice", dim.short()));
+        }
+        out.push((dim, limit));
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// What an answer said about one dimension.
@@ -104,6 +193,35 @@ pub fn readings(h: &HeaderMap, now: SystemTime) -> BTreeMap<Dimension, Reading> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budgets_are_named_pairs_each_once_and_positive() {
+        assert_eq!(
+            parse_budgets("tpm=48000, rpm=20,tpd=1000000").unwrap(),
+            vec![(Dimension::Requests, 20), (Dimension::Tokens, 48_000), (Dimension::TokensPerDay, 1_000_000)]
+        );
+        assert_eq!(
+            parse_budgets("itpm=40000,otpm=8000").unwrap(),
+            vec![(Dimension::InputTokens, 40_000), (Dimension::OutputTokens, 8_000)]
+        );
+        assert_eq!(parse_budgets("").unwrap(), vec![]);
+        for bad in ["tpm", "tpm=0", "tpm=1k", "tps=4", "rpm=1,rpm=2"] {
+            assert!(parse_budgets(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_429_message_names_its_dimension() {
+        let openai = "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000";
+        assert_eq!(Dimension::named_in(openai), Some(Dimension::Tokens));
+        assert_eq!(Dimension::named_in("... on requests per min (RPM): Limit 3"), Some(Dimension::Requests));
+        assert_eq!(Dimension::named_in("... on tokens per day (TPD): Limit 90000"), Some(Dimension::TokensPerDay));
+        let anthropic =
+            "This request would exceed the rate limit for your organization of 50,000 input tokens per minute.";
+        assert_eq!(Dimension::named_in(anthropic), Some(Dimension::InputTokens));
+        assert_eq!(Dimension::named_in("... 8,000 output tokens per minute"), Some(Dimension::OutputTokens));
+        assert_eq!(Dimension::named_in("Too many concurrent requests"), None);
+    }
 
     fn h(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut m = HeaderMap::new();

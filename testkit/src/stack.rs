@@ -74,8 +74,7 @@ struct ExtractorKnobs {
     lease: Duration,
     concurrency: usize,
     key_limit: u32,
-    key_rpm: Option<u64>,
-    key_tpm: Option<u64>,
+    key_budgets: Vec<(reviewlane_core::meter::Dimension, u64)>,
     heartbeat: Duration,
     grace: Duration,
     faults: reviewlane_shared::faults::Faults,
@@ -118,9 +117,8 @@ pub struct StackOptions {
     pub extractors: usize,
     /// Calls in flight per quota scope, summed over replicas.
     pub key_limit: u32,
-    /// The key's requests and tokens per minute (`REVIEWLANE_KEY_RPM`, `_TPM`).
-    pub key_rpm: Option<u64>,
-    pub key_tpm: Option<u64>,
+    /// The key's configured budgets (`REVIEWLANE_KEY_BUDGETS`).
+    pub key_budgets: Vec<(reviewlane_core::meter::Dimension, u64)>,
     pub heartbeat: Duration,
     pub shutdown_grace: Duration,
     /// Admission policy of the interactive lane, and the sampling period.
@@ -158,8 +156,7 @@ impl Default for StackOptions {
             lane_max_messages: None,
             extractors: 1,
             key_limit: 8,
-            key_rpm: None,
-            key_tpm: None,
+            key_budgets: Vec::new(),
             heartbeat: Duration::from_millis(200),
             shutdown_grace: Duration::from_secs(2),
             interactive_policy: None,
@@ -277,8 +274,7 @@ impl Stack {
             lease: opts.lease,
             concurrency: opts.extractor_concurrency,
             key_limit: opts.key_limit,
-            key_rpm: opts.key_rpm,
-            key_tpm: opts.key_tpm,
+            key_budgets: opts.key_budgets.clone(),
             heartbeat: opts.heartbeat,
             grace: opts.shutdown_grace,
             faults: opts.faults.clone(),
@@ -378,8 +374,7 @@ impl Stack {
         xc.results.prices = self.opts.prices.clone();
         xc.scheduling.concurrency = self.opts.concurrency;
         xc.quota.key_limit = self.opts.key_limit;
-        xc.quota.requests_per_minute = self.opts.key_rpm;
-        xc.quota.tokens_per_minute = self.opts.key_tpm;
+        xc.quota.budgets = self.opts.key_budgets.clone();
         xc.quota.heartbeat = self.opts.heartbeat;
         xc.retry.backoff.base = Duration::from_millis(200);
         xc.retry.backoff.cap = Duration::from_secs(2);

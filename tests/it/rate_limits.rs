@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use reviewlane_api::proto::JobState;
+use reviewlane_core::meter::{Dimension, Reading};
 use reviewlane_core::region::Region;
 use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
@@ -239,7 +240,6 @@ async fn a_provider_answer_over_the_size_cap_is_never_read_whole() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_on_one_key_never_take_more_than_its_token_bucket_holds() {
     use reviewlane_core::clock::ManualClock;
-    use reviewlane_core::meter::{Dimension, Reading};
     use reviewlane_extractor::quota::bucket::Refused;
     use reviewlane_extractor::quota::{KeyConfig, Quota};
     let nats = reviewlane_shared::testing::NatsServer::start_provisioned(reviewlane_shared::Region::Us).await;
@@ -308,7 +308,8 @@ async fn two_replicas_on_one_key_never_take_more_than_its_token_bucket_holds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_requests_per_minute_budget_paces_calls_without_a_429_a_lease_or_a_retry() {
     // Three requests a minute: three calls at once, then one every 20 s.
-    let stack = Stack::start_with(StackOptions { key_rpm: Some(3), ..Default::default() }).await;
+    let stack =
+        Stack::start_with(StackOptions { key_budgets: vec![(Dimension::Requests, 3)], ..Default::default() }).await;
     let mut client = stack.client().await;
     let mut ids = Vec::new();
     for i in 0..5 {
@@ -355,11 +356,13 @@ async fn a_requests_per_minute_budget_paces_calls_without_a_429_a_lease_or_a_ret
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tokens_per_minute_reservation_is_corrected_to_the_answers_usage() {
-    // A call reserves its prompt and the 4,096-token output limit (OpenAI counts it at
-    // start); the simulated provider reports 150 tokens used. 13,000 a minute holds three
+    // A call reserves its prompt (with the ~700 tokens of instructions and schema) and
+    // the 4,096-token output limit (OpenAI counts it at start), about 4,800; the
+    // simulated provider reports 150 tokens used. 15,000 a minute holds three
     // reservations: corrected by usage, each answer frees room for the next call at
-    // once. Uncorrected, the fourth would wait about 18 s for the refill.
-    let stack = Stack::start_with(StackOptions { key_tpm: Some(13_000), ..Default::default() }).await;
+    // once. Uncorrected, the fourth would wait about 17 s for the refill.
+    let stack =
+        Stack::start_with(StackOptions { key_budgets: vec![(Dimension::Tokens, 15_000)], ..Default::default() }).await;
     let mut client = stack.client().await;
     let started = std::time::Instant::now();
     let mut ids = Vec::new();
@@ -381,7 +384,8 @@ async fn a_provider_reporting_fewer_tokens_left_than_the_bucket_holds_wins() {
     // 120,000 tokens a minute (2,000 a second) configured; the provider's answers say
     // only 1,000 remain (another deployment on the account used the rest). The next
     // call (about 4,200 tokens) waits for the refill instead of being sent for a 429.
-    let stack = Stack::start_with(StackOptions { key_tpm: Some(120_000), ..Default::default() }).await;
+    let stack =
+        Stack::start_with(StackOptions { key_budgets: vec![(Dimension::Tokens, 120_000)], ..Default::default() }).await;
     stack.us.provider.set_answer_headers(vec![
         ("x-ratelimit-limit-tokens".into(), "120000".into()),
         ("x-ratelimit-remaining-tokens".into(), "1000".into()),
@@ -397,4 +401,69 @@ async fn a_provider_reporting_fewer_tokens_left_than_the_bucket_holds_wins() {
     assert!(b - a >= 1_500, "the second call started {} ms after the first", b - a);
     assert_eq!(stats.calls_429, 0);
     stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unconfigured_limit_is_learned_from_the_headers_and_paces_the_next_calls() {
+    // No budget configured. The provider says it allows 60 requests a minute and that
+    // none remain: after the first answer the fleet's requests bucket exists (60, one a
+    // second) and is empty, so each later call waits its second instead of a 429.
+    let stack = Stack::start_with(StackOptions::default()).await;
+    stack.us.provider.set_answer_headers(vec![
+        ("x-ratelimit-limit-requests".into(), "60".into()),
+        ("x-ratelimit-remaining-requests".into(), "0".into()),
+    ]);
+    let mut client = stack.client().await;
+    let first = submit(&mut client, US_KEY, "learn-0", &sample_diff("learn 0")).await.job_id;
+    assert_eq!(wait_final(&mut client, US_KEY, &first).await.state, JobState::Published as i32);
+    let mut ids = Vec::new();
+    for i in 1..4 {
+        ids.push(submit(&mut client, US_KEY, &format!("learn-{i}"), &sample_diff(&format!("learn {i}"))).await.job_id);
+    }
+    for id in &ids {
+        assert_eq!(wait_final(&mut client, US_KEY, id).await.state, JobState::Published as i32);
+    }
+    let stats = stack.us.provider.stats();
+    let mut starts: Vec<u64> = ids.iter().map(|id| stats.call_times_ms[id][0]).collect();
+    starts.sort();
+    for pair in starts.windows(2) {
+        assert!(pair[1] - pair[0] >= 900, "calls {} ms apart: {starts:?}", pair[1] - pair[0]);
+    }
+    assert_eq!((stats.total_calls, stats.calls_429), (4, 0));
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_429_empties_its_bucket_and_a_racing_429_keeps_the_window() {
+    use reviewlane_extractor::quota::{KeyConfig, Limited, Quota};
+    let nats = reviewlane_shared::testing::NatsServer::start_provisioned(reviewlane_shared::Region::Us).await;
+    let s = crate::manual::stores(nats.url(), reviewlane_shared::Region::Us, reviewlane_core::clock::system()).await;
+    let clock = reviewlane_core::clock::ManualClock::at(1_000_000);
+    let key = KeyConfig {
+        key: "openai.default".into(),
+        limit: 8,
+        tenant_limits: Default::default(),
+        weights: Default::default(),
+    };
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let (hb, probe) = (Duration::from_secs(1), Duration::from_secs(60));
+    let q = Quota::new(s.layout.quota.clone(), client, key, hb, probe, clock.clone())
+        .with_budgets(vec![(Dimension::Tokens, 48_000)]);
+    for _ in 0..6 {
+        q.succeeded(q.now_ms()).await;
+    }
+    assert_eq!(q.fleet_window(), 8);
+    let pause = Duration::from_millis(10);
+    // A 429 of the tokens bucket: the bucket is empty, the window untouched.
+    let limited = |bucket, in_flight| Limited { pause, started_ms: q.now_ms(), in_flight: Some(in_flight), bucket };
+    q.rate_limited(limited(Some(Dimension::Tokens), 8)).await.unwrap();
+    assert_eq!(q.fleet_window(), 8);
+    assert!(q.bucket_level(Dimension::Tokens, 48_000).await.unwrap() <= 0.0);
+    // Twelve calls were running when the refused one started: replicas racing.
+    clock.advance(Duration::from_secs(1));
+    q.rate_limited(limited(None, 12)).await.unwrap();
+    assert_eq!(q.fleet_window(), 8, "a race keeps the level");
+    // At the window, the level does not hold.
+    q.rate_limited(limited(None, 8)).await.unwrap();
+    assert_eq!(q.fleet_window(), 4);
 }

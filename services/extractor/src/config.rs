@@ -174,11 +174,10 @@ pub struct QuotaSettings {
     pub circuit_open_for: Duration,
     /// Longest provider retry hint honoured; longer ones are cut to this and counted.
     pub hint_ceiling: Duration,
-    /// The key's requests per minute, when the account meters them.
-    pub requests_per_minute: Option<u64>,
-    /// The key's tokens per minute (prompt and output limit, counted at start), when the
-    /// account meters them.
-    pub tokens_per_minute: Option<u64>,
+    /// The key's configured limits per metered dimension (requests, tokens, input and
+    /// output tokens per minute, tokens per day); the others are learned from the
+    /// answers' headers.
+    pub budgets: Vec<(reviewlane_core::meter::Dimension, u64)>,
 }
 
 /// How this process takes work: its call slots, its lease, and the lanes' shares.
@@ -239,18 +238,8 @@ impl QuotaSettings {
             probe_every: Duration::from_secs(60),
             circuit_open_for: Duration::from_secs(600),
             hint_ceiling: Duration::from_secs(300),
-            requests_per_minute: None,
-            tokens_per_minute: None,
+            budgets: Vec::new(),
         }
-    }
-
-    /// The key's budgets calls reserve from.
-    pub fn budgets(&self) -> Vec<(reviewlane_core::meter::Dimension, u64)> {
-        use reviewlane_core::meter::Dimension;
-        [(Dimension::Requests, self.requests_per_minute), (Dimension::Tokens, self.tokens_per_minute)]
-            .into_iter()
-            .filter_map(|(d, l)| Some((d, l?)))
-            .collect()
     }
 
     fn read(r: &mut Reader<'_>, model: &str) -> Self {
@@ -262,13 +251,15 @@ impl QuotaSettings {
             heartbeat: Duration::from_millis(r.or(env::HEARTBEAT_MS, 1000, "milliseconds")),
             circuit_open_for: Duration::from_secs(r.or(env::QUOTA_CIRCUIT_SECS, 600, "whole seconds")),
             hint_ceiling: Duration::from_secs(r.or(env::HINT_CEILING_SECS, 300, "whole seconds")),
-            requests_per_minute: r.optional(env::KEY_RPM, "requests per minute"),
-            tokens_per_minute: r.optional(env::KEY_TPM, "tokens per minute"),
+            budgets: match reviewlane_core::meter::parse_budgets(&r.raw(env::KEY_BUDGETS).unwrap_or_default()) {
+                Ok(b) => b,
+                Err(e) => {
+                    r.error(format!("{}: {e}", env::KEY_BUDGETS));
+                    Vec::new()
+                }
+            },
             ..d
         };
-        if q.requests_per_minute == Some(0) || q.tokens_per_minute == Some(0) {
-            r.error("REVIEWLANE_KEY_RPM and REVIEWLANE_KEY_TPM must be positive when set");
-        }
         if q.heartbeat.is_zero() {
             r.error("REVIEWLANE_HEARTBEAT_MS must be positive");
         }
@@ -433,7 +424,7 @@ impl ExtractorConfig {
         let retry = RetrySettings::read(&mut r);
         let mut parts = read_parts(&mut r, &provider);
         if provider.is_some()
-            && let Err(e) = fit_parts_to_budget(&mut parts, quota.tokens_per_minute, p_output(&provider))
+            && let Err(e) = fit_parts_to_budget(&mut parts, &quota.budgets, p_output(&provider))
         {
             r.error(e);
         }
@@ -563,17 +554,38 @@ fn p_output(provider: &Option<ProviderConfig>) -> u32 {
     provider.as_ref().map_or(0, ProviderConfig::output_reserve)
 }
 
-/// Caps a part so that it fits the key's token budget (`tpm`) with the call's output
+/// Caps a part so that one call fits each of the key's token budgets with what every
+/// call sends besides the diff and, where the budget counts it at start, the output
 /// limit: a part that does not could never run. `Err` when no part could.
-pub fn fit_parts_to_budget(parts: &mut PartConfig, tpm: Option<u64>, output: u32) -> Result<(), String> {
-    let Some(tpm) = tpm else { return Ok(()) };
+pub fn fit_parts_to_budget(
+    parts: &mut PartConfig,
+    budgets: &[(reviewlane_core::meter::Dimension, u64)],
+    output: u32,
+) -> Result<(), String> {
+    use reviewlane_core::meter::Dimension;
     let output = u64::from(output);
-    let Some(room) = tpm.checked_sub(output).filter(|room| *room > 0) else {
-        return Err(format!("REVIEWLANE_KEY_TPM must exceed the output limit of a call ({output} tokens)"));
-    };
-    let fill = parts.plan.limits.fill_percent.max(1);
-    let cap = usize::try_from(room).unwrap_or(usize::MAX).saturating_mul(100) / fill;
-    parts.plan.limits.max_tokens = parts.plan.limits.max_tokens.min(cap);
+    let fixed = crate::tokenizer::counter(parts.plan.tokenizer).tokens(&crate::provider::fixed_prompt()) as u64;
+    for &(dim, limit) in budgets {
+        let beside = match dim {
+            Dimension::Requests => continue,
+            Dimension::OutputTokens if output < limit => continue,
+            Dimension::OutputTokens => 0,
+            Dimension::InputTokens => fixed,
+            Dimension::Tokens | Dimension::TokensPerDay => fixed + output,
+        };
+        let Some(room) = limit.checked_sub(beside.max(1)).filter(|room| *room > 0 && dim != Dimension::OutputTokens)
+        else {
+            return Err(format!(
+                "the {} budget in {} must exceed what one call takes besides its diff ({beside} tokens: \
+                 the instructions and schema, and the output limit where it is counted)",
+                dim.short(),
+                env::KEY_BUDGETS
+            ));
+        };
+        let fill = parts.plan.limits.fill_percent.max(1);
+        let cap = usize::try_from(room).unwrap_or(usize::MAX).saturating_mul(100) / fill;
+        parts.plan.limits.max_tokens = parts.plan.limits.max_tokens.min(cap);
+    }
     Ok(())
 }
 
@@ -711,14 +723,24 @@ mod tests {
             pairs.extend_from_slice(budgets);
             ExtractorConfig::from_env(&env(&pairs))
         };
-        let c = openai(&[(env::KEY_TPM, "20000"), (env::KEY_RPM, "30")]).unwrap();
+        let c = openai(&[(env::KEY_BUDGETS, "tpm=20000,rpm=30")]).unwrap();
         let budget = c.parts.plan.limits.budget() as u64;
-        assert!(budget + 4096 <= 20_000 && budget > 15_000, "part budget {budget}");
+        let fixed = crate::tokenizer::counter(c.parts.plan.tokenizer).tokens(&crate::provider::fixed_prompt()) as u64;
+        assert!(fixed > 100, "the instructions and schema are counted: {fixed}");
+        assert!(budget + fixed + 4096 <= 20_000 && budget > 14_000, "part budget {budget}");
         use reviewlane_core::meter::Dimension;
-        assert_eq!(c.quota.budgets(), vec![(Dimension::Requests, 30), (Dimension::Tokens, 20_000)]);
+        assert_eq!(c.quota.budgets, vec![(Dimension::Requests, 30), (Dimension::Tokens, 20_000)]);
+        // An input budget caps the prompt without the output limit.
+        let c = openai(&[(env::KEY_BUDGETS, "itpm=20000,otpm=8000")]).unwrap();
+        let budget = c.parts.plan.limits.budget() as u64;
+        assert!(budget + fixed <= 20_000 && budget + fixed + 4096 > 20_000, "part budget {budget}");
         // A budget no larger than one call's output limit could never run a call.
-        let e = openai(&[(env::KEY_TPM, "4000")]).unwrap_err();
-        assert!(e.to_string().contains("REVIEWLANE_KEY_TPM"), "{e}");
+        for never in ["tpm=4000", "otpm=4000"] {
+            let e = openai(&[(env::KEY_BUDGETS, never)]).unwrap_err();
+            assert!(e.to_string().contains("REVIEWLANE_KEY_BUDGETS"), "{e}");
+        }
+        let e = openai(&[(env::KEY_BUDGETS, "tpm=lots")]).unwrap_err();
+        assert!(e.to_string().contains("REVIEWLANE_KEY_BUDGETS"), "{e}");
     }
 
     #[test]

@@ -22,8 +22,7 @@ pub const ANTHROPIC_MAX_TOKENS: &str = "REVIEWLANE_ANTHROPIC_MAX_TOKENS";
 pub const MODEL_CLASS: &str = "REVIEWLANE_MODEL_CLASS";
 pub const KEY_LIMIT: &str = "REVIEWLANE_KEY_LIMIT";
 pub const KEY_ID: &str = "REVIEWLANE_KEY_ID";
-pub const KEY_RPM: &str = "REVIEWLANE_KEY_RPM";
-pub const KEY_TPM: &str = "REVIEWLANE_KEY_TPM";
+pub const KEY_BUDGETS: &str = "REVIEWLANE_KEY_BUDGETS";
 pub const HEARTBEAT_MS: &str = "REVIEWLANE_HEARTBEAT_MS";
 pub const QUOTA_CIRCUIT_SECS: &str = "REVIEWLANE_QUOTA_CIRCUIT_SECS";
 pub const INTERACTIVE_WAIT_LIMIT_SECS: &str = "REVIEWLANE_INTERACTIVE_WAIT_LIMIT_SECS";
@@ -50,6 +49,8 @@ pub const FINDINGS_CAP: &str = "REVIEWLANE_FINDINGS_CAP";
 
 /// Names the extractor read before and no longer does, with where they went.
 pub const RETIRED: common::Retired = &[
+    ("REVIEWLANE_KEY_RPM", "the key's requests per minute are `rpm=` in REVIEWLANE_KEY_BUDGETS"),
+    ("REVIEWLANE_KEY_TPM", "the key's tokens per minute are `tpm=` in REVIEWLANE_KEY_BUDGETS"),
     ("REVIEWLANE_PROBE_EVERY_SECS", "a window probes after 60 s without a 429"),
     ("REVIEWLANE_RECONCILE_EVERY_SECS", "the reconciler runs every 30 s"),
     ("REVIEWLANE_BATCH_BACKOFF_BASE_MS", "the batch lane backs off as REVIEWLANE_BACKOFF_BASE_MS says"),
@@ -77,8 +78,7 @@ pub const OWN: &[&str] = &[
     MODEL_CLASS,
     KEY_LIMIT,
     KEY_ID,
-    KEY_RPM,
-    KEY_TPM,
+    KEY_BUDGETS,
     HEARTBEAT_MS,
     QUOTA_CIRCUIT_SECS,
     INTERACTIVE_WAIT_LIMIT_SECS,

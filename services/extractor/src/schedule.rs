@@ -181,8 +181,8 @@ pub struct LaneLoop {
     pub cost: CallCost,
 }
 
-/// The tokens a review message's call will be metered for.
-pub type CallCost = Arc<dyn Fn(&[u8]) -> u64 + Send + Sync>;
+/// What a review message's call will be metered for.
+pub type CallCost = Arc<dyn Fn(&[u8]) -> reviewlane_core::meter::Cost + Send + Sync>;
 
 /// What a started message needs to run.
 pub struct Admitted {
@@ -190,8 +190,8 @@ pub struct Admitted {
     pub scope: Scope,
     pub slot: Slot,
     pub running: ScopeGuard,
-    /// The tokens reserved for its call in the key's budgets, if any.
-    pub reserved: Option<u64>,
+    /// What its call reserved in the key's budgets, if any.
+    pub reserved: Option<crate::quota::Reservation>,
 }
 
 /// What a loop hands the worker.
@@ -412,13 +412,16 @@ async fn admit(
 /// Reserves the message's call in the key's budgets; `Err`: how long until they have
 /// room. A call larger than a whole budget goes ahead unreserved (logged): the part
 /// budget is capped so that it cannot happen, and the provider still answers 429.
-async fn reserve(l: &LaneLoop, msg: &jetstream::Message, quota: &Quota) -> Result<Option<u64>, Duration> {
+async fn reserve(
+    l: &LaneLoop,
+    msg: &jetstream::Message,
+    quota: &Quota,
+) -> Result<Option<crate::quota::Reservation>, Duration> {
     if !quota.has_budgets() {
         return Ok(None);
     }
-    let tokens = (l.cost)(&msg.payload);
-    match quota.reserve_call(tokens).await {
-        Ok(()) => Ok(Some(tokens)),
+    match quota.reserve_call((l.cost)(&msg.payload)).await {
+        Ok(reserved) => Ok(Some(reserved)),
         Err(crate::quota::bucket::Refused::Wait(wait)) => Err(wait),
         Err(crate::quota::bucket::Refused::TooLarge { capacity }) => {
             tracing::error!(capacity, "a call larger than the key's whole budget; sent unreserved");

@@ -55,7 +55,7 @@ pub async fn build_with_provider(
 ) -> Result<App, StartError> {
     reviewlane_shared::startup::log_notices(&config.notices);
     let output = config.provider.output_reserve();
-    crate::config::fit_parts_to_budget(&mut config.parts, config.quota.tokens_per_minute, output)
+    crate::config::fit_parts_to_budget(&mut config.parts, &config.quota.budgets, output)
         .map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
     reviewlane_core::findings::warm_up();
     let provider = provider.unwrap_or_else(|| provider_of(&config));
@@ -86,7 +86,7 @@ pub async fn build_with_provider(
     let q = &config.quota;
     let quota =
         Quota::new(conn.layout.quota.clone(), conn.client.clone(), key, q.heartbeat, q.probe_every, clock.clone())
-            .with_budgets(q.budgets());
+            .with_budgets(q.budgets.clone());
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
     let client = conn.client.clone();
     let worker = Arc::new(Worker {
@@ -177,24 +177,26 @@ async fn lane_loops(
     Ok((loops, key))
 }
 
-/// What a review's call is metered for: the prompt's tokens (one part's at most, as a
-/// split review calls one part per delivery) and the output limit the provider counts
-/// when the call starts.
+/// What a review's call is metered for: its input — the prompt's tokens (one part's at
+/// most, as a split review calls one part at a time) and what every call sends besides
+/// the diff — and the output limit the provider counts when the call starts.
 fn call_cost(config: &ExtractorConfig) -> crate::schedule::CallCost {
+    use reviewlane_core::meter::Cost;
     let plan = config.parts.plan;
     let output = u64::from(config.provider.output_reserve());
+    let fixed = crate::tokenizer::counter(plan.tokenizer).tokens(&crate::provider::fixed_prompt()) as u64;
     Arc::new(move |payload: &[u8]| {
+        let at_most = Cost { input: fixed + plan.limits.budget() as u64, output };
         let Ok(review) = serde_json::from_slice::<reviewlane_core::messages::ReviewMessage>(payload) else {
-            return output;
+            return at_most;
         };
-        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return output };
+        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return at_most };
         let prompt = crate::provider::prompt_diff(&review, &diff);
-        let tokens = if prompt.len() <= plan.limits.budget() && prompt.len() < 4 * 1024 * 1024 {
-            crate::tokenizer::counter(plan.tokenizer).tokens(&prompt)
-        } else {
-            plan.limits.budget()
-        };
-        (tokens.min(plan.limits.budget()) as u64) + output
+        if prompt.len() > plan.limits.budget() || prompt.len() >= 4 * 1024 * 1024 {
+            return at_most;
+        }
+        let tokens = crate::tokenizer::counter(plan.tokenizer).tokens(&prompt).min(plan.limits.budget());
+        Cost { input: fixed + tokens as u64, output }
     })
 }
 

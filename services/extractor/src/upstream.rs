@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use http::HeaderMap;
 
+use reviewlane_core::meter::Dimension;
 use reviewlane_core::retry_hint::{headroom_pause, retry_hint};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,8 +18,9 @@ pub enum UpstreamOutcome {
     /// `meter`: what the answer's headers say of the key's limits (`core::meter`).
     Ok { output: String, slow_down: Option<Duration>, usage: Option<Usage>, meter: Meter },
     /// 429 rate limit: retry after the provider's hint (cut to the ceiling, `capped`),
-    /// else backoff.
-    RateLimited { retry_after: Option<Duration>, capped: bool },
+    /// else backoff. `dimension`: the metered dimension it names (its error message, or
+    /// a dimension its headers say is empty); `meter`: what its headers say.
+    RateLimited { retry_after: Option<Duration>, capped: bool, dimension: Option<Dimension>, meter: Meter },
     /// 429 `insufficient_quota`: the account is out of money; retrying cannot help.
     QuotaExhausted,
     /// 408, 5xx, timeout, connection reset.
@@ -57,10 +59,7 @@ pub fn classify(status: u16, headers: &HeaderMap, body: &[u8], now: SystemTime, 
             meter: reviewlane_core::meter::readings(headers, now),
         },
         429 if is_insufficient_quota(body) => UpstreamOutcome::QuotaExhausted,
-        429 => {
-            let hint = retry_hint(headers, now, ceiling);
-            UpstreamOutcome::RateLimited { retry_after: hint.map(|h| h.delay), capped: hint.is_some_and(|h| h.capped) }
-        }
+        429 => rate_limited(headers, body, now, ceiling),
         408 => UpstreamOutcome::Transient { status_class: "408" },
         500..=599 => UpstreamOutcome::Transient { status_class: "5xx" },
         s => UpstreamOutcome::Permanent { status: s },
@@ -99,14 +98,32 @@ pub fn classify_anthropic(
             let meter = reviewlane_core::meter::readings(headers, now);
             UpstreamOutcome::Ok { output, slow_down: headroom_pause(headers, now, ceiling), usage, meter }
         }
-        429 => {
-            let hint = retry_hint(headers, now, ceiling);
-            UpstreamOutcome::RateLimited { retry_after: hint.map(|h| h.delay), capped: hint.is_some_and(|h| h.capped) }
-        }
+        429 => rate_limited(headers, body, now, ceiling),
         529 => UpstreamOutcome::Transient { status_class: "529" },
         408 => UpstreamOutcome::Transient { status_class: "408" },
         500..=599 => UpstreamOutcome::Transient { status_class: "5xx" },
         s => UpstreamOutcome::Permanent { status: s },
+    }
+}
+
+/// A 429 of either API: its hint, its headers' readings, and the metered dimension it
+/// was refused for — named by the error (OpenAI's `type` `tokens`/`requests` or its
+/// message, Anthropic's message), else the first dimension its headers report empty.
+fn rate_limited(headers: &HeaderMap, body: &[u8], now: SystemTime, ceiling: Duration) -> UpstreamOutcome {
+    let hint = retry_hint(headers, now, ceiling);
+    let meter = reviewlane_core::meter::readings(headers, now);
+    let error = serde_json::from_slice::<serde_json::Value>(body).unwrap_or_default();
+    let named = match error["error"]["type"].as_str() {
+        Some("tokens") => Some(Dimension::Tokens),
+        Some("requests") => Some(Dimension::Requests),
+        _ => error["error"]["message"].as_str().and_then(Dimension::named_in),
+    };
+    let empty = || meter.iter().find(|(_, r)| r.remaining == Some(0)).map(|(d, _)| *d);
+    UpstreamOutcome::RateLimited {
+        retry_after: hint.map(|h| h.delay),
+        capped: hint.is_some_and(|h| h.capped),
+        dimension: named.or_else(empty),
+        meter,
     }
 }
 
@@ -183,10 +200,13 @@ mod tests {
         );
         let mut h = HeaderMap::new();
         h.insert("retry-after", "7".parse().unwrap());
-        assert_eq!(
-            classify_anthropic(429, &h, b"{}", now, ceiling),
-            UpstreamOutcome::RateLimited { retry_after: Some(Duration::from_secs(7)), capped: false }
-        );
+        assert_eq!(classify_anthropic(429, &h, b"{}", now, ceiling), limited(Some(Duration::from_secs(7)), false));
+        // Anthropic's message names the bucket that is empty.
+        let input = br#"{"type":"error","error":{"type":"rate_limit_error","message":"This request would exceed the rate limit for your organization of 50,000 input tokens per minute."}}"#;
+        assert!(matches!(
+            classify_anthropic(429, &none, input, now, ceiling),
+            UpstreamOutcome::RateLimited { dimension: Some(Dimension::InputTokens), .. }
+        ));
         assert_eq!(
             classify_anthropic(529, &none, b"{}", now, ceiling),
             UpstreamOutcome::Transient { status_class: "529" }
@@ -204,6 +224,10 @@ mod tests {
     }
 
     const CEIL: Duration = Duration::from_secs(300);
+
+    fn limited(retry_after: Option<Duration>, capped: bool) -> UpstreamOutcome {
+        UpstreamOutcome::RateLimited { retry_after, capped, dimension: None, meter: Meter::new() }
+    }
 
     fn classify(status: u16, h: &HeaderMap, body: &[u8]) -> UpstreamOutcome {
         super::classify(status, h, body, SystemTime::now(), CEIL)
@@ -224,15 +248,12 @@ mod tests {
         let billed =
             br#"{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":120,"completion_tokens":7}}"#;
         assert_eq!(classify(200, &h, billed), out("x", Some(Usage { input: 120, output: 7 })));
-        assert_eq!(classify(429, &h, b"{}"), UpstreamOutcome::RateLimited { retry_after: None, capped: false });
+        assert_eq!(classify(429, &h, b"{}"), limited(None, false));
         assert_eq!(
             classify(429, &headers(&[("retry-after", "2")]), b"{}"),
-            UpstreamOutcome::RateLimited { retry_after: Some(Duration::from_secs(2)), capped: false }
+            limited(Some(Duration::from_secs(2)), false)
         );
-        assert_eq!(
-            classify(429, &headers(&[("retry-after", "3600")]), b"{}"),
-            UpstreamOutcome::RateLimited { retry_after: Some(CEIL), capped: true }
-        );
+        assert_eq!(classify(429, &headers(&[("retry-after", "3600")]), b"{}"), limited(Some(CEIL), true));
         let empty = headers(&[("x-ratelimit-remaining-requests", "0"), ("x-ratelimit-reset-requests", "1s")]);
         assert!(
             matches!(classify(200, &empty, ok), UpstreamOutcome::Ok { slow_down: Some(d), .. } if d == Duration::from_secs(1))
@@ -249,6 +270,26 @@ mod tests {
         assert_eq!(classify(429, &HeaderMap::new(), body), UpstreamOutcome::QuotaExhausted);
         let body = br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
         assert!(matches!(classify(429, &HeaderMap::new(), body), UpstreamOutcome::RateLimited { .. }));
+    }
+
+    #[test]
+    fn a_429_names_the_bucket_it_was_refused_for() {
+        let dimension = |h: &HeaderMap, body: &[u8]| match classify(429, h, body) {
+            UpstreamOutcome::RateLimited { dimension, .. } => dimension,
+            other => panic!("{other:?}"),
+        };
+        let none = HeaderMap::new();
+        let tokens = br#"{"error":{"message":"Rate limit reached for gpt-4o on tokens per min (TPM): Limit 30000, Used 28000, Requested 4000.","type":"tokens","code":"rate_limit_exceeded"}}"#;
+        assert_eq!(dimension(&none, tokens), Some(Dimension::Tokens));
+        let requests = br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
+        assert_eq!(dimension(&none, requests), Some(Dimension::Requests));
+        // No word of it in the body: the headers say which is empty.
+        let empty = headers(&[("x-ratelimit-remaining-requests", "12"), ("x-ratelimit-remaining-tokens", "0")]);
+        assert_eq!(dimension(&empty, b"{}"), Some(Dimension::Tokens));
+        // A concurrency 429 names none: the window decides.
+        assert_eq!(dimension(&none, b"{}"), None);
+        let UpstreamOutcome::RateLimited { meter, .. } = classify(429, &empty, b"{}") else { unreachable!() };
+        assert_eq!(meter[&Dimension::Tokens].remaining, Some(0), "its readings are kept for the buckets");
     }
 
     #[test]

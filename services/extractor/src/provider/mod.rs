@@ -65,6 +65,19 @@ pub(crate) fn instructions(req: &ProviderRequest<'_>) -> String {
     text
 }
 
+/// Everything a call sends besides the diff, at its longest: every instruction and the
+/// largest findings schema (what the token budgets reserve on top of the diff's tokens;
+/// the answer's usage corrects the estimate).
+pub fn fixed_prompt() -> String {
+    let schema = reviewlane_core::findings::known_schemas()
+        .into_iter()
+        .filter_map(reviewlane_core::findings::schema_document)
+        .map(|d| d.to_string())
+        .max_by_key(String::len)
+        .unwrap_or_default();
+    [openai::SYSTEM_PROMPT, openai::CHANGED_HUNKS_PROMPT, openai::V2_PROMPT, openai::PART_PROMPT, &schema].join(" ")
+}
+
 /// Status of a request the adapter refuses to send (another region's content).
 pub const REFUSED_OTHER_REGION: u16 = 421;
 

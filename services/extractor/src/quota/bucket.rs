@@ -1,6 +1,6 @@
 //! One metered dimension of a provider key (requests, tokens, input or output tokens
-//! per minute) as a token bucket with continuous refill, the way the providers meter:
-//! a full bucket holds the per-minute limit and refills at the limit per 60 s. Pure:
+//! per minute, tokens per day) as a token bucket with continuous refill, the way the
+//! providers meter: a full bucket holds the limit and refills at the limit per period. Pure:
 //! the time is given, in milliseconds.
 //!
 //! A call reserves its cost before it starts, only when the whole cost fits; otherwise
@@ -20,11 +20,18 @@ pub const WINDOW_MS: u64 = 60_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Bucket {
-    /// The per-minute limit: what a full bucket holds.
+    /// The limit per period: what a full bucket holds.
     pub capacity: u64,
+    /// The period it refills over (a minute; a day for tokens per day).
+    #[serde(default = "minute")]
+    pub period_ms: u64,
     /// What it held at `at_ms`. Below zero when answers used more than was reserved.
     pub level: f64,
     pub at_ms: u64,
+}
+
+fn minute() -> u64 {
+    WINDOW_MS
 }
 
 /// Why a reservation was not made.
@@ -47,13 +54,18 @@ pub fn capacity(configured: Option<u64>, reported: Option<u64>) -> Option<u64> {
 }
 
 impl Bucket {
-    /// A full bucket of `capacity` at `now_ms`.
+    /// A full bucket of `capacity` a minute at `now_ms`.
     pub fn full(capacity: u64, now_ms: u64) -> Bucket {
-        Bucket { capacity, level: capacity as f64, at_ms: now_ms }
+        Bucket::full_over(capacity, WINDOW_MS, now_ms)
+    }
+
+    /// A full bucket of `capacity` per `period_ms` at `now_ms`.
+    pub fn full_over(capacity: u64, period_ms: u64, now_ms: u64) -> Bucket {
+        Bucket { capacity, period_ms: period_ms.max(1), level: capacity as f64, at_ms: now_ms }
     }
 
     fn per_ms(&self) -> f64 {
-        self.capacity as f64 / WINDOW_MS as f64
+        self.capacity as f64 / self.period_ms.max(1) as f64
     }
 
     /// What the bucket holds at `now_ms` (a time before the last change counts as it).
@@ -131,6 +143,15 @@ mod tests {
         assert_eq!(b.level_at(T0), 3_000.0, "a refused reservation takes nothing");
         assert_eq!(b.reserve(4_300, T0 + 1_624).map_err(|_| ()), Err(()));
         assert_eq!(b.reserve(4_300, T0 + 1_625), Ok(()));
+    }
+
+    #[test]
+    fn a_daily_bucket_refills_over_a_day() {
+        let mut b = Bucket::full_over(1_440_000, 86_400_000, T0);
+        b.reserve(1_440_000, T0).unwrap();
+        // 1,000 tokens a minute.
+        assert!((b.level_at(T0 + WINDOW_MS) - 1_000.0).abs() < 1e-6);
+        assert_eq!(b.reserve(2_000, T0 + WINDOW_MS), Err(Refused::Wait(Duration::from_secs(60))));
     }
 
     #[test]

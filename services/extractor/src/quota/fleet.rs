@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::bucket::{Bucket, Refused};
 use super::{Quota, Window};
-use reviewlane_core::meter::{Dimension, Reading};
+use reviewlane_core::meter::{Cost, Dimension, Reading};
 
 pub(super) const PAUSE_PREFIX: &str = "pause.";
 pub(super) const CIRCUIT_PREFIX: &str = "circuit.";
@@ -120,6 +120,7 @@ impl Quota {
         let mut windows = subscribe(WINDOW_PREFIX).await.map_err(FleetError::store)?;
         self.beat().await?;
         self.refresh_live().await?;
+        self.adopt_learned().await?;
         // Others that start now must see this replica before it takes a share.
         self.ledger().warm_until_ms = self.now_ms() + 2 * self.heartbeat.as_millis() as u64;
         for (what, note) in [
@@ -289,21 +290,27 @@ impl Quota {
 
     /// The bucket as stored, at `capacity` (a changed limit keeps what is left, up to
     /// the new capacity); a full one when there is none yet.
-    fn at_capacity(stored: Option<Bucket>, capacity: u64, now_ms: u64) -> Bucket {
+    fn at_capacity(stored: Option<Bucket>, dim: Dimension, capacity: u64, now_ms: u64) -> Bucket {
+        let period_ms = dim.period().as_millis() as u64;
         match stored {
-            Some(b) if b.capacity == capacity => b,
-            Some(b) => Bucket { capacity, level: b.level_at(now_ms).min(capacity as f64), at_ms: now_ms.max(b.at_ms) },
-            None => Bucket::full(capacity, now_ms),
+            Some(b) if b.capacity == capacity && b.period_ms == period_ms => b,
+            Some(b) => Bucket {
+                capacity,
+                period_ms,
+                level: b.level_at(now_ms).min(capacity as f64),
+                at_ms: now_ms.max(b.at_ms),
+            },
+            None => Bucket::full_over(capacity, period_ms, now_ms),
         }
     }
 
-    /// Reserves `cost` of `dim` (a bucket of `capacity` per minute) for the whole fleet.
+    /// Reserves `cost` of `dim` (a bucket of `capacity` per period) for the whole fleet.
     /// `Ok(Err(refused))`: it does not fit yet (nothing taken: wait that long), or never.
     pub async fn reserve(&self, dim: Dimension, capacity: u64, cost: u64) -> Result<Result<(), Refused>, FleetError> {
         let now = self.now_ms();
         let mut refused = None;
         cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
-            let mut b = Quota::at_capacity(stored, capacity, now);
+            let mut b = Quota::at_capacity(stored, dim, capacity, now);
             match b.reserve(cost, now) {
                 Ok(()) => {
                     refused = None;
@@ -323,7 +330,7 @@ impl Quota {
     pub async fn correct(&self, dim: Dimension, capacity: u64, reserved: u64, used: u64) -> Result<(), FleetError> {
         let now = self.now_ms();
         cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
-            let mut b = Quota::at_capacity(stored, capacity, now);
+            let mut b = Quota::at_capacity(stored, dim, capacity, now);
             b.correct(reserved, used, now);
             Some(b)
         })
@@ -335,7 +342,7 @@ impl Quota {
     pub async fn follow(&self, dim: Dimension, capacity: u64, reading: &Reading) -> Result<(), FleetError> {
         let now = self.now_ms();
         cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
-            let mut b = Quota::at_capacity(stored, capacity, now);
+            let mut b = Quota::at_capacity(stored, dim, capacity, now);
             let before = b;
             b.follow(reading, now);
             (b != before).then_some(b)
@@ -349,20 +356,31 @@ impl Quota {
         let now = self.now_ms();
         let stored = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)?;
         let stored = stored.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok());
-        Ok(Quota::at_capacity(stored, capacity, now).level_at(now))
+        Ok(Quota::at_capacity(stored, dim, capacity, now).level_at(now))
     }
 
-    /// Reserves one call of `tokens` in every configured budget of the key, or none:
-    /// when one refuses, what the others took is given back, and the longest wait is
-    /// returned (nothing spent). A store error lets the call go unreserved (logged): the
-    /// provider's own 429 still paces it.
-    pub async fn reserve_call(&self, tokens: u64) -> Result<(), Refused> {
-        let mut taken: Vec<(Dimension, u64, u64)> = Vec::new();
+    /// Adopts the limits other replicas learned: the capacity of each bucket the fleet
+    /// keeps for a dimension this replica has no configured limit for.
+    pub(super) async fn adopt_learned(&self) -> Result<(), FleetError> {
+        for dim in Dimension::ALL {
+            let Some(v) = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)? else { continue };
+            if let Ok(b) = serde_json::from_slice::<Bucket>(&v) {
+                self.limits().adopt(dim, b.capacity);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves one call of `cost` in every budget the key has now (configured or
+    /// learned), or in none: when one refuses, what the others took is given back, and
+    /// the longest wait is returned (nothing spent). A store error lets the call go
+    /// unreserved in that budget (logged): the provider's own 429 still paces it.
+    pub async fn reserve_call(&self, cost: Cost) -> Result<Reservation, Refused> {
+        let mut taken = Reservation { cost, budgets: Vec::new() };
         let mut refused: Option<Refused> = None;
-        for (dim, capacity) in self.budgets.iter().copied() {
-            let cost = if dim == Dimension::Requests { 1 } else { tokens };
-            match self.reserve(dim, capacity, cost).await {
-                Ok(Ok(())) => taken.push((dim, capacity, cost)),
+        for (dim, capacity) in self.budgets() {
+            match self.reserve(dim, capacity, dim.of(cost)).await {
+                Ok(Ok(())) => taken.budgets.push((dim, capacity)),
                 Ok(Err(r)) => {
                     refused = Some(match (refused, r) {
                         (Some(Refused::Wait(a)), Refused::Wait(b)) => Refused::Wait(a.max(b)),
@@ -373,40 +391,44 @@ impl Quota {
                 Err(e) => tracing::warn!(error = %e, dimension = dim.as_str(), "reserving a call's budget failed"),
             }
         }
-        let Some(refused) = refused else { return Ok(()) };
-        for (dim, capacity, cost) in taken {
-            if let Err(e) = self.correct(dim, capacity, cost, 0).await {
-                tracing::warn!(error = %e, dimension = dim.as_str(), "giving a reservation back failed");
-            }
-        }
+        let Some(refused) = refused else { return Ok(taken) };
+        self.release_call(&taken).await;
         Err(refused)
     }
 
-    /// A reserved call that was answered: its tokens are corrected to what it `used`
+    /// A reserved call that was answered: each budget is corrected to what it `used`
     /// (its request stays spent).
-    pub async fn settle_call(&self, reserved: u64, used: u64) {
-        for (dim, capacity) in self.budgets.iter().copied().filter(|(d, _)| *d != Dimension::Requests) {
-            if let Err(e) = self.correct(dim, capacity, reserved, used).await {
+    pub async fn settle_call(&self, reserved: &Reservation, used: Cost) {
+        self.correct_call(reserved, used, false).await
+    }
+
+    /// A reserved call that was never made: all of it is given back.
+    pub async fn release_call(&self, reserved: &Reservation) {
+        self.correct_call(reserved, Cost::default(), true).await
+    }
+
+    async fn correct_call(&self, reserved: &Reservation, used: Cost, release: bool) {
+        for &(dim, capacity) in &reserved.budgets {
+            let used = match dim {
+                Dimension::Requests if release => 0,
+                Dimension::Requests => 1,
+                _ => dim.of(used),
+            };
+            if let Err(e) = self.correct(dim, capacity, dim.of(reserved.cost), used).await {
                 tracing::warn!(error = %e, dimension = dim.as_str(), "correcting a reservation failed");
             }
         }
     }
 
-    /// A reserved call that was never made: all of it is given back.
-    pub async fn release_call(&self, reserved: u64) {
-        for (dim, capacity) in self.budgets.iter().copied() {
-            let cost = if dim == Dimension::Requests { 1 } else { reserved };
-            if let Err(e) = self.correct(dim, capacity, cost, 0).await {
-                tracing::warn!(error = %e, dimension = dim.as_str(), "giving a reservation back failed");
-            }
-        }
-    }
-
-    /// Follows what an answer's headers said of each configured budget: a provider that
-    /// reports less than the fleet's bucket holds wins (another deployment on the account,
-    /// or traffic outside reviewlane, is absorbed within one answer).
+    /// Learns the limits an answer's headers reported, then follows what they said of
+    /// each budget: a provider that reports less than the fleet's bucket holds wins
+    /// (another deployment on the account, or traffic outside reviewlane, is absorbed
+    /// within one answer).
     pub async fn follow_readings(&self, meter: &crate::upstream::Meter) {
-        for (dim, capacity) in self.budgets.iter().copied() {
+        if self.limits().learn(meter) {
+            tracing::info!(budgets = ?self.budgets(), "the key's limits, as the provider reports them");
+        }
+        for (dim, capacity) in self.budgets() {
             let Some(reading) = meter.get(&dim) else { continue };
             if let Err(e) = self.follow(dim, capacity, reading).await {
                 tracing::warn!(error = %e, dimension = dim.as_str(), "following the provider's reading failed");
@@ -414,7 +436,24 @@ impl Quota {
         }
     }
 
-    pub fn has_budgets(&self) -> bool {
-        !self.budgets.is_empty()
+    /// A 429 that names `dim` (or whose headers say it is empty): its bucket, when the
+    /// key has one, is empty now.
+    pub(super) async fn drain(&self, dim: Dimension) {
+        let Some(capacity) = self.limits().of(dim) else { return };
+        let empty = Reading { remaining: Some(0), ..Default::default() };
+        if let Err(e) = self.follow(dim, capacity, &empty).await {
+            tracing::warn!(error = %e, dimension = dim.as_str(), "draining a bucket failed");
+        }
     }
+
+    pub fn has_budgets(&self) -> bool {
+        !self.limits().is_empty()
+    }
+}
+
+/// What a call reserved: its cost, in each budget the key had when it started.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reservation {
+    pub cost: Cost,
+    budgets: Vec<(Dimension, u64)>,
 }

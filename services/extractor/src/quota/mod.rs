@@ -18,8 +18,9 @@
 //! - `pause.<key>` = `{"until_ms": …}`: a 429 pauses the key, once, for every replica
 //!   (compare-and-set keeps the later time).
 //! - `bucket.<key>.<dimension>` = a `Bucket`: one metered dimension of the key
-//!   (requests or tokens per minute) for the whole fleet; a reservation, a correction
-//!   from usage and a provider's reading are each one compare-and-set.
+//!   (requests, tokens, input or output tokens per minute, tokens per day) for the
+//!   whole fleet; a reservation, a correction from usage and a provider's reading are
+//!   each one compare-and-set. A replica starting adopts the limits the fleet learned.
 //! - `circuit.<key>` = `{"until_ms": …}`: a 429 `insufficient_quota` (the account is out
 //!   of money); until then the key's jobs end at once with that reason.
 //!
@@ -28,10 +29,9 @@
 //! A tenant's `scope_limit` caps it across the fleet.
 //!
 //! The rooms: `scope` (names), `share` and `window` (pure arithmetic), `bucket` (one
-//! metered dimension — requests or tokens per minute — as a token bucket with
-//! continuous refill, corrected by usage and the provider's readings; pure; the fleet's
-//! buckets are not yet drawn from by the scheduler), `ledger` (the
-//! pure decisions of room, fairness and tenant caps, given the time), `fleet` (the
+//! metered dimension as a token bucket with continuous refill, corrected by usage and
+//! the provider's readings; pure), `limits` (each dimension's limit, configured or
+//! learned from the headers; pure), `ledger` (the pure decisions of room, fairness and tenant caps, given the time), `fleet` (the
 //! protocol on `QUOTA_<R>`, one compare-and-set step, a typed error), and here the
 //! key-wide facade the scheduler and the worker call: what acts on the key takes no
 //! scope.
@@ -39,6 +39,7 @@
 pub mod bucket;
 mod fleet;
 mod ledger;
+mod limits;
 mod scope;
 mod share;
 mod window;
@@ -50,11 +51,12 @@ use async_nats::jetstream::kv;
 use reviewlane_core::clock::SharedClock;
 use tokio::sync::Notify;
 
-pub use fleet::FleetError;
+pub use fleet::{FleetError, Reservation};
 use ledger::Ledger;
+use limits::Limits;
 pub use scope::{KeyConfig, Scope};
 pub use share::{fair_share, share};
-pub use window::Window;
+pub use window::{Congestion, RateLimited, Window};
 
 /// Shared quota state of this replica for its provider key. Cheap to clone.
 #[derive(Clone)]
@@ -70,9 +72,22 @@ pub struct Quota {
     pub changed: Arc<Notify>,
     /// Pause times, heartbeats and windows are judged on this clock.
     clock: SharedClock,
-    /// The key's metered limits per minute, as configured: every call reserves its cost
+    /// The key's metered limits, configured and learned: every call reserves its cost
     /// in each before it starts (`reserve_call`).
-    budgets: Arc<Vec<(reviewlane_core::meter::Dimension, u64)>>,
+    limits: Arc<Mutex<Limits>>,
+}
+
+/// A 429, as the key's quota learns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limited {
+    /// How long every replica's calls on the key wait.
+    pub pause: Duration,
+    /// When the refused call started.
+    pub started_ms: u64,
+    /// The fleet's calls in flight when it started (itself included), if known.
+    pub in_flight: Option<u32>,
+    /// The metered dimension it was refused for, when the answer names one.
+    pub bucket: Option<reviewlane_core::meter::Dimension>,
 }
 
 /// A running call in a scope; ends it when dropped.
@@ -119,18 +134,35 @@ impl Quota {
             ledger: Arc::new(Mutex::new(ledger)),
             changed: Arc::new(Notify::new()),
             clock,
-            budgets: Arc::default(),
+            limits: Arc::default(),
         }
     }
 
-    /// The key's limits per minute (requests, tokens) that calls reserve from.
-    pub fn with_budgets(mut self, budgets: Vec<(reviewlane_core::meter::Dimension, u64)>) -> Quota {
-        self.budgets = Arc::new(budgets);
+    /// The key's configured limits (requests, tokens, ...) that calls reserve from;
+    /// the others are learned from the answers' headers.
+    pub fn with_budgets(self, budgets: Vec<(reviewlane_core::meter::Dimension, u64)>) -> Quota {
+        *self.limits() = Limits::configured(budgets);
         self
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
         self.ledger.lock().expect("quota lock")
+    }
+
+    fn limits(&self) -> MutexGuard<'_, Limits> {
+        self.limits.lock().expect("limits lock")
+    }
+
+    /// The key's budgets now: each limited dimension and its limit.
+    pub fn budgets(&self) -> Vec<(reviewlane_core::meter::Dimension, u64)> {
+        self.limits().active()
+    }
+
+    /// The fleet's calls in flight on the key, as this replica knows them: its own, and
+    /// the others' by their last heartbeats.
+    pub fn fleet_in_flight(&self) -> u32 {
+        let l = self.ledger();
+        l.in_flight.values().sum::<u32>() + l.others_in_flight
     }
 
     pub fn now_ms(&self) -> u64 {
@@ -211,12 +243,25 @@ impl Quota {
         self.ledger().start(&token, now).then(|| ScopeGuard { quota: self.clone(), token })
     }
 
-    /// Records a 429 for a call started at `started_ms`: pauses the key for every
-    /// replica (keeping a later pause), and narrows the fleet's window once per event.
-    pub async fn rate_limited(&self, pause: Duration, started_ms: u64) -> Result<(), FleetError> {
-        let now = self.now_ms();
-        let limit = self.ledger().key_limit;
-        self.update_window(|w| w.on_rate_limited_under(now, started_ms, pause, limit)).await?;
+    /// Records a 429: pauses the key for every replica (keeping a later pause); a 429 of
+    /// a metered dimension (`bucket`) empties that bucket and leaves the window alone,
+    /// any other narrows the fleet's window once per event (unless it was a race between
+    /// replicas, `Window::on_congestion`).
+    pub async fn rate_limited(&self, limited: Limited) -> Result<(), FleetError> {
+        let Limited { pause, started_ms, in_flight, bucket } = limited;
+        match bucket {
+            Some(dim) => self.drain(dim).await,
+            None => {
+                let now = self.now_ms();
+                let limit = self.ledger().key_limit;
+                let c = RateLimited { now_ms: now, started_ms, pause, limit, in_flight };
+                let kind = std::sync::Mutex::new(Congestion::SameEvent);
+                self.update_window(|w| *kind.lock().expect("kind lock") = w.on_congestion(c)).await?;
+                if *kind.lock().expect("kind lock") == Congestion::Race {
+                    tracing::info!("429 while the fleet ran above its window (replicas racing): level kept");
+                }
+            }
+        }
         self.pause(pause).await
     }
 

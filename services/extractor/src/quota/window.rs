@@ -13,9 +13,15 @@ const INITIAL_WINDOW: f64 = 2.0;
 /// the decrease, the pause, a provider-wide burst). A failed probe falls back to the
 /// last level that held; congestion at or below it halves the window, which then
 /// regains that level by one call per window of successes (TCP's additive increase),
-/// unless congestion strikes again on the way, which lowers the level (the provider's
-/// capacity did drop). Above the level that held it probes one call higher only after
-/// `probe_every` without a 429.
+/// unless congestion strikes again on the way: then that level no longer holds, and the
+/// window settles at the highest level that ran a window of calls since the decrease
+/// (at least half). Within `probe_every` of a decrease the window stays at the level
+/// that held; after it, it probes one call higher and grows by additive increase, so a
+/// level lowered long ago never holds a later burst below the provider's capacity.
+///
+/// A 429 of a call that started while the fleet had more calls in flight than its
+/// window is a race between replicas (shares moving), not a level that failed: the
+/// window keeps its level (`Congestion::Race`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Window {
     window: f64,
@@ -34,6 +40,37 @@ pub struct Window {
     /// Successes since the window last changed level; a level that ran a window's worth
     /// of calls without a 429 has held.
     at_level: u32,
+    /// The highest level that ran a window of calls without a 429 since the last
+    /// decrease.
+    #[serde(default)]
+    held: f64,
+}
+
+/// What a 429 did to the window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Congestion {
+    /// It belongs to a congestion event already counted.
+    SameEvent,
+    /// The fleet had more calls in flight than its window when the call started: a
+    /// race between replicas; the level is kept.
+    Race,
+    /// The level did not hold: the window went down.
+    Lowered,
+}
+
+/// A 429, as the window needs to know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimited {
+    pub now_ms: u64,
+    /// When the refused call started.
+    pub started_ms: u64,
+    /// How long the key pauses.
+    pub pause: Duration,
+    /// The key's configured limit on calls in flight.
+    pub limit: u32,
+    /// The fleet's calls in flight on the key when the refused call started (itself
+    /// included), as this replica knew them; `None` when unknown.
+    pub in_flight: Option<u32>,
 }
 
 impl Window {
@@ -49,6 +86,7 @@ impl Window {
             in_event: false,
             event_end_ms: 0,
             at_level: 0,
+            held: 0.0,
         }
     }
 
@@ -77,6 +115,7 @@ impl Window {
         m.event_until_ms = self.event_until_ms.max(other.event_until_ms);
         m.last_probe_ms = self.last_probe_ms.max(other.last_probe_ms);
         m.at_level = self.at_level.max(other.at_level);
+        m.held = self.held.max(other.held);
         m
     }
 
@@ -98,33 +137,45 @@ impl Window {
         self.on_rate_limited_under(now_ms, started_ms, pause, u32::MAX);
     }
 
-    /// As `on_rate_limited`, knowing the key's configured `limit`: a first 429 while the
-    /// window is at that limit is congestion at a level that holds (a burst of another
-    /// client of the account, or the fleet's own overshoot while shares move), not a
-    /// limit learned: halve, and regain the limit by additive increase.
+    /// As `on_rate_limited`, knowing the key's configured `limit`.
     pub fn on_rate_limited_under(&mut self, now_ms: u64, started_ms: u64, pause: Duration, limit: u32) {
+        self.on_congestion(RateLimited { now_ms, started_ms, pause, limit, in_flight: None });
+    }
+
+    /// A 429. A first 429 while the window is at the key's configured limit is
+    /// congestion at a level that holds (a burst of another client of the account, or
+    /// the fleet's own overshoot while shares move), not a limit learned: halve, and
+    /// regain the limit by additive increase.
+    pub fn on_congestion(&mut self, c: RateLimited) -> Congestion {
+        let RateLimited { now_ms, started_ms, pause, limit, in_flight } = c;
         if self.in_event
             || started_ms < self.last_decrease_ms
             || started_ms < self.event_end_ms
             || now_ms < self.event_until_ms
         {
-            return;
+            return Congestion::SameEvent;
+        }
+        if in_flight.is_some_and(|n| n > self.fleet(limit)) {
+            return Congestion::Race;
         }
         self.event_until_ms = now_ms + pause.as_millis() as u64;
-        let halved = (self.window.floor() / 2.0).ceil().max(1.0);
-        if self.stable < 1.0 && self.window.floor() >= f64::from(limit) {
+        let level = self.window.floor();
+        let halved = (level / 2.0).ceil().max(1.0);
+        if self.stable < 1.0 && level >= f64::from(limit) {
             self.window = halved;
             self.stable = f64::from(limit);
         } else if self.stable < 1.0 {
             self.window = halved;
             self.stable = halved;
-        } else if self.window.floor() > self.stable {
+        } else if level > self.stable {
             // A failed probe.
             self.window = self.stable;
-        } else if self.window.floor() < self.stable {
-            // Congestion again before the level that held was regained: it no longer holds.
-            self.window = halved;
-            self.stable = halved;
+        } else if level < self.stable {
+            // Congestion again before the level that held was regained: it no longer
+            // holds. What ran a window of calls on the way up still does.
+            let settled = halved.max(self.held.min(level - 1.0));
+            self.window = settled;
+            self.stable = settled;
         } else {
             // Congestion at the level that held (a burst): halve, and regain it.
             self.window = halved;
@@ -132,7 +183,9 @@ impl Window {
         self.slow_start = false;
         self.in_event = true;
         self.at_level = 0;
+        self.held = 0.0;
         self.last_decrease_ms = now_ms;
+        Congestion::Lowered
     }
 
     pub fn on_success(&mut self, share: u32, now_ms: u64) {
@@ -157,24 +210,31 @@ impl Window {
             self.at_level = 0;
         } else {
             self.at_level += 1;
-            if f64::from(self.at_level) >= level && level > self.stable {
-                self.stable = level;
+            if f64::from(self.at_level) >= level {
+                self.held = self.held.max(level);
+                if level > self.stable {
+                    self.stable = level;
+                }
             }
         }
     }
 
     fn on_success_grow(&mut self, cap: f64, now_ms: u64) {
+        let quiet = now_ms.saturating_sub(self.last_decrease_ms) >= self.probe_every_ms;
         if self.slow_start {
             self.window = (self.window + 1.0).min(cap);
         } else if self.window < self.stable {
             self.window = (self.window + 1.0 / self.window.max(1.0)).min(self.stable);
-        } else if now_ms.saturating_sub(self.last_decrease_ms) >= self.probe_every_ms
-            && now_ms.saturating_sub(self.last_probe_ms) >= self.probe_every_ms
-            && self.window < cap
-        {
-            self.stable = self.window;
-            self.window += 1.0;
-            self.last_probe_ms = now_ms;
+        } else if quiet && self.window < cap {
+            if now_ms.saturating_sub(self.last_probe_ms) >= self.probe_every_ms {
+                // The first success after a quiet interval probes one call higher...
+                self.stable = self.stable.max(self.window.floor());
+                self.window = self.window.floor() + 1.0;
+                self.last_probe_ms = now_ms;
+            } else {
+                // ...and the window keeps growing by additive increase while it holds.
+                self.window = (self.window + 1.0 / self.window.max(1.0)).min(cap);
+            }
         }
     }
 }
@@ -351,5 +411,78 @@ mod tests {
             learn.on_call_success(8, t, t);
         }
         assert_eq!(learn.fleet(8), 2, "holds until a probe");
+    }
+
+    fn congestion(now_ms: u64, started_ms: u64, in_flight: Option<u32>) -> RateLimited {
+        RateLimited { now_ms, started_ms, pause: Duration::from_secs(1), limit: 8, in_flight }
+    }
+
+    /// Successes of calls started at their answer time, `n` of them from `t`, 10 ms apart.
+    fn succeed(w: &mut Window, t: &mut u64, n: usize) {
+        for _ in 0..n {
+            *t += 10;
+            w.on_call_success(8, *t, *t);
+        }
+    }
+
+    #[test]
+    fn an_unconfigured_cap_is_found_in_two_events_and_not_undershot() {
+        // Key limit 8 (as configured), provider cap 4: slow start overshoots to 8.
+        let mut w = Window::new(Duration::from_secs(60));
+        let mut t = 0;
+        succeed(&mut w, &mut t, 10);
+        assert_eq!(w.fleet(8), 8);
+        assert_eq!(w.on_congestion(congestion(1_000, 990, Some(5))), Congestion::Lowered);
+        assert_eq!(w.fleet(8), 4);
+        // 4 holds for a window of calls; the regain toward 8 is refused at 5: the window
+        // settles at 4, what held on the way, not at half of 5.
+        t = 2_000;
+        while w.fleet(8) < 5 && t < 3_000 {
+            succeed(&mut w, &mut t, 1);
+        }
+        assert_eq!(w.fleet(8), 5);
+        assert_eq!(w.on_congestion(congestion(t + 5, t, Some(5))), Congestion::Lowered);
+        assert_eq!(w.fleet(8), 4);
+        t += 2_000;
+        succeed(&mut w, &mut t, 40);
+        assert_eq!(w.fleet(8), 4, "holds at the cap until the next probe");
+    }
+
+    #[test]
+    fn a_429_while_the_fleet_ran_more_than_its_window_is_a_race_and_keeps_the_level() {
+        let mut w = Window::new(Duration::from_secs(60));
+        let mut t = 0;
+        succeed(&mut w, &mut t, 2);
+        assert_eq!(w.fleet(8), 4);
+        // Six calls were running when the refused one started: shares summed above the
+        // window while they moved.
+        assert_eq!(w.on_congestion(congestion(1_000, 990, Some(6))), Congestion::Race);
+        assert_eq!(w.fleet(8), 4, "the level is kept");
+        // At the window, the same 429 lowers it.
+        assert_eq!(w.on_congestion(congestion(1_100, 1_090, Some(4))), Congestion::Lowered);
+        assert_eq!(w.fleet(8), 2);
+        assert_eq!(w.on_congestion(congestion(1_110, 1_095, Some(4))), Congestion::SameEvent);
+    }
+
+    #[test]
+    fn a_window_lowered_long_ago_does_not_hold_a_later_burst_below_the_cap() {
+        let mut w = Window::new(Duration::from_secs(60));
+        let mut t = 0;
+        succeed(&mut w, &mut t, 2);
+        // Other tenants' 429s took the window down to one call.
+        w.on_congestion(congestion(1_000, 990, Some(4)));
+        w.on_call_success(8, 2_100, 2_100);
+        w.on_congestion(congestion(2_300, 2_200, Some(2)));
+        assert_eq!(w.fleet(8), 1);
+        // An hour later a burst comes: within a few windows of successes it runs at the
+        // key's limit, not one call higher a minute.
+        let mut t = 3_600_000;
+        let mut successes = 0;
+        while w.fleet(8) < 8 && successes < 100 {
+            succeed(&mut w, &mut t, 1);
+            successes += 1;
+        }
+        assert_eq!(w.fleet(8), 8, "after {successes} successes");
+        assert!(successes <= 40, "{successes} successes to reach the limit");
     }
 }

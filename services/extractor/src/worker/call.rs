@@ -23,6 +23,8 @@ pub enum Answer {
         outcome: UpstreamOutcome,
         /// When the call started (for the scope's congestion window).
         started_ms: u64,
+        /// The fleet's calls in flight on the key when it started, itself included.
+        in_flight: u32,
     },
     /// The same review was answered before: no call, no cost.
     Cached(Validated),
@@ -55,6 +57,7 @@ impl Worker {
             part: target.part,
         };
         let started_ms = self.clock.now_ms();
+        let in_flight = self.quota.fleet_in_flight();
         // Time the job waited while eligible: since submit, or since its retry delay ended.
         let eligible_at_ms = lease.rec.next_eligible_at_ms.unwrap_or(lease.rec.created_at_ms);
         let attempt = tracing::info_span!(
@@ -105,7 +108,7 @@ impl Worker {
         attempt.in_scope(|| {
             tracing::info!(outcome = outcome_class, status_class = upstream.status_class(), "provider answered")
         });
-        Ok(Answer::Upstream { outcome: upstream, started_ms })
+        Ok(Answer::Upstream { outcome: upstream, started_ms, in_flight })
     }
 
     /// Runs the call; `None` when `abort` fired, `Some(Err(answer))` when the job ended

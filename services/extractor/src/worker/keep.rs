@@ -194,7 +194,8 @@ impl Worker {
     pub(super) async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
         self.note(&answer);
         let meter = match &answer {
-            Answer::Upstream { outcome: UpstreamOutcome::Ok { meter, .. }, .. } => meter.clone(),
+            Answer::Upstream { outcome: UpstreamOutcome::Ok { meter, .. }, .. }
+            | Answer::Upstream { outcome: UpstreamOutcome::RateLimited { meter, .. }, .. } => meter.clone(),
             _ => Default::default(),
         };
         let used = lease.rec.attempts.congestion;
@@ -206,10 +207,11 @@ impl Worker {
                 if let Some(u) = usage {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
                     *lease.tokens.lock().expect("tokens lock") = Some(u);
-                    if let Some(reserved) = job.metering.reserved
+                    if let Some(reserved) = &job.metering.reserved
                         && !job.metering.settled.swap(true, std::sync::atomic::Ordering::Relaxed)
                     {
-                        self.quota.settle_call(reserved, u.input + u.output).await;
+                        let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
+                        self.quota.settle_call(reserved, used).await;
                     }
                 }
                 match (self.validate(job, lease, target.diff, &output), target.part) {
@@ -261,8 +263,8 @@ impl Worker {
                     None => Ok(()),
                 }
             }
-            plan::QuotaEffect::RateLimited { started_ms, delay } => {
-                self.quota.rate_limited(delay, started_ms).await.map_err(|e| ("recording the scope pause failed", e))
+            plan::QuotaEffect::RateLimited(limited) => {
+                self.quota.rate_limited(limited).await.map_err(|e| ("recording the scope pause failed", e))
             }
             plan::QuotaEffect::OpenCircuit => self
                 .quota

@@ -129,7 +129,7 @@ pub struct Job<'a> {
 /// kept when a call was made without one, given back when no call was made.
 #[derive(Debug, Default)]
 pub struct Metering {
-    pub reserved: Option<u64>,
+    pub reserved: Option<crate::quota::Reservation>,
     /// A provider call was made for it.
     pub called: std::sync::atomic::AtomicBool,
     /// Its answer's usage corrected it.
@@ -220,7 +220,7 @@ impl Worker {
             Some(_) => self.trip(&job, abort).await,
             None => self.late_trip(&job).await,
         };
-        if let Some(reserved) = job.metering.reserved
+        if let Some(reserved) = &job.metering.reserved
             && !job.metering.called.load(std::sync::atomic::Ordering::Relaxed)
         {
             self.quota.release_call(reserved).await;

@@ -42,11 +42,9 @@ pub enum QuotaEffect {
         started_ms: u64,
         pause: Option<Duration>,
     },
-    /// A 429: every replica's calls on the key wait `delay`, as this job does.
-    RateLimited {
-        started_ms: u64,
-        delay: Duration,
-    },
+    /// A 429: every replica's calls on the key wait its `pause`, as this job does; a
+    /// 429 of a metered dimension empties that bucket instead of narrowing the window.
+    RateLimited(crate::quota::Limited),
     /// `insufficient_quota`: the key's circuit opens.
     OpenCircuit,
 }
@@ -58,7 +56,7 @@ pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f6
     let decided = |d| (Verdict::Decided(d), QuotaEffect::None);
     let (upstream, started_ms) = match answer {
         Answer::Cached(hit) => return (Verdict::Cached(hit), QuotaEffect::None),
-        Answer::Upstream { outcome, started_ms } => (outcome, started_ms),
+        Answer::Upstream { outcome, started_ms, in_flight } => (outcome, (started_ms, in_flight)),
         Answer::Aborted => return decided(Decision::Release(None)),
         Answer::LostLease => return decided(Decision::Stale),
         Answer::Ended(reason) => return decided(Decision::Ended(reason)),
@@ -68,13 +66,17 @@ pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f6
     };
     let status = Some(upstream.status_class().to_string());
     match upstream {
-        UpstreamOutcome::Ok { output, slow_down, usage, .. } => {
-            (Verdict::Usable { output, usage, status }, QuotaEffect::Succeeded { started_ms, pause: slow_down })
-        }
-        UpstreamOutcome::RateLimited { retry_after, .. } => {
+        UpstreamOutcome::Ok { output, slow_down, usage, .. } => (
+            Verdict::Usable { output, usage, status },
+            QuotaEffect::Succeeded { started_ms: started_ms.0, pause: slow_down },
+        ),
+        UpstreamOutcome::RateLimited { retry_after, dimension, .. } => {
             let delay = retry_after.unwrap_or_else(|| backoff.delay(congestion_used + 1, unit));
             let retry = Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status, invalid: None };
-            (Verdict::Decided(retry), QuotaEffect::RateLimited { started_ms, delay })
+            let (started_ms, in_flight) = started_ms;
+            let limited =
+                crate::quota::Limited { pause: delay, started_ms, in_flight: Some(in_flight), bucket: dimension };
+            (Verdict::Decided(retry), QuotaEffect::RateLimited(limited))
         }
         UpstreamOutcome::Transient { .. } => {
             decided(Decision::Retry { budget: Budget::Transient, hint: None, status, invalid: None })
@@ -201,7 +203,7 @@ mod tests {
     }
 
     fn upstream(outcome: UpstreamOutcome) -> Answer {
-        Answer::Upstream { outcome, started_ms: NOW }
+        Answer::Upstream { outcome, started_ms: NOW, in_flight: 3 }
     }
 
     #[test]
@@ -225,7 +227,16 @@ mod tests {
     #[test]
     fn a_429_retries_on_the_congestion_budget_and_pauses_the_key_for_the_same_delay() {
         let b = Backoff { base: Duration::from_secs(1), cap: Duration::from_secs(60), jitter: (1.0, 1.0) };
-        let hinted = UpstreamOutcome::RateLimited { retry_after: Some(Duration::from_secs(7)), capped: false };
+        let limited = |retry_after, dimension| UpstreamOutcome::RateLimited {
+            retry_after,
+            capped: false,
+            dimension,
+            meter: Default::default(),
+        };
+        let effect_of = |pause, bucket| {
+            QuotaEffect::RateLimited(crate::quota::Limited { pause, started_ms: NOW, in_flight: Some(3), bucket })
+        };
+        let hinted = limited(Some(Duration::from_secs(7)), None);
         let (d, effect) = decided(upstream(hinted), 0, &b);
         let seven = Duration::from_secs(7);
         assert_eq!(
@@ -237,13 +248,14 @@ mod tests {
                 invalid: None
             }
         );
-        assert_eq!(effect, QuotaEffect::RateLimited { started_ms: NOW, delay: seven });
-        // Without a hint: the backoff of the next congestion retry (the third: 4 s).
-        let bare = UpstreamOutcome::RateLimited { retry_after: None, capped: false };
+        assert_eq!(effect, effect_of(seven, None));
+        // Without a hint: the backoff of the next congestion retry (the third: 4 s); a
+        // 429 of the tokens bucket says so to the quota.
+        let bare = limited(None, Some(reviewlane_core::meter::Dimension::Tokens));
         let (d, effect) = decided(upstream(bare), 2, &b);
         let four = Duration::from_secs(4);
         assert!(matches!(d, Decision::Retry { budget: Budget::Congestion, hint: Some(h), .. } if h == four), "{d:?}");
-        assert_eq!(effect, QuotaEffect::RateLimited { started_ms: NOW, delay: four });
+        assert_eq!(effect, effect_of(four, Some(reviewlane_core::meter::Dimension::Tokens)));
     }
 
     #[test]
