@@ -291,6 +291,10 @@ impl ProcStack {
                 ]
                 .map(|(k, v): (&str, String)| (k.to_string(), v)),
             );
+            if !opts.key_budgets.is_empty() {
+                let budgets: Vec<String> = opts.key_budgets.iter().map(|(d, l)| format!("{}={l}", d.short())).collect();
+                env.push(("REVIEWLANE_KEY_BUDGETS".into(), budgets.join(",")));
+            }
             extractor_env.insert(region, env);
             let mut env = common.to_vec();
             env.push(("REVIEWLANE_DELIVERY_BACKOFF_CAP_SECS", "1".into()));

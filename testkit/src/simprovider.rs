@@ -61,6 +61,9 @@ pub struct SimConfig {
     /// Refuse a `response_format` schema this dialect's provider would refuse, with
     /// that provider's 400 answer.
     pub enforce_dialect: Option<SchemaDialect>,
+    /// Rate limits by requests and tokens per minute, answered with that provider's
+    /// headers and 429s (`simmeter`); the usage then counts what was sent and answered.
+    pub limits: Option<crate::simmeter::SimLimits>,
 }
 
 impl Default for SimConfig {
@@ -73,6 +76,7 @@ impl Default for SimConfig {
             malformed_rate: 0.0,
             outside_diff: false,
             enforce_dialect: None,
+            limits: None,
         }
     }
 }
@@ -108,6 +112,12 @@ pub struct Stats {
     pub last_request: Option<RequestShape>,
     /// Calls refused with 400 for a schema the enforced dialect does not accept.
     pub schemas_refused: u64,
+    /// With `limits`: tokens the account charged at the calls' start (prompt and output
+    /// limit), and input tokens alone.
+    #[serde(default)]
+    pub tokens_charged: u64,
+    #[serde(default)]
+    pub input_tokens_charged: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
@@ -141,6 +151,7 @@ struct State {
     answer_headers: Mutex<Vec<(String, String)>>,
     started: Instant,
     canaries: Vec<String>,
+    meter: Option<Mutex<crate::simmeter::SimMeter>>,
 }
 
 /// A running simulated provider; stops when dropped.
@@ -164,6 +175,7 @@ impl SimProvider {
     pub async fn start_on(addr: SocketAddr, config: SimConfig, canaries: Vec<String>) -> std::io::Result<SimProvider> {
         let state = Arc::new(State {
             slots: config.concurrency_cap.map(|n| Arc::new(Semaphore::new(n))),
+            meter: config.limits.map(|l| Mutex::new(crate::simmeter::SimMeter::new(l))),
             config,
             in_flight: AtomicUsize::new(0),
             stats: Mutex::new(Stats::default()),
@@ -226,13 +238,13 @@ fn respond(status: StatusCode, headers: &[(String, String)], body: String) -> Re
     b.body(Full::new(Bytes::from(body))).expect("response builds")
 }
 
-fn chat_completion(output: &str) -> String {
+fn chat_completion(output: &str, (input, produced): (u64, u64)) -> String {
     json!({
         "id": "chatcmpl-sim",
         "object": "chat.completion",
         "model": "sim",
         "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": output}}],
-        "usage": {"prompt_tokens": 100, "completion_tokens": 50, "total_tokens": 150},
+        "usage": {"prompt_tokens": input, "completion_tokens": produced, "total_tokens": input + produced},
     })
     .to_string()
 }
@@ -336,6 +348,33 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         ));
     }
 
+    // The account's buckets: refused with that provider's 429 when a cost does not fit.
+    let input_tokens = crate::simmeter::count(body.len());
+    let max_tokens = request["max_tokens"].as_u64().unwrap_or(0);
+    let charged = match &st.meter {
+        None => None,
+        Some(meter) => {
+            let mut m = meter.lock().expect("meter lock");
+            match m.admit(input_tokens, max_tokens) {
+                Ok(charged) => {
+                    let mut s = st.stats.lock().expect("stats lock");
+                    s.tokens_charged += input_tokens + max_tokens;
+                    s.input_tokens_charged += input_tokens;
+                    Some(charged)
+                }
+                Err(short) => {
+                    st.stats.lock().expect("stats lock").calls_429 += 1;
+                    let mut headers = m.headers();
+                    if m.style() == crate::simmeter::MeterStyle::Anthropic {
+                        let wait = m.wait(short, input_tokens, max_tokens).as_secs_f64().ceil().max(1.0);
+                        headers.push(("retry-after".into(), format!("{wait}")));
+                    }
+                    return Ok(respond(StatusCode::TOO_MANY_REQUESTS, &headers, m.refusal(short)));
+                }
+            }
+        }
+    };
+
     // Admission at the cap.
     let _permit = match &st.slots {
         None => None,
@@ -429,8 +468,18 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             answered_us: st.started.elapsed().as_micros() as u64,
         });
     }
-    let body = if anthropic { anthropic_message(&output) } else { chat_completion(&output) };
-    let headers = st.answer_headers.lock().expect("headers lock").clone();
+    let mut headers = st.answer_headers.lock().expect("headers lock").clone();
+    let usage = match (&st.meter, charged) {
+        (Some(meter), Some(charged)) => {
+            let produced = crate::simmeter::count(output.len());
+            let mut m = meter.lock().expect("meter lock");
+            m.settle(charged, produced);
+            headers.extend(m.headers());
+            (input_tokens, produced)
+        }
+        _ => (100, 50),
+    };
+    let body = if anthropic { anthropic_message(&output, usage) } else { chat_completion(&output, usage) };
     Ok(respond(StatusCode::OK, &headers, body))
 }
 
@@ -441,7 +490,7 @@ fn schema_of(request: &serde_json::Value, anthropic: bool) -> &serde_json::Value
 
 /// An Anthropic Messages answer: the output as the input of a `report_findings` tool
 /// call when it is a JSON object, else as text.
-fn anthropic_message(output: &str) -> String {
+fn anthropic_message(output: &str, (input, produced): (u64, u64)) -> String {
     let block = match serde_json::from_str::<serde_json::Value>(output) {
         Ok(v) if v.is_object() => json!({"type": "tool_use", "id": "toolu_sim", "name": "report_findings", "input": v}),
         _ => json!({"type": "text", "text": output}),
@@ -453,7 +502,7 @@ fn anthropic_message(output: &str) -> String {
         "model": "sim",
         "content": [block],
         "stop_reason": "tool_use",
-        "usage": {"input_tokens": 100, "output_tokens": 50},
+        "usage": {"input_tokens": input, "output_tokens": produced},
     })
     .to_string()
 }

@@ -355,14 +355,14 @@ async fn a_requests_per_minute_budget_paces_calls_without_a_429_a_lease_or_a_ret
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tokens_per_minute_reservation_is_corrected_to_the_answers_usage() {
-    // A call reserves its prompt (with the ~700 tokens of instructions and schema) and
-    // the 4,096-token output limit (OpenAI counts it at start), about 4,800; the
-    // simulated provider reports 150 tokens used. 15,000 a minute holds three
-    // reservations: corrected by usage, each answer frees room for the next call at
-    // once. Uncorrected, the fourth would wait about 17 s for the refill.
+async fn an_output_tokens_reservation_is_corrected_to_the_answers_usage() {
+    // A call reserves its 4,096-token output limit of the output tokens per minute
+    // (counted as produced, as Anthropic does); the simulated provider reports 50 output
+    // tokens. 10,000 a minute holds two reservations: corrected by usage, each answer
+    // frees room for the next call at once. Uncorrected, the third would wait about 13 s.
     let stack =
-        Stack::start_with(StackOptions { key_budgets: vec![(Dimension::Tokens, 15_000)], ..Default::default() }).await;
+        Stack::start_with(StackOptions { key_budgets: vec![(Dimension::OutputTokens, 10_000)], ..Default::default() })
+            .await;
     let mut client = stack.client().await;
     let started = std::time::Instant::now();
     let mut ids = Vec::new();

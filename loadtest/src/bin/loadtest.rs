@@ -9,7 +9,9 @@
 //!
 //! Scenarios: lab, storm, dup, overhead, flood, fairness, soak, idle (one job at a
 //! time, its time split by stage) (see `scenarios.rs` and BENCHMARKS.md); `chaos`,
-//! `replicas`, and `large` (one review split into parts). `--in-process` runs the
+//! `replicas` (`--key-limit 8`: the deployment told more than the provider allows),
+//! `large` (one review split into parts), and `tpm` (an account metering requests or
+//! tokens per minute: `openai-48000-tpm`, `anthropic-itpm-otpm`, `openai-20-rpm`). `--in-process` runs the
 //! services inside this process instead (no RSS or CPU figures). `--provider anthropic` runs the extractors through the Anthropic
 //! Messages adapter against the simulated provider's Anthropic mode (default: the
 //! OpenAI-compatible adapter).
@@ -24,14 +26,16 @@ use loadtest::stack::Stack;
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
     format!(
-        "usage: loadtest <{}|chaos|replicas|large> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        "usage: loadtest <{}|chaos|replicas [--key-limit N]|large|tpm [variant]> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
         names.join("|")
     )
 }
 
-/// `replicas`: three extractor processes sharing one provider key.
-async fn replicas() -> anyhow::Result<()> {
-    let cfg = loadtest::replicas::ReplicasConfig::full();
+/// `replicas`: three extractor processes sharing one provider key; `key_limit`: what
+/// the deployment is told the key allows (default: the provider's cap, 4).
+async fn replicas(key_limit: Option<u32>) -> anyhow::Result<()> {
+    let mut cfg = loadtest::replicas::ReplicasConfig::full();
+    cfg.key_limit = key_limit.unwrap_or(cfg.key_limit);
     loadtest::procs::ensure_nats_server()?;
     ensure_built()?;
     let mut stack = ProcStack::start(cfg.options()).await?;
@@ -43,6 +47,29 @@ async fn replicas() -> anyhow::Result<()> {
     loadtest::replicas::print(&report);
     println!("{}", serde_json::to_string(&report)?);
     if report.lost > 0 || report.paid_twice > 0 {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// `tpm`: reviews against an account metering requests or tokens per minute, its
+/// limits learned from the headers; every variant, or the one named.
+async fn tpm(only: Option<String>) -> anyhow::Result<()> {
+    use loadtest::tpm::{TpmConfig, Variant};
+    loadtest::procs::ensure_nats_server()?;
+    ensure_built()?;
+    let mut reports = Vec::new();
+    for variant in Variant::ALL.into_iter().filter(|v| only.as_deref().is_none_or(|o| o == v.name())) {
+        let cfg = TpmConfig::full(variant);
+        let stack = ProcStack::start(cfg.options()).await?;
+        let report = loadtest::tpm::run(&stack, &cfg).await;
+        let _ = stack.shutdown();
+        let report = report?;
+        loadtest::tpm::print(&report);
+        reports.push(report);
+    }
+    println!("{}", serde_json::to_string(&reports)?);
+    if reports.iter().any(|r| r.published != r.reviews) {
         std::process::exit(1);
     }
     Ok(())
@@ -97,7 +124,15 @@ async fn main() -> anyhow::Result<()> {
         return chaos(jobs).await;
     }
     if args.first().map(String::as_str) == Some("replicas") {
-        return replicas().await;
+        let key_limit = match args.get(1..).unwrap_or_default() {
+            [] => None,
+            [flag, n] if flag == "--key-limit" => Some(n.parse()?),
+            _ => bail!(usage()),
+        };
+        return replicas(key_limit).await;
+    }
+    if args.first().map(String::as_str) == Some("tpm") {
+        return tpm(args.get(1).cloned()).await;
     }
     if args.first().map(String::as_str) == Some("large") {
         return large().await;

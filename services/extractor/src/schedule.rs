@@ -379,6 +379,9 @@ async fn admit(
                         // no retry spent.
                         Err(wait) => {
                             drop((running, slot));
+                            // Calls in flight may give part of their reservation back when
+                            // they are answered: look again soon rather than wait it all.
+                            let wait = if quota.fleet_in_flight() > 0 { wait.min(BUDGET_RECHECK) } else { wait };
                             let delay = match while_paused(deadline_of(&msg), quota.now_ms(), wait) {
                                 WhilePaused::Late => Duration::ZERO,
                                 WhilePaused::HandBack(d) => d,
@@ -408,6 +411,10 @@ async fn admit(
         }
     }
 }
+
+/// Longest a review refused by the key's budgets waits while calls are in flight: their
+/// answers' usage may give back what they reserved.
+const BUDGET_RECHECK: Duration = Duration::from_secs(1);
 
 /// Reserves the message's call in the key's budgets; `Err`: how long until they have
 /// room. A call larger than a whole budget goes ahead unreserved (logged): the part

@@ -397,7 +397,8 @@ impl Quota {
     }
 
     /// A reserved call that was answered: each budget is corrected to what it `used`
-    /// (its request stays spent).
+    /// (its request stays spent, and so does the output limit tokens per minute count
+    /// at start; output tokens per minute are counted as produced).
     pub async fn settle_call(&self, reserved: &Reservation, used: Cost) {
         self.correct_call(reserved, used, false).await
     }
@@ -410,8 +411,11 @@ impl Quota {
     async fn correct_call(&self, reserved: &Reservation, used: Cost, release: bool) {
         for &(dim, capacity) in &reserved.budgets {
             let used = match dim {
-                Dimension::Requests if release => 0,
+                _ if release => 0,
                 Dimension::Requests => 1,
+                // Tokens per minute count the output limit when the call starts (OpenAI):
+                // only the prompt's estimate is corrected.
+                Dimension::Tokens => used.input + used.output.max(reserved.cost.output),
                 _ => dim.of(used),
             };
             if let Err(e) = self.correct(dim, capacity, dim.of(reserved.cost), used).await {
