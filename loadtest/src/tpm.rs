@@ -3,7 +3,8 @@
 //! are learned from the answers' headers, as a new user would run it. Three variants:
 //! OpenAI-style tokens per minute (48,000; `x-ratelimit-*` headers, no `retry-after`, the
 //! output limit counted at start), Anthropic-style input and output tokens per minute
-//! (`anthropic-ratelimit-*` headers), and OpenAI-style requests per minute (20).
+//! (30,000 and 40,000; `anthropic-ratelimit-*` headers), and OpenAI-style requests per
+//! minute (20).
 //! Reported: published, 429s and their share, makespan beside the bucket's physical
 //! limit.
 
@@ -39,8 +40,9 @@ impl Variant {
     fn limits(self) -> SimLimits {
         match self {
             Variant::OpenAiTokens => SimLimits::openai(None, Some(48_000)),
-            // Input tokens per minute binding, output tokens as produced.
-            Variant::AnthropicTokens => SimLimits::anthropic(None, Some(12_000), Some(8_000)),
+            // Input tokens per minute binding; output tokens estimated from max_tokens at
+            // start (about nine calls' worth) and adjusted to what was produced.
+            Variant::AnthropicTokens => SimLimits::anthropic(None, Some(30_000), Some(40_000)),
             Variant::OpenAiRequests => SimLimits::openai(Some(20), None),
         }
     }
@@ -50,12 +52,17 @@ impl Variant {
 pub struct TpmConfig {
     pub variant: Variant,
     pub reviews: usize,
+    /// Added lines per review.
+    pub lines: usize,
     pub provider_latency: Duration,
 }
 
 impl TpmConfig {
+    /// 30 reviews of 1 s calls: one added line (about 4,500 tokens as OpenAI counts a
+    /// call, with its output limit), or 80 (about 2,000 input tokens) for Anthropic.
     pub fn full(variant: Variant) -> Self {
-        TpmConfig { variant, reviews: 30, provider_latency: Duration::from_secs(1) }
+        let lines = if variant == Variant::AnthropicTokens { 80 } else { 1 };
+        TpmConfig { variant, reviews: 30, lines, provider_latency: Duration::from_secs(1) }
     }
 
     pub fn options(&self) -> StackOptions {
@@ -89,11 +96,17 @@ pub struct TpmReport {
     pub ratio_to_physical: f64,
 }
 
-/// A small review, distinct per index.
-fn review(i: usize) -> String {
-    format!(
-        "diff --git a/src/tpm_{i}.rs b/src/tpm_{i}.rs\n--- a/src/tpm_{i}.rs\n+++ b/src/tpm_{i}.rs\n@@ -1,2 +1,3 @@\n fn main() {{\n+    let value = compute({i}).unwrap();\n }}\n"
-    )
+/// A review of `lines` added lines (about 60 bytes each), distinct per index.
+fn review(i: usize, lines: usize) -> String {
+    let mut out = format!(
+        "diff --git a/src/tpm_{i}.rs b/src/tpm_{i}.rs\n--- a/src/tpm_{i}.rs\n+++ b/src/tpm_{i}.rs\n@@ -1,2 +1,{} @@\n fn main() {{\n",
+        lines + 2
+    );
+    for l in 0..lines {
+        out.push_str(&format!("+    let value_{l:03} = compute({i}, {l}).unwrap_or_default();\n"));
+    }
+    out.push_str(" }\n");
+    out
 }
 
 pub async fn run(stack: &ProcStack, cfg: &TpmConfig) -> anyhow::Result<TpmReport> {
@@ -101,7 +114,8 @@ pub async fn run(stack: &ProcStack, cfg: &TpmConfig) -> anyhow::Result<TpmReport
     let started = Instant::now();
     let mut ids = Vec::new();
     for i in 0..cfg.reviews {
-        ids.push(submit(&mut client, US_KEY, &format!("{}-{i}", cfg.variant.name()), &review(i)).await.job_id);
+        let diff = review(i, cfg.lines);
+        ids.push(submit(&mut client, US_KEY, &format!("{}-{i}", cfg.variant.name()), &diff).await.job_id);
     }
     let mut published = 0;
     let mut terminal = Vec::new();

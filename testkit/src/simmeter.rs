@@ -7,8 +7,9 @@
 //!   when it starts; a 429 carries no `retry-after` and names the dimension (`type:
 //!   tokens`).
 //! - Anthropic style: `anthropic-ratelimit-{requests,input-tokens,output-tokens}-*`
-//!   (resets as RFC 3339), input tokens charged at start, output tokens as produced;
-//!   a 429 carries `retry-after` and says which limit.
+//!   (resets as RFC 3339), input tokens charged at start, output tokens estimated from
+//!   `max_tokens` at start and adjusted to what was produced at the end; a 429 carries
+//!   `retry-after` and says which limit.
 //!
 //! Tokens are counted as bytes / 4 of what the call sends (instructions, schema, diff)
 //! and of what it answers.
@@ -124,8 +125,7 @@ impl SimMeter {
             (&mut self.requests, 1.0, Short::Requests),
             (&mut self.tokens, tokens as f64, Short::Tokens),
             (&mut self.input, input as f64, Short::InputTokens),
-            // Output is counted as produced: a call starts while any is left.
-            (&mut self.output, 1.0, Short::OutputTokens),
+            (&mut self.output, max_tokens as f64, Short::OutputTokens),
         ];
         for (level, cost, short) in checks {
             if let Some(l) = level
@@ -134,7 +134,13 @@ impl SimMeter {
                 return Err(short);
             }
         }
-        for (level, cost) in [(&mut self.requests, 1), (&mut self.tokens, tokens), (&mut self.input, input)] {
+        let dims = [
+            (&mut self.requests, 1),
+            (&mut self.tokens, tokens),
+            (&mut self.input, input),
+            (&mut self.output, max_tokens),
+        ];
+        for (level, cost) in dims {
             if let Some(l) = level {
                 l.level -= cost as f64;
             }
@@ -142,8 +148,8 @@ impl SimMeter {
         Ok(Charged { max_tokens })
     }
 
-    /// A charged call answered `output` tokens: its output is charged where it is
-    /// counted as produced (Anthropic); OpenAI counted the output limit at start.
+    /// A charged call answered `output` tokens: Anthropic's output estimate is adjusted
+    /// to it; OpenAI counted the output limit at start and keeps it.
     pub fn settle(&mut self, charged: Charged, output: u64) {
         let now = Instant::now();
         if let Some(l) = &mut self.tokens {
@@ -153,7 +159,7 @@ impl SimMeter {
         }
         if let Some(l) = &mut self.output {
             l.now(now);
-            l.level -= output as f64;
+            l.level = (l.level + charged.max_tokens as f64 - output as f64).min(l.limit as f64);
         }
     }
 
@@ -195,7 +201,7 @@ impl SimMeter {
             Short::Requests => (&mut self.requests, 1.0),
             Short::Tokens => (&mut self.tokens, (input + max_tokens) as f64),
             Short::InputTokens => (&mut self.input, input as f64),
-            Short::OutputTokens => (&mut self.output, 1.0),
+            Short::OutputTokens => (&mut self.output, max_tokens as f64),
         };
         let Some(l) = level else { return Duration::ZERO };
         let short_by = (cost - l.now(now)).max(0.0);
@@ -261,12 +267,12 @@ mod tests {
         m.settle(c, 96);
         assert_eq!(m.admit(1_000, 4_096).map(|_| ()), Err(Short::Tokens), "a third does not fit");
         assert!(m.headers().iter().any(|(k, _)| k == "x-ratelimit-remaining-tokens"));
-        let mut a = SimMeter::new(SimLimits::anthropic(None, Some(100_000), Some(5_000)));
+        let mut a = SimMeter::new(SimLimits::anthropic(None, Some(100_000), Some(10_000)));
         let c = a.admit(1_000, 4_096).unwrap();
-        let d = a.admit(1_000, 4_096).unwrap();
-        a.settle(c, 3_000);
-        a.settle(d, 3_000);
-        assert_eq!(a.admit(1_000, 4_096).map(|_| ()), Err(Short::OutputTokens), "output is spent as produced");
+        a.admit(1_000, 4_096).unwrap();
+        assert_eq!(a.admit(1_000, 4_096).map(|_| ()), Err(Short::OutputTokens), "estimated from max_tokens");
+        a.settle(c, 100);
+        assert!(a.admit(1_000, 4_096).is_ok(), "adjusted to what was produced");
         assert!(a.headers().iter().any(|(k, _)| k == "anthropic-ratelimit-output-tokens-remaining"));
     }
 }

@@ -405,14 +405,18 @@ async fn a_provider_reporting_fewer_tokens_left_than_the_bucket_holds_wins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unconfigured_limit_is_learned_from_the_headers_and_paces_the_next_calls() {
-    // No budget configured. The provider says it allows 60 requests a minute and that
-    // none remain: after the first answer the fleet's requests bucket exists (60, one a
-    // second) and is empty, so each later call waits its second instead of a 429.
+    // No budget configured. The provider says it allows 60 requests a minute, that none
+    // remain, and that the limit is full again in a minute: after the first answer the
+    // fleet's requests bucket exists (60, one a second) and is empty, so each later call
+    // waits its second instead of a 429 — and not the minute until the limit is full (a
+    // headroom pause, which the bucket makes unneeded).
     let stack = Stack::start_with(StackOptions::default()).await;
     stack.us.provider.set_answer_headers(vec![
         ("x-ratelimit-limit-requests".into(), "60".into()),
         ("x-ratelimit-remaining-requests".into(), "0".into()),
+        ("x-ratelimit-reset-requests".into(), "1m0s".into()),
     ]);
+    let started = std::time::Instant::now();
     let mut client = stack.client().await;
     let first = submit(&mut client, US_KEY, "learn-0", &sample_diff("learn 0")).await.job_id;
     assert_eq!(wait_final(&mut client, US_KEY, &first).await.state, JobState::Published as i32);
@@ -429,6 +433,7 @@ async fn an_unconfigured_limit_is_learned_from_the_headers_and_paces_the_next_ca
     for pair in starts.windows(2) {
         assert!(pair[1] - pair[0] >= 900, "calls {} ms apart: {starts:?}", pair[1] - pair[0]);
     }
+    assert!(started.elapsed() < Duration::from_secs(20), "four reviews took {:?}", started.elapsed());
     assert_eq!((stats.total_calls, stats.calls_429), (4, 0));
     stack.shutdown().await;
 }
@@ -459,11 +464,13 @@ async fn a_bucket_429_empties_its_bucket_and_a_racing_429_keeps_the_window() {
     q.rate_limited(limited(Some(Dimension::Tokens), 8)).await.unwrap();
     assert_eq!(q.fleet_window(), 8);
     assert!(q.bucket_level(Dimension::Tokens, 48_000).await.unwrap() <= 0.0);
+    // A 429 naming requests, which the key has no limit for: no bucket to lower, so it
+    // is congestion (below, after the race).
     // Twelve calls were running when the refused one started: replicas racing.
     clock.advance(Duration::from_secs(1));
     q.rate_limited(limited(None, 12)).await.unwrap();
     assert_eq!(q.fleet_window(), 8, "a race keeps the level");
     // At the window, the level does not hold.
-    q.rate_limited(limited(None, 8)).await.unwrap();
+    q.rate_limited(limited(Some(Dimension::Requests), 8)).await.unwrap();
     assert_eq!(q.fleet_window(), 4);
 }

@@ -377,11 +377,25 @@ async fn admit(
                         // The key's budgets have no room for this call yet: back to the
                         // lane until they do (or just past its deadline), no lease taken,
                         // no retry spent.
+                        // Calls in flight may give part of their reservation back when
+                        // they are answered: wait here (no lease, no slot) until one does,
+                        // or for at most the wait, and look again.
+                        Err(wait) if quota.fleet_in_flight() > 0 => {
+                            drop((running, slot));
+                            let given_back = quota.given_back.notified();
+                            tokio::select! {
+                                _ = given_back => {}
+                                _ = tokio::time::sleep(wait.min(BUDGET_RECHECK)) => {}
+                                _ = heartbeat.tick() => settle(&msg, AckKind::Progress).await,
+                                _ = stop.cancelled() => {
+                                    settle(&msg, AckKind::Nak(None)).await;
+                                    return None;
+                                }
+                            }
+                            continue;
+                        }
                         Err(wait) => {
                             drop((running, slot));
-                            // Calls in flight may give part of their reservation back when
-                            // they are answered: look again soon rather than wait it all.
-                            let wait = if quota.fleet_in_flight() > 0 { wait.min(BUDGET_RECHECK) } else { wait };
                             let delay = match while_paused(deadline_of(&msg), quota.now_ms(), wait) {
                                 WhilePaused::Late => Duration::ZERO,
                                 WhilePaused::HandBack(d) => d,
@@ -412,8 +426,9 @@ async fn admit(
     }
 }
 
-/// Longest a review refused by the key's budgets waits while calls are in flight: their
-/// answers' usage may give back what they reserved.
+/// Longest a review refused by the key's budgets waits before it looks again while calls
+/// are in flight (their answers' usage may give back what they reserved; another
+/// replica's give-back is not signalled here).
 const BUDGET_RECHECK: Duration = Duration::from_secs(1);
 
 /// Reserves the message's call in the key's budgets; `Err`: how long until they have

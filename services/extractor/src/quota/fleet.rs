@@ -422,6 +422,7 @@ impl Quota {
                 tracing::warn!(error = %e, dimension = dim.as_str(), "correcting a reservation failed");
             }
         }
+        self.given_back.notify_waiters();
     }
 
     /// Learns the limits an answer's headers reported, then follows what they said of
@@ -448,6 +449,14 @@ impl Quota {
         if let Err(e) = self.follow(dim, capacity, &empty).await {
             tracing::warn!(error = %e, dimension = dim.as_str(), "draining a bucket failed");
         }
+    }
+
+    /// Whether every dimension the answer reports empty has a bucket: then the buckets
+    /// pace the next calls exactly, and no headroom pause (until the dimension is full
+    /// again) is needed.
+    pub fn paces_every_empty(&self, meter: &crate::upstream::Meter) -> bool {
+        let limits = self.limits();
+        meter.iter().filter(|(_, r)| r.remaining == Some(0)).all(|(d, _)| limits.of(*d).is_some())
     }
 
     pub fn has_budgets(&self) -> bool {

@@ -70,6 +70,8 @@ pub struct Quota {
     ledger: Arc<Mutex<Ledger>>,
     /// Woken whenever a pause, a share, the window or an in-flight count changes.
     pub changed: Arc<Notify>,
+    /// Woken when this replica gives budget back (a reservation corrected or released).
+    pub given_back: Arc<Notify>,
     /// Pause times, heartbeats and windows are judged on this clock.
     clock: SharedClock,
     /// The key's metered limits, configured and learned: every call reserves its cost
@@ -133,6 +135,7 @@ impl Quota {
             heartbeat,
             ledger: Arc::new(Mutex::new(ledger)),
             changed: Arc::new(Notify::new()),
+            given_back: Arc::new(Notify::new()),
             clock,
             limits: Arc::default(),
         }
@@ -244,11 +247,15 @@ impl Quota {
     }
 
     /// Records a 429: pauses the key for every replica (keeping a later pause); a 429 of
-    /// a metered dimension (`bucket`) empties that bucket and leaves the window alone,
+    /// a metered dimension (`bucket`) the key has a limit for empties that bucket and
+    /// leaves the window alone,
     /// any other narrows the fleet's window once per event (unless it was a race between
     /// replicas, `Window::on_congestion`).
     pub async fn rate_limited(&self, limited: Limited) -> Result<(), FleetError> {
         let Limited { pause, started_ms, in_flight, bucket } = limited;
+        // A dimension the key has no limit for has no bucket to lower: the window takes
+        // it (a provider that says `requests` for calls in flight, as some do).
+        let bucket = bucket.filter(|d| self.limits().of(*d).is_some());
         match bucket {
             Some(dim) => self.drain(dim).await,
             None => {

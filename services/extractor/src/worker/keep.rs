@@ -227,8 +227,11 @@ impl Worker {
             }
             plan::Verdict::Decided(decision) => decision,
         };
-        self.learn(effect).await;
+        // The readings first: the limits they teach decide whether a headroom pause is
+        // needed (a bucket paces an empty dimension exactly; a pause would wait for it
+        // to be full).
         self.quota.follow_readings(&meter).await;
+        self.learn(effect, &meter).await;
         decision
     }
 
@@ -253,14 +256,16 @@ impl Worker {
 
     /// Records what the key's shared quota learns (best effort: a failed write is
     /// logged, and the next answer teaches it again).
-    async fn learn(&self, effect: plan::QuotaEffect) {
+    async fn learn(&self, effect: plan::QuotaEffect, meter: &crate::upstream::Meter) {
         let written = match effect {
             plan::QuotaEffect::None => return,
             plan::QuotaEffect::Succeeded { started_ms, pause } => {
                 self.quota.succeeded(started_ms).await;
                 match pause {
-                    Some(d) => self.quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e)),
-                    None => Ok(()),
+                    Some(d) if !self.quota.paces_every_empty(meter) => {
+                        self.quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e))
+                    }
+                    _ => Ok(()),
                 }
             }
             plan::QuotaEffect::RateLimited(limited) => {
