@@ -565,22 +565,25 @@ pub fn fit_parts_to_budget(
     use reviewlane_core::meter::Dimension;
     let output = u64::from(output);
     let fixed = crate::tokenizer::counter(parts.plan.tokenizer).tokens(&crate::provider::fixed_prompt()) as u64;
+    let too_small = |dim: Dimension, beside: u64| {
+        format!(
+            "the {} budget in {} must exceed what one call takes besides its diff ({beside} tokens: \
+             the instructions and schema, and the output limit where it is counted)",
+            dim.short(),
+            env::KEY_BUDGETS
+        )
+    };
     for &(dim, limit) in budgets {
         let beside = match dim {
             Dimension::Requests => continue,
+            // Output is not the part's: the budget only has to hold one call's limit.
             Dimension::OutputTokens if output < limit => continue,
-            Dimension::OutputTokens => 0,
+            Dimension::OutputTokens => return Err(too_small(dim, output)),
             Dimension::InputTokens => fixed,
             Dimension::Tokens | Dimension::TokensPerDay => fixed + output,
         };
-        let Some(room) = limit.checked_sub(beside.max(1)).filter(|room| *room > 0 && dim != Dimension::OutputTokens)
-        else {
-            return Err(format!(
-                "the {} budget in {} must exceed what one call takes besides its diff ({beside} tokens: \
-                 the instructions and schema, and the output limit where it is counted)",
-                dim.short(),
-                env::KEY_BUDGETS
-            ));
+        let Some(room) = limit.checked_sub(beside).filter(|room| *room > 0) else {
+            return Err(too_small(dim, beside));
         };
         let fill = parts.plan.limits.fill_percent.max(1);
         let cap = usize::try_from(room).unwrap_or(usize::MAX).saturating_mul(100) / fill;
