@@ -308,9 +308,8 @@ pub enum Event {
     },
     /// The review is split into parts (once; the plan every later holder follows).
     Planned { generation: u32, total: u32, plan: crate::chunk::Plan },
-    /// One part's answer is validated and kept. `release`: the holder gives its lease up
-    /// (the next part is another delivery, admitted like any call).
-    PartDone { generation: u32, part: PartDone, release: bool },
+    /// One part's answer is validated and kept (the holder goes on with the others).
+    PartDone { generation: u32, part: PartDone },
     /// The output passed validation (for a split review: every part's, merged) and the
     /// findings of this generation are kept on `FINDINGS_<R>`; `dropped` findings were
     /// over the cap.
@@ -471,7 +470,7 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
                 Some(_) => return Err(TransitionError::NotAllowed(rec.state)),
             }
         }
-        (_, Event::PartDone { part, release, .. }) => {
+        (_, Event::PartDone { part, .. }) => {
             running()?;
             let parts = next.parts.as_mut().ok_or(TransitionError::NotAllowed(rec.state))?;
             if part.index >= parts.total {
@@ -480,9 +479,6 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             if !parts.done.iter().any(|d| d.index == part.index) {
                 parts.done.push(*part);
                 parts.done.sort_by_key(|d| d.index);
-            }
-            if *release {
-                next.lease_expires_at_ms = Some(now_ms);
             }
         }
         (_, Event::Validated { findings, quarantined, dropped, .. }) => {
@@ -695,23 +691,24 @@ mod tests {
         let part = |index, seq| PartDone { index, seq, findings: 1, quarantined: 0, tokens: Tokens::default() };
         let validated = Event::Validated { generation: 1, findings: 2, quarantined: 0, dropped: 0 };
         assert_eq!(transition(&r, &validated, 100), Err(TransitionError::NotAllowed(JobState::Running)));
-        // The holder gives the lease up after a part: the next one may be leased at once.
-        let r = apply(&r, Event::PartDone { generation: 1, part: part(0, 7), release: true });
-        assert_eq!((r.state, r.lease_expires_at_ms), (JobState::Running, Some(100)));
-        let r = transition(&r, &lease("b", 900), 100).unwrap();
+        // A part recorded keeps the lease: its holder goes on with the others.
+        let r = apply(&r, Event::PartDone { generation: 1, part: part(0, 7) });
+        assert_eq!((r.state, r.lease_expires_at_ms), (JobState::Running, Some(500)));
+        assert!(matches!(transition(&r, &lease("b", 900), 100), Err(TransitionError::LeaseHeld { until_ms: 500 })));
+        let r = transition(&r, &lease("b", 900), 500).unwrap();
         // A repeat of a done part changes nothing; a part beyond the plan is refused.
-        let again = apply(&r, Event::PartDone { generation: 2, part: part(0, 9), release: false });
+        let again = apply(&r, Event::PartDone { generation: 2, part: part(0, 9) });
         assert_eq!(again.parts.as_ref().unwrap().done, vec![part(0, 7)]);
-        let beyond = Event::PartDone { generation: 2, part: part(2, 9), release: false };
+        let beyond = Event::PartDone { generation: 2, part: part(2, 9) };
         assert!(matches!(transition(&r, &beyond, 100), Err(TransitionError::NotAllowed(_))));
         // A stale holder's part is fenced like any of its writes.
-        let stale = Event::PartDone { generation: 1, part: part(1, 8), release: true };
+        let stale = Event::PartDone { generation: 1, part: part(1, 8) };
         assert_eq!(transition(&r, &stale, 100), Err(TransitionError::Fenced { writer: 1, newest: 2 }));
         // Another plan for the same job is refused; the same one is a no-op.
         let other = Event::Planned { generation: 2, total: 3, plan };
         assert!(matches!(transition(&r, &other, 100), Err(TransitionError::NotAllowed(_))));
         let r = apply(&r, Event::Planned { generation: 2, total: 2, plan });
-        let r = apply(&r, Event::PartDone { generation: 2, part: part(1, 8), release: false });
+        let r = apply(&r, Event::PartDone { generation: 2, part: part(1, 8) });
         assert!(r.parts.as_ref().unwrap().complete());
         let done = apply(&r, Event::Validated { generation: 2, findings: 2, quarantined: 0, dropped: 3 });
         assert_eq!((done.state, done.findings_dropped), (JobState::Validated, 3));

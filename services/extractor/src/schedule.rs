@@ -33,7 +33,7 @@ use tokio_util::task::TaskTracker;
 
 use reviewlane_shared::pull::pull;
 
-use crate::quota::{Quota, Scope, ScopeGuard};
+use crate::quota::{Quota, Reservation, Scope, ScopeGuard};
 
 struct SlotState {
     free: usize,
@@ -136,25 +136,45 @@ impl Slots {
             .or(st.queue.front())
             .copied();
         let (t, lane) = head?;
-        if t != ticket {
-            return None;
-        }
-        // Past its minimum, batch does not take the slots kept for interactive work
-        // while interactive work is about; batch alone uses every slot.
-        let interactive_about = st.interactive_seen.is_some_and(|at| at.elapsed() < RESERVE_HOLD);
-        if lane == Lane::Batch
-            && interactive_about
-            && st.batch_running >= st.batch_min
-            && st.free <= st.interactive_reserve
-        {
+        if t != ticket || !st.may_take(lane) {
             return None;
         }
         st.queue.retain(|(t, _)| *t != ticket);
+        Some(self.take(&mut st, lane))
+    }
+
+    /// A slot for one more call of `lane` if one is free and no message waits for one:
+    /// those go first. Never queues.
+    fn take_free(self: &Arc<Self>, lane: Lane) -> Option<Slot> {
+        let mut st = self.state.lock().expect("slots lock");
+        if lane == Lane::Interactive {
+            st.interactive_seen = Some(tokio::time::Instant::now());
+        }
+        if !st.queue.is_empty() || st.free == 0 || !st.may_take(lane) {
+            return None;
+        }
+        Some(self.take(&mut st, lane))
+    }
+
+    fn take(self: &Arc<Self>, st: &mut SlotState, lane: Lane) -> Slot {
         st.free -= 1;
         if lane == Lane::Batch {
             st.batch_running += 1;
         }
-        Some(Slot { slots: self.clone(), lane })
+        Slot { slots: self.clone(), lane }
+    }
+}
+
+impl SlotState {
+    /// Whether a free slot may go to `lane`: past its minimum, batch does not take the
+    /// slots kept for interactive work while interactive work is about; batch alone
+    /// uses every slot.
+    fn may_take(&self, lane: Lane) -> bool {
+        let interactive_about = self.interactive_seen.is_some_and(|at| at.elapsed() < RESERVE_HOLD);
+        !(lane == Lane::Batch
+            && interactive_about
+            && self.batch_running >= self.batch_min
+            && self.free <= self.interactive_reserve)
     }
 }
 
@@ -184,14 +204,50 @@ pub struct LaneLoop {
 /// What a review message's call will be metered for.
 pub type CallCost = Arc<dyn Fn(&[u8]) -> reviewlane_core::meter::Cost + Send + Sync>;
 
+/// Where one call runs: a call slot of this process and a place in its scope's
+/// allowance, both held until dropped.
+pub struct Place {
+    pub slot: Slot,
+    pub running: ScopeGuard,
+}
+
 /// What a started message needs to run.
 pub struct Admitted {
     pub msg: jetstream::Message,
     pub scope: Scope,
-    pub slot: Slot,
-    pub running: ScopeGuard,
+    pub place: Place,
     /// What its call reserved in the key's budgets, if any.
-    pub reserved: Option<crate::quota::Reservation>,
+    pub reserved: Option<Reservation>,
+    /// Further calls for the same message (the other parts of a split review).
+    pub more: More,
+}
+
+/// Further calls for an admitted message, each taken only when it may start at once.
+#[derive(Clone)]
+pub struct More {
+    slots: Arc<Slots>,
+    lane: Lane,
+    scope: Scope,
+    quota: Quota,
+    /// Shutdown: no new calls (those in flight finish, the message goes back).
+    stop: CancellationToken,
+}
+
+impl More {
+    /// A place and a reservation for one more call costing `cost`, if it may start now:
+    /// the key is not paused, a slot is free that no waiting message is in line for, the
+    /// scope has room (its share of the window, its tenant's fair share and cap), and
+    /// the key's budgets have room for it. Never waits and never queues, so the parts
+    /// of one review take no place that another message waits for.
+    pub async fn try_take(&self, cost: reviewlane_core::meter::Cost) -> Option<(Place, Option<Reservation>)> {
+        if self.stop.is_cancelled() || self.quota.paused_for().is_some() || !self.quota.has_room(&self.scope) {
+            return None;
+        }
+        let slot = self.slots.take_free(self.lane)?;
+        let running = self.quota.try_start(&self.scope)?;
+        let reserved = reserve(&self.quota, cost).await.ok()?;
+        Some((Place { slot, running }, reserved))
+    }
 }
 
 /// What a loop hands the worker.
@@ -372,8 +428,18 @@ async fn admit(
             if let Some(slot) = slots.try_take(t) {
                 ticket = None;
                 match quota.try_start(&l.scope) {
-                    Some(running) => match reserve(l, &msg, quota).await {
-                        Ok(reserved) => return Some(Admitted { msg, scope: l.scope.clone(), slot, running, reserved }),
+                    Some(running) => match reserve(quota, (l.cost)(&msg.payload)).await {
+                        Ok(reserved) => {
+                            let more = More {
+                                slots: slots.clone(),
+                                lane: l.lane,
+                                scope: l.scope.clone(),
+                                quota: quota.clone(),
+                                stop: stop.clone(),
+                            };
+                            let place = Place { slot, running };
+                            return Some(Admitted { msg, scope: l.scope.clone(), place, reserved, more });
+                        }
                         // The key's budgets have no room for this call yet: back to the
                         // lane until they do (or just past its deadline), no lease taken,
                         // no retry spent.
@@ -431,18 +497,14 @@ async fn admit(
 /// replica's give-back is not signalled here).
 const BUDGET_RECHECK: Duration = Duration::from_secs(1);
 
-/// Reserves the message's call in the key's budgets; `Err`: how long until they have
+/// Reserves a call costing `cost` in the key's budgets; `Err`: how long until they have
 /// room. A call larger than a whole budget goes ahead unreserved (logged): the part
 /// budget is capped so that it cannot happen, and the provider still answers 429.
-async fn reserve(
-    l: &LaneLoop,
-    msg: &jetstream::Message,
-    quota: &Quota,
-) -> Result<Option<crate::quota::Reservation>, Duration> {
+async fn reserve(quota: &Quota, cost: reviewlane_core::meter::Cost) -> Result<Option<Reservation>, Duration> {
     if !quota.has_budgets() {
         return Ok(None);
     }
-    match quota.reserve_call((l.cost)(&msg.payload)).await {
+    match quota.reserve_call(cost).await {
         Ok(reserved) => Ok(Some(reserved)),
         Err(crate::quota::bucket::Refused::Wait(wait)) => Err(wait),
         Err(crate::quota::bucket::Refused::TooLarge { capacity }) => {

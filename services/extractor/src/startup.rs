@@ -177,14 +177,21 @@ async fn lane_loops(
     Ok((loops, key))
 }
 
-/// What a review's call is metered for: its input — the prompt's tokens (one part's at
-/// most, as a split review calls one part at a time) and what every call sends besides
-/// the diff — and the output limit the provider counts when the call starts.
+/// What every call is metered for besides its diff: the instructions and schema it
+/// sends, and the output limit the provider counts when the call starts.
+fn call_overhead(config: &ExtractorConfig) -> reviewlane_core::meter::Cost {
+    let tokenizer = config.parts.plan.tokenizer;
+    let fixed = crate::tokenizer::counter(tokenizer).tokens(&crate::provider::fixed_prompt()) as u64;
+    reviewlane_core::meter::Cost { input: fixed, output: u64::from(config.provider.output_reserve()) }
+}
+
+/// What a review message's first call is metered for: its input — the prompt's tokens
+/// (one part's at most: a split review reserves each other part as it starts it) and
+/// the call's overhead — and the output limit the provider counts when the call starts.
 fn call_cost(config: &ExtractorConfig) -> crate::schedule::CallCost {
     use reviewlane_core::meter::Cost;
     let plan = config.parts.plan;
-    let output = u64::from(config.provider.output_reserve());
-    let fixed = crate::tokenizer::counter(plan.tokenizer).tokens(&crate::provider::fixed_prompt()) as u64;
+    let Cost { input: fixed, output } = call_overhead(config);
     Arc::new(move |payload: &[u8]| {
         let at_most = Cost { input: fixed + plan.limits.budget() as u64, output };
         let Ok(review) = serde_json::from_slice::<reviewlane_core::messages::ReviewMessage>(payload) else {
@@ -230,6 +237,7 @@ fn policy_of(config: &ExtractorConfig) -> crate::worker::WorkPolicy {
         price: config.results.prices.get(&config.quota.model_class).copied(),
         quarantine_raw_max: config.results.quarantine_raw_max,
         parts: config.parts,
+        call_overhead: call_overhead(config),
     }
 }
 

@@ -1,8 +1,10 @@
-//! Step 2, call: one provider call (or a cached result instead of one), with the lease
-//! kept alive while it runs — progress acks on the message and a fenced extension of
-//! the record's lease — and watched: a cancelled job or a lease taken over ends the
-//! wait for the answer.
+//! Step 2, call: one provider call (`attempt`), with the lease kept alive while it
+//! runs — progress acks on the message and a fenced extension of the record's lease —
+//! and watched (`watched`, which also watches a split review's parts in flight): a
+//! cancelled job, a lease taken over or the job's deadline ends the wait for the
+//! answer.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
@@ -13,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use super::{Job, Lease, Target, Worker};
+use super::{Job, Lease, Metering, Target, Worker};
 use crate::provider::ProviderRequest;
 use crate::upstream::UpstreamOutcome;
 
@@ -40,13 +42,27 @@ pub enum Answer {
 }
 
 impl Worker {
+    /// One call with the lease kept alive and watched (`watched`).
     pub(super) async fn call(
         &self,
         job: &Job<'_>,
         lease: &Lease,
         target: &Target<'_>,
+        metering: &Metering,
         abort: &CancellationToken,
     ) -> Result<Answer, StoreError> {
+        Ok(self.watched(job, lease, self.attempt(job, lease, target, metering), abort).await?.unwrap_or_else(|end| end))
+    }
+
+    /// One provider call, answered or timed out: traced, counted and metered. The
+    /// caller keeps the lease alive meanwhile (`watched`).
+    pub(super) async fn attempt(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        target: &Target<'_>,
+        metering: &Metering,
+    ) -> Answer {
         let req = ProviderRequest {
             job_id: job.id(),
             region: job.review.region,
@@ -76,17 +92,12 @@ impl Worker {
         );
         let started = Instant::now();
         lease.called.store(true, std::sync::atomic::Ordering::Relaxed);
-        job.metering.called.store(true, std::sync::atomic::Ordering::Relaxed);
-        let answer = self.call_with_lease(job, lease, &req, abort).instrument(attempt.clone()).await?;
+        metering.called.store(true, std::sync::atomic::Ordering::Relaxed);
+        let call = tokio::time::timeout(self.policy.provider_timeout, self.provider.review(&req));
+        let upstream =
+            call.instrument(attempt.clone()).await.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" });
         let took = started.elapsed();
         attempt.record("duration_ms", took.as_millis() as u64);
-        let Some(upstream) = answer else {
-            return Ok(Answer::Aborted);
-        };
-        let upstream = match upstream {
-            Ok(u) => u,
-            Err(other) => return Ok(other),
-        };
         let outcome_class = match &upstream {
             UpstreamOutcome::Ok { .. } => "ok",
             UpstreamOutcome::RateLimited { .. } => "rate_limited",
@@ -108,27 +119,26 @@ impl Worker {
         attempt.in_scope(|| {
             tracing::info!(outcome = outcome_class, status_class = upstream.status_class(), "provider answered")
         });
-        Ok(Answer::Upstream { outcome: upstream, started_ms, in_flight })
+        Answer::Upstream { outcome: upstream, started_ms, in_flight }
     }
 
-    /// Runs the call; `None` when `abort` fired, `Some(Err(answer))` when the job ended
-    /// or the lease was lost meanwhile.
-    async fn call_with_lease(
+    /// Runs `work` (calls) with the lease kept alive — progress acks on the message and
+    /// a fenced extension of the record's lease — and watched. `Err(answer)` when the
+    /// work was abandoned: shutdown grace over (`Aborted`), the job ended, the lease was
+    /// taken over, or the job's deadline came (an answer after it would be of no use).
+    pub(super) async fn watched<T>(
         &self,
         job: &Job<'_>,
         lease: &Lease,
-        req: &ProviderRequest<'_>,
+        work: impl Future<Output = T>,
         abort: &CancellationToken,
-    ) -> Result<Option<Result<UpstreamOutcome, Answer>>, StoreError> {
+    ) -> Result<Result<T, Answer>, StoreError> {
         // A cancel is seen here at once; one racing the subscription, at the next
         // heartbeat's extend at the latest.
         let mut changes = self.stores.jobs.signals(job.id()).await?;
-        let call = tokio::time::timeout(self.policy.provider_timeout, self.provider.review(req));
-        tokio::pin!(call);
+        tokio::pin!(work);
         let mut heartbeat = tokio::time::interval(self.policy.lease / 3);
         heartbeat.tick().await; // the first tick is immediate
-        // A call still running at the job's deadline is abandoned: its answer would be
-        // too late to be of use.
         let deadline = async {
             match lease.rec.deadline_ms {
                 Some(at) => tokio::time::sleep(Duration::from_millis(at.saturating_sub(self.clock.now_ms()))).await,
@@ -138,23 +148,21 @@ impl Worker {
         tokio::pin!(deadline);
         loop {
             tokio::select! {
-                res = &mut call => {
-                    return Ok(Some(Ok(res.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" }))));
-                }
+                done = &mut work => return Ok(Ok(done)),
                 _ = heartbeat.tick() => {
                     if let Some(end) = self.extend(job, lease).await {
-                        return Ok(Some(Err(end)));
+                        return Ok(Err(end));
                     }
                 }
                 Some(_) = futures::StreamExt::next(&mut changes) => {
                     if let Some((rec, _)) = self.stores.jobs.get(job.id()).await?
                         && rec.state == JobState::Terminal
                     {
-                        return Ok(Some(Err(Answer::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled)))));
+                        return Ok(Err(Answer::Ended(rec.reason.unwrap_or(TerminalReason::Cancelled))));
                     }
                 }
-                _ = &mut deadline => return Ok(Some(Err(Answer::DeadlinePassed))),
-                _ = abort.cancelled() => return Ok(None),
+                _ = &mut deadline => return Ok(Err(Answer::DeadlinePassed)),
+                _ = abort.cancelled() => return Ok(Err(Answer::Aborted)),
             }
         }
     }

@@ -20,7 +20,7 @@ use tracing::field::Empty;
 
 use super::call::Answer;
 use super::settle::Decision;
-use super::{Job, Lease, Target, Worker, plan};
+use super::{Job, Lease, Metering, Target, Worker, plan};
 use crate::upstream::UpstreamOutcome;
 
 impl Worker {
@@ -191,7 +191,14 @@ impl Worker {
     /// What an answer means for the job (the pure `plan::verdict`). A usable answer is
     /// validated and kept here, before any other write; then the key's quota learns
     /// from it.
-    pub(super) async fn decide(&self, job: &Job<'_>, lease: &Lease, target: &Target<'_>, answer: Answer) -> Decision {
+    pub(super) async fn decide(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        target: &Target<'_>,
+        metering: &Metering,
+        answer: Answer,
+    ) -> Decision {
         self.note(&answer);
         let meter = match &answer {
             Answer::Upstream { outcome: UpstreamOutcome::Ok { meter, .. }, .. }
@@ -206,19 +213,16 @@ impl Worker {
             plan::Verdict::Usable { output, usage, status } => {
                 if let Some(u) = usage {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
-                    *lease.tokens.lock().expect("tokens lock") = Some(u);
-                    if let Some(reserved) = &job.metering.reserved
-                        && !job.metering.settled.swap(true, std::sync::atomic::Ordering::Relaxed)
+                    *metering.tokens.lock().expect("tokens lock") = Some(u);
+                    if let Some(reserved) = &metering.reserved
+                        && !metering.settled.swap(true, std::sync::atomic::Ordering::Relaxed)
                     {
                         let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
                         self.quota.settle_call(reserved, used).await;
                     }
                 }
                 match (self.validate(job, lease, target.diff, &output), target.part) {
-                    (Ok(validated), None) => {
-                        let tokens = *lease.tokens.lock().expect("tokens lock");
-                        self.keep(job, lease, validated, 0, Some(tokens)).await
-                    }
+                    (Ok(validated), None) => self.keep(job, lease, validated, 0, Some(usage)).await,
                     (Ok(validated), Some(index)) => self.keep_part(job, lease, index, validated).await,
                     (Err(invalid), _) => {
                         Decision::Retry { budget: Budget::Schema, hint: None, status, invalid: Some(invalid.as_str()) }

@@ -27,7 +27,8 @@ pub struct Lease {
     /// Whether this lease made a provider call (a cache hit, an open circuit or a
     /// resumed answer do not).
     pub called: std::sync::atomic::AtomicBool,
-    /// The tokens of this lease's paid call, charged to the record with its next write.
+    /// The tokens of a paid call of this lease, charged to the record with its next
+    /// write (`charge`).
     pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
     /// The record and revision this lease last wrote: its next write is a
     /// compare-and-set on that revision without reading first (a read follows only when
@@ -48,6 +49,12 @@ impl Lease {
 
     pub fn generation(&self) -> u32 {
         self.rec.generation()
+    }
+
+    /// The tokens of a paid call, to be charged to the job with the next decision's
+    /// write.
+    pub fn charge(&self, tokens: Option<reviewlane_core::job::Tokens>) {
+        *self.tokens.lock().expect("tokens lock") = tokens;
     }
 
     /// Provider calls the job has made, this lease's included: one per retry spent, and

@@ -10,8 +10,9 @@
 //! then validate and store it before any other write, and let the key's quota learn),
 //! `settle` (the one place that records a decision and settles the message, through
 //! the pure `plan::plan`). `cache` is read beside the lease and written by `keep`. A
-//! review larger than the model's context goes through `parts`: one part per delivery,
-//! then the merge. This file holds the worker's parts, the job and the trip.
+//! review larger than the model's context goes through `parts`: its parts called
+//! concurrently, as far as admission allows, each recorded as it is kept; then the
+//! merge. This file holds the worker's parts, the job and the trip.
 
 mod cache;
 mod call;
@@ -41,7 +42,7 @@ use crate::config::Budgets;
 use crate::metrics::Metrics;
 use crate::provider::Provider;
 use crate::quota::{Quota, Scope};
-use crate::schedule::{Admitted, Work};
+use crate::schedule::{Admitted, More, Place, Work};
 use crate::upstream::Backoff;
 use reviewlane_shared::store::StoreRetry;
 
@@ -95,9 +96,18 @@ pub struct WorkPolicy {
     pub quarantine_raw_max: usize,
     /// Splitting reviews larger than the model's context.
     pub parts: crate::config::PartConfig,
+    /// What every call is metered for besides its diff: the instructions and schema it
+    /// sends, and the output limit the provider counts at start.
+    pub call_overhead: reviewlane_core::meter::Cost,
 }
 
 impl WorkPolicy {
+    /// What a call for one part of a split review is metered for.
+    pub fn part_cost(&self, part: &reviewlane_core::chunk::Part) -> reviewlane_core::meter::Cost {
+        let overhead = self.call_overhead;
+        reviewlane_core::meter::Cost { input: overhead.input + part.tokens as u64, output: overhead.output }
+    }
+
     /// The backoff of `lane` without a provider's hint.
     pub fn backoff(&self, lane: reviewlane_shared::Lane) -> &Backoff {
         &self.backoff[usize::from(lane == reviewlane_shared::Lane::Batch)]
@@ -121,19 +131,38 @@ pub struct Job<'a> {
     /// The diff, parsed once; `None` when it cannot be read back (never expected: the
     /// ingress validated it).
     pub diff: Option<Diff>,
-    /// What this delivery reserved of the key's budgets, and what became of it.
-    pub metering: Metering,
+    /// What the delivery's call reserved of the key's budgets, and what became of it.
+    pub metering: Arc<Metering>,
+    /// Where the delivery's call runs (its slot and scope place): held until the trip
+    /// ends, or — for a split review — until its first part is answered.
+    pub place: std::sync::Mutex<Option<Place>>,
+    /// Further calls for the delivery: a split review's other parts (none for a late
+    /// review).
+    pub more: Option<More>,
 }
 
-/// A delivery's reservation in the key's budgets: corrected to the usage of its answer,
-/// kept when a call was made without one, given back when no call was made.
+/// One call's reservation in the key's budgets: corrected to the usage of its answer,
+/// kept when a call was made without one, given back when no call was made; and the
+/// tokens its answer reported, charged to the job with the decision's write.
 #[derive(Debug, Default)]
 pub struct Metering {
     pub reserved: Option<crate::quota::Reservation>,
     /// A provider call was made for it.
     pub called: std::sync::atomic::AtomicBool,
-    /// Its answer's usage corrected it.
+    /// Its answer's usage corrected it, or it was given back unused.
     pub settled: std::sync::atomic::AtomicBool,
+    /// The usage its answer reported.
+    pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
+}
+
+impl Metering {
+    pub fn new(reserved: Option<crate::quota::Reservation>) -> Arc<Metering> {
+        Arc::new(Metering { reserved, ..Default::default() })
+    }
+
+    pub fn tokens(&self) -> Option<reviewlane_core::job::Tokens> {
+        *self.tokens.lock().expect("tokens lock")
+    }
 }
 
 impl Job<'_> {
@@ -187,12 +216,12 @@ impl Worker {
 
     async fn process(&self, work: Work, abort: &CancellationToken) -> Outcome {
         // A call holds its slot and the scope's allowance until this returns.
-        let (msg, scope, held, reserved) = match work {
+        let (msg, scope, place, reserved, more) = match work {
             Work::Call(admitted) => {
-                let Admitted { msg, scope, slot, running, reserved } = *admitted;
-                (msg, scope, Some((slot, running)), reserved)
+                let Admitted { msg, scope, place, reserved, more } = *admitted;
+                (msg, scope, Some(place), reserved, Some(more))
             }
-            Work::Late { msg, scope } => (*msg, scope, None, None),
+            Work::Late { msg, scope } => (*msg, scope, None, None, None),
         };
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
             Ok(r) => r,
@@ -213,18 +242,18 @@ impl Worker {
             settle::ack(&msg, AckKind::Term).await;
             return Outcome::Skipped;
         }
-        let metering = Metering { reserved, ..Default::default() };
-        let job =
-            Job { msg: &msg, review: &review, scope: &scope, diff: diff::parse(&review.diff_text()).ok(), metering };
-        let trip = match held {
-            Some(_) => self.trip(&job, abort).await,
-            None => self.late_trip(&job).await,
+        let late = place.is_none();
+        let job = Job {
+            msg: &msg,
+            review: &review,
+            scope: &scope,
+            diff: diff::parse(&review.diff_text()).ok(),
+            metering: Metering::new(reserved),
+            place: std::sync::Mutex::new(place),
+            more,
         };
-        if let Some(reserved) = &job.metering.reserved
-            && !job.metering.called.load(std::sync::atomic::Ordering::Relaxed)
-        {
-            self.quota.release_call(reserved).await;
-        }
+        let trip = if late { self.late_trip(&job).await } else { self.trip(&job, abort).await };
+        self.release_unused(&job.metering).await;
         match trip {
             Ok(outcome) => outcome,
             Err(e) => {
@@ -233,6 +262,17 @@ impl Worker {
                 settle::ack(&msg, AckKind::Nak(Some(INFRA_RETRY))).await;
                 Outcome::Released
             }
+        }
+    }
+
+    /// Gives a reservation back to the key's budgets when no call was made for it
+    /// (once).
+    async fn release_unused(&self, metering: &Metering) {
+        if let Some(reserved) = &metering.reserved
+            && !metering.called.load(std::sync::atomic::Ordering::Relaxed)
+            && !metering.settled.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.quota.release_call(reserved).await;
         }
     }
 
@@ -247,14 +287,15 @@ impl Worker {
         let whole = match next {
             lease::Next::Call(whole) => whole,
             lease::Next::Cached(whole, hit) => {
-                let decision = self.decide(job, &lease, &whole, Answer::Cached(hit)).await;
+                let decision = self.decide(job, &lease, &whole, &job.metering, Answer::Cached(hit)).await;
                 return self.settle(job, &lease, decision).await;
             }
             lease::Next::Split(parts, progress) => return self.split_trip(job, &lease, parts, progress, abort).await,
             lease::Next::Settle(decision) => return self.settle(job, &lease, decision).await,
         };
-        let answer = self.call(job, &lease, &whole, abort).await?;
-        let decision = self.decide(job, &lease, &whole, answer).await;
+        let answer = self.call(job, &lease, &whole, &job.metering, abort).await?;
+        let decision = self.decide(job, &lease, &whole, &job.metering, answer).await;
+        lease.charge(job.metering.tokens());
         self.settle(job, &lease, decision).await
     }
 }

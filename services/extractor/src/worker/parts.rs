@@ -1,22 +1,30 @@
 //! Reviews larger than the model's context: one job, many parts.
 //!
 //! The first holder splits the diff (`reviewlane_core::chunk`) and records the plan
-//! in the job record; every later holder splits it alike from the recorded plan. Each
-//! delivery of the message answers one part — one call, admitted like any other call
-//! (call slot, the scope's window and pause) — keeps that part's validated result on
-//! `PARTS_<R>`, records the part done (fenced, like every write of a lease) and hands
-//! the message straight back for the next part. A crash, a 429 or a schema retry
-//! therefore redoes only the part not yet recorded, and a part kept just before a
-//! crash is recorded from what was kept, without a call: no part is paid twice. The
-//! delivery that records the last part merges the parts' findings
+//! in the job record; every later holder splits it alike from the recorded plan. A
+//! holder runs the parts not yet recorded concurrently: the first where its delivery
+//! was admitted, each other as soon as admission has a place for it at once (a call
+//! slot no waiting message is in line for, the scope's window and its tenant's fair
+//! share, the key's budgets), so a large review on an idle account takes a few call
+//! times, and one among other tenants' reviews takes only what they leave. Each part's
+//! validated result is kept on `PARTS_<R>`, then recorded done (fenced, like every
+//! write of a lease). A 429 or a schema retry of one part stops new parts; the parts
+//! in flight finish and are recorded, and the retry redoes only the parts not
+//! recorded. A part kept just before a crash is recorded from what was kept, without
+//! a call: a crash re-pays at most the parts in flight. When no part can start and
+//! none is in flight, the message goes back to its lane to be admitted again. The
+//! holder that records the last part merges the parts' findings
 //! (`reviewlane_core::aggregate`) into the job's one result.
 
 use std::borrow::Cow;
+use std::collections::VecDeque;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use reviewlane_core::chunk::{self, Part};
 use reviewlane_core::diff;
 use reviewlane_core::findings::Validated;
-use reviewlane_core::job::{Event, JobState, Parts, TerminalReason, TransitionError};
+use reviewlane_core::job::{Event, JobState, Parts, TerminalReason, Tokens, TransitionError};
 use reviewlane_core::messages::FindingsMessage;
 use reviewlane_core::{aggregate, job::ReviewDepth};
 use reviewlane_shared::faults::point;
@@ -24,13 +32,50 @@ use reviewlane_shared::job_store::StoreError;
 use tokio_util::sync::CancellationToken;
 
 use super::settle::{Decision, Outcome};
-use super::{Job, Lease, Target, Worker};
+use super::{Job, Lease, Metering, Target, Worker, plan};
 
 /// Split reviews whose parts a worker keeps (each about the size of its diff).
 pub(super) const SPLIT_CACHE: usize = 4;
 
 /// Recently split reviews: (job id, plan) and their parts.
 pub type SplitCache = std::sync::Mutex<std::collections::VecDeque<((String, chunk::Plan), std::sync::Arc<Vec<Part>>)>>;
+
+/// How often a split review with parts waiting looks for a place for the next one
+/// while others are in flight (it also looks whenever a part ends).
+const PLACE_RECHECK: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// What running a split review's parts came to.
+enum Ran {
+    /// Every part is recorded: the merge follows.
+    Complete(Parts),
+    /// To be settled now that the parts in flight are recorded: a part's retry or end,
+    /// or a hand-back when no part could start; with the tokens of the paid calls whose
+    /// decision this is (charged with it).
+    Decided(Decision, Option<Tokens>),
+    /// Recording a part came to this (the lease taken over, the job ended, the store):
+    /// the trip ends with it.
+    Ended(Outcome),
+}
+
+/// Of two parts' decisions, the one the job comes to: an end before a retry, a retry
+/// before a hand-back.
+fn graver(first: Decision, other: Decision) -> Decision {
+    let rank = |d: &Decision| match d {
+        Decision::Stale => 4,
+        Decision::Ended(_) => 3,
+        Decision::Terminal { .. } => 2,
+        Decision::Retry { .. } => 1,
+        _ => 0,
+    };
+    if rank(&other) > rank(&first) { other } else { first }
+}
+
+fn sum(a: Option<Tokens>, b: Option<Tokens>) -> Option<Tokens> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(Tokens { input: a.input + b.input, output: a.output + b.output }),
+        (a, b) => a.or(b),
+    }
+}
 
 /// How a review is answered.
 pub(super) enum Planned {
@@ -123,54 +168,159 @@ impl Worker {
         parts
     }
 
-    /// One delivery of a split review: the next part (resumed from a kept result, or
-    /// called), then — when it was the last — the merge.
+    /// A split review: its parts called concurrently as far as admission allows, each
+    /// recorded as it is kept (`run_parts`), with the lease kept alive and watched
+    /// meanwhile; then — when every part is recorded — the merge, or else what stopped
+    /// the parts (a part's retry or end, or no part able to start: back to the lane).
     pub(super) async fn split_trip(
         &self,
         job: &Job<'_>,
         lease: &Lease,
         parts: std::sync::Arc<Vec<Part>>,
-        mut progress: Parts,
+        progress: Parts,
         abort: &CancellationToken,
     ) -> Result<Outcome, StoreError> {
-        if let Some(index) = progress.next() {
-            let release = progress.done.len() + 1 < progress.total as usize;
-            let decision = match self.stores.results.read_part(&job.review.tenant, job.id(), index).await? {
-                // Kept by a holder that died before recording it: recorded now, unpaid.
-                Some((kept, seq)) => {
-                    tracing::info!(part = index, "part result kept before; recorded without a call");
-                    Decision::PartDone {
-                        index,
-                        seq,
-                        findings: kept.findings.len(),
-                        quarantined: kept.quarantined.len(),
-                        release,
+        let started = std::sync::Mutex::new(Vec::new());
+        let ran = self.watched(job, lease, self.run_parts(job, lease, &parts, progress, &started), abort).await;
+        // Parts abandoned before their call give their reservations back.
+        let started = std::mem::take(&mut *started.lock().expect("parts lock"));
+        for metering in started {
+            self.release_unused(&metering).await;
+        }
+        let decision = match ran? {
+            Ok(Ok(Ran::Complete(progress))) => self.merge_parts(job, lease, &progress).await,
+            Ok(Ok(Ran::Decided(decision, tokens))) => {
+                lease.charge(tokens);
+                decision
+            }
+            Ok(Ok(Ran::Ended(outcome))) => return Ok(outcome),
+            Ok(Err(e)) => return Err(e),
+            Err(end) => plan::abandoned(&end).unwrap_or(Decision::Release(None)),
+        };
+        self.settle(job, lease, decision).await
+    }
+
+    /// Runs the parts not recorded yet: the first where the delivery was admitted, each
+    /// other as soon as admission gives it a place at once (`More::try_take`: never
+    /// ahead of a waiting message, within the tenant's fair share, the window and the
+    /// key's budgets), more whenever a part ends. Each part answered is recorded at once
+    /// (fenced). A part to be retried or ended stops new parts; the parts in flight
+    /// finish and are recorded first, so a 429 or a schema retry redoes only its part.
+    /// `started`: the reservations of the other parts, for the caller to give back
+    /// should this be abandoned before they call.
+    async fn run_parts(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        parts: &[Part],
+        mut progress: Parts,
+        started: &std::sync::Mutex<Vec<std::sync::Arc<Metering>>>,
+    ) -> Result<Ran, StoreError> {
+        let mut pending: VecDeque<u32> =
+            (0..progress.total).filter(|i| !progress.done.iter().any(|d| d.index == *i)).collect();
+        let mut flight = FuturesUnordered::new();
+        if let Some(index) = pending.pop_front() {
+            let place = job.place.lock().expect("place lock").take();
+            flight.push(self.run_part(job, lease, parts, index, place, job.metering.clone()));
+        }
+        let mut stop: Option<(Decision, Option<Tokens>)> = None;
+        let mut failed: Option<StoreError> = None;
+        loop {
+            while stop.is_none()
+                && failed.is_none()
+                && let Some(&index) = pending.front()
+                && let Some(more) = &job.more
+            {
+                let Some((place, reserved)) = more.try_take(self.policy.part_cost(&parts[index as usize])).await else {
+                    break;
+                };
+                pending.pop_front();
+                let metering = Metering::new(reserved);
+                started.lock().expect("parts lock").push(metering.clone());
+                flight.push(self.run_part(job, lease, parts, index, Some(place), metering));
+            }
+            if flight.is_empty() {
+                return match (failed, stop) {
+                    (Some(e), _) => Err(e),
+                    (None, Some((decision, tokens))) => Ok(Ran::Decided(decision, tokens)),
+                    (None, None) if pending.is_empty() => Ok(Ran::Complete(progress)),
+                    // No part may start now: back to the lane, admitted like any call.
+                    (None, None) => {
+                        tracing::debug!(left = pending.len(), "no place for the next part; handed back");
+                        Ok(Ran::Decided(Decision::Release(None), None))
                     }
-                }
-                None => {
-                    let part = &parts[index as usize];
-                    let Ok(part_diff) = diff::parse(&part.text) else {
-                        tracing::error!(part = index, "a part does not parse");
-                        let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
-                        return self.settle(job, lease, decision).await;
-                    };
-                    let target = Target { diff: &part_diff, text: Cow::Borrowed(&part.text), part: Some(index) };
-                    let answer = self.call(job, lease, &target, abort).await?;
-                    match self.decide(job, lease, &target, answer).await {
-                        Decision::PartDone { index, seq, findings, quarantined, .. } => {
-                            Decision::PartDone { index, seq, findings, quarantined, release }
-                        }
-                        other => other,
-                    }
-                }
+                };
+            }
+            let may_start = !pending.is_empty() && stop.is_none() && failed.is_none();
+            let (index, decided, tokens) = tokio::select! {
+                Some(answered) = flight.next() => answered,
+                _ = tokio::time::sleep(PLACE_RECHECK), if may_start => continue,
             };
-            match self.settle(job, lease, decision).await? {
-                Outcome::PartDone { parts } if parts.complete() => progress = parts,
-                other => return Ok(other),
+            match decided {
+                Err(e) => {
+                    tracing::warn!(part = index, kind = e.kind(), "a part's store read failed; no new parts");
+                    failed.get_or_insert(e);
+                }
+                Ok(done @ Decision::PartDone { .. }) => {
+                    lease.charge(tokens);
+                    match self.settle(job, lease, done).await? {
+                        Outcome::PartDone { parts } => progress = parts,
+                        other => return Ok(Ran::Ended(other)),
+                    }
+                }
+                Ok(decision) => {
+                    tracing::info!(
+                        part = index,
+                        in_flight = flight.len(),
+                        "a part stops the others; those in flight finish"
+                    );
+                    stop = Some(match stop.take() {
+                        None => (decision, tokens),
+                        Some((first, spent)) => (graver(first, decision), sum(spent, tokens)),
+                    });
+                }
             }
         }
-        let decision = self.merge_parts(job, lease, &progress).await;
-        self.settle(job, lease, decision).await
+    }
+
+    /// One part, with its place held until it is decided: recorded from a result kept
+    /// before (a holder died before recording it: no call), or called, validated and
+    /// kept. Its index, what it comes to, and the tokens its call used.
+    async fn run_part(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        parts: &[Part],
+        index: u32,
+        place: Option<crate::schedule::Place>,
+        metering: std::sync::Arc<Metering>,
+    ) -> (u32, Result<Decision, StoreError>, Option<Tokens>) {
+        let decided = self.answer_part(job, lease, &parts[index as usize], index, &metering).await;
+        drop(place);
+        self.release_unused(&metering).await;
+        (index, decided, metering.tokens())
+    }
+
+    async fn answer_part(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        part: &Part,
+        index: u32,
+        metering: &Metering,
+    ) -> Result<Decision, StoreError> {
+        if let Some((kept, seq)) = self.stores.results.read_part(&job.review.tenant, job.id(), index).await? {
+            tracing::info!(part = index, "part result kept before; recorded without a call");
+            let (findings, quarantined) = (kept.findings.len(), kept.quarantined.len());
+            return Ok(Decision::PartDone { index, seq, findings, quarantined });
+        }
+        let Ok(part_diff) = diff::parse(&part.text) else {
+            tracing::error!(part = index, "a part does not parse");
+            return Ok(Decision::Terminal { reason: TerminalReason::InvalidInput, status: None });
+        };
+        let target = Target { diff: &part_diff, text: Cow::Borrowed(&part.text), part: Some(index) };
+        let answer = self.attempt(job, lease, &target, metering).await;
+        Ok(self.decide(job, lease, &target, metering, answer).await)
     }
 
     /// Keeps one part's validated result on `PARTS_<R>` (before any other write).
@@ -186,13 +336,7 @@ impl Worker {
             Ok((at, seq)) => {
                 self.metrics.kept(at);
                 tracing::info!(part = index, "part result kept");
-                Decision::PartDone {
-                    index,
-                    seq,
-                    findings: v.findings.len(),
-                    quarantined: v.quarantined.len(),
-                    release: true,
-                }
+                Decision::PartDone { index, seq, findings: v.findings.len(), quarantined: v.quarantined.len() }
             }
             Err(unkept) => unkept,
         }

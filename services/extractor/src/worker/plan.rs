@@ -57,12 +57,7 @@ pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f6
     let (upstream, started_ms) = match answer {
         Answer::Cached(hit) => return (Verdict::Cached(hit), QuotaEffect::None),
         Answer::Upstream { outcome, started_ms, in_flight } => (outcome, (started_ms, in_flight)),
-        Answer::Aborted => return decided(Decision::Release(None)),
-        Answer::LostLease => return decided(Decision::Stale),
-        Answer::Ended(reason) => return decided(Decision::Ended(reason)),
-        Answer::DeadlinePassed => {
-            return decided(Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None });
-        }
+        other => return decided(abandoned(&other).unwrap_or(Decision::Release(None))),
     };
     let status = Some(upstream.status_class().to_string());
     match upstream {
@@ -88,6 +83,18 @@ pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f6
         UpstreamOutcome::Permanent { .. } => {
             decided(Decision::Terminal { reason: TerminalReason::UpstreamRejected, status })
         }
+    }
+}
+
+/// The decision on a call abandoned before its answer: the shutdown grace is over, the
+/// lease was taken over, the job ended or its deadline came. `None` for an answer.
+pub fn abandoned(answer: &Answer) -> Option<Decision> {
+    match answer {
+        Answer::Aborted => Some(Decision::Release(None)),
+        Answer::LostLease => Some(Decision::Stale),
+        Answer::Ended(reason) => Some(Decision::Ended(*reason)),
+        Answer::DeadlinePassed => Some(Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None }),
+        Answer::Upstream { .. } | Answer::Cached(_) => None,
     }
 }
 
@@ -121,6 +128,8 @@ pub enum Settlement {
     /// Write `event` (fenced by the lease's generation), then settle the message with
     /// `ack` (an ack, or a nak after the delay); a terminal outcome is dead-lettered.
     Record { event: Event, outcome: Outcome, ack: Ack },
+    /// Write `event` (fenced) and keep the message: a part recorded, the trip goes on.
+    Progress { event: Event },
 }
 
 /// The settlement of `decision` for `lease` at `now_ms` (`unit`: uniform in [0, 1),
@@ -141,7 +150,7 @@ pub fn plan(decision: Decision, lease: &LeaseView, policy: &Policy<'_>, now_ms: 
             outcome: Outcome::Validated { findings, quarantined },
             ack: Ack::Ack,
         },
-        Decision::PartDone { index, seq, findings, quarantined, release } => {
+        Decision::PartDone { index, seq, findings, quarantined } => {
             let part = PartDone {
                 index,
                 seq,
@@ -149,12 +158,7 @@ pub fn plan(decision: Decision, lease: &LeaseView, policy: &Policy<'_>, now_ms: 
                 quarantined: quarantined as u32,
                 tokens: lease.tokens.unwrap_or_default(),
             };
-            // The outcome's parts are filled in from the record as written.
-            Settlement::Record {
-                event: Event::PartDone { generation, part, release },
-                outcome: Outcome::PartDone { parts: Default::default() },
-                ack: Ack::Nak(None),
-            }
+            Settlement::Progress { event: Event::PartDone { generation, part } }
         }
         Decision::Retry { budget, hint, status, invalid } => {
             let used = lease.attempts.get(budget);
@@ -387,15 +391,9 @@ mod tests {
                 ack: Ack::Ack,
             }
         );
-        let part =
-            plan(Decision::PartDone { index: 4, seq: 9, findings: 1, quarantined: 0, release: true }, &l, &p, NOW, 0.5);
-        let Settlement::Record { event: Event::PartDone { part, release, .. }, ack, .. } = part else {
-            panic!("{part:?}")
-        };
-        assert_eq!(
-            (part.index, part.seq, part.tokens, release, ack),
-            (4, 9, Tokens { input: 5, output: 2 }, true, Ack::Nak(None))
-        );
+        let part = plan(Decision::PartDone { index: 4, seq: 9, findings: 1, quarantined: 0 }, &l, &p, NOW, 0.5);
+        let Settlement::Progress { event: Event::PartDone { part, generation } } = part else { panic!("{part:?}") };
+        assert_eq!((generation, part.index, part.seq, part.tokens), (3, 4, 9, Tokens { input: 5, output: 2 }));
         let rejected = plan(
             Decision::Terminal { reason: TerminalReason::UpstreamRejected, status: Some("4xx".into()) },
             &l,

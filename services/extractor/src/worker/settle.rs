@@ -23,15 +23,13 @@ pub enum Decision {
         /// Findings the merge of a split review left out (over the cap).
         dropped: u32,
     },
-    /// One part of a split review is kept on `PARTS_<R>` at `seq`: record it done.
-    /// `release`: parts remain, so the lease is given up and the message handed back
-    /// at once for the next part.
+    /// One part of a split review is kept on `PARTS_<R>` at `seq`: record it done (the
+    /// lease and the message stay held for the other parts).
     PartDone {
         index: u32,
         seq: u64,
         findings: usize,
         quarantined: usize,
-        release: bool,
     },
     /// Spend one unit of `budget` and try again after the hint (else backoff).
     Retry {
@@ -73,8 +71,8 @@ pub enum Outcome {
     Stale,
     /// Handed back without delay (shutdown) or after an infrastructure error.
     Released,
-    /// A part of a split review is recorded done; `parts` as recorded. Unless they are
-    /// all done, the message went back for the next part.
+    /// A part of a split review is recorded done; `parts` as recorded. The message is
+    /// still held.
     PartDone {
         parts: reviewlane_core::job::Parts,
     },
@@ -127,7 +125,8 @@ impl Worker {
                     ack(job.msg, AckKind::Ack).await;
                     return Ok(Outcome::Terminal(reason));
                 }
-                Settlement::Record { event, outcome, ack } => (event, outcome, ack.kind()),
+                Settlement::Record { event, outcome, ack } => (event, outcome, Some(ack.kind())),
+                Settlement::Progress { event } => (event, Outcome::PartDone { parts: Default::default() }, None),
             };
         let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The lease's paid call is charged to the job in the same write.
@@ -179,18 +178,15 @@ impl Worker {
         lease: &Lease,
         rec: &reviewlane_core::job::JobRecord,
         outcome: Outcome,
-        ack_kind: AckKind,
+        ack_kind: Option<AckKind>,
     ) -> Result<Outcome, StoreError> {
         let calls = lease.calls(rec);
-        if let Outcome::PartDone { .. } = outcome {
+        // A part recorded: the message stays held for the others and the merge.
+        let Some(ack_kind) = ack_kind else {
             let parts = rec.parts.clone().expect("a part done is recorded in a split job");
             tracing::info!(done = parts.done.len(), total = parts.total, "part recorded");
-            // The last part: no hand-back, the merge follows under this lease.
-            if !parts.complete() {
-                ack(job.msg, ack_kind).await;
-            }
             return Ok(Outcome::PartDone { parts });
-        }
+        };
         match &outcome {
             Outcome::Validated { findings, quarantined } => {
                 self.metrics.finished(job.review.lane, calls, None);
