@@ -1,16 +1,28 @@
-//! The `large` run: one review far larger than the model's context, end to end through
-//! the real processes — split into parts, one call per part, merged, published once —
-//! reported as parts, calls, tokens and time.
+//! The `large` run: reviews far larger than the model's context, end to end through the
+//! real processes — split into parts, the parts called concurrently as far as admission
+//! allows, merged, published once — reported as parts, calls, tokens and time:
+//!
+//! - `cold`: the first review on a fresh deployment (the key's window starts at two
+//!   calls and grows by slow start);
+//! - `idle`: the next one on the same idle account, its window grown to the key limit;
+//! - `shared`: another one while two other tenants send small interactive reviews at a
+//!   steady rate, their submit-to-published times beside the same reviews with no large
+//!   review running (`alone`).
 
 use std::time::{Duration, Instant};
 
 use reviewlane_api::proto::JobState;
 use reviewlane_api::proto::review_service_client::ReviewServiceClient;
 use serde::Serialize;
+use tonic::transport::Channel;
 
+use crate::load::percentile;
 use crate::procs::ProcStack;
 use crate::simprovider::SimConfig;
-use crate::stack::{StackOptions, US_KEY, submit, wait_final_within};
+use crate::stack::{StackOptions, US_KEY, US_SECRET, submit, wait_final_within};
+
+/// The two tenants sending interactive reviews beside the large one.
+pub const OTHER_TENANTS: [(&str, &str); 2] = [("delta", "key-delta-us"), ("omega", "key-omega-us")];
 
 #[derive(Debug, Clone)]
 pub struct LargeConfig {
@@ -19,33 +31,55 @@ pub struct LargeConfig {
     pub provider_latency: Duration,
     /// The extractors' `REVIEWLANE_CONTEXT_TOKENS`.
     pub context_tokens: usize,
+    /// The key's limit on calls in flight (and the extractor's call slots).
+    pub key_limit: u32,
+    /// Each other tenant submits one small review this often.
+    pub interactive_every: Duration,
+    /// How long the other tenants send reviews with no large review running.
+    pub alone_for: Duration,
 }
 
 impl LargeConfig {
-    /// 40 files, about 2.2 MB; 1 s per call; a 100,000-token context.
+    /// 40 files, about 2.2 MB (14 parts); 1 s per call; a 100,000-token context; a key
+    /// limit of 8; each other tenant one review every 500 ms.
     pub fn full() -> Self {
         LargeConfig {
             files: 40,
             lines_per_file: 1000,
             provider_latency: Duration::from_secs(1),
             context_tokens: 100_000,
+            key_limit: 8,
+            interactive_every: Duration::from_millis(500),
+            alone_for: Duration::from_secs(15),
         }
     }
 
     pub fn options(&self) -> StackOptions {
+        let extra_tenants = OTHER_TENANTS
+            .iter()
+            .map(|(id, key)| {
+                format!(
+                    "[[tenants]]\nid = \"{id}\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nsink = {{ kind = \"webhook\", url = \"{{webhook_url}}\", secret = \"{US_SECRET}\" }}\nallow_private_webhook = true\n",
+                    reviewlane_core::tenants::hash_api_key(key)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
         StackOptions {
             max_diff_bytes: 8 * 1024 * 1024,
             context_tokens: Some(self.context_tokens),
             us_provider: SimConfig { latency: self.provider_latency, ..Default::default() },
+            key_limit: self.key_limit,
+            extractor_concurrency: self.key_limit as usize,
+            extra_tenants,
             ..Default::default()
         }
     }
 }
 
+/// One large review.
 #[derive(Debug, Clone, Serialize)]
-pub struct LargeReport {
-    pub diff_bytes: usize,
-    pub files: usize,
+pub struct LargeRun {
     pub parts: u32,
     pub calls: u64,
     pub paid_calls: u64,
@@ -55,11 +89,51 @@ pub struct LargeReport {
     pub published: bool,
     pub deliveries: usize,
     pub submit_to_published_secs: f64,
-    pub provider_latency_secs: f64,
+    /// `submit_to_published_secs` over ceil(parts / key limit) call times.
+    pub ratio_to_rounds: f64,
 }
 
-/// `files` new files of `lines` added lines each (about 56 bytes a line).
-pub fn large_diff(files: usize, lines: usize) -> String {
+/// The other tenants' small reviews: how many, how many published, their
+/// submit-to-published times.
+#[derive(Debug, Clone, Serialize)]
+pub struct Interactive {
+    pub reviews: usize,
+    pub published: usize,
+    pub p50_secs: f64,
+    pub p99_secs: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LargeReport {
+    pub diff_bytes: usize,
+    pub files: usize,
+    pub key_limit: u32,
+    pub provider_latency_secs: f64,
+    pub cold: LargeRun,
+    pub idle: LargeRun,
+    pub shared: LargeRun,
+    /// The other tenants' reviews with no large review running, and beside `shared`.
+    pub alone: Interactive,
+    pub beside_large: Interactive,
+    /// `beside_large.p50_secs` over `alone.p50_secs`.
+    pub p50_ratio: f64,
+}
+
+impl LargeReport {
+    /// Every large review published once, each part paid once, every other review
+    /// published.
+    pub fn ok(&self) -> bool {
+        [&self.cold, &self.idle, &self.shared]
+            .iter()
+            .all(|r| r.published && r.deliveries == 1 && r.paid_calls == u64::from(r.parts))
+            && self.alone.published == self.alone.reviews
+            && self.beside_large.published == self.beside_large.reviews
+    }
+}
+
+/// `files` new files of `lines` added lines each (about 56 bytes a line); `salt` makes
+/// the content (and so the review) distinct.
+pub fn large_diff_salted(files: usize, lines: usize, salt: &str) -> String {
     let mut out = String::new();
     for f in 0..files {
         let path = format!("src/module_{f:02}.rs");
@@ -67,17 +141,34 @@ pub fn large_diff(files: usize, lines: usize) -> String {
             "diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{lines} @@\n"
         ));
         for i in 0..lines {
-            out.push_str(&format!("+    let value_{i:04} = compute_{f:02}({i}, \"padding for size\");\n"));
+            out.push_str(&format!("+    let value_{i:04} = compute_{f:02}({i}, \"padding for size{salt}\");\n"));
         }
     }
     out
 }
 
-pub async fn run(stack: &ProcStack, cfg: &LargeConfig) -> anyhow::Result<LargeReport> {
-    let mut client = ReviewServiceClient::connect(format!("http://{}", stack.ingress)).await?;
-    let diff = large_diff(cfg.files, cfg.lines_per_file);
+/// `files` new files of `lines` added lines each (about 56 bytes a line).
+pub fn large_diff(files: usize, lines: usize) -> String {
+    large_diff_salted(files, lines, "")
+}
+
+/// A small review of one added line, distinct per `(tenant, i)`.
+fn small_diff(tenant: &str, i: usize) -> String {
+    format!(
+        "diff --git a/src/{tenant}_{i}.rs b/src/{tenant}_{i}.rs\n--- a/src/{tenant}_{i}.rs\n+++ b/src/{tenant}_{i}.rs\n@@ -1,2 +1,3 @@\n fn main() {{\n+    let value = compute({i}).unwrap_or_default();\n }}\n"
+    )
+}
+
+async fn large_review(
+    stack: &ProcStack,
+    channel: &Channel,
+    cfg: &LargeConfig,
+    name: &str,
+) -> anyhow::Result<(LargeRun, usize)> {
+    let mut client = ReviewServiceClient::new(channel.clone());
+    let diff = large_diff_salted(cfg.files, cfg.lines_per_file, name);
     let started = Instant::now();
-    let job = submit(&mut client, US_KEY, "large-review", &diff).await;
+    let job = submit(&mut client, US_KEY, name, &diff).await;
     let done = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(600)).await;
     let took = started.elapsed();
     // The delivery follows the record's `published` at once; wait for it, bounded.
@@ -87,9 +178,8 @@ pub async fn run(stack: &ProcStack, cfg: &LargeConfig) -> anyhow::Result<LargeRe
     }
     let stats = stack.us.provider.stats();
     let tokens = done.tokens.unwrap_or_default();
-    Ok(LargeReport {
-        diff_bytes: diff.len(),
-        files: cfg.files,
+    let rounds = u64::from(done.parts_total).div_ceil(u64::from(cfg.key_limit)).max(1);
+    let run = LargeRun {
         parts: done.parts_total,
         calls: stats.calls_by_job.get(&job.job_id).copied().unwrap_or(0),
         paid_calls: stats.paid_by_job.get(&job.job_id).copied().unwrap_or(0),
@@ -99,18 +189,113 @@ pub async fn run(stack: &ProcStack, cfg: &LargeConfig) -> anyhow::Result<LargeRe
         published: done.state == JobState::Published as i32,
         deliveries: stack.webhook.for_job(&job.job_id).len(),
         submit_to_published_secs: took.as_secs_f64(),
+        ratio_to_rounds: took.as_secs_f64() / (rounds as f64 * cfg.provider_latency.as_secs_f64()),
+    };
+    Ok((run, diff.len()))
+}
+
+/// The other tenants each submit one small review every `cfg.interactive_every` until
+/// `until` resolves; each review is followed to its final state.
+async fn interactive(
+    channel: &Channel,
+    cfg: &LargeConfig,
+    round: &str,
+    until: impl std::future::Future<Output = ()>,
+) -> Interactive {
+    let mut followers = tokio::task::JoinSet::new();
+    let mut tick = tokio::time::interval(cfg.interactive_every);
+    tokio::pin!(until);
+    let mut i = 0;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = &mut until => break,
+        }
+        for (tenant, key) in OTHER_TENANTS {
+            let mut client = ReviewServiceClient::new(channel.clone());
+            let diff = small_diff(&format!("{tenant}_{round}"), i);
+            let idem = format!("{round}-{i}");
+            followers.spawn(async move {
+                let started = Instant::now();
+                let job = submit(&mut client, key, &idem, &diff).await;
+                let done = wait_final_within(&mut client, key, &job.job_id, Duration::from_secs(120)).await;
+                (done.state == JobState::Published as i32, started.elapsed().as_secs_f64())
+            });
+        }
+        i += 1;
+    }
+    let mut times = Vec::new();
+    let mut published = 0;
+    while let Some(r) = followers.join_next().await {
+        let (ok, secs) = r.expect("follower runs");
+        published += usize::from(ok);
+        times.push(secs);
+    }
+    times.sort_by(f64::total_cmp);
+    Interactive {
+        reviews: times.len(),
+        published,
+        p50_secs: percentile(&times, 0.5),
+        p99_secs: percentile(&times, 0.99),
+    }
+}
+
+pub async fn run(stack: &ProcStack, cfg: &LargeConfig) -> anyhow::Result<LargeReport> {
+    let channel = crate::load::connect(stack.ingress).await?;
+    let (cold, diff_bytes) = large_review(stack, &channel, cfg, "large-cold").await?;
+    let (idle, _) = large_review(stack, &channel, cfg, "large-idle").await?;
+    let alone = interactive(&channel, cfg, "alone", tokio::time::sleep(cfg.alone_for)).await;
+    // The other tenants send from before the large review until it is published.
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let beside = interactive(&channel, cfg, "beside", async {
+        let _ = done_rx.await;
+    });
+    let large = async {
+        // Their first reviews are under way when the large one arrives.
+        tokio::time::sleep(cfg.interactive_every * 2).await;
+        let r = large_review(stack, &channel, cfg, "large-shared").await;
+        let _ = done_tx.send(());
+        r
+    };
+    let (beside_large, shared) = tokio::join!(beside, large);
+    let (shared, _) = shared?;
+    let p50_ratio = beside_large.p50_secs / alone.p50_secs.max(f64::EPSILON);
+    Ok(LargeReport {
+        diff_bytes,
+        files: cfg.files,
+        key_limit: cfg.key_limit,
         provider_latency_secs: cfg.provider_latency.as_secs_f64(),
+        cold,
+        idle,
+        shared,
+        alone,
+        beside_large,
+        p50_ratio,
     })
 }
 
 pub fn print(r: &LargeReport) {
-    println!("large review: {} files, {} bytes", r.files, r.diff_bytes);
-    println!("  parts          {}", r.parts);
-    println!("  calls / paid   {} / {}", r.calls, r.paid_calls);
-    println!("  tokens in/out  {} / {}", r.tokens_in, r.tokens_out);
-    println!("  findings       {} (deliveries: {})", r.findings, r.deliveries);
     println!(
-        "  submit -> published  {:.2} s ({} calls of {:.1} s each)",
-        r.submit_to_published_secs, r.paid_calls, r.provider_latency_secs
+        "large reviews: {} files, {} bytes; key limit {}; calls of {:.1} s",
+        r.files, r.diff_bytes, r.key_limit, r.provider_latency_secs
     );
+    for (name, run) in [("cold", &r.cold), ("idle", &r.idle), ("shared", &r.shared)] {
+        println!(
+            "  {name:<7} parts {}  calls/paid {}/{}  findings {} (deliveries {})  submit -> published {:.2} s ({:.2}x ceil(parts / limit) call times)",
+            run.parts,
+            run.calls,
+            run.paid_calls,
+            run.findings,
+            run.deliveries,
+            run.submit_to_published_secs,
+            run.ratio_to_rounds
+        );
+    }
+    for (name, i) in [("alone", &r.alone), ("beside", &r.beside_large)] {
+        println!(
+            "  other tenants' reviews {name:<7} {} ({} published)  p50 {:.2} s  p99 {:.2} s",
+            i.reviews, i.published, i.p50_secs, i.p99_secs
+        );
+    }
+    println!("  p50 beside the large review / alone: {:.3}", r.p50_ratio);
 }

@@ -18,7 +18,7 @@ use reviewlane_core::region::Region;
 use reviewlane_shared::testing::NatsServer;
 
 use crate::simprovider::SimProvider;
-use crate::stack::{RegionStack, StackOptions, tenants_toml};
+use crate::stack::{RegionStack, StackOptions, all_tenants_toml};
 use crate::webhook::WebhookReceiver;
 
 /// A child process stopped (SIGTERM, then SIGKILL after 10 s) by `stop`, killed on drop.
@@ -231,7 +231,7 @@ impl ProcStack {
             SimProvider::start_with(opts.eu_provider.clone(), opts.canaries.clone()).await,
         );
         let tenants_file = work.path().join("tenants.toml");
-        std::fs::write(&tenants_file, tenants_toml(&webhook.url()))?;
+        std::fs::write(&tenants_file, all_tenants_toml(&webhook.url(), &opts))?;
         let tf = tenants_file.display().to_string();
         let port = free_port()?;
         let log = |name: &str| work.path().join(format!("{name}.log"));

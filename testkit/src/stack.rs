@@ -106,7 +106,8 @@ pub struct StackOptions {
     pub max_diff_bytes: usize,
     /// The extractors' `REVIEWLANE_CONTEXT_TOKENS` (`None`: the default).
     pub context_tokens: Option<usize>,
-    /// More `[[tenants]]` entries, appended to the test tenants.
+    /// More `[[tenants]]` entries, appended to the test tenants; `{webhook_url}` in them
+    /// is the test webhook receiver's address.
     pub extra_tenants: String,
     pub extractor_concurrency: usize,
     /// The extractor's lease (consumer ack wait).
@@ -170,6 +171,11 @@ impl Default for StackOptions {
     }
 }
 
+/// The test tenants and the options' extra ones.
+pub fn all_tenants_toml(webhook_url: &str, opts: &StackOptions) -> String {
+    format!("{}\n{}", tenants_toml(webhook_url), opts.extra_tenants.replace("{webhook_url}", webhook_url))
+}
+
 pub fn tenants_toml(webhook_url: &str) -> String {
     format!(
         r#"
@@ -223,7 +229,7 @@ impl Stack {
     pub async fn start_with(opts: StackOptions) -> Stack {
         init_test_log();
         let webhook = WebhookReceiver::start().await;
-        let toml = format!("{}\n{}", tenants_toml(&webhook.url()), opts.extra_tenants);
+        let toml = all_tenants_toml(&webhook.url(), &opts);
         let tenants = Arc::new(Tenants::parse(&toml).expect("test tenants parse"));
         // Provisioning owns the layout, as `reviewlane-admin provision` does in a deployment.
         let mut layout = opts.layout.clone();

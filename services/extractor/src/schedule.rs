@@ -143,14 +143,14 @@ impl Slots {
         Some(self.take(&mut st, lane))
     }
 
-    /// A slot for one more call of `lane` if one is free and no message waits for one:
-    /// those go first. Never queues.
+    /// A slot for one more call of an admitted message of `lane`, if one is free that
+    /// no waiting message is in line for and beyond the interactive reserve: like batch
+    /// past its minimum, the other parts of a split review leave those slots free, so
+    /// an interactive review arriving while they fill the pool starts at once. Never
+    /// queues.
     fn take_free(self: &Arc<Self>, lane: Lane) -> Option<Slot> {
         let mut st = self.state.lock().expect("slots lock");
-        if lane == Lane::Interactive {
-            st.interactive_seen = Some(tokio::time::Instant::now());
-        }
-        if !st.queue.is_empty() || st.free == 0 || !st.may_take(lane) {
+        if !st.queue.is_empty() || st.free <= st.interactive_reserve || !st.may_take(lane) {
             return None;
         }
         Some(self.take(&mut st, lane))
@@ -582,6 +582,27 @@ mod tests {
         let tight = Slots::new(2, 2, 1, Arc::new(Notify::new()));
         drop(tight.try_take(tight.join(Lane::Interactive)));
         assert_eq!(take_batch(&tight, 2).len(), 2);
+    }
+
+    #[test]
+    fn more_calls_of_an_admitted_review_take_only_slots_nobody_waits_for_beyond_the_reserve() {
+        let slots = Slots::new(4, 1, 1, Arc::new(Notify::new()));
+        let first = slots.try_take(slots.join(Lane::Interactive)).expect("admitted");
+        // Two more: the last free slot is the interactive reserve.
+        let more: Vec<_> = (0..3).filter_map(|_| slots.take_free(Lane::Interactive)).collect();
+        assert_eq!(more.len(), 2);
+        // The reserve goes to the next review at once.
+        let next = slots.join(Lane::Interactive);
+        let arriving = slots.try_take(next).expect("the reserve");
+        // A slot freed while a review waits for one goes to it, not to more calls.
+        let waiting = slots.join(Lane::Interactive);
+        drop(more);
+        assert!(slots.take_free(Lane::Interactive).is_none(), "a review waits");
+        let served = slots.try_take(waiting).expect("the waiting review");
+        assert!(slots.take_free(Lane::Interactive).is_none(), "only the reserve is free");
+        drop((first, arriving, served));
+        let idle: Vec<_> = (0..4).filter_map(|_| slots.take_free(Lane::Interactive)).collect();
+        assert_eq!(idle.len(), 3, "an idle pool less the reserve");
     }
 
     #[test]
