@@ -2,12 +2,14 @@
 //! no network. The diff parser, findings validation against the versioned schemas, the
 //! job state machine, chunking and aggregation, regions and tenants, the schema dialects
 //! the providers accept, the messages on the lanes, the SARIF and rdjson surfaces, the
-//! typed environment reader and the providers' retry hints.
+//! typed environment reader, the providers' retry hints and the rules of provider batch
+//! processing (`batch`).
 //!
 //! `reviewctl` and the fuzz targets depend on this crate alone; the services reach it
 //! through `reviewlane-shared`, which adds the NATS stores, telemetry and the API.
 
 pub mod aggregate;
+pub mod batch;
 pub mod chunk;
 pub mod clock;
 pub mod config;

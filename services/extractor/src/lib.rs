@@ -2,6 +2,7 @@
 //! region's provider, validates the answer against the schema and the diff, and
 //! publishes the validated findings to `FINDINGS_<R>`.
 
+pub mod batch;
 pub mod config;
 pub mod env;
 pub mod metrics;

@@ -1,0 +1,438 @@
+//! Provider batch processing as pure rules, shared by both providers' batch APIs (OpenAI
+//! `/v1/batches`, Anthropic `/v1/messages/batches`) and the coordinator that drives them:
+//!
+//! - `custom_id`: the id a request line carries, one per item (a job id), in the
+//!   alphabet both providers accept;
+//! - `chunks`: items cut into provider batches at the provider's request and byte limits;
+//! - `BatchStatus` and `step`: what a batch's status means for the coordinator (poll
+//!   again, collect its files, resubmit its items, reject named lines);
+//! - `LineResult` and `fate`: what one result line — or its absence — means for its
+//!   item, within the item's resubmission budget;
+//! - `PollBackoff`: how polling slows down while a batch runs;
+//! - `estimate`: when a sweep is likely done, from live counts or recent turnaround.
+//!
+//! Nothing here reads a clock or does I/O: the time is given.
+
+use std::time::Duration;
+
+use crate::job::{TerminalReason, Tokens};
+
+/// Longest `custom_id` both providers accept.
+pub const CUSTOM_ID_MAX: usize = 64;
+
+/// The request line id of an item: its job id, checked against what both providers
+/// accept (`[A-Za-z0-9_-]{1,64}`). `None` when it does not fit (never for the ids this
+/// service derives).
+pub fn custom_id(job_id: &str) -> Option<&str> {
+    let fits = !job_id.is_empty()
+        && job_id.len() <= CUSTOM_ID_MAX
+        && job_id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    fits.then_some(job_id)
+}
+
+/// A provider's limits on one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    pub max_requests: usize,
+    /// Of the input file (OpenAI) or request body (Anthropic).
+    pub max_bytes: usize,
+}
+
+impl BatchLimits {
+    /// OpenAI: 50,000 requests and 200 MB per input file.
+    pub const OPENAI: BatchLimits = BatchLimits { max_requests: 50_000, max_bytes: 200 * 1024 * 1024 };
+    /// Anthropic: 100,000 requests and 256 MB per batch.
+    pub const ANTHROPIC: BatchLimits = BatchLimits { max_requests: 100_000, max_bytes: 256 * 1024 * 1024 };
+}
+
+/// Cuts items of `sizes` bytes (each its request line, in order) into consecutive
+/// batches within `limits`. An item larger than `max_bytes` alone is a batch of its own
+/// (the provider refuses it by line, and that line ends alone).
+pub fn chunks(sizes: &[usize], limits: BatchLimits) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0usize);
+    for (i, size) in sizes.iter().enumerate() {
+        let full = i - start == limits.max_requests.max(1) || (i > start && bytes + size > limits.max_bytes);
+        if full {
+            out.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    if start < sizes.len() {
+        out.push(start..sizes.len());
+    }
+    out
+}
+
+/// A provider batch's status, both providers' in one vocabulary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchStatus {
+    /// OpenAI `validating`: the input file is being checked.
+    Validating,
+    /// OpenAI and Anthropic `in_progress`.
+    InProgress,
+    /// OpenAI `finalizing`: the results are being written (this can last long after the
+    /// counts reach every request).
+    Finalizing,
+    /// OpenAI `cancelling`, Anthropic `canceling`.
+    Cancelling,
+    /// OpenAI `completed`, Anthropic `ended`: every line has its result.
+    Ended,
+    /// OpenAI `expired`: the completion window passed; what ran is in the files.
+    Expired,
+    /// OpenAI `cancelled`: what ran before the cancel is in the files.
+    Cancelled,
+    /// OpenAI `failed`: nothing ran.
+    Failed(BatchFailure),
+}
+
+/// Why an OpenAI batch failed as a whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchFailure {
+    /// `token_limit_exceeded`: the model's enqueued tokens were over the account's
+    /// limit (this comes as a failed batch, not as a 429).
+    TokenLimitExceeded,
+    /// The input file failed validation: the 1-based lines named, if any.
+    InvalidInput { lines: Vec<u32> },
+}
+
+impl BatchStatus {
+    /// OpenAI's `status` and, for `failed`, its `errors.data[]` codes and lines.
+    pub fn openai(status: &str, errors: &[(String, Option<u32>)]) -> Option<BatchStatus> {
+        Some(match status {
+            "validating" => BatchStatus::Validating,
+            "in_progress" => BatchStatus::InProgress,
+            "finalizing" => BatchStatus::Finalizing,
+            "cancelling" => BatchStatus::Cancelling,
+            "completed" => BatchStatus::Ended,
+            "expired" => BatchStatus::Expired,
+            "cancelled" => BatchStatus::Cancelled,
+            "failed" if errors.iter().any(|(code, _)| code == "token_limit_exceeded") => {
+                BatchStatus::Failed(BatchFailure::TokenLimitExceeded)
+            }
+            "failed" => {
+                let mut lines: Vec<u32> = errors.iter().filter_map(|(_, line)| *line).collect();
+                lines.sort_unstable();
+                lines.dedup();
+                BatchStatus::Failed(BatchFailure::InvalidInput { lines })
+            }
+            _ => return None,
+        })
+    }
+
+    /// Anthropic's `processing_status`.
+    pub fn anthropic(processing_status: &str) -> Option<BatchStatus> {
+        Some(match processing_status {
+            "in_progress" => BatchStatus::InProgress,
+            "canceling" => BatchStatus::Cancelling,
+            "ended" => BatchStatus::Ended,
+            _ => return None,
+        })
+    }
+}
+
+/// What the coordinator does next with a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchStep {
+    /// Still running: look again after the poll backoff.
+    Poll,
+    /// Done, wholly or partly: apply every result line, once each. An item with no line
+    /// in the results is `LineResult::Missing`.
+    Collect,
+    /// Nothing ran: every item goes back; `smaller`: the enqueued tokens were over the
+    /// limit, so later and in smaller batches.
+    Resubmit { smaller: bool },
+    /// Nothing ran, and these input lines (1-based) were refused: their items end
+    /// `upstream_rejected`, the others go back. No line named: every item ends so
+    /// (the input as a whole was refused; sending it again would fail again).
+    Reject { lines: Vec<u32> },
+}
+
+/// The step for a batch in `status`.
+pub fn step(status: &BatchStatus) -> BatchStep {
+    match status {
+        BatchStatus::Validating | BatchStatus::InProgress | BatchStatus::Finalizing | BatchStatus::Cancelling => {
+            BatchStep::Poll
+        }
+        BatchStatus::Ended | BatchStatus::Expired | BatchStatus::Cancelled => BatchStep::Collect,
+        BatchStatus::Failed(BatchFailure::TokenLimitExceeded) => BatchStep::Resubmit { smaller: true },
+        BatchStatus::Failed(BatchFailure::InvalidInput { lines }) => BatchStep::Reject { lines: lines.clone() },
+    }
+}
+
+/// What one item's result line says, or its absence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LineResult {
+    /// A 2xx with the model's output: validated and kept like a lane answer.
+    Succeeded { output: String, usage: Option<Tokens> },
+    /// The provider refused the request itself (`invalid_request_error`, a 4xx other
+    /// than 408 and 429): the same request would be refused again.
+    Rejected { status: Option<u16> },
+    /// The account is out of money (`insufficient_quota`): not retried.
+    OutOfQuota,
+    /// Did not run or did not finish, and may if sent again.
+    Retryable(Retryable),
+    /// No line for the item in any result file.
+    Missing,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retryable {
+    /// A 429 on the line.
+    RateLimited,
+    /// A 5xx, a timeout (408), an overloaded model.
+    Transient,
+    /// The batch's completion window passed before the line ran.
+    Expired,
+    /// The batch was cancelled before the line ran.
+    Cancelled,
+}
+
+/// What becomes of an item after its line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ItemFate {
+    /// Validate the output against the schema and the diff, then keep it (paid).
+    Validate { output: String, usage: Option<Tokens> },
+    /// Send it again (in a later provider batch, or through the lanes): its
+    /// `resubmissions` so far, this one included.
+    Resubmit { resubmissions: u32 },
+    /// It ends with this reason.
+    Ended(TerminalReason),
+}
+
+/// The fate of an item whose line says `line`, after `resubmitted` resubmissions of a
+/// budget of `budget`. An item of a cancelled sweep that did not run ends `cancelled`;
+/// one that ran and succeeded is still validated and delivered (it was paid for).
+pub fn fate(line: LineResult, resubmitted: u32, budget: u32, sweep_cancelled: bool) -> ItemFate {
+    let retryable = match line {
+        LineResult::Succeeded { output, usage } => return ItemFate::Validate { output, usage },
+        LineResult::Rejected { .. } => return ItemFate::Ended(TerminalReason::UpstreamRejected),
+        LineResult::OutOfQuota => return ItemFate::Ended(TerminalReason::InsufficientQuota),
+        LineResult::Retryable(r) => Some(r),
+        LineResult::Missing => None,
+    };
+    if sweep_cancelled {
+        return ItemFate::Ended(TerminalReason::Cancelled);
+    }
+    if resubmitted >= budget {
+        // Each ends with its own reason.
+        let reason = match retryable {
+            Some(Retryable::RateLimited) => TerminalReason::RateLimitBudgetExhausted,
+            Some(Retryable::Expired) => TerminalReason::DeadlineExceeded,
+            Some(Retryable::Transient) | Some(Retryable::Cancelled) | None => TerminalReason::TransientBudgetExhausted,
+        };
+        return ItemFate::Ended(reason);
+    }
+    ItemFate::Resubmit { resubmissions: resubmitted + 1 }
+}
+
+/// A batch's result lines matched to its items: one result per item, in the items'
+/// order — whatever order the lines came in — and what did not match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconciled {
+    /// Each item's custom id and its line (`Missing` when it has none).
+    pub items: Vec<(String, LineResult)>,
+    /// Lines naming no item of the batch (dropped).
+    pub unknown: usize,
+    /// Further lines for an item that already had one (the first is kept).
+    pub repeated: usize,
+}
+
+/// Matches `lines` (custom id, result; any order) to the batch's `items` (custom ids).
+pub fn reconcile(items: &[String], lines: impl IntoIterator<Item = (String, LineResult)>) -> Reconciled {
+    let mut found: std::collections::HashMap<&str, Option<LineResult>> =
+        items.iter().map(|id| (id.as_str(), None)).collect();
+    let (mut unknown, mut repeated) = (0, 0);
+    for (id, line) in lines {
+        match found.get_mut(id.as_str()) {
+            None => unknown += 1,
+            Some(slot @ None) => *slot = Some(line),
+            Some(Some(_)) => repeated += 1,
+        }
+    }
+    let items = items
+        .iter()
+        .map(|id| (id.clone(), found.get_mut(id.as_str()).and_then(Option::take).unwrap_or(LineResult::Missing)))
+        .collect();
+    Reconciled { items, unknown, repeated }
+}
+
+/// How often a running batch is polled: `first`, doubling to `cap`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PollBackoff {
+    pub first: Duration,
+    pub cap: Duration,
+}
+
+impl Default for PollBackoff {
+    /// 30 s doubling to 5 min.
+    fn default() -> Self {
+        PollBackoff { first: Duration::from_secs(30), cap: Duration::from_secs(300) }
+    }
+}
+
+impl PollBackoff {
+    /// The wait before poll `n` (0: the first after the create). A provider's hint (a
+    /// 429's `retry-after`) waits at least that long.
+    pub fn delay(&self, n: u32, hint: Option<Duration>) -> Duration {
+        let doubled = self.first.saturating_mul(1u32 << n.min(16));
+        doubled.min(self.cap).max(hint.unwrap_or_default())
+    }
+}
+
+/// When the rest of a sweep is likely done, at `now_ms`: from the provider's live
+/// counts when it reports them (`done` of `total` since `started_ms`, at the pace so
+/// far), else from the recent turnaround of finished batches (`turnaround_ms`, for the
+/// batches still running since `started_ms`). `None` before anything can be told.
+pub fn estimate(done: u64, total: u64, started_ms: u64, now_ms: u64, turnaround_ms: Option<u64>) -> Option<u64> {
+    if total == 0 || done >= total {
+        return Some(now_ms);
+    }
+    let elapsed = now_ms.saturating_sub(started_ms);
+    if done > 0 && elapsed > 0 {
+        let rest = (elapsed as u128 * u128::from(total - done) / u128::from(done)) as u64;
+        return Some(now_ms.saturating_add(rest));
+    }
+    turnaround_ms.map(|t| started_ms.saturating_add(t).max(now_ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_id_is_its_custom_id_in_both_providers_alphabet() {
+        assert_eq!(custom_id("us_0123456789abcdef0123456789abcdef"), Some("us_0123456789abcdef0123456789abcdef"));
+        assert_eq!(custom_id("a-b_C9"), Some("a-b_C9"));
+        assert_eq!(custom_id(""), None);
+        assert_eq!(custom_id("has.dot"), None);
+        assert_eq!(custom_id("has space"), None);
+        assert_eq!(custom_id(&"x".repeat(65)), None);
+        assert!(custom_id(&"x".repeat(64)).is_some());
+    }
+
+    #[test]
+    fn items_are_cut_at_the_request_and_byte_limits() {
+        let limits = BatchLimits { max_requests: 3, max_bytes: 100 };
+        assert_eq!(chunks(&[10; 7], limits), vec![0..3, 3..6, 6..7]);
+        assert_eq!(chunks(&[60, 50, 40, 10], limits), vec![0..1, 1..4]);
+        // A line larger than a batch is a batch of its own.
+        assert_eq!(chunks(&[10, 150, 10], limits), vec![0..1, 1..2, 2..3]);
+        assert!(chunks(&[], limits).is_empty());
+        // Every item in exactly one batch, in order, within the limits.
+        let sizes: Vec<usize> = (0..1000).map(|i| 1 + (i * 37) % 90).collect();
+        let cut = chunks(&sizes, limits);
+        assert_eq!(cut.first().map(|r| r.start), Some(0));
+        assert!(cut.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!(cut.last().map(|r| r.end), Some(1000));
+        assert!(cut.iter().all(|r| r.len() <= 3 && sizes[r.clone()].iter().sum::<usize>() <= 100));
+    }
+
+    #[test]
+    fn every_status_of_both_providers_has_a_step() {
+        let poll = ["validating", "in_progress", "finalizing", "cancelling"];
+        for s in poll {
+            assert_eq!(BatchStatus::openai(s, &[]).map(|s| step(&s)), Some(BatchStep::Poll), "{s}");
+        }
+        // Expired and cancelled batches have partial results: applied, not thrown away.
+        for s in ["completed", "expired", "cancelled"] {
+            assert_eq!(BatchStatus::openai(s, &[]).map(|s| step(&s)), Some(BatchStep::Collect), "{s}");
+        }
+        let token_limit = [("token_limit_exceeded".to_string(), None)];
+        assert_eq!(
+            BatchStatus::openai("failed", &token_limit).map(|s| step(&s)),
+            Some(BatchStep::Resubmit { smaller: true })
+        );
+        let invalid = [("invalid_request".to_string(), Some(7)), ("invalid_request".to_string(), Some(2))];
+        assert_eq!(
+            BatchStatus::openai("failed", &invalid).map(|s| step(&s)),
+            Some(BatchStep::Reject { lines: vec![2, 7] })
+        );
+        assert_eq!(BatchStatus::openai("unheard_of", &[]), None);
+        assert_eq!(BatchStatus::anthropic("in_progress").map(|s| step(&s)), Some(BatchStep::Poll));
+        assert_eq!(BatchStatus::anthropic("canceling").map(|s| step(&s)), Some(BatchStep::Poll));
+        assert_eq!(BatchStatus::anthropic("ended").map(|s| step(&s)), Some(BatchStep::Collect));
+        assert_eq!(BatchStatus::anthropic("completed"), None);
+    }
+
+    #[test]
+    fn a_line_is_validated_ended_or_resubmitted_within_its_budget() {
+        let ok = LineResult::Succeeded { output: "{}".into(), usage: None };
+        assert_eq!(fate(ok.clone(), 0, 2, false), ItemFate::Validate { output: "{}".into(), usage: None });
+        // Paid for: validated and delivered even when the sweep was cancelled.
+        assert!(matches!(fate(ok, 5, 2, true), ItemFate::Validate { .. }));
+        assert_eq!(
+            fate(LineResult::Rejected { status: Some(400) }, 0, 2, false),
+            ItemFate::Ended(TerminalReason::UpstreamRejected)
+        );
+        for r in [Retryable::RateLimited, Retryable::Transient, Retryable::Expired, Retryable::Cancelled] {
+            assert_eq!(fate(LineResult::Retryable(r), 0, 2, false), ItemFate::Resubmit { resubmissions: 1 });
+            assert_eq!(fate(LineResult::Retryable(r), 1, 2, false), ItemFate::Resubmit { resubmissions: 2 });
+            assert_eq!(fate(LineResult::Retryable(r), 0, 2, true), ItemFate::Ended(TerminalReason::Cancelled));
+        }
+        assert_eq!(fate(LineResult::Missing, 0, 1, false), ItemFate::Resubmit { resubmissions: 1 });
+        // The budget spent: each ends with its own reason.
+        let spent = |line| fate(line, 2, 2, false);
+        assert_eq!(
+            spent(LineResult::Retryable(Retryable::RateLimited)),
+            ItemFate::Ended(TerminalReason::RateLimitBudgetExhausted)
+        );
+        assert_eq!(spent(LineResult::Retryable(Retryable::Expired)), ItemFate::Ended(TerminalReason::DeadlineExceeded));
+        assert_eq!(
+            spent(LineResult::Retryable(Retryable::Transient)),
+            ItemFate::Ended(TerminalReason::TransientBudgetExhausted)
+        );
+        assert_eq!(spent(LineResult::Missing), ItemFate::Ended(TerminalReason::TransientBudgetExhausted));
+    }
+
+    #[test]
+    fn lines_in_any_order_give_each_item_one_result_and_the_missing_are_named() {
+        let items: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let ok = |o: &str| LineResult::Succeeded { output: o.into(), usage: None };
+        let lines = vec![
+            ("c".to_string(), ok("c")),
+            ("zz".to_string(), ok("stranger")),
+            ("a".to_string(), LineResult::Rejected { status: Some(400) }),
+            ("c".to_string(), ok("again")),
+        ];
+        let r = reconcile(&items, lines);
+        assert_eq!(
+            r.items,
+            vec![
+                ("a".to_string(), LineResult::Rejected { status: Some(400) }),
+                ("b".to_string(), LineResult::Missing),
+                ("c".to_string(), ok("c")),
+                ("d".to_string(), LineResult::Missing),
+            ]
+        );
+        assert_eq!((r.unknown, r.repeated), (1, 1));
+        assert_eq!(fate(LineResult::OutOfQuota, 0, 2, false), ItemFate::Ended(TerminalReason::InsufficientQuota));
+    }
+
+    #[test]
+    fn polling_doubles_to_its_cap_and_waits_out_a_hint() {
+        let b = PollBackoff::default();
+        let secs = |n, hint| b.delay(n, hint).as_secs();
+        assert_eq!(
+            [secs(0, None), secs(1, None), secs(2, None), secs(3, None), secs(4, None)],
+            [30, 60, 120, 240, 300]
+        );
+        assert_eq!(secs(40, None), 300);
+        assert_eq!(secs(0, Some(Duration::from_secs(90))), 90);
+        assert_eq!(secs(4, Some(Duration::from_secs(90))), 300);
+    }
+
+    #[test]
+    fn the_estimate_follows_live_counts_else_recent_turnaround() {
+        // A quarter done in 10 min: three quarters more at that pace.
+        assert_eq!(estimate(250, 1000, 0, 600_000, None), Some(600_000 + 1_800_000));
+        // No counts (Anthropic reports none before the end): the recent turnaround.
+        assert_eq!(estimate(0, 1000, 100_000, 200_000, Some(3_600_000)), Some(3_700_000));
+        // Running longer than the turnaround: not before now.
+        assert_eq!(estimate(0, 1000, 0, 5_000_000, Some(3_600_000)), Some(5_000_000));
+        assert_eq!(estimate(0, 1000, 0, 1_000, None), None);
+        assert_eq!(estimate(1000, 1000, 0, 7_000, None), Some(7_000));
+        assert_eq!(estimate(0, 0, 0, 7_000, None), Some(7_000));
+    }
+}
