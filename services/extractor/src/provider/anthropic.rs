@@ -79,6 +79,13 @@ impl AnthropicProvider {
         })
     }
 
+    /// One request of a Message Batch (`/v1/messages/batches`): the same parameters as
+    /// the synchronous call — the forced findings tool included — under the item's
+    /// `custom_id` (`reviewlane_core::batch::custom_id`).
+    pub fn batch_request(&self, custom_id: &str, req: &ProviderRequest<'_>) -> serde_json::Value {
+        serde_json::json!({ "custom_id": custom_id, "params": self.body(req) })
+    }
+
     async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
         let mut rb = super::identify(self.http.post(&self.endpoint), req)
             .header("anthropic-version", ANTHROPIC_VERSION)
@@ -101,5 +108,42 @@ impl Provider for AnthropicProvider {
 
     fn review<'a>(&'a self, req: &'a ProviderRequest<'a>) -> BoxFuture<'a, UpstreamOutcome> {
         super::in_region(self.region, req, self.call(req))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_request_carries_the_synchronous_parameters_under_its_custom_id() {
+        let text = "diff --git a/a.rs b/a.rs\n--- a/a.rs\n+++ b/a.rs\n@@ -1,1 +1,2 @@\n fn a() {}\n+fn b() {}\n";
+        let parsed = reviewlane_core::diff::parse(text).unwrap();
+        let provider = AnthropicProvider::new(
+            AnthropicEndpoint {
+                base_url: "http://127.0.0.1:1".into(),
+                model: "claude".into(),
+                api_key: None,
+                region: Region::Eu,
+                max_tokens: 2048,
+            },
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            1024,
+        );
+        let req = ProviderRequest {
+            job_id: "eu_0123",
+            region: Region::Eu,
+            schema_version: reviewlane_core::findings::LATEST_SCHEMA,
+            diff_text: text,
+            diff: &parsed,
+            review_depth: ReviewDepth::Full,
+            part: None,
+        };
+        let request = provider.batch_request("eu_0123", &req);
+        assert_eq!(request["custom_id"], "eu_0123");
+        assert_eq!(request["params"], provider.body(&req));
+        assert_eq!(request["params"]["tool_choice"]["name"], TOOL);
+        assert_eq!(request["params"]["max_tokens"], 2048);
     }
 }

@@ -138,6 +138,18 @@ impl OpenAiProvider {
         }
     }
 
+    /// One request line of a batch input file (`/v1/batches`, JSONL): the same body as
+    /// the synchronous call — the strict `json_schema` included — under the item's
+    /// `custom_id` (`reviewlane_core::batch::custom_id`).
+    pub fn batch_line(&self, custom_id: &str, req: &ProviderRequest<'_>) -> serde_json::Value {
+        serde_json::json!({
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": self.body(req),
+        })
+    }
+
     async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
         let mut rb = super::identify(self.http.post(&self.endpoint), req).json(&self.body(req));
         if let Some(key) = &self.api_key {
@@ -205,33 +217,39 @@ mod tests {
         }
     }
 
+    /// An adapter of an endpoint never called.
+    fn provider() -> OpenAiProvider {
+        let (timeout, ceiling) = (Duration::from_secs(1), Duration::from_secs(1));
+        OpenAiProvider::new("http://127.0.0.1:1/v1", "m".into(), None, Region::Us, timeout, ceiling, 1024)
+            .with_schema_dialect(SchemaDialect::Full)
+    }
+
+    /// The request for `r`, showing `prompt`.
+    fn request<'a>(
+        r: &'a reviewlane_core::messages::ReviewMessage,
+        prompt: &'a str,
+        parsed: &'a diff::Diff,
+    ) -> ProviderRequest<'a> {
+        ProviderRequest {
+            job_id: &r.job_id,
+            region: Region::Us,
+            schema_version: &r.schema_version,
+            diff_text: prompt,
+            diff: parsed,
+            review_depth: r.review_depth,
+            part: None,
+        }
+    }
+
     #[test]
     fn a_degraded_review_sends_less_and_asks_for_less() {
         let text = wide_diff();
         let parsed = diff::parse(&text).unwrap();
-        let provider = OpenAiProvider::new(
-            "http://127.0.0.1:1/v1",
-            "m".into(),
-            None,
-            Region::Us,
-            Duration::from_secs(1),
-            Duration::from_secs(1),
-            1024,
-        )
-        .with_schema_dialect(SchemaDialect::Full);
+        let provider = provider();
         let body = |depth| {
             let r = review(depth, &text);
             let prompt = super::super::prompt_diff(&r, &parsed).into_owned();
-            let req = ProviderRequest {
-                job_id: &r.job_id,
-                region: Region::Us,
-                schema_version: &r.schema_version,
-                diff_text: &prompt,
-                diff: &parsed,
-                review_depth: depth,
-                part: None,
-            };
-            serde_json::to_value(provider.body(&req)).unwrap()
+            serde_json::to_value(provider.body(&request(&r, &prompt, &parsed))).unwrap()
         };
         let (full, degraded) = (body(ReviewDepth::Full), body(ReviewDepth::ChangedHunks));
         // Fewer tokens in (estimated at 4 bytes a token): only the changed lines and one
@@ -248,5 +266,21 @@ mod tests {
         // Every added line is still there, at its number: findings validate as before.
         let shown = diff::parse(degraded["messages"][1]["content"].as_str().unwrap()).unwrap();
         assert_eq!(shown.added_lines().count(), parsed.added_lines().count());
+    }
+
+    #[test]
+    fn a_batch_line_carries_the_synchronous_body_under_its_custom_id() {
+        let text = wide_diff();
+        let parsed = diff::parse(&text).unwrap();
+        let provider = provider();
+        let r = review(ReviewDepth::Full, &text);
+        let req = request(&r, &text, &parsed);
+        let line = provider.batch_line(&r.job_id, &req);
+        assert_eq!(line["custom_id"], r.job_id.as_str());
+        assert_eq!((line["method"].as_str(), line["url"].as_str()), (Some("POST"), Some("/v1/chat/completions")));
+        assert_eq!(line["body"], serde_json::to_value(provider.body(&req)).unwrap());
+        assert_eq!(line["body"]["response_format"]["json_schema"]["strict"], true);
+        // One line of JSONL.
+        assert!(!line.to_string().contains('\n'));
     }
 }
