@@ -39,11 +39,14 @@ pub enum Reason {
     ShuttingDown,
     ContentExpired,
     OperatorRoleRequired,
+    SweepNotFound,
+    SweepNotOpen,
+    ProviderBatchUnavailable,
     Internal,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 20] = [
         Reason::ApiKeyMissing,
         Reason::ApiKeyMalformed,
         Reason::ApiKeyInvalid,
@@ -60,6 +63,9 @@ impl Reason {
         Reason::ShuttingDown,
         Reason::ContentExpired,
         Reason::OperatorRoleRequired,
+        Reason::SweepNotFound,
+        Reason::SweepNotOpen,
+        Reason::ProviderBatchUnavailable,
         Reason::Internal,
     ];
 
@@ -81,6 +87,9 @@ impl Reason {
             Reason::ShuttingDown => "SHUTTING_DOWN",
             Reason::ContentExpired => "CONTENT_EXPIRED",
             Reason::OperatorRoleRequired => "OPERATOR_ROLE_REQUIRED",
+            Reason::SweepNotFound => "SWEEP_NOT_FOUND",
+            Reason::SweepNotOpen => "SWEEP_NOT_OPEN",
+            Reason::ProviderBatchUnavailable => "PROVIDER_BATCH_UNAVAILABLE",
             Reason::Internal => "INTERNAL",
         }
     }
@@ -262,6 +271,88 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
         findings_dropped: rec.findings_dropped,
         terminal_reason_enum: rec.reason.map_or(proto::TerminalReason::Unspecified, reason_to_proto) as i32,
         replay_of: rec.replay_of.clone().unwrap_or_default(),
+        sweep_id: rec.sweep_id.clone().unwrap_or_default(),
+    }
+}
+
+pub fn sweep_mode_to_proto(m: reviewlane_core::sweep::SweepMode) -> proto::SweepMode {
+    use reviewlane_core::sweep::SweepMode;
+    match m {
+        SweepMode::Auto => proto::SweepMode::Auto,
+        SweepMode::ProviderBatch => proto::SweepMode::ProviderBatch,
+        SweepMode::Lanes => proto::SweepMode::Lanes,
+    }
+}
+
+pub fn sweep_mode_from_proto(v: i32) -> Option<reviewlane_core::sweep::SweepMode> {
+    use reviewlane_core::sweep::SweepMode;
+    match proto::SweepMode::try_from(v).ok()? {
+        proto::SweepMode::Unspecified | proto::SweepMode::Auto => Some(SweepMode::Auto),
+        proto::SweepMode::ProviderBatch => Some(SweepMode::ProviderBatch),
+        proto::SweepMode::Lanes => Some(SweepMode::Lanes),
+    }
+}
+
+pub fn item_state_to_proto(s: reviewlane_core::sweep::ItemState) -> proto::SweepItemState {
+    use reviewlane_core::sweep::ItemState;
+    match s {
+        ItemState::Queued => proto::SweepItemState::Queued,
+        ItemState::Submitted => proto::SweepItemState::Submitted,
+        ItemState::Running => proto::SweepItemState::Running,
+        ItemState::Validated => proto::SweepItemState::Validated,
+        ItemState::Published => proto::SweepItemState::Published,
+        ItemState::Failed => proto::SweepItemState::Failed,
+        ItemState::Cancelled => proto::SweepItemState::Cancelled,
+    }
+}
+
+pub fn item_state_from_proto(v: i32) -> Option<reviewlane_core::sweep::ItemState> {
+    reviewlane_core::sweep::ItemState::ALL.into_iter().find(|s| item_state_to_proto(*s) as i32 == v)
+}
+
+pub fn reason_from_proto(v: i32) -> Option<TerminalReason> {
+    TerminalReason::ALL.into_iter().find(|r| reason_to_proto(*r) as i32 == v)
+}
+
+/// The API view of a sweep with its progress; `estimated_completion_ms` when it can
+/// be told.
+pub fn sweep(
+    rec: &reviewlane_core::sweep::SweepRecord,
+    counts: &reviewlane_core::sweep::SweepCounts,
+    estimated_completion_ms: Option<u64>,
+) -> proto::Sweep {
+    use reviewlane_core::sweep::{ItemState, SweepState};
+    let state = match rec.state {
+        SweepState::Open => proto::SweepState::Open,
+        SweepState::Sealed => proto::SweepState::Sealed,
+        SweepState::Cancelled => proto::SweepState::Cancelled,
+    };
+    proto::Sweep {
+        sweep_id: rec.sweep_id.clone(),
+        state: state as i32,
+        region: rec.region.as_str().to_string(),
+        mode: sweep_mode_to_proto(rec.mode) as i32,
+        runs_on: sweep_mode_to_proto(rec.runs_on) as i32,
+        created_at: Some(timestamp(rec.created_at_ms)),
+        sealed_at: rec.sealed_at_ms.map(timestamp),
+        completion_window: Some(prost_types::Duration {
+            seconds: (rec.completion_window_ms / 1000) as i64,
+            nanos: ((rec.completion_window_ms % 1000) * 1_000_000) as i32,
+        }),
+        items_total: counts.total,
+        items: ItemState::ALL
+            .iter()
+            .map(|s| proto::SweepItemCount { state: item_state_to_proto(*s) as i32, count: counts.of(*s) })
+            .collect(),
+        failed: counts
+            .failed_by_reason
+            .iter()
+            .map(|(r, n)| proto::ReasonCount { reason: reason_to_proto(*r) as i32, count: *n })
+            .collect(),
+        percent_done: counts.percent_done(),
+        tokens: Some(proto::Tokens { input: counts.tokens.input, output: counts.tokens.output }),
+        estimated_cost_usd: counts.cost_micro_usd as f64 / 1e6,
+        estimated_completion: estimated_completion_ms.map(timestamp),
     }
 }
 

@@ -38,7 +38,7 @@ impl JobState {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TerminalReason {
     RateLimitBudgetExhausted,
@@ -233,6 +233,9 @@ pub struct JobRecord {
     /// The dead-lettered job this one replays (`ReplayDeadLetter`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_of: Option<String>,
+    /// The sweep this job is an item of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep_id: Option<String>,
 }
 
 /// How a review was split and which parts are done: the checkpoint that lets a crash, a
@@ -393,6 +396,7 @@ impl JobRecord {
             parts: None,
             findings_dropped: 0,
             replay_of: None,
+            sweep_id: None,
         }
     }
 }

@@ -24,6 +24,7 @@ pub mod region;
 pub mod retry_hint;
 pub mod schema_dialect;
 pub mod surfaces;
+pub mod sweep;
 pub mod tenants;
 
 pub use region::{Lane, Region};

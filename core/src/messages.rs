@@ -50,6 +50,9 @@ pub struct ReviewMessage {
     /// The dead-lettered job this one replays.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_of: Option<String>,
+    /// The sweep this review is an item of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep_id: Option<String>,
 }
 
 impl ReviewMessage {
@@ -77,6 +80,7 @@ impl ReviewMessage {
         );
         rec.deadline_ms = self.deadline_ms;
         rec.replay_of = self.replay_of.clone();
+        rec.sweep_id = self.sweep_id.clone();
         rec
     }
 }

@@ -91,6 +91,12 @@ pub fn quota_bucket(r: Region) -> String {
 pub fn cache_bucket(r: Region) -> String {
     format!("CACHE_{}", r.upper())
 }
+
+/// Sweeps and their manifests (`sweeps`).
+pub fn sweeps_bucket(r: Region) -> String {
+    format!("SWEEPS_{}", r.upper())
+}
+
 pub fn region_bucket(r: Region) -> String {
     format!("REGION_{}", r.upper())
 }
@@ -245,6 +251,7 @@ pub struct RegionLayout {
     pub published: kv::Store,
     pub quota: kv::Store,
     pub cache: kv::Store,
+    pub sweeps: kv::Store,
     /// Results too large for one message.
     pub objects: object_store::ObjectStore,
 }
@@ -518,6 +525,8 @@ fn specs(region: Region, cfg: &LayoutConfig) -> Vec<Spec> {
     out.push(kv_spec(published_bucket(region), cfg.published_max_age));
     out.push(kv_spec(quota_bucket(region), cfg.quota_max_age));
     out.push(kv_spec(cache_bucket(region), cfg.cache_max_age));
+    // A sweep lives as long as the jobs its items became.
+    out.push(kv_spec(sweeps_bucket(region), cfg.jobs_max_age));
     out.push(Spec {
         stream: format!("OBJ_{}", findings_objects(region)),
         create: Create::Objects(object_store::Config {
@@ -609,6 +618,7 @@ async fn handles(js: &jetstream::Context, region: Region) -> Result<RegionLayout
         published: js.get_key_value(published_bucket(region)).await?,
         quota: js.get_key_value(quota_bucket(region)).await?,
         cache: js.get_key_value(cache_bucket(region)).await?,
+        sweeps: js.get_key_value(sweeps_bucket(region)).await?,
         objects: js.get_object_store(findings_objects(region)).await?,
     })
 }

@@ -19,6 +19,7 @@ pub mod results;
 pub mod startup;
 pub mod store;
 pub mod store_health;
+pub mod sweeps;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -36,5 +36,6 @@ mod reviewctl;
 mod scenarios;
 mod scheduling;
 mod surfaces;
+mod sweeps;
 mod telemetry;
 mod tokens;

@@ -50,6 +50,8 @@ pub enum ApiError {
     InvalidArgument { field: &'static str, description: String },
     #[error("review not found")]
     NotFound,
+    #[error("sweep not found")]
+    SweepNotFound,
     #[error("idempotency key already used for a different request")]
     AlreadyExists,
     /// `reason`: the `ErrorInfo` reason (`LANE_FULL`, `LANE_OVER_WINDOW`, ...).
@@ -124,6 +126,9 @@ impl From<ApiError> for Status {
                 ErrorDetails::with_bad_request_violation(field, description),
             ),
             ApiError::NotFound => status(Code::NotFound, "review not found", Reason::ReviewNotFound, &[], None, none()),
+            ApiError::SweepNotFound => {
+                status(Code::NotFound, "sweep not found", Reason::SweepNotFound, &[], None, none())
+            }
             ApiError::AlreadyExists => status(
                 Code::AlreadyExists,
                 "idempotency key already used for a different request",
@@ -230,6 +235,7 @@ mod tests {
             ApiError::Unauthenticated(AuthFailure::Unknown),
             ApiError::invalid("diff", "diff is empty"),
             ApiError::NotFound,
+            ApiError::SweepNotFound,
             ApiError::AlreadyExists,
             ApiError::ResourceExhausted {
                 reason: Reason::LaneFull,

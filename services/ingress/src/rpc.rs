@@ -17,7 +17,7 @@ use tonic::Status;
 use tracing::field::Empty;
 
 /// The review service's methods; anything else is `unknown` in a span name.
-const METHODS: [&str; 9] = [
+const METHODS: [&str; 15] = [
     "SubmitReview",
     "GetReview",
     "WatchReview",
@@ -27,6 +27,12 @@ const METHODS: [&str; 9] = [
     "GetDeadLetter",
     "ReplayDeadLetter",
     "ListLanes",
+    "CreateSweep",
+    "AddSweepItems",
+    "SealSweep",
+    "GetSweep",
+    "ListSweepItems",
+    "CancelSweep",
 ];
 const SERVICE: &str = "reviewlane.v1.ReviewService";
 

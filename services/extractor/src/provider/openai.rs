@@ -214,6 +214,7 @@ mod tests {
             request_digest: String::new(),
             deadline_ms: None,
             replay_of: None,
+            sweep_id: None,
         }
     }
 

@@ -1,4 +1,5 @@
-//! `ReviewService`: one file per RPC family (submit, reviews, list, dead letters, lanes)
+//! `ReviewService`: one file per RPC family (submit, reviews, list, dead letters, lanes,
+//! sweeps)
 //! behind one dispatcher that authenticates, times and counts every call. Submit,
 //! get, watch and cancel reviews; Each call works on the
 //! region named by the tenant's policy (submit) or by the job id's prefix (the rest),
@@ -13,10 +14,13 @@ use async_nats::jetstream;
 use futures::Stream;
 use reviewlane_api as api;
 use reviewlane_api::proto::{
-    self, CancelReviewRequest, CancelReviewResponse, GetDeadLetterRequest, GetDeadLetterResponse, GetReviewRequest,
-    GetReviewResponse, ListDeadLettersRequest, ListDeadLettersResponse, ListLanesRequest, ListLanesResponse,
-    ListReviewsRequest, ListReviewsResponse, ReplayDeadLetterRequest, ReplayDeadLetterResponse, SubmitReviewRequest,
-    SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, review_service_server::ReviewService,
+    self, AddSweepItemsRequest, AddSweepItemsResponse, CancelReviewRequest, CancelReviewResponse, CancelSweepRequest,
+    CancelSweepResponse, CreateSweepRequest, CreateSweepResponse, GetDeadLetterRequest, GetDeadLetterResponse,
+    GetReviewRequest, GetReviewResponse, GetSweepRequest, GetSweepResponse, ListDeadLettersRequest,
+    ListDeadLettersResponse, ListLanesRequest, ListLanesResponse, ListReviewsRequest, ListReviewsResponse,
+    ListSweepItemsRequest, ListSweepItemsResponse, ReplayDeadLetterRequest, ReplayDeadLetterResponse, SealSweepRequest,
+    SealSweepResponse, SubmitReviewRequest, SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse,
+    review_service_server::ReviewService,
 };
 use reviewlane_core::clock::SharedClock;
 use reviewlane_core::diff;
@@ -46,6 +50,7 @@ mod lanes;
 mod list;
 mod reviews;
 mod submit;
+mod sweeps;
 
 /// The region's dead letters.
 fn dead_letters(handle: &RegionHandle) -> reviewlane_shared::dead_letters::DeadLetters {
@@ -350,5 +355,53 @@ impl ReviewService for ReviewApi {
 
     async fn list_reviews(&self, req: Request<ListReviewsRequest>) -> Result<Response<ListReviewsResponse>, Status> {
         self.call("ListReviews", req, |tenant, req| async move { self.list(&tenant, req).await }).await
+    }
+
+    async fn create_sweep(&self, req: Request<CreateSweepRequest>) -> Result<Response<CreateSweepResponse>, Status> {
+        self.call("CreateSweep", req, |tenant, req| async move {
+            let sweep = self.create_sweep(&tenant, req).await.inspect_err(|e| self.note_store(tenant.region, e))?;
+            Ok(CreateSweepResponse { sweep: Some(sweep) })
+        })
+        .await
+    }
+
+    async fn add_sweep_items(
+        &self,
+        req: Request<AddSweepItemsRequest>,
+    ) -> Result<Response<AddSweepItemsResponse>, Status> {
+        self.call("AddSweepItems", req, |tenant, req| async move {
+            self.add_sweep_items(&tenant, req).await.inspect_err(|e| self.note_store(tenant.region, e))
+        })
+        .await
+    }
+
+    async fn seal_sweep(&self, req: Request<SealSweepRequest>) -> Result<Response<SealSweepResponse>, Status> {
+        self.call("SealSweep", req, |tenant, req| async move {
+            let sweep =
+                self.seal_sweep(&tenant, &req.sweep_id).await.inspect_err(|e| self.note_store(tenant.region, e))?;
+            Ok(SealSweepResponse { sweep: Some(sweep) })
+        })
+        .await
+    }
+
+    async fn get_sweep(&self, req: Request<GetSweepRequest>) -> Result<Response<GetSweepResponse>, Status> {
+        self.call("GetSweep", req, |tenant, req| async move {
+            Ok(GetSweepResponse { sweep: Some(self.get_sweep(&tenant, &req.sweep_id).await?) })
+        })
+        .await
+    }
+
+    async fn list_sweep_items(
+        &self,
+        req: Request<ListSweepItemsRequest>,
+    ) -> Result<Response<ListSweepItemsResponse>, Status> {
+        self.call("ListSweepItems", req, |tenant, req| async move { self.list_sweep_items(&tenant, req).await }).await
+    }
+
+    async fn cancel_sweep(&self, req: Request<CancelSweepRequest>) -> Result<Response<CancelSweepResponse>, Status> {
+        self.call("CancelSweep", req, |tenant, req| async move {
+            Ok(CancelSweepResponse { sweep: Some(self.cancel_sweep(&tenant, &req.sweep_id).await?) })
+        })
+        .await
     }
 }

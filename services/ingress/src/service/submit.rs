@@ -66,6 +66,7 @@ impl ReviewApi {
             request_digest,
             deadline_ms: Some(deadline_ms),
             replay_of: None,
+            sweep_id: None,
         };
         if late >= deadline_ms {
             return self.too_late(handle, &msg).await;
@@ -334,9 +335,9 @@ pub(super) fn deadline_of(req: &SubmitReviewRequest, now_ms: u64, lane_default: 
 /// The diff of a submit, in whichever of the two forms the caller used.
 pub(super) struct SubmittedDiff {
     /// The diff when it is UTF-8 (sent as `diff`, or as `diff_bytes` that happen to be).
-    utf8: String,
+    pub(super) utf8: String,
     /// The bytes of a `diff_bytes` that is not UTF-8, kept exactly as sent.
-    raw: Option<Vec<u8>>,
+    pub(super) raw: Option<Vec<u8>>,
 }
 
 impl SubmittedDiff {

@@ -1,0 +1,338 @@
+//! Sweeps: many reviews as one manifest — a repository's files, an evaluation set, a
+//! backlog — created, filled page by page, sealed, then followed as a whole. Each item
+//! becomes an ordinary job linked to its sweep (its id derived from the sweep and the
+//! item's own key, so a page added twice adds nothing twice), published once like any
+//! review. Here: the sweep's record and its state machine, the item's entry in the
+//! manifest, and the counts a sweep's progress is told by. Pure.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::job::{JobState, TerminalReason};
+use crate::messages::ReviewMessage;
+use crate::region::Region;
+
+/// Where a sweep's items run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SweepMode {
+    /// Through the provider's own batch API (at its batch price).
+    ProviderBatch,
+    /// Through the batch lane, one call each, yielding to interactive work.
+    Lanes,
+    /// The provider's batch API where the region's provider has one, else the lanes.
+    Auto,
+}
+
+impl SweepMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SweepMode::ProviderBatch => "provider_batch",
+            SweepMode::Lanes => "lanes",
+            SweepMode::Auto => "auto",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SweepState {
+    /// Items may be added; nothing runs yet.
+    Open,
+    /// No more items; they run.
+    Sealed,
+    /// Items not yet run end `cancelled`; results already paid for are still delivered.
+    Cancelled,
+}
+
+impl SweepState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SweepState::Open => "open",
+            SweepState::Sealed => "sealed",
+            SweepState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A sweep as its region keeps it (KV `SWEEPS_<R>`, key `sweep.<id>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SweepRecord {
+    /// Region prefix, then a digest of (tenant, the sweep's idempotency key).
+    pub sweep_id: String,
+    pub tenant: String,
+    pub region: Region,
+    /// As asked.
+    pub mode: SweepMode,
+    /// Where the items run: `mode`, with `auto` resolved at create.
+    pub runs_on: SweepMode,
+    /// How long the sweep may take from its seal; its items' deadline.
+    pub completion_window_ms: u64,
+    /// Of mode and completion window: what makes a same-key create the same one.
+    pub request_digest: String,
+    pub state: SweepState,
+    pub created_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sealed_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cancelled_at_ms: Option<u64>,
+    /// Every item was handed to where it runs (set after the seal, once all are).
+    #[serde(default)]
+    pub started: bool,
+}
+
+/// What happens to a sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SweepEvent {
+    Seal,
+    /// Every item is handed to where it runs.
+    Started,
+    Cancel,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SweepError {
+    #[error("the sweep is {} and takes no more items", .0.as_str())]
+    NotOpen(SweepState),
+    #[error("the sweep is cancelled")]
+    Cancelled,
+}
+
+impl SweepRecord {
+    /// Items may be added only while it is open.
+    pub fn may_add(&self) -> Result<(), SweepError> {
+        match self.state {
+            SweepState::Open => Ok(()),
+            s => Err(SweepError::NotOpen(s)),
+        }
+    }
+
+    /// The record after `event` at `now_ms`; `Ok(None)` when it changes nothing (a
+    /// repeated seal or cancel).
+    pub fn after(&self, event: SweepEvent, now_ms: u64) -> Result<Option<SweepRecord>, SweepError> {
+        let mut next = self.clone();
+        match (self.state, event) {
+            (SweepState::Open, SweepEvent::Seal) => {
+                next.state = SweepState::Sealed;
+                next.sealed_at_ms = Some(now_ms);
+            }
+            (SweepState::Sealed, SweepEvent::Seal) => return Ok(None),
+            (SweepState::Cancelled, SweepEvent::Seal) => return Err(SweepError::Cancelled),
+            (_, SweepEvent::Started) if self.started => return Ok(None),
+            (SweepState::Sealed, SweepEvent::Started) => next.started = true,
+            (SweepState::Open, SweepEvent::Started) => return Err(SweepError::NotOpen(SweepState::Open)),
+            (SweepState::Cancelled, SweepEvent::Started) => return Err(SweepError::Cancelled),
+            (SweepState::Cancelled, SweepEvent::Cancel) => return Ok(None),
+            (_, SweepEvent::Cancel) => {
+                next.state = SweepState::Cancelled;
+                next.cancelled_at_ms = Some(now_ms);
+            }
+        }
+        Ok(Some(next))
+    }
+
+    /// The deadline of its items: the completion window from the seal (from now while
+    /// it is open).
+    pub fn items_deadline_ms(&self, now_ms: u64) -> u64 {
+        self.sealed_at_ms.unwrap_or(now_ms).saturating_add(self.completion_window_ms)
+    }
+}
+
+/// One item of a sweep's manifest (KV `SWEEPS_<R>`, key `item.<sweep id>.<job id>`):
+/// its job, its key, and — until it is handed to where it runs — its review.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ItemEntry {
+    pub job_id: String,
+    /// The caller's key for the item, unique within the sweep.
+    pub item_key: String,
+    /// Of the item's review: what makes a same-key item the same one.
+    pub request_digest: String,
+    pub added_at_ms: u64,
+    /// The review, until it is enqueued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub review: Option<ReviewMessage>,
+}
+
+/// An item's state as a sweep's progress counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ItemState {
+    /// In the manifest, not yet handed to where it runs.
+    Queued,
+    /// Handed over, waiting for a call (or in a provider batch).
+    Submitted,
+    /// Being called, or waiting to retry.
+    Running,
+    /// Validated, not yet delivered.
+    Validated,
+    Published,
+    /// Ended without findings (any reason but a cancel).
+    Failed,
+    Cancelled,
+}
+
+impl ItemState {
+    pub const ALL: [ItemState; 7] = [
+        ItemState::Queued,
+        ItemState::Submitted,
+        ItemState::Running,
+        ItemState::Validated,
+        ItemState::Published,
+        ItemState::Failed,
+        ItemState::Cancelled,
+    ];
+
+    /// The item's state from its job's (`None`: no job record yet — it never runs once
+    /// its sweep is cancelled).
+    pub fn of(job: Option<(JobState, Option<TerminalReason>)>, sweep_cancelled: bool) -> ItemState {
+        match job {
+            None if sweep_cancelled => ItemState::Cancelled,
+            None => ItemState::Queued,
+            Some((JobState::Accepted | JobState::Waiting, _)) => ItemState::Submitted,
+            Some((JobState::Running | JobState::RetryScheduled, _)) => ItemState::Running,
+            Some((JobState::Validated, _)) => ItemState::Validated,
+            Some((JobState::Published, _)) => ItemState::Published,
+            Some((JobState::Terminal, Some(TerminalReason::Cancelled))) => ItemState::Cancelled,
+            Some((JobState::Terminal, _)) => ItemState::Failed,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ItemState::Queued => "queued",
+            ItemState::Submitted => "submitted",
+            ItemState::Running => "running",
+            ItemState::Validated => "validated",
+            ItemState::Published => "published",
+            ItemState::Failed => "failed",
+            ItemState::Cancelled => "cancelled",
+        }
+    }
+
+    /// Nothing more happens to it.
+    pub fn is_final(self) -> bool {
+        matches!(self, ItemState::Published | ItemState::Failed | ItemState::Cancelled)
+    }
+}
+
+/// A sweep's progress: its items by state, the failed by reason, and the tokens of
+/// their paid calls.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SweepCounts {
+    pub total: u64,
+    pub by_state: BTreeMap<ItemState, u64>,
+    pub failed_by_reason: BTreeMap<TerminalReason, u64>,
+    pub tokens: crate::job::Tokens,
+    pub cost_micro_usd: u64,
+}
+
+impl SweepCounts {
+    /// Adds one item whose job is `job` (state, reason, tokens, cost; `None`: no job yet)
+    /// of a sweep that is or is not cancelled.
+    pub fn add(
+        &mut self,
+        job: Option<(JobState, Option<TerminalReason>, crate::job::Tokens, u64)>,
+        sweep_cancelled: bool,
+    ) {
+        let state = ItemState::of(job.map(|(s, r, ..)| (s, r)), sweep_cancelled);
+        self.total += 1;
+        *self.by_state.entry(state).or_default() += 1;
+        if let Some((_, reason, tokens, cost)) = job {
+            if state == ItemState::Failed {
+                *self.failed_by_reason.entry(reason.unwrap_or(TerminalReason::Lost)).or_default() += 1;
+            }
+            self.tokens.input += tokens.input;
+            self.tokens.output += tokens.output;
+            self.cost_micro_usd += cost;
+        }
+    }
+
+    pub fn of(&self, state: ItemState) -> u64 {
+        self.by_state.get(&state).copied().unwrap_or(0)
+    }
+
+    /// Items in a final state.
+    pub fn done(&self) -> u64 {
+        ItemState::ALL.iter().filter(|s| s.is_final()).map(|s| self.of(*s)).sum()
+    }
+
+    /// Share of the items in a final state, 0 to 100 (100 for a sweep of none).
+    pub fn percent_done(&self) -> f64 {
+        if self.total == 0 { 100.0 } else { self.done() as f64 * 100.0 / self.total as f64 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::Tokens;
+
+    fn sweep() -> SweepRecord {
+        SweepRecord {
+            sweep_id: "us_0".into(),
+            tenant: "acme".into(),
+            region: Region::Us,
+            mode: SweepMode::Auto,
+            runs_on: SweepMode::Lanes,
+            completion_window_ms: 1_000,
+            request_digest: String::new(),
+            state: SweepState::Open,
+            created_at_ms: 5,
+            sealed_at_ms: None,
+            cancelled_at_ms: None,
+            started: false,
+        }
+    }
+
+    #[test]
+    fn a_sweep_takes_items_until_sealed_starts_once_and_cancels_from_any_state() {
+        let open = sweep();
+        assert!(open.may_add().is_ok());
+        assert_eq!(open.items_deadline_ms(100), 1_100);
+        assert_eq!(open.after(SweepEvent::Started, 10), Err(SweepError::NotOpen(SweepState::Open)));
+        let sealed = open.after(SweepEvent::Seal, 10).unwrap().unwrap();
+        assert_eq!((sealed.state, sealed.sealed_at_ms), (SweepState::Sealed, Some(10)));
+        assert_eq!(sealed.may_add(), Err(SweepError::NotOpen(SweepState::Sealed)));
+        // The completion window runs from the seal.
+        assert_eq!(sealed.items_deadline_ms(500), 1_010);
+        assert_eq!(sealed.after(SweepEvent::Seal, 20), Ok(None), "a repeated seal changes nothing");
+        let started = sealed.after(SweepEvent::Started, 30).unwrap().unwrap();
+        assert!(started.started);
+        assert_eq!(started.after(SweepEvent::Started, 40), Ok(None));
+        let cancelled = started.after(SweepEvent::Cancel, 50).unwrap().unwrap();
+        assert_eq!((cancelled.state, cancelled.cancelled_at_ms), (SweepState::Cancelled, Some(50)));
+        assert_eq!(cancelled.after(SweepEvent::Cancel, 60), Ok(None));
+        assert_eq!(cancelled.after(SweepEvent::Seal, 60), Err(SweepError::Cancelled));
+        assert_eq!(cancelled.may_add(), Err(SweepError::NotOpen(SweepState::Cancelled)));
+        // An open sweep may be cancelled too: nothing of it runs.
+        assert_eq!(open.after(SweepEvent::Cancel, 70).unwrap().unwrap().state, SweepState::Cancelled);
+    }
+
+    #[test]
+    fn progress_counts_each_item_once_by_its_jobs_state() {
+        let t = |i, o| Tokens { input: i, output: o };
+        let mut c = SweepCounts::default();
+        c.add(None, false);
+        c.add(Some((JobState::Waiting, None, t(0, 0), 0)), false);
+        c.add(Some((JobState::RetryScheduled, None, t(0, 0), 0)), false);
+        c.add(Some((JobState::Published, None, t(100, 20), 7)), false);
+        c.add(Some((JobState::Published, None, t(50, 10), 3)), false);
+        c.add(Some((JobState::Terminal, Some(TerminalReason::UpstreamRejected), t(0, 0), 0)), false);
+        c.add(Some((JobState::Terminal, Some(TerminalReason::Cancelled), t(0, 0), 0)), false);
+        c.add(Some((JobState::Validated, None, t(10, 1), 1)), false);
+        assert_eq!(c.total, 8);
+        let by: Vec<u64> = ItemState::ALL.iter().map(|s| c.of(*s)).collect();
+        assert_eq!(by, [1, 1, 1, 1, 2, 1, 1]);
+        assert_eq!(c.failed_by_reason.get(&TerminalReason::UpstreamRejected), Some(&1));
+        assert_eq!(c.failed_by_reason.len(), 1, "a cancel is not a failure");
+        assert_eq!((c.tokens, c.cost_micro_usd), (t(160, 31), 11));
+        assert_eq!(c.done(), 4);
+        assert_eq!(c.percent_done(), 50.0);
+        assert_eq!(SweepCounts::default().percent_done(), 100.0);
+        // An item never handed over of a cancelled sweep never runs.
+        let mut cancelled = SweepCounts::default();
+        cancelled.add(None, true);
+        assert_eq!((cancelled.of(ItemState::Cancelled), cancelled.percent_done()), (1, 100.0));
+    }
+}

@@ -1,0 +1,364 @@
+//! Sweeps: `CreateSweep`, `AddSweepItems`, `SealSweep`, `GetSweep`, `ListSweepItems`,
+//! `CancelSweep`. A sweep and its manifest live in its region's `SWEEPS_<R>`
+//! (`reviewlane_shared::sweeps`); each item is checked as a submit is (`submit::plan`)
+//! and becomes a job of the batch lane, linked to its sweep, when the sweep is sealed.
+//! Its job id is derived from the sweep and the item's key, so a page added twice, a
+//! seal repeated or a seal racing an add hands each item over once.
+
+use futures::StreamExt;
+use reviewlane_api::proto::{
+    AddSweepItemsRequest, AddSweepItemsResponse, CreateSweepRequest, ListSweepItemsRequest, ListSweepItemsResponse,
+    SubmitReviewRequest, SweepItemStatus,
+};
+use reviewlane_core::sweep::{ItemEntry, ItemState, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState};
+use reviewlane_shared::sweeps::{ApplyError, Made, Sweeps};
+
+use super::submit::{Limits, SubmitPlan, plan};
+use super::*;
+
+/// A sweep's completion window unless the request sets one.
+const DEFAULT_WINDOW: Duration = Duration::from_secs(24 * 3600);
+/// The longest completion window (the batch lane keeps a review at most a week).
+const MAX_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Items of one `AddSweepItems` page at most.
+const MAX_PAGE_ITEMS: usize = 1000;
+/// Items a sweep holds at most.
+const MAX_ITEMS: usize = 100_000;
+/// Items handed over, or records read, at once.
+const AT_ONCE: usize = 32;
+const MAX_KEY: usize = 256;
+
+fn sweeps(handle: &RegionHandle) -> Sweeps {
+    Sweeps::new(handle.layout.js.clone(), handle.layout.sweeps.clone(), handle.layout.region)
+}
+
+impl From<ApplyError> for ApiError {
+    fn from(e: ApplyError) -> Self {
+        match e {
+            ApplyError::Refused(reviewlane_core::sweep::SweepError::NotOpen(_)) => ApiError::FailedPrecondition {
+                reason: Reason::SweepNotOpen,
+                what: "the sweep is sealed or cancelled and takes no more items",
+            },
+            ApplyError::Refused(reviewlane_core::sweep::SweepError::Cancelled) => {
+                ApiError::FailedPrecondition { reason: Reason::SweepNotOpen, what: "the sweep is cancelled" }
+            }
+            ApplyError::Store(StoreError::NotFound) => ApiError::SweepNotFound,
+            ApplyError::Store(e) => e.into(),
+        }
+    }
+}
+
+impl ReviewApi {
+    pub(super) async fn create_sweep(
+        &self,
+        tenant: &Tenant,
+        req: CreateSweepRequest,
+    ) -> Result<proto::Sweep, ApiError> {
+        if req.idempotency_key.is_empty() {
+            return Err(ApiError::invalid("idempotency_key", "required for a sweep"));
+        }
+        if req.idempotency_key.len() > MAX_KEY {
+            return Err(ApiError::invalid("idempotency_key", format!("longer than {MAX_KEY} bytes")));
+        }
+        let mode = api::sweep_mode_from_proto(req.mode).ok_or_else(|| ApiError::invalid("mode", "unknown mode"))?;
+        let window = match req.completion_window {
+            None => DEFAULT_WINDOW,
+            Some(d) if d.seconds > 0 && d.nanos >= 0 && (d.seconds as u64) <= MAX_WINDOW.as_secs() => {
+                Duration::new(d.seconds as u64, d.nanos as u32)
+            }
+            Some(_) => {
+                return Err(ApiError::invalid("completion_window", "must be positive and at most 7 days"));
+            }
+        };
+        // No provider batch path yet: `auto` runs on the lanes, `provider_batch` is refused.
+        let runs_on = match mode {
+            SweepMode::ProviderBatch => {
+                return Err(ApiError::FailedPrecondition {
+                    reason: Reason::ProviderBatchUnavailable,
+                    what: "this region's provider has no batch path here; use mode lanes or auto",
+                });
+            }
+            SweepMode::Auto | SweepMode::Lanes => SweepMode::Lanes,
+        };
+        let region = tenant.region;
+        let handle = self.region(region)?;
+        let sweep_id = job_id::derive(region, &tenant.id, &format!("sweep\0{}", req.idempotency_key));
+        tracing::Span::current().record("job_id", sweep_id.as_str());
+        let window_ms = window.as_millis() as u64;
+        let rec = SweepRecord {
+            sweep_id: sweep_id.clone(),
+            tenant: tenant.id.clone(),
+            region,
+            mode,
+            runs_on,
+            completion_window_ms: window_ms,
+            request_digest: job_id::sha256_hex(&[mode.as_str().as_bytes(), &window_ms.to_be_bytes()]),
+            state: SweepState::Open,
+            created_at_ms: self.clock.now_ms(),
+            sealed_at_ms: None,
+            cancelled_at_ms: None,
+            started: false,
+        };
+        let rec = match sweeps(handle).create(&rec).await? {
+            Made::New(rec) => {
+                tracing::info!(mode = mode.as_str(), "sweep created");
+                rec
+            }
+            Made::Exists(existing) if existing.request_digest == rec.request_digest => existing,
+            Made::Exists(_) => return Err(ApiError::AlreadyExists),
+        };
+        Ok(api::sweep(&rec, &SweepCounts::default(), None))
+    }
+
+    /// The sweep a tenant may see: its own, in its own region.
+    async fn owned_sweep(&self, tenant: &Tenant, id: &str) -> Result<(&RegionHandle, SweepRecord), ApiError> {
+        tracing::Span::current().record("job_id", span_id(id));
+        let region = job_id::region_of(id).map_err(|e| ApiError::invalid("sweep_id", e.to_string()))?;
+        if region != tenant.region {
+            return Err(ApiError::SweepNotFound);
+        }
+        let handle = self.region(region)?;
+        match sweeps(handle).get(id).await? {
+            Some((rec, _)) if rec.tenant == tenant.id => Ok((handle, rec)),
+            _ => Err(ApiError::SweepNotFound),
+        }
+    }
+
+    pub(super) async fn add_sweep_items(
+        &self,
+        tenant: &Tenant,
+        req: AddSweepItemsRequest,
+    ) -> Result<AddSweepItemsResponse, ApiError> {
+        let (handle, rec) = self.owned_sweep(tenant, &req.sweep_id).await?;
+        rec.may_add().map_err(|e| ApiError::from(ApplyError::Refused(e)))?;
+        if req.items.len() > MAX_PAGE_ITEMS {
+            return Err(ApiError::invalid("items", format!("more than {MAX_PAGE_ITEMS} in one page")));
+        }
+        let store = sweeps(handle);
+        let limits = Limits {
+            max_diff_bytes: tenant.max_diff_bytes.unwrap_or(self.max_diff_bytes),
+            deadlines: [self.policies[0].deadline, self.policies[1].deadline],
+        };
+        let now = self.clock.now_ms();
+        let mut entries = Vec::with_capacity(req.items.len());
+        for item in req.items {
+            if item.item_key.is_empty() || item.item_key.len() > MAX_KEY {
+                return Err(ApiError::invalid("items.item_key", format!("required, at most {MAX_KEY} bytes")));
+            }
+            entries.push(self.item_entry(tenant, handle, &rec, item, &limits, now)?);
+        }
+        let (mut added, mut present) = (0u32, 0u32);
+        let mut new = Vec::new();
+        for entry in entries {
+            match store.add_item(&rec.sweep_id, &entry).await? {
+                Made::New(entry) => {
+                    added += 1;
+                    new.push(entry);
+                }
+                Made::Exists(existing) if existing.request_digest == entry.request_digest => present += 1,
+                Made::Exists(_) => return Err(ApiError::AlreadyExists),
+            }
+        }
+        // A seal that raced this page may have listed the manifest before these items:
+        // hand them over here (each once, whoever is first).
+        if added > 0
+            && let Some((now_rec, _)) = store.get(&rec.sweep_id).await?
+            && now_rec.state == SweepState::Sealed
+        {
+            self.hand_over(handle, &now_rec, new).await?;
+        }
+        tracing::info!(added, already_present = present, "sweep items added");
+        Ok(AddSweepItemsResponse { added, already_present: present })
+    }
+
+    /// An item checked as a submit is, as the manifest keeps it until its sweep starts.
+    fn item_entry(
+        &self,
+        tenant: &Tenant,
+        handle: &RegionHandle,
+        rec: &SweepRecord,
+        item: proto::SweepItem,
+        limits: &Limits,
+        now: u64,
+    ) -> Result<ItemEntry, ApiError> {
+        let req = SubmitReviewRequest {
+            idempotency_key: String::new(),
+            lane: proto::Lane::Batch as i32,
+            diff: item.diff,
+            schema_version: item.schema_version,
+            metadata: item.metadata,
+            diff_bytes: item.diff_bytes,
+            deadline: None,
+            timeout: None,
+        };
+        let SubmitPlan { lane, schema_version, diff, submitted_at_ms, metadata, request_digest, .. } =
+            plan(req, limits, now)?;
+        let job_id = job_id::derive(tenant.region, &tenant.id, &format!("sweep\0{}\0{}", rec.sweep_id, item.item_key));
+        let review = ReviewMessage {
+            job_id: job_id.clone(),
+            tenant: tenant.id.clone(),
+            region: tenant.region,
+            lane,
+            schema_version,
+            review_depth: ReviewDepth::Full,
+            metadata,
+            input_digest: job_id::sha256_hex(&[diff.bytes()]),
+            diff: diff.utf8,
+            diff_bytes: diff.raw,
+            submitted_at_ms,
+            request_digest: request_digest.clone(),
+            deadline_ms: Some(rec.items_deadline_ms(now)),
+            replay_of: None,
+            sweep_id: Some(rec.sweep_id.clone()),
+        };
+        // Refused now, not at the seal, when the lane would not take it.
+        super::submit::encode(handle, &review)?;
+        Ok(ItemEntry { job_id, item_key: item.item_key, request_digest, added_at_ms: now, review: Some(review) })
+    }
+
+    /// Seals the sweep and hands every item not yet handed over to the batch lane.
+    pub(super) async fn seal_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
+        let (handle, _) = self.owned_sweep(tenant, id).await?;
+        let store = sweeps(handle);
+        let rec = store.apply(id, SweepEvent::Seal, self.clock.now_ms()).await?;
+        if !rec.started {
+            let items = store.items(id, MAX_ITEMS).await?;
+            let waiting: Vec<ItemEntry> = items.into_iter().filter(|i| i.review.is_some()).collect();
+            let n = waiting.len();
+            self.hand_over(handle, &rec, waiting).await?;
+            store.apply(id, SweepEvent::Started, self.clock.now_ms()).await?;
+            tracing::info!(items = n, "sweep sealed and started");
+        }
+        self.sweep_view(handle, id).await
+    }
+
+    /// Makes each item's job durable on the batch lane (as a submit does), its deadline
+    /// the sweep's completion window from the seal, then keeps only its key in the
+    /// manifest. A full lane stops it: sealing again goes on from there.
+    async fn hand_over(&self, handle: &RegionHandle, rec: &SweepRecord, items: Vec<ItemEntry>) -> Result<(), ApiError> {
+        let store = sweeps(handle);
+        let deadline = rec.items_deadline_ms(self.clock.now_ms());
+        let mut handed = futures::stream::iter(items)
+            .map(|item| {
+                let store = &store;
+                async move {
+                    let Some(mut review) = item.review.clone() else { return Ok(()) };
+                    review.deadline_ms = Some(deadline);
+                    match self.write_job(handle, &review).await? {
+                        Created::New(..) => {}
+                        Created::Exists(existing) if existing.request_digest == review.request_digest => {}
+                        Created::Exists(_) => return Err(ApiError::AlreadyExists),
+                    }
+                    store.strip_item(&rec.sweep_id, &item).await?;
+                    Ok::<(), ApiError>(())
+                }
+            })
+            .buffer_unordered(AT_ONCE);
+        while let Some(done) = handed.next().await {
+            done?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn get_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
+        let (handle, _) = self.owned_sweep(tenant, id).await?;
+        self.sweep_view(handle, id).await
+    }
+
+    /// The sweep with its progress, read from its items' jobs.
+    async fn sweep_view(&self, handle: &RegionHandle, id: &str) -> Result<proto::Sweep, ApiError> {
+        let store = sweeps(handle);
+        let (rec, _) = store.get(id).await?.ok_or(ApiError::SweepNotFound)?;
+        let ids = store.item_ids(id, MAX_ITEMS).await?;
+        let mut counts = SweepCounts::default();
+        let mut read =
+            futures::stream::iter(ids).map(|job| async move { handle.jobs.get(&job).await }).buffered(AT_ONCE);
+        while let Some(job) = read.next().await {
+            let job = job?.map(|(r, _)| (r.state, r.reason, r.tokens, r.cost_micro_usd));
+            counts.add(job, rec.state == SweepState::Cancelled);
+        }
+        let now = self.clock.now_ms();
+        let estimate = rec
+            .sealed_at_ms
+            .filter(|_| rec.state == SweepState::Sealed && counts.done() < counts.total)
+            .and_then(|sealed| reviewlane_core::batch::estimate(counts.done(), counts.total, sealed, now, None));
+        Ok(api::sweep(&rec, &counts, estimate))
+    }
+
+    pub(super) async fn list_sweep_items(
+        &self,
+        tenant: &Tenant,
+        req: ListSweepItemsRequest,
+    ) -> Result<ListSweepItemsResponse, ApiError> {
+        let (handle, rec) = self.owned_sweep(tenant, &req.sweep_id).await?;
+        let cancelled = rec.state == SweepState::Cancelled;
+        let page_size = match req.page_size {
+            n if n <= 0 => 100,
+            n => (n as usize).min(1000),
+        };
+        let start: usize = if req.page_token.is_empty() {
+            0
+        } else {
+            req.page_token.parse().map_err(|_| ApiError::invalid("page_token", "not a token of this listing"))?
+        };
+        let states: Vec<ItemState> = req.states.iter().filter_map(|s| api::item_state_from_proto(*s)).collect();
+        let reasons: Vec<_> = req.reasons.iter().filter_map(|r| api::reason_from_proto(*r)).collect();
+        let items = sweeps(handle).items(&req.sweep_id, MAX_ITEMS).await?;
+        let mut out = Vec::new();
+        let mut next = None;
+        let mut read = futures::stream::iter(items.into_iter().enumerate().skip(start))
+            .map(|(i, item)| async move { (i, handle.jobs.get(&item.job_id).await, item) })
+            .buffered(AT_ONCE);
+        while let Some((i, job, item)) = read.next().await {
+            if out.len() == page_size {
+                next = Some(i);
+                break;
+            }
+            let job = job?.map(|(r, _)| r);
+            let state = ItemState::of(job.as_ref().map(|r| (r.state, r.reason)), cancelled);
+            let reason = job.as_ref().and_then(|r| r.reason).filter(|_| state == ItemState::Failed);
+            if (!states.is_empty() && !states.contains(&state))
+                || (!reasons.is_empty() && !reason.is_some_and(|r| reasons.contains(&r)))
+            {
+                continue;
+            }
+            out.push(SweepItemStatus {
+                item_key: item.item_key,
+                job_id: item.job_id,
+                state: api::item_state_to_proto(state) as i32,
+                terminal_reason: reason.map_or(proto::TerminalReason::Unspecified, api::reason_to_proto) as i32,
+            });
+        }
+        Ok(ListSweepItemsResponse { items: out, next_page_token: next.map(|n| n.to_string()).unwrap_or_default() })
+    }
+
+    /// Cancels the sweep: items not yet handed over never run, and those waiting for a
+    /// call end `cancelled`. An item being called finishes: what is paid for is
+    /// delivered.
+    pub(super) async fn cancel_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
+        let (handle, _) = self.owned_sweep(tenant, id).await?;
+        let store = sweeps(handle);
+        store.apply(id, SweepEvent::Cancel, self.clock.now_ms()).await?;
+        let ids = store.item_ids(id, MAX_ITEMS).await?;
+        let mut cancelled = futures::stream::iter(ids)
+            .map(|job| async move {
+                match handle.jobs.get(&job).await? {
+                    Some((rec, _))
+                        if matches!(rec.state, JobState::Accepted | JobState::Waiting | JobState::RetryScheduled) =>
+                    {
+                        match handle.jobs.apply(&job, &Event::Cancel).await {
+                            Ok(_) | Err(StoreError::Transition(..)) => Ok(()),
+                            Err(e) => Err(e),
+                        }
+                    }
+                    _ => Ok(()),
+                }
+            })
+            .buffer_unordered(AT_ONCE);
+        while let Some(done) = cancelled.next().await {
+            done?;
+        }
+        tracing::info!("sweep cancelled");
+        self.sweep_view(handle, id).await
+    }
+}

@@ -1,0 +1,170 @@
+//! Sweeps through the lanes: a manifest created, filled page by page (a page added twice
+//! adds nothing twice), sealed; each item an ordinary review linked to its sweep,
+//! published once; the sweep's progress counted from its items; a cancelled sweep's
+//! items that have not run end at once; another tenant sees none of it.
+
+use std::time::Duration;
+
+use reviewlane_api::proto::{
+    self, AddSweepItemsRequest, CancelSweepRequest, CreateSweepRequest, GetSweepRequest, ListSweepItemsRequest,
+    SealSweepRequest, SweepItem, SweepItemState, SweepMode, SweepState,
+};
+use tonic::Code;
+
+use crate::harness::*;
+
+fn item(i: usize) -> SweepItem {
+    SweepItem {
+        item_key: format!("src/file_{i}.rs"),
+        diff: format!(
+            "diff --git a/src/file_{i}.rs b/src/file_{i}.rs\nnew file mode 100644\n--- /dev/null\n+++ b/src/file_{i}.rs\n@@ -0,0 +1,2 @@\n+fn f_{i}() {{}}\n+// TODO: finish {i}\n"
+        ),
+        ..Default::default()
+    }
+}
+
+fn count(sweep: &proto::Sweep, state: SweepItemState) -> u64 {
+    sweep.items.iter().find(|c| c.state == state as i32).map_or(0, |c| c.count)
+}
+
+async fn sweep_of(client: &mut Client, key: &str, id: &str) -> proto::Sweep {
+    client.get_sweep(authed(key, GetSweepRequest { sweep_id: id.into() })).await.unwrap().into_inner().sweep.unwrap()
+}
+
+type Client = reviewlane_api::proto::review_service_client::ReviewServiceClient<tonic::transport::Channel>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_through_the_lanes_publishes_each_item_once_and_counts_its_progress() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let create = |key: &str| CreateSweepRequest {
+        idempotency_key: key.into(),
+        mode: SweepMode::Auto as i32,
+        ..Default::default()
+    };
+    let sweep = client.create_sweep(authed(US_KEY, create("nightly"))).await.unwrap().into_inner().sweep.unwrap();
+    assert_eq!((sweep.state, sweep.runs_on), (SweepState::Open as i32, SweepMode::Lanes as i32));
+    // Idempotent per key; another mode under the same key is another request.
+    let again = client.create_sweep(authed(US_KEY, create("nightly"))).await.unwrap().into_inner().sweep.unwrap();
+    assert_eq!(again.sweep_id, sweep.sweep_id);
+    let other = CreateSweepRequest { mode: SweepMode::Lanes as i32, ..create("nightly") };
+    assert_eq!(client.create_sweep(authed(US_KEY, other)).await.unwrap_err().code(), Code::AlreadyExists);
+    // The provider batch path is refused here, saying so.
+    let batch = CreateSweepRequest { mode: SweepMode::ProviderBatch as i32, ..create("batch") };
+    let refused = client.create_sweep(authed(US_KEY, batch)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+
+    // Two pages; the first sent twice adds nothing twice.
+    let id = sweep.sweep_id.clone();
+    let page =
+        |range: std::ops::Range<usize>| AddSweepItemsRequest { sweep_id: id.clone(), items: range.map(item).collect() };
+    let first = client.add_sweep_items(authed(US_KEY, page(0..4))).await.unwrap().into_inner();
+    assert_eq!((first.added, first.already_present), (4, 0));
+    let repeat = client.add_sweep_items(authed(US_KEY, page(0..4))).await.unwrap().into_inner();
+    assert_eq!((repeat.added, repeat.already_present), (0, 4));
+    let second = client.add_sweep_items(authed(US_KEY, page(3..6))).await.unwrap().into_inner();
+    assert_eq!((second.added, second.already_present), (2, 1));
+    // Another item under a key the sweep has is another request.
+    let mut changed = item(0);
+    changed.diff = item(1).diff;
+    let clash = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![changed] };
+    assert_eq!(client.add_sweep_items(authed(US_KEY, clash)).await.unwrap_err().code(), Code::AlreadyExists);
+    // Nothing runs before the seal.
+    let open = sweep_of(&mut client, US_KEY, &id).await;
+    assert_eq!((open.items_total, count(&open, SweepItemState::Queued)), (6, 6));
+    assert!(stack.us.provider.stats().total_calls == 0);
+    // Another tenant sees no sweep.
+    let foreign = client.get_sweep(authed(US2_KEY, GetSweepRequest { sweep_id: id.clone() })).await.unwrap_err();
+    assert_eq!(foreign.code(), Code::NotFound);
+
+    let sealed = client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await.unwrap();
+    assert_eq!(sealed.into_inner().sweep.unwrap().state, SweepState::Sealed as i32);
+    let after_seal = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![item(9)] };
+    assert_eq!(client.add_sweep_items(authed(US_KEY, after_seal)).await.unwrap_err().code(), Code::FailedPrecondition);
+
+    let done = poll_until(Duration::from_secs(30), || {
+        let mut client = client.clone();
+        let id = id.clone();
+        async move {
+            let s = sweep_of(&mut client, US_KEY, &id).await;
+            (count(&s, SweepItemState::Published) == 6).then_some(s)
+        }
+    })
+    .await
+    .expect("every item published within 30 s");
+    assert_eq!((done.items_total, done.percent_done), (6, 100.0));
+    assert!(done.estimated_completion.is_none(), "nothing left to estimate");
+    let tokens = done.tokens.unwrap();
+    assert_eq!((tokens.input, tokens.output), (600, 300), "the items' paid calls (100 in, 50 out each)");
+
+    // Each item is an ordinary review linked to its sweep, delivered once.
+    let listed = client
+        .list_sweep_items(authed(
+            US_KEY,
+            ListSweepItemsRequest { sweep_id: id.clone(), page_size: 4, ..Default::default() },
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.items.len(), 4);
+    assert!(!listed.next_page_token.is_empty());
+    let rest = client
+        .list_sweep_items(authed(
+            US_KEY,
+            ListSweepItemsRequest {
+                sweep_id: id.clone(),
+                page_size: 4,
+                page_token: listed.next_page_token.clone(),
+                ..Default::default()
+            },
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rest.items.len(), 2);
+    assert!(rest.next_page_token.is_empty());
+    let all: Vec<_> = listed.items.iter().chain(&rest.items).collect();
+    let mut keys: Vec<&str> = all.iter().map(|i| i.item_key.as_str()).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        (0..6).map(|i| format!("src/file_{i}.rs")).collect::<Vec<_>>().iter().map(String::as_str).collect::<Vec<_>>()
+    );
+    for i in &all {
+        assert_eq!(i.state, SweepItemState::Published as i32);
+        let review = get(&mut client, US_KEY, &i.job_id).await.unwrap();
+        assert_eq!((review.sweep_id.as_str(), review.lane), (id.as_str(), proto::Lane::Batch as i32));
+        assert!(eventually(Duration::from_secs(10), || stack.webhook.for_job(&i.job_id).len() == 1).await);
+    }
+    assert_eq!(stack.us.provider.stats().paid_calls.len(), 6, "each item paid once");
+    // Filtered by state: none failed.
+    let failed = ListSweepItemsRequest {
+        sweep_id: id.clone(),
+        states: vec![SweepItemState::Failed as i32],
+        ..Default::default()
+    };
+    assert!(client.list_sweep_items(authed(US_KEY, failed)).await.unwrap().into_inner().items.is_empty());
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_sweep_runs_nothing_more_and_counts_its_items_cancelled() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let create =
+        CreateSweepRequest { idempotency_key: "to-cancel".into(), mode: SweepMode::Lanes as i32, ..Default::default() };
+    let id = client.create_sweep(authed(US_KEY, create)).await.unwrap().into_inner().sweep.unwrap().sweep_id;
+    let page = AddSweepItemsRequest { sweep_id: id.clone(), items: (0..3).map(item).collect() };
+    client.add_sweep_items(authed(US_KEY, page)).await.unwrap();
+    let cancelled = client.cancel_sweep(authed(US_KEY, CancelSweepRequest { sweep_id: id.clone() })).await.unwrap();
+    let cancelled = cancelled.into_inner().sweep.unwrap();
+    assert_eq!(cancelled.state, SweepState::Cancelled as i32);
+    assert_eq!((count(&cancelled, SweepItemState::Cancelled), cancelled.percent_done), (3, 100.0));
+    // A cancelled sweep is not sealed, and takes no more items.
+    let seal = client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await.unwrap_err();
+    assert_eq!(seal.code(), Code::FailedPrecondition);
+    let more = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![item(7)] };
+    assert_eq!(client.add_sweep_items(authed(US_KEY, more)).await.unwrap_err().code(), Code::FailedPrecondition);
+    assert_eq!(stack.us.provider.stats().total_calls, 0, "nothing of it ran");
+    stack.shutdown().await;
+}
