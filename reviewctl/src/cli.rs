@@ -17,10 +17,14 @@ Examples:
   reviewctl get us_3f2a... --format json
   reviewctl cancel us_3f2a...
 
-Exit codes (submit --wait, watch):
+  # Review a whole repository at a revision as one sweep; one SARIF run for all of it
+  reviewctl sweep --git HEAD --paths 'src/**' --repository acme/app --wait --format sarif > sweep.sarif
+  reviewctl batch get us_9c1d...
+
+Exit codes (submit --wait, watch, sweep --wait, batch watch):
   0  published, nothing at or above --fail-on
   1  published with findings at or above --fail-on
-  2  the review ended without findings (the reason is printed)
+  2  the review (or an item of the sweep) ended without findings (the reason is printed)
   3  refused for now (the retry delay is printed)
   4  the review's deadline passed, or --wait-timeout or --request-timeout ran out
   5  the request failed (authentication, an invalid request, the service unreachable)
@@ -93,8 +97,99 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Review a repository at a revision as one sweep: each text file one item
+    Sweep(SweepArgs),
+    /// Follow, read and cancel sweeps
+    #[command(subcommand)]
+    Batch(BatchCommand),
     /// Print shell completions
     Completions { shell: clap_complete::Shell },
+}
+
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    /// The revision whose files are reviewed (each as a diff adding the whole file)
+    #[arg(long, value_name = "REV")]
+    pub git: String,
+    /// Only files matching these globs (git pathspec globs, repeatable) [default: every file]
+    #[arg(long = "paths", value_name = "GLOB", num_args = 1..)]
+    pub paths: Vec<String>,
+    /// Files larger than this are left out
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub max_file_bytes: u64,
+    /// Repository name (metadata; shown in review surfaces)
+    #[arg(long)]
+    pub repository: Option<String>,
+    /// Findings schema version
+    #[arg(long, default_value = "findings.v2")]
+    pub schema: String,
+    #[arg(long, value_enum, default_value_t = SweepModeArg::Auto)]
+    pub mode: SweepModeArg,
+    /// The sweep's idempotency key [default: derived from the revision's commit and the
+    /// options above, so re-running the same sweep continues it]
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    /// Wait until every item is published or ends, then write the findings
+    #[arg(long)]
+    pub wait: bool,
+    #[command(flatten)]
+    pub waiting: WaitArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SweepModeArg {
+    /// The provider's batch API where the region has one, else the batch lane
+    Auto,
+    Lanes,
+    ProviderBatch,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BatchCommand {
+    /// A sweep's progress: items by state, failed by reason, tokens, cost, estimate
+    Get { sweep_id: String },
+    /// A sweep's items: job id, state, key (a line each)
+    Items {
+        sweep_id: String,
+        /// Only items in these states (repeatable)
+        #[arg(long = "state", value_enum)]
+        states: Vec<ItemStateArg>,
+    },
+    /// Follow a sweep until every item is final (exit 2 when one failed)
+    Watch {
+        sweep_id: String,
+        /// Stop waiting after this many seconds (exit 4)
+        #[arg(long, default_value_t = 24 * 3600)]
+        wait_timeout: u64,
+    },
+    /// Cancel a sweep: items not yet run end cancelled; paid results are still delivered
+    Cancel { sweep_id: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ItemStateArg {
+    Queued,
+    Submitted,
+    Running,
+    Validated,
+    Published,
+    Failed,
+    Cancelled,
+}
+
+impl ItemStateArg {
+    pub fn to_proto(self) -> reviewlane_api::proto::SweepItemState {
+        use reviewlane_api::proto::SweepItemState as S;
+        match self {
+            ItemStateArg::Queued => S::Queued,
+            ItemStateArg::Submitted => S::Submitted,
+            ItemStateArg::Running => S::Running,
+            ItemStateArg::Validated => S::Validated,
+            ItemStateArg::Published => S::Published,
+            ItemStateArg::Failed => S::Failed,
+            ItemStateArg::Cancelled => S::Cancelled,
+        }
+    }
 }
 
 #[derive(Debug, Args)]

@@ -5,6 +5,7 @@ pub mod cli;
 pub mod exit;
 pub mod output;
 pub mod settings;
+pub mod sweep;
 
 use std::ffi::OsString;
 use std::io::{IsTerminal, Read};
@@ -140,6 +141,8 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
             }
             Ok(exit::CLEAN)
         }
+        Command::Sweep(args) => sweep::sweep(&mut client, key, args).await,
+        Command::Batch(cmd) => sweep::batch(&mut client, key, cmd).await,
         Command::Completions { .. } => unreachable!("handled before connecting"),
     }
 }

@@ -94,6 +94,11 @@ impl Sweeps {
         }
     }
 
+    /// One item of the manifest, if the sweep has it.
+    pub async fn item(&self, sweep_id: &str, job_id: &str) -> Result<Option<ItemEntry>, StoreError> {
+        Ok(read(&self.kv, &item_key(sweep_id, job_id)).await?.map(|(item, _)| item))
+    }
+
     /// Keeps only the item's key and digest: its review was handed over.
     pub async fn strip_item(&self, sweep_id: &str, item: &ItemEntry) -> Result<(), StoreError> {
         let stripped = ItemEntry { review: None, ..item.clone() };

@@ -30,6 +30,17 @@ fn reviewctl() -> PathBuf {
         .clone()
 }
 
+/// Runs git in `dir` as a test user; fails the test when git fails.
+fn git_in(dir: &std::path::Path, args: &[&str]) {
+    let ok = std::process::Command::new("git")
+        .args(["-c", "user.email=t@example.invalid", "-c", "user.name=t", "-c", "init.defaultBranch=main"])
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
+}
+
 struct Run {
     code: i32,
     stdout: String,
@@ -153,15 +164,7 @@ async fn git_ranges_failures_and_unknown_keys_have_their_exit_codes() {
     let stack = Stack::start().await;
     // `--git`: reviewctl runs `git diff` itself, with the range's revisions as metadata.
     let repo = tempfile::tempdir().unwrap();
-    let git = |args: &[&str]| {
-        let ok = std::process::Command::new("git")
-            .args(["-c", "user.email=t@example.invalid", "-c", "user.name=t", "-c", "init.defaultBranch=main"])
-            .args(args)
-            .current_dir(repo.path())
-            .output()
-            .unwrap();
-        assert!(ok.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&ok.stderr));
-    };
+    let git = |args: &[&str]| git_in(repo.path(), args);
     git(&["init", "-q"]);
     let src = repo.path().join("src");
     std::fs::create_dir(&src).unwrap();
@@ -280,4 +283,89 @@ async fn every_request_has_a_deadline_against_a_service_that_never_answers() {
         assert!(started.elapsed() < Duration::from_secs(20), "{args:?} took {:?}", started.elapsed());
     }
     silent.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_reviews_each_text_file_of_a_revision_once_and_writes_one_sarif_run() {
+    let stack = Stack::start().await;
+    let repo = tempfile::tempdir().unwrap();
+    let git = |args: &[&str]| git_in(repo.path(), args);
+    git(&["init", "-q"]);
+    let write = |path: &str, bytes: &[u8]| {
+        let p = repo.path().join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, bytes).unwrap();
+    };
+    write("src/a.rs", b"fn a() {}\n// TODO: handle errors\n");
+    write("src/b.rs", b"fn b() -> u32 {\n    1\n}\n");
+    write("docs/guide.md", b"# Guide\n\nRun it.\n");
+    write("assets/logo.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR");
+    write("big.txt", "line\n".repeat(1000).as_bytes());
+    write("empty.txt", b"");
+    write("other/skip.rs", b"fn skipped() {}\n");
+    git(&["add", "."]);
+    git(&["commit", "-qm", "all"]);
+    let args = [
+        "sweep",
+        "--git",
+        "HEAD",
+        "--paths",
+        "src/**",
+        "docs/*",
+        "assets/*",
+        "big.txt",
+        "empty.txt",
+        "--max-file-bytes",
+        "2000",
+        "--repository",
+        "acme/app",
+        "--wait",
+        "--format",
+        "sarif",
+    ];
+    let swept = run(&stack, US_KEY, &args, None, Some(repo.path())).await;
+    assert_eq!(swept.code, 0, "{}", swept.stderr);
+    assert!(swept.stderr.contains("3 items (3 new, 0 already in the sweep)"), "{}", swept.stderr);
+    // One SARIF run for the whole sweep, valid against the OASIS schema, a result per
+    // text file (the simulated provider points at each file's first line).
+    let log: serde_json::Value = serde_json::from_str(&swept.stdout).unwrap();
+    let schema =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/vendor/sarif/sarif-schema-2.1.0.json")).unwrap();
+    let validator = jsonschema::validator_for(&serde_json::from_str(&schema).unwrap()).unwrap();
+    let errors: Vec<String> = validator.iter_errors(&log).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(log["runs"].as_array().unwrap().len(), 1);
+    let mut uris: Vec<&str> = log["runs"][0]["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"].as_str().unwrap())
+        .collect();
+    uris.sort_unstable();
+    assert_eq!(uris, ["docs/guide.md", "src/a.rs", "src/b.rs"], "binary, large, empty and unmatched files left out");
+    assert_eq!(stack.us.provider.stats().paid_calls.len(), 3);
+
+    // The same sweep again is the same sweep: nothing added, nothing paid again; at or
+    // above `low` it fails the build.
+    let mut again = args.to_vec();
+    again.extend(["--fail-on", "low"]);
+    let repeat = run(&stack, US_KEY, &again, None, Some(repo.path())).await;
+    assert_eq!(repeat.code, 1, "{}", repeat.stderr);
+    assert!(repeat.stderr.contains("3 items (0 new, 3 already in the sweep)"), "{}", repeat.stderr);
+    assert_eq!(stack.us.provider.stats().total_calls, 3);
+
+    // `batch`: the sweep's progress and items.
+    let id = repeat.stderr.split(':').next().unwrap().trim().to_string();
+    let got = run(&stack, US_KEY, &["batch", "get", &id], None, None).await;
+    assert_eq!(got.code, 0, "{}", got.stderr);
+    let sweep: serde_json::Value = serde_json::from_str(&got.stdout).unwrap();
+    assert_eq!((sweep["items_total"].as_u64(), sweep["items"]["published"].as_u64()), (Some(3), Some(3)), "{sweep}");
+    assert_eq!(sweep["percent_done"], 100.0);
+    let items = run(&stack, US_KEY, &["batch", "items", &id, "--state", "published"], None, None).await;
+    let keys: Vec<&str> = items.stdout.lines().map(|l| l.rsplit('\t').next().unwrap()).collect();
+    assert_eq!(keys.len(), 3, "{}", items.stdout);
+    assert!(keys.contains(&"src/a.rs") && keys.contains(&"docs/guide.md"), "{keys:?}");
+    let watched = run(&stack, US_KEY, &["batch", "watch", &id], None, None).await;
+    assert_eq!(watched.code, 0, "{}", watched.stderr);
+    stack.shutdown().await;
 }

@@ -81,6 +81,9 @@ async fn a_sweep_through_the_lanes_publishes_each_item_once_and_counts_its_progr
     assert_eq!(sealed.into_inner().sweep.unwrap().state, SweepState::Sealed as i32);
     let after_seal = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![item(9)] };
     assert_eq!(client.add_sweep_items(authed(US_KEY, after_seal)).await.unwrap_err().code(), Code::FailedPrecondition);
+    // A page it has (a retry after the seal) is answered as it stands.
+    let retried = client.add_sweep_items(authed(US_KEY, page(0..2))).await.unwrap().into_inner();
+    assert_eq!((retried.added, retried.already_present), (0, 2));
 
     let done = poll_until(Duration::from_secs(30), || {
         let mut client = client.clone();

@@ -130,7 +130,6 @@ impl ReviewApi {
         req: AddSweepItemsRequest,
     ) -> Result<AddSweepItemsResponse, ApiError> {
         let (handle, rec) = self.owned_sweep(tenant, &req.sweep_id).await?;
-        rec.may_add().map_err(|e| ApiError::from(ApplyError::Refused(e)))?;
         if req.items.len() > MAX_PAGE_ITEMS {
             return Err(ApiError::invalid("items", format!("more than {MAX_PAGE_ITEMS} in one page")));
         }
@@ -148,6 +147,18 @@ impl ReviewApi {
             entries.push(self.item_entry(tenant, handle, &rec, item, &limits, now)?);
         }
         let (mut added, mut present) = (0u32, 0u32);
+        // A sealed or cancelled sweep takes no item; a page it has already (a retry) is
+        // answered as it stands.
+        if let Err(refused) = rec.may_add() {
+            for entry in &entries {
+                match store.item(&rec.sweep_id, &entry.job_id).await? {
+                    Some(existing) if existing.request_digest == entry.request_digest => present += 1,
+                    Some(_) => return Err(ApiError::AlreadyExists),
+                    None => return Err(ApplyError::Refused(refused).into()),
+                }
+            }
+            return Ok(AddSweepItemsResponse { added, already_present: present });
+        }
         let mut new = Vec::new();
         for entry in entries {
             match store.add_item(&rec.sweep_id, &entry).await? {
