@@ -164,6 +164,12 @@ pub enum BatchCommand {
     },
     /// Cancel a sweep: items not yet run end cancelled; paid results are still delivered
     Cancel { sweep_id: String },
+    /// Your sweeps, newest first, with their progress
+    List {
+        /// Every page, not just the first 20
+        #[arg(long)]
+        all: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -429,33 +429,11 @@ async fn wait_and_report(client: &mut Client, key: &Auth, job_id: &str, wait: &W
     let deadline = tokio::time::Instant::now() + Duration::from_secs(wait.wait_timeout);
     let mut last = get(client, key, job_id).await?;
     show(&last);
-    // A watch the server ends (restart, lost store connection) is opened again, until
-    // the review is final or the wait runs out.
-    while !is_final(&last) && tokio::time::Instant::now() < deadline {
-        let followed = tokio::time::timeout_at(deadline, async {
-            let mut stream = client
-                .watch_review(watching(key, WatchReviewRequest { job_id: job_id.to_string() }))
-                .await?
-                .into_inner();
-            while let Some(msg) = stream.message().await? {
-                if let Some(r) = msg.review {
-                    show(&r);
-                    last = r;
-                }
-            }
-            Ok::<(), tonic::Status>(())
-        })
-        .await;
-        match followed {
-            Err(_) => break,
-            Ok(Ok(())) => {}
-            Ok(Err(s)) if s.code() == tonic::Code::Unavailable => {
-                let delay = s.get_details_retry_info().and_then(|r| r.retry_delay).unwrap_or(Duration::from_secs(1));
-                tokio::time::sleep_until((tokio::time::Instant::now() + delay).min(deadline)).await;
-            }
-            Ok(Err(s)) => return Err(Failure::Status(s)),
-        }
-    }
+    let open = |mut c: Client| -> Opening<proto::WatchReviewResponse> {
+        let req = watching(key, WatchReviewRequest { job_id: job_id.to_string() });
+        Box::pin(async move { c.watch_review(req).await })
+    };
+    follow_stream(client, deadline, &mut last, open, |m| m.review, &mut show, is_final).await?;
     let final_line = output::status_line(&last);
     match &progress {
         Some(bar) => {
@@ -473,6 +451,48 @@ async fn wait_and_report(client: &mut Client, key: &Auth, job_id: &str, wait: &W
         eprintln!("reviewctl: still not final after {} s", wait.wait_timeout);
     }
     Ok(exit::for_review(&last, wait.fail_on.map(|s| s.as_str())))
+}
+
+/// A server stream being opened (on its own handle of the client).
+type Opening<M> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<tonic::Response<tonic::Streaming<M>>, tonic::Status>> + Send>,
+>;
+
+/// Follows a server stream until `done` holds for the last state or `deadline` passes:
+/// each state is shown and kept in `last`. A stream the server ends (a restart, a lost
+/// store connection) is opened again, after its retry delay when it was unavailable.
+async fn follow_stream<M, T>(
+    client: &mut Client,
+    deadline: tokio::time::Instant,
+    last: &mut T,
+    open: impl Fn(Client) -> Opening<M>,
+    state: impl Fn(M) -> Option<T>,
+    show: &mut impl FnMut(&T),
+    done: impl Fn(&T) -> bool,
+) -> Result<(), Failure> {
+    while !done(last) && tokio::time::Instant::now() < deadline {
+        let followed = tokio::time::timeout_at(deadline, async {
+            let mut stream = open(client.clone()).await?.into_inner();
+            while let Some(msg) = stream.message().await? {
+                if let Some(s) = state(msg) {
+                    show(&s);
+                    *last = s;
+                }
+            }
+            Ok::<(), tonic::Status>(())
+        })
+        .await;
+        match followed {
+            Err(_) => break,
+            Ok(Ok(())) => {}
+            Ok(Err(s)) if s.code() == tonic::Code::Unavailable => {
+                let delay = s.get_details_retry_info().and_then(|r| r.retry_delay).unwrap_or(Duration::from_secs(1));
+                tokio::time::sleep_until((tokio::time::Instant::now() + delay).min(deadline)).await;
+            }
+            Ok(Err(s)) => return Err(Failure::Status(s)),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

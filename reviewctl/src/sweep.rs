@@ -21,8 +21,6 @@ const PAGE_BYTES: usize = 256 * 1024;
 const PAGE_ITEMS: usize = 500;
 /// Paths given to one `git diff`.
 const DIFF_PATHS: usize = 200;
-/// How often a waited-for sweep is looked at.
-const POLL: Duration = Duration::from_secs(1);
 
 /// One item of the manifest: its path (the item's key) and its diff.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -230,8 +228,9 @@ pub(crate) async fn sweep(client: &mut Client, key: &Auth, args: SweepArgs) -> R
     report(client, key, &last, &args.schema, &args.waiting).await
 }
 
-/// Follows a sweep until every item is final or `wait_timeout` runs out, showing its
-/// progress on stderr (a bar on a terminal, a line per change otherwise).
+/// Follows a sweep until every item is final or `wait_timeout` runs out (`WatchSweep`,
+/// opened again when the server ends it), showing its progress on stderr: a bar on a
+/// terminal, a line per change otherwise.
 async fn follow(client: &mut Client, key: &Auth, id: &str, wait_timeout: u64) -> Result<proto::Sweep, Failure> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(wait_timeout);
     let mut last = get_sweep(client, key, id).await?;
@@ -244,26 +243,26 @@ async fn follow(client: &mut Client, key: &Auth, id: &str, wait_timeout: u64) ->
         bar
     });
     let mut shown = String::new();
-    loop {
-        let line = progress_line(&last);
+    let mut show = |s: &proto::Sweep| {
+        let line = progress_line(s);
         match &bar {
             Some(b) => {
-                b.set_length(last.items_total);
-                b.set_position(
-                    last.items_total.min((last.percent_done / 100.0 * last.items_total as f64).round() as u64),
-                );
+                b.set_length(s.items_total);
+                b.set_position(s.items_total.min((s.percent_done / 100.0 * s.items_total as f64).round() as u64));
                 b.set_message(line.clone());
             }
             None if line != shown => eprintln!("{line}"),
             None => {}
         }
         shown = line;
-        if last.percent_done >= 100.0 || tokio::time::Instant::now() >= deadline {
-            break;
-        }
-        tokio::time::sleep_until((tokio::time::Instant::now() + POLL).min(deadline)).await;
-        last = get_sweep(client, key, id).await?;
-    }
+    };
+    show(&last);
+    let open = |mut c: Client| -> crate::Opening<proto::WatchSweepResponse> {
+        let req = crate::watching(key, proto::WatchSweepRequest { sweep_id: id.to_string() });
+        Box::pin(async move { c.watch_sweep(req).await })
+    };
+    let done = |s: &proto::Sweep| s.percent_done >= 100.0;
+    crate::follow_stream(client, deadline, &mut last, open, |m| m.sweep, &mut show, done).await?;
     if let Some(b) = bar {
         b.finish_and_clear();
         eprintln!("{shown}");
@@ -360,6 +359,23 @@ pub(crate) async fn batch(client: &mut Client, key: &Auth, cmd: BatchCommand) ->
             } else {
                 exit::CLEAN
             })
+        }
+        BatchCommand::List { all } => {
+            let mut req = proto::ListSweepsRequest { page_size: 20, page_token: String::new() };
+            loop {
+                let page = client.list_sweeps(authed(key, req.clone())).await?.into_inner();
+                for s in &page.sweeps {
+                    println!("{}", progress_line(s));
+                }
+                if page.next_page_token.is_empty() {
+                    return Ok(exit::CLEAN);
+                }
+                if !all {
+                    eprintln!("more: reviewctl batch list --all");
+                    return Ok(exit::CLEAN);
+                }
+                req.page_token = page.next_page_token;
+            }
         }
         BatchCommand::Cancel { sweep_id } => {
             let req = proto::CancelSweepRequest { sweep_id };

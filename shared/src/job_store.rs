@@ -75,6 +75,17 @@ impl JobStore {
         self.client.subscribe(subject).await.map_err(StoreError::other)
     }
 
+    /// Signals of every record of the region: each subject ends in its job id (for a
+    /// watcher of many jobs, which re-reads those it follows).
+    pub async fn all_signals(&self) -> Result<async_nats::Subscriber, StoreError> {
+        self.client.subscribe(format!("{}>", self.kv.prefix)).await.map_err(StoreError::other)
+    }
+
+    /// The job id a signal's subject names.
+    pub fn signalled<'s>(&self, subject: &'s str) -> Option<&'s str> {
+        subject.strip_prefix(self.kv.prefix.as_str())
+    }
+
     /// The revisions of one record after `revision` (the one the caller read).
     pub async fn changes_after(&self, job_id: &str, revision: u64) -> Result<JobChanges, StoreError> {
         let watch = self.kv.watch_from_revision(job_id, revision + 1).await.map_err(StoreError::other)?;

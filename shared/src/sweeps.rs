@@ -1,5 +1,6 @@
-//! A region's sweeps (`reviewlane_core::sweep`) on KV `SWEEPS_<R>`: `sweep.<id>` holds a
-//! sweep's record, `item.<sweep id>.<job id>` one item of its manifest. A sweep and an
+//! A region's sweeps (`reviewlane_core::sweep`) on KV `SWEEPS_<R>`:
+//! `sweep.<tenant>.<id>` holds a sweep's record (so a tenant's sweeps are listed by
+//! key), `item.<sweep id>.<job id>` one item of its manifest. A sweep and an
 //! item are each created once (KV create: exactly one creator wins, so a page added
 //! twice adds nothing twice); a sweep's record changes by compare-and-set. An item's
 //! entry keeps its review until it is handed to where it runs, then only its key.
@@ -32,8 +33,8 @@ pub struct Sweeps {
 /// Longest wait for the next entry of a listing.
 const LIST_WAIT: Duration = Duration::from_secs(5);
 
-fn sweep_key(sweep_id: &str) -> String {
-    format!("sweep.{sweep_id}")
+fn sweep_key(tenant: &str, sweep_id: &str) -> String {
+    format!("sweep.{tenant}.{sweep_id}")
 }
 
 fn item_key(sweep_id: &str, job_id: &str) -> String {
@@ -48,28 +49,47 @@ impl Sweeps {
     /// Creates the sweep unless its id exists.
     pub async fn create(&self, rec: &SweepRecord) -> Result<Made<SweepRecord>, StoreError> {
         let bytes = serde_json::to_vec(rec).expect("sweep record serializes");
-        match self.kv.create(sweep_key(&rec.sweep_id), bytes.into()).await {
+        match self.kv.create(sweep_key(&rec.tenant, &rec.sweep_id), bytes.into()).await {
             Ok(_) => Ok(Made::New(rec.clone())),
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                let (existing, _) = self.get(&rec.sweep_id).await?.ok_or(StoreError::NotFound)?;
+                let (existing, _) = self.get(&rec.tenant, &rec.sweep_id).await?.ok_or(StoreError::NotFound)?;
                 Ok(Made::Exists(existing))
             }
             Err(e) => Err(StoreError::kv_create(e)),
         }
     }
 
-    pub async fn get(&self, sweep_id: &str) -> Result<Option<(SweepRecord, u64)>, StoreError> {
-        read(&self.kv, &sweep_key(sweep_id)).await
+    /// The tenant's sweep, if it has one of that id.
+    pub async fn get(&self, tenant: &str, sweep_id: &str) -> Result<Option<(SweepRecord, u64)>, StoreError> {
+        read(&self.kv, &sweep_key(tenant, sweep_id)).await
+    }
+
+    /// The tenant's sweeps, at most `limit`, newest first.
+    pub async fn list(&self, tenant: &str, limit: usize) -> Result<Vec<SweepRecord>, StoreError> {
+        let bucket = layout::sweeps_bucket(self.region);
+        let entries = self.last_of(format!("$KV.{bucket}.sweep.{tenant}.*"), false, limit).await?;
+        let mut out = entries
+            .into_iter()
+            .map(|(_, payload)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
+            .collect::<Result<Vec<SweepRecord>, _>>()?;
+        out.sort_by(|a, b| b.created_at_ms.cmp(&a.created_at_ms).then_with(|| a.sweep_id.cmp(&b.sweep_id)));
+        Ok(out)
     }
 
     /// Applies `event` by compare-and-set (read again on a conflict); the record as it
     /// then stands. A repeated seal or cancel writes nothing.
-    pub async fn apply(&self, sweep_id: &str, event: SweepEvent, now_ms: u64) -> Result<SweepRecord, ApplyError> {
+    pub async fn apply(
+        &self,
+        tenant: &str,
+        sweep_id: &str,
+        event: SweepEvent,
+        now_ms: u64,
+    ) -> Result<SweepRecord, ApplyError> {
         for _ in 0..8 {
-            let (rec, revision) = self.get(sweep_id).await?.ok_or(StoreError::NotFound)?;
+            let (rec, revision) = self.get(tenant, sweep_id).await?.ok_or(StoreError::NotFound)?;
             let Some(next) = rec.after(event, now_ms)? else { return Ok(rec) };
             let bytes = serde_json::to_vec(&next).expect("sweep record serializes");
-            match self.kv.update(sweep_key(sweep_id), bytes.into(), revision).await {
+            match self.kv.update(sweep_key(tenant, sweep_id), bytes.into(), revision).await {
                 Ok(_) => return Ok(next),
                 Err(e) => match StoreError::kv_update(e) {
                     StoreError::Conflict => continue,
@@ -94,6 +114,20 @@ impl Sweeps {
         }
     }
 
+    /// Signals that the tenant's sweep record or one of its items may have changed:
+    /// core subscriptions on their KV subjects (no consumer), for a watcher that
+    /// re-reads what changed.
+    pub async fn signals(&self, tenant: &str, sweep_id: &str) -> Result<async_nats::Subscriber, StoreError> {
+        let subject = format!("{}{}", self.kv.prefix, sweep_key(tenant, sweep_id));
+        self.js.client().subscribe(subject).await.map_err(StoreError::other)
+    }
+
+    /// Signals of items added to the sweep: each subject ends in the item's job id.
+    pub async fn item_signals(&self, sweep_id: &str) -> Result<async_nats::Subscriber, StoreError> {
+        let subject = format!("{}item.{sweep_id}.*", self.kv.prefix);
+        self.js.client().subscribe(subject).await.map_err(StoreError::other)
+    }
+
     /// One item of the manifest, if the sweep has it.
     pub async fn item(&self, sweep_id: &str, job_id: &str) -> Result<Option<ItemEntry>, StoreError> {
         Ok(read(&self.kv, &item_key(sweep_id, job_id)).await?.map(|(item, _)| item))
@@ -111,30 +145,35 @@ impl Sweeps {
     /// no review is read), at most `limit`.
     pub async fn item_ids(&self, sweep_id: &str, limit: usize) -> Result<Vec<String>, StoreError> {
         let prefix = format!("$KV.{}.item.{sweep_id}.", layout::sweeps_bucket(self.region));
-        let entries = self.list(sweep_id, true, limit).await?;
+        let entries = self.last_of(self.items_filter(sweep_id), true, limit).await?;
         Ok(entries.into_iter().filter_map(|(subject, _)| subject.strip_prefix(&prefix).map(str::to_string)).collect())
     }
 
     /// The sweep's items with what their entries hold (their reviews, until handed over).
     pub async fn items(&self, sweep_id: &str, limit: usize) -> Result<Vec<ItemEntry>, StoreError> {
-        let entries = self.list(sweep_id, false, limit).await?;
+        let entries = self.last_of(self.items_filter(sweep_id), false, limit).await?;
         entries
             .into_iter()
             .map(|(_, payload)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
             .collect()
     }
 
-    /// The last entry of each item key of the sweep: (subject, payload).
-    async fn list(
+    fn items_filter(&self, sweep_id: &str) -> String {
+        format!("$KV.{}.item.{sweep_id}.*", layout::sweeps_bucket(self.region))
+    }
+
+    /// The last entry of each key under `filter`: (subject, payload; none with
+    /// `headers_only`), at most `limit`.
+    async fn last_of(
         &self,
-        sweep_id: &str,
+        filter: String,
         headers_only: bool,
         limit: usize,
     ) -> Result<Vec<(String, bytes::Bytes)>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
         let stream = self.js.get_stream(format!("KV_{bucket}")).await.map_err(StoreError::other)?;
         let config = consumer::pull::OrderedConfig {
-            filter_subject: format!("$KV.{bucket}.item.{sweep_id}.*"),
+            filter_subject: filter,
             deliver_policy: consumer::DeliverPolicy::LastPerSubject,
             headers_only,
             ..Default::default()

@@ -367,5 +367,7 @@ async fn sweep_reviews_each_text_file_of_a_revision_once_and_writes_one_sarif_ru
     assert!(keys.contains(&"src/a.rs") && keys.contains(&"docs/guide.md"), "{keys:?}");
     let watched = run(&stack, US_KEY, &["batch", "watch", &id], None, None).await;
     assert_eq!(watched.code, 0, "{}", watched.stderr);
+    let listed = run(&stack, US_KEY, &["batch", "list"], None, None).await;
+    assert!(listed.stdout.starts_with(&id) && listed.stdout.contains("3/3 done"), "{}", listed.stdout);
     stack.shutdown().await;
 }

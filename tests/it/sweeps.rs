@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use reviewlane_api::proto::{
     self, AddSweepItemsRequest, CancelSweepRequest, CreateSweepRequest, GetSweepRequest, ListSweepItemsRequest,
-    SealSweepRequest, SweepItem, SweepItemState, SweepMode, SweepState,
+    ListSweepsRequest, SealSweepRequest, SweepItem, SweepItemState, SweepMode, SweepState, WatchSweepRequest,
 };
 use tonic::Code;
 
@@ -77,8 +77,29 @@ async fn a_sweep_through_the_lanes_publishes_each_item_once_and_counts_its_progr
     let foreign = client.get_sweep(authed(US2_KEY, GetSweepRequest { sweep_id: id.clone() })).await.unwrap_err();
     assert_eq!(foreign.code(), Code::NotFound);
 
+    // A watch opened before the seal follows the sweep to its end.
+    let watch = client.watch_sweep(authed(US_KEY, WatchSweepRequest { sweep_id: id.clone() })).await.unwrap();
+    let mut watch = watch.into_inner();
     let sealed = client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await.unwrap();
     assert_eq!(sealed.into_inner().sweep.unwrap().state, SweepState::Sealed as i32);
+    let events = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut events = Vec::new();
+        while let Some(m) = watch.message().await.unwrap() {
+            events.push(m.sweep.unwrap());
+        }
+        events
+    })
+    .await
+    .expect("the watch ends within 30 s");
+    let published: Vec<u64> = events.iter().map(|e| count(e, SweepItemState::Published)).collect();
+    assert!(published.windows(2).all(|w| w[0] <= w[1]), "{published:?}");
+    assert_eq!(events.first().map(|e| e.state), Some(SweepState::Open as i32));
+    let last = events.last().unwrap();
+    assert_eq!(
+        (last.state, count(last, SweepItemState::Published), last.percent_done),
+        (SweepState::Sealed as i32, 6, 100.0)
+    );
+    assert!(events.len() >= 2 && events.len() <= 10, "one event per change, at most one a second: {}", events.len());
     let after_seal = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![item(9)] };
     assert_eq!(client.add_sweep_items(authed(US_KEY, after_seal)).await.unwrap_err().code(), Code::FailedPrecondition);
     // A page it has (a retry after the seal) is answered as it stands.
@@ -140,6 +161,12 @@ async fn a_sweep_through_the_lanes_publishes_each_item_once_and_counts_its_progr
         assert!(eventually(Duration::from_secs(10), || stack.webhook.for_job(&i.job_id).len() == 1).await);
     }
     assert_eq!(stack.us.provider.stats().paid_calls.len(), 6, "each item paid once");
+    // The tenant's sweeps, newest first; another tenant has none.
+    let mine = client.list_sweeps(authed(US_KEY, ListSweepsRequest::default())).await.unwrap().into_inner();
+    assert_eq!(mine.sweeps.iter().map(|s| s.sweep_id.as_str()).collect::<Vec<_>>(), [id.as_str()]);
+    assert_eq!(count(&mine.sweeps[0], SweepItemState::Published), 6);
+    let theirs = client.list_sweeps(authed(US2_KEY, ListSweepsRequest::default())).await.unwrap().into_inner();
+    assert!(theirs.sweeps.is_empty());
     // Filtered by state: none failed.
     let failed = ListSweepItemsRequest {
         sweep_id: id.clone(),

@@ -17,7 +17,7 @@ use tonic::Status;
 use tracing::field::Empty;
 
 /// The review service's methods; anything else is `unknown` in a span name.
-const METHODS: [&str; 15] = [
+const METHODS: [&str; 17] = [
     "SubmitReview",
     "GetReview",
     "WatchReview",
@@ -33,6 +33,8 @@ const METHODS: [&str; 15] = [
     "GetSweep",
     "ListSweepItems",
     "CancelSweep",
+    "ListSweeps",
+    "WatchSweep",
 ];
 const SERVICE: &str = "reviewlane.v1.ReviewService";
 

@@ -18,9 +18,9 @@ use reviewlane_api::proto::{
     CancelSweepResponse, CreateSweepRequest, CreateSweepResponse, GetDeadLetterRequest, GetDeadLetterResponse,
     GetReviewRequest, GetReviewResponse, GetSweepRequest, GetSweepResponse, ListDeadLettersRequest,
     ListDeadLettersResponse, ListLanesRequest, ListLanesResponse, ListReviewsRequest, ListReviewsResponse,
-    ListSweepItemsRequest, ListSweepItemsResponse, ReplayDeadLetterRequest, ReplayDeadLetterResponse, SealSweepRequest,
-    SealSweepResponse, SubmitReviewRequest, SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse,
-    review_service_server::ReviewService,
+    ListSweepItemsRequest, ListSweepItemsResponse, ListSweepsRequest, ListSweepsResponse, ReplayDeadLetterRequest,
+    ReplayDeadLetterResponse, SealSweepRequest, SealSweepResponse, SubmitReviewRequest, SubmitReviewResponse,
+    WatchReviewRequest, WatchReviewResponse, WatchSweepRequest, review_service_server::ReviewService,
 };
 use reviewlane_core::clock::SharedClock;
 use reviewlane_core::diff;
@@ -396,6 +396,16 @@ impl ReviewService for ReviewApi {
         req: Request<ListSweepItemsRequest>,
     ) -> Result<Response<ListSweepItemsResponse>, Status> {
         self.call("ListSweepItems", req, |tenant, req| async move { self.list_sweep_items(&tenant, req).await }).await
+    }
+
+    async fn list_sweeps(&self, req: Request<ListSweepsRequest>) -> Result<Response<ListSweepsResponse>, Status> {
+        self.call("ListSweeps", req, |tenant, req| async move { self.list_sweeps(&tenant, req).await }).await
+    }
+
+    type WatchSweepStream = sweeps::SweepStream;
+
+    async fn watch_sweep(&self, req: Request<WatchSweepRequest>) -> Result<Response<Self::WatchSweepStream>, Status> {
+        self.call("WatchSweep", req, |tenant, req| self.watch_sweep(tenant, req.sweep_id)).await
     }
 
     async fn cancel_sweep(&self, req: Request<CancelSweepRequest>) -> Result<Response<CancelSweepResponse>, Status> {

@@ -28,6 +28,81 @@ const MAX_ITEMS: usize = 100_000;
 const AT_ONCE: usize = 32;
 const MAX_KEY: usize = 256;
 
+/// Sweeps listed at most.
+const MAX_SWEEPS: usize = 10_000;
+/// A watched sweep's changes are read again at most this often.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+pub(super) type SweepStream = Pin<Box<dyn Stream<Item = Result<proto::WatchSweepResponse, Status>> + Send>>;
+
+/// A watched sweep: its record and each item's job as last read.
+struct Progress {
+    rec: SweepRecord,
+    jobs: std::collections::HashMap<String, Option<ItemJob>>,
+}
+
+type ItemJob = (JobState, Option<reviewlane_core::job::TerminalReason>, reviewlane_core::job::Tokens, u64);
+
+async fn item_job(handle: &RegionHandle, job: &str) -> Result<Option<ItemJob>, ApiError> {
+    Ok(handle.jobs.get(job).await?.map(|(r, _)| (r.state, r.reason, r.tokens, r.cost_micro_usd)))
+}
+
+impl Progress {
+    async fn read(handle: &RegionHandle, tenant: &str, id: &str) -> Result<Progress, ApiError> {
+        let store = sweeps(handle);
+        let (rec, _) = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?;
+        let mut jobs = std::collections::HashMap::new();
+        let ids = store.item_ids(id, MAX_ITEMS).await?;
+        let mut read =
+            futures::stream::iter(ids).map(|job| async move { (item_job(handle, &job).await, job) }).buffered(AT_ONCE);
+        while let Some((state, job)) = read.next().await {
+            jobs.insert(job, state?);
+        }
+        Ok(Progress { rec, jobs })
+    }
+
+    fn follows(&self, job: &str) -> bool {
+        self.jobs.contains_key(job)
+    }
+
+    /// Reads again the sweep's record (`own`) and the jobs that changed (or were added).
+    async fn refresh(
+        &mut self,
+        handle: &RegionHandle,
+        tenant: &str,
+        id: &str,
+        own: bool,
+        changed: impl Iterator<Item = String>,
+    ) -> Result<(), ApiError> {
+        if own {
+            self.rec = sweeps(handle).get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?.0;
+        }
+        let changed: Vec<String> = changed.collect();
+        let mut read = futures::stream::iter(changed)
+            .map(|job| async move { (item_job(handle, &job).await, job) })
+            .buffered(AT_ONCE);
+        while let Some((state, job)) = read.next().await {
+            self.jobs.insert(job, state?);
+        }
+        Ok(())
+    }
+
+    fn view(&self, now_ms: u64) -> proto::Sweep {
+        let mut counts = SweepCounts::default();
+        for job in self.jobs.values() {
+            counts.add(*job, self.rec.state == SweepState::Cancelled);
+        }
+        api::sweep(&self.rec, &counts, estimate(&self.rec, &counts, now_ms))
+    }
+}
+
+/// When the rest of a sealed sweep is likely done, from the pace since its seal.
+fn estimate(rec: &SweepRecord, counts: &SweepCounts, now_ms: u64) -> Option<u64> {
+    rec.sealed_at_ms
+        .filter(|_| rec.state == SweepState::Sealed && counts.done() < counts.total)
+        .and_then(|sealed| reviewlane_core::batch::estimate(counts.done(), counts.total, sealed, now_ms, None))
+}
+
 fn sweeps(handle: &RegionHandle) -> Sweeps {
     Sweeps::new(handle.layout.js.clone(), handle.layout.sweeps.clone(), handle.layout.region)
 }
@@ -118,7 +193,7 @@ impl ReviewApi {
             return Err(ApiError::SweepNotFound);
         }
         let handle = self.region(region)?;
-        match sweeps(handle).get(id).await? {
+        match sweeps(handle).get(&tenant.id, id).await? {
             Some((rec, _)) if rec.tenant == tenant.id => Ok((handle, rec)),
             _ => Err(ApiError::SweepNotFound),
         }
@@ -173,7 +248,7 @@ impl ReviewApi {
         // A seal that raced this page may have listed the manifest before these items:
         // hand them over here (each once, whoever is first).
         if added > 0
-            && let Some((now_rec, _)) = store.get(&rec.sweep_id).await?
+            && let Some((now_rec, _)) = store.get(&rec.tenant, &rec.sweep_id).await?
             && now_rec.state == SweepState::Sealed
         {
             self.hand_over(handle, &now_rec, new).await?;
@@ -231,16 +306,16 @@ impl ReviewApi {
     pub(super) async fn seal_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
         let (handle, _) = self.owned_sweep(tenant, id).await?;
         let store = sweeps(handle);
-        let rec = store.apply(id, SweepEvent::Seal, self.clock.now_ms()).await?;
+        let rec = store.apply(&tenant.id, id, SweepEvent::Seal, self.clock.now_ms()).await?;
         if !rec.started {
             let items = store.items(id, MAX_ITEMS).await?;
             let waiting: Vec<ItemEntry> = items.into_iter().filter(|i| i.review.is_some()).collect();
             let n = waiting.len();
             self.hand_over(handle, &rec, waiting).await?;
-            store.apply(id, SweepEvent::Started, self.clock.now_ms()).await?;
+            store.apply(&tenant.id, id, SweepEvent::Started, self.clock.now_ms()).await?;
             tracing::info!(items = n, "sweep sealed and started");
         }
-        self.sweep_view(handle, id).await
+        self.sweep_view(handle, &tenant.id, id).await
     }
 
     /// Makes each item's job durable on the batch lane (as a submit does), its deadline
@@ -271,15 +346,111 @@ impl ReviewApi {
         Ok(())
     }
 
+    pub(super) async fn list_sweeps(
+        &self,
+        tenant: &Tenant,
+        req: proto::ListSweepsRequest,
+    ) -> Result<proto::ListSweepsResponse, ApiError> {
+        let handle = self.region(tenant.region)?;
+        let page_size = match req.page_size {
+            n if n <= 0 => 20,
+            n => (n as usize).min(100),
+        };
+        let start: usize = if req.page_token.is_empty() {
+            0
+        } else {
+            req.page_token.parse().map_err(|_| ApiError::invalid("page_token", "not a token of this listing"))?
+        };
+        let all = sweeps(handle).list(&tenant.id, MAX_SWEEPS).await?;
+        let mut out = Vec::new();
+        for rec in all.iter().skip(start).take(page_size) {
+            out.push(self.sweep_view(handle, &tenant.id, &rec.sweep_id).await?);
+        }
+        let next = start + out.len();
+        let next_page_token = if next < all.len() { next.to_string() } else { String::new() };
+        Ok(proto::ListSweepsResponse { sweeps: out, next_page_token })
+    }
+
+    /// The sweep's progress now, then again whenever it changes: the items' job records
+    /// and the sweep's own are followed by their KV signals (no polling of records that
+    /// did not change), what changed is read again at most once a second, and the
+    /// stream ends once every item is final.
+    pub(super) async fn watch_sweep(&self, tenant: Arc<Tenant>, id: String) -> Result<SweepStream, ApiError> {
+        let (handle, _) = self.owned_sweep(&tenant, &id).await?;
+        let permit = self.watch_permit(&tenant.id)?;
+        let store = sweeps(handle);
+        // Subscribed before the first read: nothing falls between the two.
+        let mut jobs = handle.jobs.all_signals().await?;
+        let mut own = store.signals(&tenant.id, &id).await?;
+        let mut added = store.item_signals(&id).await?;
+        let (tx, rx) = mpsc::channel(8);
+        let (api, handle, shutdown) = (self.clone(), handle.clone(), self.shutdown.clone());
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                let stop = |e: ApiError| {
+                    let tx = tx.clone();
+                    async move {
+                        let _ = tx.send(Err(e.into())).await;
+                    }
+                };
+                let mut progress = match Progress::read(&handle, &tenant.id, &id).await {
+                    Ok(p) => p,
+                    Err(e) => return stop(e).await,
+                };
+                let mut dirty: std::collections::HashSet<String> = Default::default();
+                let mut own_changed = false;
+                let mut tick = tokio::time::interval(WATCH_EVERY);
+                loop {
+                    if own_changed || !dirty.is_empty() {
+                        if let Err(e) = progress.refresh(&handle, &tenant.id, &id, own_changed, dirty.drain()).await {
+                            return stop(e).await;
+                        }
+                        own_changed = false;
+                    }
+                    let view = progress.view(api.clock.now_ms());
+                    let done = view.percent_done >= 100.0 && progress.rec.state != SweepState::Open;
+                    if tx.send(Ok(proto::WatchSweepResponse { sweep: Some(view) })).await.is_err() || done {
+                        return;
+                    }
+                    // Changes until the next tick, then one event for all of them.
+                    loop {
+                        tokio::select! {
+                            Some(m) = jobs.next() => {
+                                if let Some(job) = handle.jobs.signalled(&m.subject) && progress.follows(job) {
+                                    dirty.insert(job.to_string());
+                                }
+                            }
+                            Some(m) = added.next() => {
+                                if let Some(job) = m.subject.rsplit('.').next() {
+                                    dirty.insert(job.to_string());
+                                }
+                            }
+                            Some(_) = own.next() => own_changed = true,
+                            _ = tick.tick() => if own_changed || !dirty.is_empty() { break },
+                            _ = shutdown.cancelled() => {
+                                let down = ApiError::StreamInterrupted { reason: Reason::ShuttingDown, what: "server shutting down; watch again" };
+                                return stop(down).await;
+                            }
+                            _ = tx.closed() => return,
+                        }
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        Ok(Box::pin(ReceiverStream::new(rx)))
+    }
+
     pub(super) async fn get_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
         let (handle, _) = self.owned_sweep(tenant, id).await?;
-        self.sweep_view(handle, id).await
+        self.sweep_view(handle, &tenant.id, id).await
     }
 
     /// The sweep with its progress, read from its items' jobs.
-    async fn sweep_view(&self, handle: &RegionHandle, id: &str) -> Result<proto::Sweep, ApiError> {
+    async fn sweep_view(&self, handle: &RegionHandle, tenant: &str, id: &str) -> Result<proto::Sweep, ApiError> {
         let store = sweeps(handle);
-        let (rec, _) = store.get(id).await?.ok_or(ApiError::SweepNotFound)?;
+        let (rec, _) = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?;
         let ids = store.item_ids(id, MAX_ITEMS).await?;
         let mut counts = SweepCounts::default();
         let mut read =
@@ -288,12 +459,7 @@ impl ReviewApi {
             let job = job?.map(|(r, _)| (r.state, r.reason, r.tokens, r.cost_micro_usd));
             counts.add(job, rec.state == SweepState::Cancelled);
         }
-        let now = self.clock.now_ms();
-        let estimate = rec
-            .sealed_at_ms
-            .filter(|_| rec.state == SweepState::Sealed && counts.done() < counts.total)
-            .and_then(|sealed| reviewlane_core::batch::estimate(counts.done(), counts.total, sealed, now, None));
-        Ok(api::sweep(&rec, &counts, estimate))
+        Ok(api::sweep(&rec, &counts, estimate(&rec, &counts, self.clock.now_ms())))
     }
 
     pub(super) async fn list_sweep_items(
@@ -349,7 +515,7 @@ impl ReviewApi {
     pub(super) async fn cancel_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
         let (handle, _) = self.owned_sweep(tenant, id).await?;
         let store = sweeps(handle);
-        store.apply(id, SweepEvent::Cancel, self.clock.now_ms()).await?;
+        store.apply(&tenant.id, id, SweepEvent::Cancel, self.clock.now_ms()).await?;
         let ids = store.item_ids(id, MAX_ITEMS).await?;
         let mut cancelled = futures::stream::iter(ids)
             .map(|job| async move {
@@ -370,6 +536,6 @@ impl ReviewApi {
             done?;
         }
         tracing::info!("sweep cancelled");
-        self.sweep_view(handle, id).await
+        self.sweep_view(handle, &tenant.id, id).await
     }
 }
