@@ -142,6 +142,8 @@ pub struct RequestShape {
 
 struct State {
     config: SimConfig,
+    /// The OpenAI Batch API's files and batches (`simbatch`).
+    batches: Mutex<crate::simbatch::Batches>,
     slots: Option<Arc<Semaphore>>,
     in_flight: AtomicUsize,
     stats: Mutex<Stats>,
@@ -176,6 +178,7 @@ impl SimProvider {
         let state = Arc::new(State {
             slots: config.concurrency_cap.map(|n| Arc::new(Semaphore::new(n))),
             meter: config.limits.map(|l| Mutex::new(crate::simmeter::SimMeter::new(l))),
+            batches: Mutex::default(),
             config,
             in_flight: AtomicUsize::new(0),
             stats: Mutex::new(Stats::default()),
@@ -197,6 +200,16 @@ impl SimProvider {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// How the simulated account runs batches from now on (`simbatch`).
+    pub fn script_batches(&self, script: crate::simbatch::BatchScript) {
+        self.state.batches.lock().expect("batches lock").script = script;
+    }
+
+    /// What the simulated account saw of batches.
+    pub fn batch_stats(&self) -> crate::simbatch::BatchStats {
+        self.state.batches.lock().expect("batches lock").stats.clone()
     }
 
     /// Calls in flight now (a call whose caller went away is not).
@@ -270,6 +283,10 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     if req.method() == hyper::Method::GET && req.uri().path() == "/stats" {
         let body = serde_json::to_string(&*st.stats.lock().expect("stats lock")).expect("stats serialize");
         return Ok(respond(StatusCode::OK, &[], body));
+    }
+    let path = req.uri().path().to_string();
+    if path == "/v1/batches" || path.starts_with("/v1/batches/") || path.starts_with("/v1/files") {
+        return Ok(batches(&st, req).await);
     }
     // OpenAI-compatible chat completions, or Anthropic's Messages API (the answer then
     // comes as a `tool_use` block, the key as `x-api-key`).
@@ -443,13 +460,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
             if rand::random::<f64>() < st.config.malformed_rate {
                 "Sure! Here are the findings: [oops".to_string()
             } else {
-                let item = &schema_of(&request, anthropic)["properties"]["findings"]["items"];
-                let mut out = findings_for(&prompt, st.config.outside_diff);
-                if item["properties"]["suggested_action"].is_object() {
-                    actionable(&mut out);
-                }
-                strict_nulls(&mut out, item);
-                out.to_string()
+                model_output(&st, &request, anthropic, &prompt)
             }
         }
     };
@@ -481,6 +492,41 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     };
     let body = if anthropic { anthropic_message(&output, usage) } else { chat_completion(&output, usage) };
     Ok(respond(StatusCode::OK, &headers, body))
+}
+
+/// The OpenAI Batch API's endpoints (`simbatch`): an upload is read before the files
+/// are locked; each line is answered as the chat completions endpoint would.
+async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or_default().to_string();
+    let content_type = req.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    if method == hyper::Method::POST && path == "/v1/files" {
+        let upload = crate::simbatch::parse_upload(&content_type, body).await;
+        return st.batches.lock().expect("batches lock").upload(upload);
+    }
+    let answer = |request: &serde_json::Value| {
+        let prompt = request["messages"]
+            .as_array()
+            .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+            .and_then(|m| m["content"].as_str())
+            .unwrap_or_default();
+        model_output(st, request, false, prompt)
+    };
+    st.batches.lock().expect("batches lock").handle(&method, &path, &query, body, &answer)
+}
+
+/// What the model answers a request showing `prompt`: a finding per file (`findings_for`),
+/// in the shape the request's schema asks for.
+fn model_output(st: &State, request: &serde_json::Value, anthropic: bool, prompt: &str) -> String {
+    let item = &schema_of(request, anthropic)["properties"]["findings"]["items"];
+    let mut out = findings_for(prompt, st.config.outside_diff);
+    if item["properties"]["suggested_action"].is_object() {
+        actionable(&mut out);
+    }
+    strict_nulls(&mut out, item);
+    out.to_string()
 }
 
 /// The JSON Schema a request asks the answer to follow.

@@ -8,3 +8,4 @@
 //! its item and what it says.
 
 pub mod lines;
+pub mod openai;

@@ -1,0 +1,257 @@
+//! OpenAI's Batch API: the input file uploaded to `/v1/files` (purpose `batch`, one
+//! request line each: `OpenAiProvider::batch_line`), the batch created on
+//! `/v1/batches` with our metadata, polled, cancelled, listed (to find a batch a crash
+//! may have created), and its output and error files read back line by line
+//! (`lines::openai`). An answer of these endpoints is classified as any provider
+//! answer is: a 429 with its hint, a 5xx or timeout transient, any other 4xx refused.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use reviewlane_core::batch::{BatchStatus, LineResult};
+use reviewlane_shared::Region;
+use secrecy::{ExposeSecret, SecretString};
+
+/// A batch as the API reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchInfo {
+    pub id: String,
+    pub status: BatchStatus,
+    pub input_file_id: String,
+    /// `None` until the batch ends, and when no line succeeded.
+    pub output_file_id: Option<String>,
+    /// `None` when no line failed (the API sends `""` or null).
+    pub error_file_id: Option<String>,
+    pub total: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub created_at: u64,
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl BatchInfo {
+    /// Reads a batch object; `None` when it is not one (or its status is unknown).
+    pub fn from_json(v: &serde_json::Value) -> Option<BatchInfo> {
+        let errors: Vec<(String, Option<u32>)> = v["errors"]["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                let code = e["code"].as_str().unwrap_or_default().to_string();
+                (code, e["line"].as_u64().and_then(|l| u32::try_from(l).ok()))
+            })
+            .collect();
+        let file = |key: &str| v[key].as_str().filter(|id| !id.is_empty()).map(str::to_string);
+        let counts = &v["request_counts"];
+        Some(BatchInfo {
+            id: v["id"].as_str()?.to_string(),
+            status: BatchStatus::openai(v["status"].as_str()?, &errors)?,
+            input_file_id: v["input_file_id"].as_str().unwrap_or_default().to_string(),
+            output_file_id: file("output_file_id"),
+            error_file_id: file("error_file_id"),
+            total: counts["total"].as_u64().unwrap_or(0),
+            completed: counts["completed"].as_u64().unwrap_or(0),
+            failed: counts["failed"].as_u64().unwrap_or(0),
+            created_at: v["created_at"].as_u64().unwrap_or(0),
+            metadata: v["metadata"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())))
+                .collect(),
+        })
+    }
+}
+
+/// Why a request to the batch endpoints did not go through.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchApiError {
+    /// 429: try again after the provider's hint (else the poll backoff).
+    #[error("rate limited")]
+    RateLimited { retry_after: Option<Duration> },
+    /// 408, 5xx, a timeout or a reset connection.
+    #[error("transient failure ({0})")]
+    Transient(&'static str),
+    /// Any other 4xx: the same request would be refused again.
+    #[error("refused with {status}")]
+    Refused { status: u16 },
+    /// A 2xx that is not what the endpoint returns.
+    #[error("unreadable answer")]
+    Unreadable,
+}
+
+pub struct OpenAiBatches {
+    http: reqwest::Client,
+    base: String,
+    api_key: Option<SecretString>,
+    region: Region,
+    hint_ceiling: Duration,
+}
+
+impl OpenAiBatches {
+    /// The Batch API under `base_url` (the same as the chat completions', e.g.
+    /// `https://api.openai.com/v1`), in `region`.
+    pub fn new(
+        base_url: &str,
+        api_key: Option<SecretString>,
+        region: Region,
+        timeout: Duration,
+        hint_ceiling: Duration,
+    ) -> Self {
+        OpenAiBatches {
+            http: crate::provider::http_client(timeout),
+            base: base_url.trim_end_matches('/').to_string(),
+            api_key,
+            region,
+            hint_ceiling,
+        }
+    }
+
+    /// The region whose data this endpoint may carry.
+    pub fn region(&self) -> Region {
+        self.region
+    }
+
+    fn authed(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => rb.bearer_auth(key.expose_secret()),
+            None => rb,
+        }
+    }
+
+    /// Sends and classifies; the body of a 2xx.
+    async fn send(&self, rb: reqwest::RequestBuilder) -> Result<bytes::Bytes, BatchApiError> {
+        let answer = match self.authed(rb).send().await {
+            Ok(a) => a,
+            Err(e) if e.is_timeout() => return Err(BatchApiError::Transient("timeout")),
+            Err(_) => return Err(BatchApiError::Transient("connection")),
+        };
+        let status = answer.status().as_u16();
+        let headers = answer.headers().clone();
+        let body = answer.bytes().await.map_err(|_| BatchApiError::Transient("connection"))?;
+        match status {
+            200..=299 => Ok(body),
+            429 => {
+                let hint = reviewlane_core::retry_hint::retry_hint(&headers, SystemTime::now(), self.hint_ceiling);
+                Err(BatchApiError::RateLimited { retry_after: hint.map(|h| h.delay) })
+            }
+            408 | 500..=599 => Err(BatchApiError::Transient("5xx")),
+            status => Err(BatchApiError::Refused { status }),
+        }
+    }
+
+    async fn json(&self, rb: reqwest::RequestBuilder) -> Result<serde_json::Value, BatchApiError> {
+        let body = self.send(rb).await?;
+        serde_json::from_slice(&body).map_err(|_| BatchApiError::Unreadable)
+    }
+
+    async fn batch(&self, rb: reqwest::RequestBuilder) -> Result<BatchInfo, BatchApiError> {
+        BatchInfo::from_json(&self.json(rb).await?).ok_or(BatchApiError::Unreadable)
+    }
+
+    /// Uploads a batch input file under `file_name` (deterministic per chunk, so a
+    /// coordinator that crashed can tell its own upload); its file id.
+    pub async fn upload(&self, file_name: &str, jsonl: Vec<u8>) -> Result<String, BatchApiError> {
+        let part = reqwest::multipart::Part::bytes(jsonl)
+            .file_name(file_name.to_string())
+            .mime_str("application/jsonl")
+            .map_err(|_| BatchApiError::Unreadable)?;
+        let form = reqwest::multipart::Form::new().text("purpose", "batch").part("file", part);
+        let v = self.json(self.http.post(format!("{}/files", self.base)).multipart(form)).await?;
+        v["id"].as_str().map(str::to_string).ok_or(BatchApiError::Unreadable)
+    }
+
+    /// Creates a batch of the uploaded file's requests, within 24 h, with `metadata`.
+    pub async fn create(
+        &self,
+        input_file_id: &str,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<BatchInfo, BatchApiError> {
+        let body = serde_json::json!({
+            "input_file_id": input_file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": metadata,
+        });
+        self.batch(self.http.post(format!("{}/batches", self.base)).json(&body)).await
+    }
+
+    pub async fn get(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
+        self.batch(self.http.get(format!("{}/batches/{batch_id}", self.base))).await
+    }
+
+    pub async fn cancel(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
+        self.batch(self.http.post(format!("{}/batches/{batch_id}/cancel", self.base))).await
+    }
+
+    /// A page of batches, newest first, after `after` (a batch id); and whether more
+    /// follow.
+    pub async fn list(&self, after: Option<&str>, limit: u32) -> Result<(Vec<BatchInfo>, bool), BatchApiError> {
+        let mut query = vec![("limit", limit.to_string())];
+        if let Some(a) = after {
+            query.push(("after", a.to_string()));
+        }
+        let v = self.json(self.http.get(format!("{}/batches", self.base)).query(&query)).await?;
+        let page = v["data"].as_array().into_iter().flatten().filter_map(BatchInfo::from_json).collect();
+        Ok((page, v["has_more"].as_bool().unwrap_or(false)))
+    }
+
+    /// The first batch, newest first within the last `pages` pages, whose metadata has
+    /// `key` = `value`: a batch a coordinator may have created before it could record
+    /// the id.
+    pub async fn find(&self, key: &str, value: &str, pages: u32) -> Result<Option<BatchInfo>, BatchApiError> {
+        let mut after: Option<String> = None;
+        for _ in 0..pages {
+            let (page, more) = self.list(after.as_deref(), 100).await?;
+            if let Some(found) = page.iter().find(|b| b.metadata.get(key).is_some_and(|v| v == value)) {
+                return Ok(Some(found.clone()));
+            }
+            match page.last() {
+                Some(last) if more => after = Some(last.id.clone()),
+                _ => return Ok(None),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Every result line of an ended batch, from its output and error files (either
+    /// may be absent), in the order read: (custom id, what it says). Unreadable lines
+    /// name no item and are left out (their items count as missing).
+    pub async fn lines(&self, info: &BatchInfo) -> Result<Vec<(String, LineResult)>, BatchApiError> {
+        let mut out = Vec::new();
+        for file in [&info.output_file_id, &info.error_file_id].into_iter().flatten() {
+            let body = self.send(self.http.get(format!("{}/files/{file}/content", self.base))).await?;
+            out.extend(body.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(super::lines::openai));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reviewlane_core::batch::BatchFailure;
+
+    #[test]
+    fn a_batch_object_is_read_with_its_absent_files_as_none() {
+        let v = serde_json::json!({
+            "id": "batch_1", "status": "completed", "input_file_id": "file-in",
+            "output_file_id": null, "error_file_id": "",
+            "request_counts": {"total": 3, "completed": 0, "failed": 3},
+            "created_at": 17, "metadata": {"reviewlane_chunk": "c1", "n": 3},
+        });
+        let b = BatchInfo::from_json(&v).unwrap();
+        assert_eq!((b.status, b.output_file_id, b.error_file_id), (BatchStatus::Ended, None, None));
+        assert_eq!((b.total, b.completed, b.failed, b.created_at), (3, 0, 3, 17));
+        assert_eq!(b.metadata.get("reviewlane_chunk").map(String::as_str), Some("c1"));
+        assert!(!b.metadata.contains_key("n"), "only string metadata");
+        let failed = serde_json::json!({
+            "id": "batch_2", "status": "failed",
+            "errors": {"data": [{"code": "invalid_request", "line": 4}, {"code": "invalid_request", "line": 1}]},
+        });
+        let b = BatchInfo::from_json(&failed).unwrap();
+        assert_eq!(b.status, BatchStatus::Failed(BatchFailure::InvalidInput { lines: vec![1, 4] }));
+        assert_eq!(BatchInfo::from_json(&serde_json::json!({"id": "b", "status": "unheard_of"})), None);
+        assert_eq!(BatchInfo::from_json(&serde_json::json!({"status": "completed"})), None);
+    }
+}
