@@ -11,9 +11,16 @@
 //! fail whole at validation (`token_limit_exceeded`), expire while in progress, or be
 //! cancelled; then the lines that ran are in the output file and the others are
 //! `batch_expired` or `batch_cancelled` in the error file. Output lines come in reverse
-//! order (a reader must never trust the order); the error file id is `""` when no line
-//! failed, and the output file id `null` when every line did. A 429 can be scripted on
+//! order (a reader must never trust the order), and a line can be scripted to be cut
+//! off (not JSON); the error file id is `""` when no line failed, and the output file
+//! id `null` when every line did. A 429 can be scripted on
 //! the batch endpoints too.
+//!
+//! Anthropic's Message Batches API (`/v1/messages/batches`) runs alike: requests inline,
+//! `in_progress` for `progress_polls` reads (a cancel: `canceling`, then ended with what
+//! ran), then `ended` with a `results_url`; each result `succeeded` (billed), `errored`
+//! (a scripted 4xx as `invalid_request_error`, a 5xx as `api_error`), `canceled` or
+//! `expired`, in reverse order.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -58,6 +65,8 @@ impl Default for BatchScript {
 pub enum LineFault {
     Status(u16),
     Expired,
+    /// Its line is not JSON: it names no item.
+    Malformed,
 }
 
 /// What the simulated account saw of batches.
@@ -74,9 +83,22 @@ pub struct BatchStats {
 pub(crate) struct Batches {
     files: HashMap<String, (String, Bytes)>,
     batches: BTreeMap<String, Batch>,
+    /// Anthropic's message batches.
+    messages: BTreeMap<String, MessageBatch>,
     next: u64,
     pub(crate) script: BatchScript,
     pub(crate) stats: BatchStats,
+}
+
+/// An Anthropic message batch: its requests inline, and its results once ended.
+struct MessageBatch {
+    id: String,
+    requests: Vec<Value>,
+    status: &'static str,
+    reads: u32,
+    created_at: u64,
+    cancel_requested: bool,
+    results: Option<Vec<Value>>,
 }
 
 struct Batch {
@@ -306,6 +328,7 @@ impl Batches {
                 continue;
             }
             match fault {
+                Some(LineFault::Malformed) => output.push(Value::String("{\"custom_id\": \"cut off".into())),
                 Some(LineFault::Status(status)) => errors.push(json!({
                     "id": req_id, "custom_id": custom_id, "error": null,
                     "response": {"status_code": status, "request_id": req_id, "body": {"error": {"message": "simulated", "type": if status < 500 { "invalid_request_error" } else { "server_error" }}}},
@@ -328,7 +351,13 @@ impl Batches {
         output.reverse();
         let file = |ids: &mut Self, lines: &[Value]| {
             let id = ids.id("file");
-            let bytes: String = lines.iter().map(|l| format!("{l}\n")).collect();
+            let bytes: String = lines
+                .iter()
+                .map(|l| match l {
+                    Value::String(raw) => format!("{raw}\n"),
+                    l => format!("{l}\n"),
+                })
+                .collect();
             ids.files.insert(id.clone(), (format!("{id}.jsonl"), Bytes::from(bytes)));
             id
         };
@@ -340,6 +369,165 @@ impl Batches {
         b.failed = errors.len();
         b.output_file_id = output_file_id;
         b.error_file_id = error_file_id;
+    }
+
+    /// Serves one request to Anthropic's `/v1/messages/batches…`; `base` is the
+    /// server's own address (for `results_url`); `answer` answers one request's params
+    /// as the Messages API would.
+    pub(crate) fn handle_messages(
+        &mut self,
+        method: &hyper::Method,
+        path: &str,
+        query: &str,
+        base: &str,
+        body: Bytes,
+        answer: &dyn Fn(&Value) -> String,
+    ) -> Response<Full<Bytes>> {
+        if self.script.throttle_requests > 0 {
+            return self.throttle();
+        }
+        let rest: Vec<&str> =
+            path.trim_start_matches("/v1/messages/batches").split('/').filter(|s| !s.is_empty()).collect();
+        let missing = || {
+            respond(
+                StatusCode::NOT_FOUND,
+                json!({"type": "error", "error": {"type": "not_found_error", "message": "no such batch"}}),
+            )
+        };
+        match (method.as_str(), rest.as_slice()) {
+            ("POST", []) => {
+                let req: Value = serde_json::from_slice(&body).unwrap_or_default();
+                let Some(requests) = req["requests"].as_array().filter(|r| !r.is_empty()).cloned() else {
+                    return respond(
+                        StatusCode::BAD_REQUEST,
+                        json!({"type": "error", "error": {"type": "invalid_request_error", "message": "requests"}}),
+                    );
+                };
+                let id = self.id("msgbatch");
+                self.stats.batches_created += 1;
+                let created_at = self.next;
+                self.messages.insert(
+                    id.clone(),
+                    MessageBatch {
+                        id: id.clone(),
+                        requests,
+                        status: "in_progress",
+                        reads: 0,
+                        created_at,
+                        cancel_requested: false,
+                        results: None,
+                    },
+                );
+                respond(StatusCode::OK, self.message_object(&id, base))
+            }
+            ("GET", []) => {
+                let param = |name: &str| {
+                    query
+                        .split('&')
+                        .find_map(|kv| kv.split_once('=').filter(|(k, _)| *k == name).map(|(_, v)| v.to_string()))
+                };
+                let limit: usize = param("limit").and_then(|l| l.parse().ok()).unwrap_or(20);
+                let mut all: Vec<&MessageBatch> = self.messages.values().collect();
+                all.sort_by_key(|b| std::cmp::Reverse(b.created_at));
+                let start =
+                    param("after_id").and_then(|a| all.iter().position(|b| b.id == a).map(|p| p + 1)).unwrap_or(0);
+                let page: Vec<Value> =
+                    all.iter().skip(start).take(limit).map(|b| self.message_object(&b.id, base)).collect();
+                let has_more = start + page.len() < all.len();
+                respond(StatusCode::OK, json!({"data": page, "has_more": has_more}))
+            }
+            ("GET", [id]) if self.messages.contains_key(*id) => {
+                self.advance_messages(id, answer);
+                respond(StatusCode::OK, self.message_object(id, base))
+            }
+            ("POST", [id, "cancel"]) if self.messages.contains_key(*id) => {
+                let b = self.messages.get_mut(*id).expect("checked");
+                if b.status == "in_progress" {
+                    b.status = "canceling";
+                    b.cancel_requested = true;
+                }
+                respond(StatusCode::OK, self.message_object(id, base))
+            }
+            ("GET", [id, "results"]) => match self.messages.get(*id).and_then(|b| b.results.as_ref()) {
+                Some(lines) => {
+                    let raw = |l: &Value| match l {
+                        Value::String(raw) => format!("{raw}\n"),
+                        l => format!("{l}\n"),
+                    };
+                    Response::new(Full::new(Bytes::from(lines.iter().map(raw).collect::<String>())))
+                }
+                None => missing(),
+            },
+            _ => missing(),
+        }
+    }
+
+    /// One read of a message batch: in progress for `progress_polls` reads (a cancel
+    /// takes one more), then ended with its results.
+    fn advance_messages(&mut self, id: &str, answer: &dyn Fn(&Value) -> String) {
+        let script = self.script.clone();
+        let b = self.messages.get_mut(id).expect("checked");
+        b.reads += 1;
+        let ran = match b.status {
+            "canceling" => b.requests.len() / 2,
+            "in_progress" if script.expire && b.reads * 2 >= script.progress_polls.max(1) => b.requests.len() / 2,
+            "in_progress" if b.reads >= script.progress_polls => b.requests.len(),
+            _ => return,
+        };
+        let (cancelled, requests) = (b.cancel_requested, b.requests.clone());
+        let mut results = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            let custom_id = r["custom_id"].as_str().unwrap_or_default().to_string();
+            let fault = script.lines.get(&custom_id).copied();
+            let result = if i >= ran || fault == Some(LineFault::Expired) {
+                json!({"type": if cancelled && fault.is_none() { "canceled" } else { "expired" }})
+            } else {
+                match fault {
+                    Some(LineFault::Malformed) => {
+                        results.push(Value::String("{\"custom_id\": \"cut off".into()));
+                        continue;
+                    }
+                    Some(LineFault::Status(status)) => {
+                        let kind = if status < 500 { "invalid_request_error" } else { "api_error" };
+                        json!({"type": "errored", "error": {"type": "error", "error": {"type": kind, "message": "simulated"}}})
+                    }
+                    _ => {
+                        let out = answer(&r["params"]);
+                        *self.stats.paid_lines.entry(custom_id.clone()).or_default() += 1;
+                        let input = serde_json::from_str::<Value>(&out).unwrap_or_default();
+                        json!({"type": "succeeded", "message": {
+                            "id": format!("msg_sim_{i}"), "type": "message", "role": "assistant", "model": "sim",
+                            "content": [{"type": "tool_use", "id": "toolu_sim", "name": "report_findings", "input": input}],
+                            "stop_reason": "tool_use", "usage": {"input_tokens": 100, "output_tokens": 50},
+                        }})
+                    }
+                }
+            };
+            results.push(json!({"custom_id": custom_id, "result": result}));
+        }
+        // The order of the results is not the requests'.
+        results.reverse();
+        let b = self.messages.get_mut(id).expect("checked");
+        b.status = "ended";
+        b.results = Some(results);
+    }
+
+    fn message_object(&self, id: &str, base: &str) -> Value {
+        let b = &self.messages[id];
+        let count = |t: &str| b.results.iter().flatten().filter(|r| r["result"]["type"] == t).count();
+        let processing = if b.results.is_some() { 0 } else { b.requests.len() };
+        json!({
+            "id": b.id,
+            "type": "message_batch",
+            "processing_status": b.status,
+            "request_counts": {
+                "processing": processing, "succeeded": count("succeeded"), "errored": count("errored"),
+                "canceled": count("canceled"), "expired": count("expired"),
+            },
+            "created_at": format!("2026-01-01T00:00:{:02}Z", b.created_at % 60),
+            "ended_at": null,
+            "results_url": b.results.as_ref().map(|_| format!("{base}/v1/messages/batches/{}/results", b.id)),
+        })
     }
 
     fn object(&self, id: &str) -> Value {

@@ -285,7 +285,11 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         return Ok(respond(StatusCode::OK, &[], body));
     }
     let path = req.uri().path().to_string();
-    if path == "/v1/batches" || path.starts_with("/v1/batches/") || path.starts_with("/v1/files") {
+    if path == "/v1/batches"
+        || path.starts_with("/v1/batches/")
+        || path.starts_with("/v1/files")
+        || path.starts_with("/v1/messages/batches")
+    {
         return Ok(batches(&st, req).await);
     }
     // OpenAI-compatible chat completions, or Anthropic's Messages API (the answer then
@@ -494,27 +498,35 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
     Ok(respond(StatusCode::OK, &headers, body))
 }
 
-/// The OpenAI Batch API's endpoints (`simbatch`): an upload is read before the files
-/// are locked; each line is answered as the chat completions endpoint would.
+/// The batch endpoints (`simbatch`): OpenAI's Batch API (an upload is read before the
+/// files are locked) and Anthropic's Message Batches; each line is answered as the
+/// provider's synchronous endpoint would.
 async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or_default().to_string();
-    let content_type = req.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let (content_type, host) = (header("content-type"), header("host"));
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     if method == hyper::Method::POST && path == "/v1/files" {
         let upload = crate::simbatch::parse_upload(&content_type, body).await;
         return st.batches.lock().expect("batches lock").upload(upload);
     }
+    let anthropic = path.starts_with("/v1/messages/batches");
     let answer = |request: &serde_json::Value| {
         let prompt = request["messages"]
             .as_array()
             .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
             .and_then(|m| m["content"].as_str())
             .unwrap_or_default();
-        model_output(st, request, false, prompt)
+        model_output(st, request, anthropic, prompt)
     };
-    st.batches.lock().expect("batches lock").handle(&method, &path, &query, body, &answer)
+    let mut batches = st.batches.lock().expect("batches lock");
+    if anthropic {
+        let base = format!("http://{host}");
+        return batches.handle_messages(&method, &path, &query, &base, body, &answer);
+    }
+    batches.handle(&method, &path, &query, body, &answer)
 }
 
 /// What the model answers a request showing `prompt`: a finding per file (`findings_for`),

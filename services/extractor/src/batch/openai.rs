@@ -6,7 +6,7 @@
 //! answer is: a 429 with its hint, a 5xx or timeout transient, any other 4xx refused.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use reviewlane_core::batch::{BatchStatus, LineResult};
 use reviewlane_shared::Region;
@@ -63,22 +63,7 @@ impl BatchInfo {
     }
 }
 
-/// Why a request to the batch endpoints did not go through.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BatchApiError {
-    /// 429: try again after the provider's hint (else the poll backoff).
-    #[error("rate limited")]
-    RateLimited { retry_after: Option<Duration> },
-    /// 408, 5xx, a timeout or a reset connection.
-    #[error("transient failure ({0})")]
-    Transient(&'static str),
-    /// Any other 4xx: the same request would be refused again.
-    #[error("refused with {status}")]
-    Refused { status: u16 },
-    /// A 2xx that is not what the endpoint returns.
-    #[error("unreadable answer")]
-    Unreadable,
-}
+pub use super::BatchApiError;
 
 pub struct OpenAiBatches {
     http: reqwest::Client,
@@ -119,25 +104,9 @@ impl OpenAiBatches {
         }
     }
 
-    /// Sends and classifies; the body of a 2xx.
+    /// Sends with the key and classifies; the body of a 2xx.
     async fn send(&self, rb: reqwest::RequestBuilder) -> Result<bytes::Bytes, BatchApiError> {
-        let answer = match self.authed(rb).send().await {
-            Ok(a) => a,
-            Err(e) if e.is_timeout() => return Err(BatchApiError::Transient("timeout")),
-            Err(_) => return Err(BatchApiError::Transient("connection")),
-        };
-        let status = answer.status().as_u16();
-        let headers = answer.headers().clone();
-        let body = answer.bytes().await.map_err(|_| BatchApiError::Transient("connection"))?;
-        match status {
-            200..=299 => Ok(body),
-            429 => {
-                let hint = reviewlane_core::retry_hint::retry_hint(&headers, SystemTime::now(), self.hint_ceiling);
-                Err(BatchApiError::RateLimited { retry_after: hint.map(|h| h.delay) })
-            }
-            408 | 500..=599 => Err(BatchApiError::Transient("5xx")),
-            status => Err(BatchApiError::Refused { status }),
-        }
+        super::send(self.authed(rb), self.hint_ceiling).await
     }
 
     async fn json(&self, rb: reqwest::RequestBuilder) -> Result<serde_json::Value, BatchApiError> {
