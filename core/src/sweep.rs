@@ -80,11 +80,17 @@ pub struct SweepRecord {
     /// Every item was handed to where it runs (set after the seal, once all are).
     #[serde(default)]
     pub started: bool,
+    /// Items added, as counted with each page (a page a crash cut short counts less;
+    /// never more): what the sweep's size limit is held to.
+    #[serde(default)]
+    pub items_added: u64,
 }
 
 /// What happens to a sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SweepEvent {
+    /// A page added this many items.
+    Added(u64),
     Seal,
     /// Every item is handed to where it runs.
     Started,
@@ -113,6 +119,9 @@ impl SweepRecord {
     pub fn after(&self, event: SweepEvent, now_ms: u64) -> Result<Option<SweepRecord>, SweepError> {
         let mut next = self.clone();
         match (self.state, event) {
+            (_, SweepEvent::Added(0)) => return Ok(None),
+            (SweepState::Open, SweepEvent::Added(n)) => next.items_added += n,
+            (state, SweepEvent::Added(_)) => return Err(SweepError::NotOpen(state)),
             (SweepState::Open, SweepEvent::Seal) => {
                 next.state = SweepState::Sealed;
                 next.sealed_at_ms = Some(now_ms);
@@ -282,6 +291,7 @@ mod tests {
             sealed_at_ms: None,
             cancelled_at_ms: None,
             started: false,
+            items_added: 0,
         }
     }
 
@@ -289,6 +299,9 @@ mod tests {
     fn a_sweep_takes_items_until_sealed_starts_once_and_cancels_from_any_state() {
         let open = sweep();
         assert!(open.may_add().is_ok());
+        let grown = open.after(SweepEvent::Added(3), 1).unwrap().unwrap();
+        assert_eq!(grown.items_added, 3);
+        assert_eq!(open.after(SweepEvent::Added(0), 1), Ok(None));
         assert_eq!(open.items_deadline_ms(100), 1_100);
         assert_eq!(open.after(SweepEvent::Started, 10), Err(SweepError::NotOpen(SweepState::Open)));
         let sealed = open.after(SweepEvent::Seal, 10).unwrap().unwrap();
@@ -305,6 +318,7 @@ mod tests {
         assert_eq!(cancelled.after(SweepEvent::Cancel, 60), Ok(None));
         assert_eq!(cancelled.after(SweepEvent::Seal, 60), Err(SweepError::Cancelled));
         assert_eq!(cancelled.may_add(), Err(SweepError::NotOpen(SweepState::Cancelled)));
+        assert_eq!(sealed.after(SweepEvent::Added(1), 60), Err(SweepError::NotOpen(SweepState::Sealed)));
         // An open sweep may be cancelled too: nothing of it runs.
         assert_eq!(open.after(SweepEvent::Cancel, 70).unwrap().unwrap().state, SweepState::Cancelled);
     }

@@ -64,10 +64,10 @@ impl Sweeps {
         read(&self.kv, &sweep_key(tenant, sweep_id)).await
     }
 
-    /// The tenant's sweeps, at most `limit`, newest first.
-    pub async fn list(&self, tenant: &str, limit: usize) -> Result<Vec<SweepRecord>, StoreError> {
+    /// The tenant's sweeps, newest first.
+    pub async fn list(&self, tenant: &str) -> Result<Vec<SweepRecord>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
-        let entries = self.last_of(format!("$KV.{bucket}.sweep.{tenant}.*"), false, limit).await?;
+        let entries = self.last_of(format!("$KV.{bucket}.sweep.{tenant}.*"), false).await?;
         let mut out = entries
             .into_iter()
             .map(|(_, payload)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
@@ -142,16 +142,16 @@ impl Sweeps {
     }
 
     /// The job ids of the sweep's items, in the order they were added (headers only:
-    /// no review is read), at most `limit`.
-    pub async fn item_ids(&self, sweep_id: &str, limit: usize) -> Result<Vec<String>, StoreError> {
+    /// no review is read).
+    pub async fn item_ids(&self, sweep_id: &str) -> Result<Vec<String>, StoreError> {
         let prefix = format!("$KV.{}.item.{sweep_id}.", layout::sweeps_bucket(self.region));
-        let entries = self.last_of(self.items_filter(sweep_id), true, limit).await?;
+        let entries = self.last_of(self.items_filter(sweep_id), true).await?;
         Ok(entries.into_iter().filter_map(|(subject, _)| subject.strip_prefix(&prefix).map(str::to_string)).collect())
     }
 
     /// The sweep's items with what their entries hold (their reviews, until handed over).
-    pub async fn items(&self, sweep_id: &str, limit: usize) -> Result<Vec<ItemEntry>, StoreError> {
-        let entries = self.last_of(self.items_filter(sweep_id), false, limit).await?;
+    pub async fn items(&self, sweep_id: &str) -> Result<Vec<ItemEntry>, StoreError> {
+        let entries = self.last_of(self.items_filter(sweep_id), false).await?;
         entries
             .into_iter()
             .map(|(_, payload)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
@@ -163,13 +163,9 @@ impl Sweeps {
     }
 
     /// The last entry of each key under `filter`: (subject, payload; none with
-    /// `headers_only`), at most `limit`.
-    async fn last_of(
-        &self,
-        filter: String,
-        headers_only: bool,
-        limit: usize,
-    ) -> Result<Vec<(String, bytes::Bytes)>, StoreError> {
+    /// `headers_only`). Every one, or an error: a listing that stalls is not cut short
+    /// (a seal would leave the items past the cut unrun).
+    async fn last_of(&self, filter: String, headers_only: bool) -> Result<Vec<(String, bytes::Bytes)>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
         let stream = self.js.get_stream(format!("KV_{bucket}")).await.map_err(StoreError::other)?;
         let config = consumer::pull::OrderedConfig {
@@ -181,10 +177,13 @@ impl Sweeps {
         let mut consumer = stream.create_consumer(config).await.map_err(StoreError::other)?;
         let pending = consumer.info().await.map_err(StoreError::other)?.num_pending as usize;
         let mut messages = consumer.messages().await.map_err(StoreError::other)?;
-        let mut out = Vec::with_capacity(pending.min(limit));
-        while out.len() < pending.min(limit) {
-            let Ok(Some(msg)) = tokio::time::timeout(LIST_WAIT, messages.next()).await else { break };
-            let msg = msg.map_err(StoreError::other)?;
+        let mut out = Vec::with_capacity(pending);
+        while out.len() < pending {
+            let msg = match tokio::time::timeout(LIST_WAIT, messages.next()).await {
+                Ok(Some(msg)) => msg.map_err(StoreError::other)?,
+                Ok(None) => return Err(StoreError::other("the listing ended early")),
+                Err(_) => return Err(StoreError::Timeout("the listing stalled".into())),
+            };
             out.push((msg.subject.to_string(), msg.payload.clone()));
         }
         Ok(out)

@@ -28,8 +28,6 @@ const MAX_ITEMS: usize = 100_000;
 const AT_ONCE: usize = 32;
 const MAX_KEY: usize = 256;
 
-/// Sweeps listed at most.
-const MAX_SWEEPS: usize = 10_000;
 /// A watched sweep's changes are read again at most this often.
 const WATCH_EVERY: Duration = Duration::from_secs(1);
 
@@ -52,7 +50,7 @@ impl Progress {
         let store = sweeps(handle);
         let (rec, _) = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?;
         let mut jobs = std::collections::HashMap::new();
-        let ids = store.item_ids(id, MAX_ITEMS).await?;
+        let ids = store.item_ids(id).await?;
         let mut read =
             futures::stream::iter(ids).map(|job| async move { (item_job(handle, &job).await, job) }).buffered(AT_ONCE);
         while let Some((state, job)) = read.next().await {
@@ -173,6 +171,7 @@ impl ReviewApi {
             sealed_at_ms: None,
             cancelled_at_ms: None,
             started: false,
+            items_added: 0,
         };
         let rec = match sweeps(handle).create(&rec).await? {
             Made::New(rec) => {
@@ -234,6 +233,9 @@ impl ReviewApi {
             }
             return Ok(AddSweepItemsResponse { added, already_present: present });
         }
+        if rec.items_added as usize + entries.len() > MAX_ITEMS {
+            return Err(ApiError::invalid("items", format!("a sweep holds at most {MAX_ITEMS} items")));
+        }
         let mut new = Vec::new();
         for entry in entries {
             match store.add_item(&rec.sweep_id, &entry).await? {
@@ -244,6 +246,11 @@ impl ReviewApi {
                 Made::Exists(existing) if existing.request_digest == entry.request_digest => present += 1,
                 Made::Exists(_) => return Err(ApiError::AlreadyExists),
             }
+        }
+        // Counted for the size limit; a sweep sealed meanwhile takes no count.
+        match store.apply(&rec.tenant, &rec.sweep_id, SweepEvent::Added(u64::from(added)), now).await {
+            Ok(_) | Err(ApplyError::Refused(_)) => {}
+            Err(ApplyError::Store(e)) => return Err(e.into()),
         }
         // A seal that raced this page may have listed the manifest before these items:
         // hand them over here (each once, whoever is first).
@@ -308,7 +315,7 @@ impl ReviewApi {
         let store = sweeps(handle);
         let rec = store.apply(&tenant.id, id, SweepEvent::Seal, self.clock.now_ms()).await?;
         if !rec.started {
-            let items = store.items(id, MAX_ITEMS).await?;
+            let items = store.items(id).await?;
             let waiting: Vec<ItemEntry> = items.into_iter().filter(|i| i.review.is_some()).collect();
             let n = waiting.len();
             self.hand_over(handle, &rec, waiting).await?;
@@ -361,7 +368,7 @@ impl ReviewApi {
         } else {
             req.page_token.parse().map_err(|_| ApiError::invalid("page_token", "not a token of this listing"))?
         };
-        let all = sweeps(handle).list(&tenant.id, MAX_SWEEPS).await?;
+        let all = sweeps(handle).list(&tenant.id).await?;
         let mut out = Vec::new();
         for rec in all.iter().skip(start).take(page_size) {
             out.push(self.sweep_view(handle, &tenant.id, &rec.sweep_id).await?);
@@ -451,7 +458,7 @@ impl ReviewApi {
     async fn sweep_view(&self, handle: &RegionHandle, tenant: &str, id: &str) -> Result<proto::Sweep, ApiError> {
         let store = sweeps(handle);
         let (rec, _) = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?;
-        let ids = store.item_ids(id, MAX_ITEMS).await?;
+        let ids = store.item_ids(id).await?;
         let mut counts = SweepCounts::default();
         let mut read =
             futures::stream::iter(ids).map(|job| async move { handle.jobs.get(&job).await }).buffered(AT_ONCE);
@@ -480,7 +487,7 @@ impl ReviewApi {
         };
         let states: Vec<ItemState> = req.states.iter().filter_map(|s| api::item_state_from_proto(*s)).collect();
         let reasons: Vec<_> = req.reasons.iter().filter_map(|r| api::reason_from_proto(*r)).collect();
-        let items = sweeps(handle).items(&req.sweep_id, MAX_ITEMS).await?;
+        let items = sweeps(handle).items(&req.sweep_id).await?;
         let mut out = Vec::new();
         let mut next = None;
         let mut read = futures::stream::iter(items.into_iter().enumerate().skip(start))
@@ -516,7 +523,7 @@ impl ReviewApi {
         let (handle, _) = self.owned_sweep(tenant, id).await?;
         let store = sweeps(handle);
         store.apply(&tenant.id, id, SweepEvent::Cancel, self.clock.now_ms()).await?;
-        let ids = store.item_ids(id, MAX_ITEMS).await?;
+        let ids = store.item_ids(id).await?;
         let mut cancelled = futures::stream::iter(ids)
             .map(|job| async move {
                 match handle.jobs.get(&job).await? {
