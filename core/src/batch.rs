@@ -9,11 +9,17 @@
 //! - `LineResult` and `fate`: what one result line — or its absence — means for its
 //!   item, within the item's resubmission budget;
 //! - `PollBackoff`: how polling slows down while a batch runs;
-//! - `estimate`: when a sweep is likely done, from live counts or recent turnaround.
+//! - `estimate`: when a sweep is likely done, from live counts or recent turnaround;
+//! - `ChunkRecord`: one provider batch as the region keeps it, from the intent stored
+//!   before anything is sent to the provider to the results applied, and `Cut`, the
+//!   running cut of items into chunks within the provider's limits and the enqueued-token
+//!   budget.
 //!
 //! Nothing here reads a clock or does I/O: the time is given.
 
 use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 use crate::job::{TerminalReason, Tokens};
 
@@ -297,6 +303,160 @@ pub fn estimate(done: u64, total: u64, started_ms: u64, now_ms: u64, turnaround_
     turnaround_ms.map(|t| started_ms.saturating_add(t).max(now_ms))
 }
 
+/// The owner an item's job names while it is in a provider batch: its chunk's id
+/// (`chunk_id`), so the item counts as submitted to the provider, not as being called.
+pub const OWNER_PREFIX: &str = "batch-";
+
+/// The id of a sweep's `seq`-th provider batch: the owner of its items' jobs, the
+/// metadata a created OpenAI batch carries, the name of its input file.
+pub fn chunk_id(sweep_id: &str, seq: u32) -> String {
+    format!("{OWNER_PREFIX}{sweep_id}-{seq:06}")
+}
+
+/// Whether a job's owner is a provider batch.
+pub fn in_provider_batch(owner: Option<&str>) -> bool {
+    owner.is_some_and(|o| o.starts_with(OWNER_PREFIX))
+}
+
+/// Where a chunk is between the intent and its results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChunkStep {
+    /// Its items are chosen and being leased to it; nothing is sent yet.
+    Leasing,
+    /// The intent: the leased items and the digest of their request lines, stored
+    /// before the upload and the create. A batch may exist for it after a crash: it is
+    /// looked for before one is created.
+    Intent,
+    /// OpenAI: its input file is uploaded (`file_id`); the create may have been sent.
+    Uploaded,
+    /// The provider's batch exists (`batch_id`): polled until it ends.
+    Created,
+    /// Every item's line (or its absence) is applied: the chunk is over.
+    Applied,
+}
+
+/// One provider batch of a sweep (KV `SWEEPS_<R>`, key `batch.<sweep id>.<seq>`),
+/// created once (KV create) and moved on by compare-and-set. Metadata only: ids,
+/// digests, counts and times.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkRecord {
+    pub chunk_id: String,
+    pub sweep_id: String,
+    pub tenant: String,
+    pub seq: u32,
+    pub step: ChunkStep,
+    /// Its items' job ids (their custom ids), in the order of its request lines; from
+    /// the intent on, only the items leased to it.
+    pub job_ids: Vec<String>,
+    /// Of its request lines, in order (from the intent on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_digest: Option<String>,
+    /// Enqueued tokens it holds of the model's budget until it is applied.
+    #[serde(default)]
+    pub tokens: u64,
+    /// Anthropic: the newest batch of the account when the intent was stored (a batch
+    /// listed before it that no chunk names may be this one's, created before a crash).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_before: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_id: Option<String>,
+    pub created_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submitted_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<u64>,
+    /// The provider's live counts (OpenAI reports them as lines finish): lines done.
+    #[serde(default)]
+    pub done: u64,
+    /// A cancel was sent to the provider for it.
+    #[serde(default)]
+    pub cancel_sent: bool,
+}
+
+impl ChunkRecord {
+    pub fn new(sweep_id: &str, tenant: &str, seq: u32, job_ids: Vec<String>, now_ms: u64) -> ChunkRecord {
+        ChunkRecord {
+            chunk_id: chunk_id(sweep_id, seq),
+            sweep_id: sweep_id.to_string(),
+            tenant: tenant.to_string(),
+            seq,
+            step: ChunkStep::Leasing,
+            job_ids,
+            input_digest: None,
+            tokens: 0,
+            newest_before: None,
+            file_id: None,
+            batch_id: None,
+            created_at_ms: now_ms,
+            submitted_at_ms: None,
+            ended_at_ms: None,
+            done: 0,
+            cancel_sent: false,
+        }
+    }
+
+    /// It holds enqueued tokens: from its cut until it is applied.
+    pub fn holds_tokens(&self) -> bool {
+        self.step != ChunkStep::Applied
+    }
+
+    /// How long it took from its create to its end, once ended.
+    pub fn turnaround_ms(&self) -> Option<u64> {
+        Some(self.ended_at_ms?.saturating_sub(self.submitted_at_ms?))
+    }
+
+    /// The job ids of the 1-based input lines `lines` (a validation failure names them).
+    pub fn jobs_of_lines(&self, lines: &[u32]) -> Vec<String> {
+        lines
+            .iter()
+            .filter_map(|l| usize::try_from(*l).ok()?.checked_sub(1).and_then(|i| self.job_ids.get(i)).cloned())
+            .collect()
+    }
+}
+
+/// The enqueued tokens the model's budget has left beside the chunks that hold some.
+pub fn enqueued_room(chunks: &[ChunkRecord], budget: Option<u64>) -> Option<u64> {
+    let held: u64 = chunks.iter().filter(|c| c.holds_tokens()).map(|c| c.tokens).sum();
+    budget.map(|b| b.saturating_sub(held))
+}
+
+/// The running cut of items into one chunk: the provider's request and byte limits and
+/// the enqueued tokens there is room for. The first item always fits (a line too large
+/// for any batch goes alone and is refused by line; one over the token room waits for a
+/// chunk to end, or goes alone when none holds any).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cut {
+    pub limits: BatchLimits,
+    /// `None`: no enqueued-token budget.
+    pub token_room: Option<u64>,
+    pub requests: usize,
+    pub bytes: usize,
+    pub tokens: u64,
+}
+
+impl Cut {
+    pub fn new(limits: BatchLimits, token_room: Option<u64>) -> Cut {
+        Cut { limits, token_room, requests: 0, bytes: 0, tokens: 0 }
+    }
+
+    /// Takes a line of `bytes` and `tokens` if it fits; whether it did.
+    pub fn take(&mut self, bytes: usize, tokens: u64) -> bool {
+        let first = self.requests == 0;
+        let fits = self.requests < self.limits.max_requests.max(1)
+            && (first || self.bytes + bytes <= self.limits.max_bytes)
+            && (first || self.token_room.is_none_or(|room| self.tokens + tokens <= room));
+        if fits {
+            self.requests += 1;
+            self.bytes += bytes;
+            self.tokens += tokens;
+        }
+        fits
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -434,5 +594,41 @@ mod tests {
         assert_eq!(estimate(0, 1000, 0, 1_000, None), None);
         assert_eq!(estimate(1000, 1000, 0, 7_000, None), Some(7_000));
         assert_eq!(estimate(0, 0, 0, 7_000, None), Some(7_000));
+    }
+
+    #[test]
+    fn a_chunk_is_cut_at_the_limits_and_the_enqueued_token_room() {
+        let limits = BatchLimits { max_requests: 3, max_bytes: 100 };
+        let mut cut = Cut::new(limits, Some(50));
+        assert!(cut.take(10, 20) && cut.take(10, 20));
+        assert!(!cut.take(10, 20), "over the token room");
+        let mut cut = Cut::new(limits, None);
+        assert!(cut.take(10, 1) && cut.take(10, 1) && cut.take(10, 1));
+        assert!(!cut.take(10, 1), "over the request limit");
+        let mut cut = Cut::new(limits, Some(5));
+        assert!(cut.take(150, 99), "the first line always fits");
+        assert!(!cut.take(1, 1));
+        let mut cut = Cut::new(limits, None);
+        assert!(cut.take(60, 0) && !cut.take(50, 0), "over the byte limit");
+    }
+
+    #[test]
+    fn chunks_hold_enqueued_tokens_from_their_cut_until_applied() {
+        let mut a = ChunkRecord::new("us_s", "t", 1, vec!["a".into(), "b".into(), "c".into()], 0);
+        a.tokens = 30;
+        let mut b = a.clone();
+        assert_eq!(enqueued_room(&[a.clone()], Some(100)), Some(70), "held from its cut");
+        a.step = ChunkStep::Intent;
+        b.step = ChunkStep::Created;
+        assert_eq!(enqueued_room(&[a.clone(), b.clone()], Some(100)), Some(40));
+        b.step = ChunkStep::Applied;
+        assert_eq!(enqueued_room(&[a.clone(), b], Some(100)), Some(70));
+        assert_eq!(enqueued_room(&[a.clone()], None), None);
+        assert_eq!(a.jobs_of_lines(&[3, 1, 9, 0]), vec!["c".to_string(), "a".to_string()]);
+        assert_eq!(a.chunk_id, "batch-us_s-000001");
+        assert!(custom_id(&a.chunk_id).is_some(), "fits the providers' id alphabet");
+        assert!(
+            in_provider_batch(Some(&a.chunk_id)) && !in_provider_batch(Some("replica-1")) && !in_provider_batch(None)
+        );
     }
 }

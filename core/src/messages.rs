@@ -115,6 +115,34 @@ pub struct FindingsMessage {
     pub findings_dropped: u32,
 }
 
+impl FindingsMessage {
+    /// The validated result of `review` for lease generation `generation` (no part);
+    /// each quarantined item's raw text cut to `quarantine_raw_max`.
+    pub fn of(
+        review: &ReviewMessage,
+        generation: u32,
+        v: &crate::findings::Validated,
+        quarantine_raw_max: usize,
+    ) -> FindingsMessage {
+        FindingsMessage {
+            job_id: review.job_id.clone(),
+            generation,
+            stored_as: None,
+            tenant: review.tenant.clone(),
+            region: review.region,
+            lane: review.lane,
+            schema_version: review.schema_version.clone(),
+            review_depth: review.review_depth,
+            metadata: review.metadata.clone(),
+            findings: v.findings.clone(),
+            quarantined: v.quarantined.iter().cloned().map(|q| q.bounded(quarantine_raw_max)).collect(),
+            submitted_at_ms: review.submitted_at_ms,
+            part: None,
+            findings_dropped: 0,
+        }
+    }
+}
+
 fn is_zero(n: &u32) -> bool {
     *n == 0
 }

@@ -84,6 +84,10 @@ pub struct SweepRecord {
     /// never more): what the sweep's size limit is held to.
     #[serde(default)]
     pub items_added: u64,
+    /// Provider batch: every item is final and no batch of it is left (its coordinator
+    /// looks at it no more).
+    #[serde(default)]
+    pub settled: bool,
 }
 
 /// What happens to a sweep.
@@ -95,6 +99,8 @@ pub enum SweepEvent {
     /// Every item is handed to where it runs.
     Started,
     Cancel,
+    /// Every item is final (a provider-batch sweep's coordinator is done with it).
+    Settled,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -133,6 +139,9 @@ impl SweepRecord {
             (SweepState::Open, SweepEvent::Started) => return Err(SweepError::NotOpen(SweepState::Open)),
             (SweepState::Cancelled, SweepEvent::Started) => return Err(SweepError::Cancelled),
             (SweepState::Cancelled, SweepEvent::Cancel) => return Ok(None),
+            (_, SweepEvent::Settled) if self.settled => return Ok(None),
+            (SweepState::Open, SweepEvent::Settled) => return Err(SweepError::NotOpen(SweepState::Open)),
+            (_, SweepEvent::Settled) => next.settled = true,
             (_, SweepEvent::Cancel) => {
                 next.state = SweepState::Cancelled;
                 next.cancelled_at_ms = Some(now_ms);
@@ -193,17 +202,21 @@ impl ItemState {
     ];
 
     /// The item's state from its job's (`None`: no job record yet — it never runs once
-    /// its sweep is cancelled).
-    pub fn of(job: Option<(JobState, Option<TerminalReason>)>, sweep_cancelled: bool) -> ItemState {
-        match job {
-            None if sweep_cancelled => ItemState::Cancelled,
-            None => ItemState::Queued,
-            Some((JobState::Accepted | JobState::Waiting, _)) => ItemState::Submitted,
-            Some((JobState::Running | JobState::RetryScheduled, _)) => ItemState::Running,
-            Some((JobState::Validated, _)) => ItemState::Validated,
-            Some((JobState::Published, _)) => ItemState::Published,
-            Some((JobState::Terminal, Some(TerminalReason::Cancelled))) => ItemState::Cancelled,
-            Some((JobState::Terminal, _)) => ItemState::Failed,
+    /// its sweep is cancelled). In a provider batch it is submitted; waiting for the
+    /// next one, queued.
+    pub fn of(job: Option<&ItemJob>, sweep_cancelled: bool) -> ItemState {
+        let Some(job) = job else {
+            return if sweep_cancelled { ItemState::Cancelled } else { ItemState::Queued };
+        };
+        match (job.state, job.reason) {
+            (JobState::Running, _) if job.in_batch => ItemState::Submitted,
+            (JobState::RetryScheduled, _) if job.in_batch => ItemState::Queued,
+            (JobState::Accepted | JobState::Waiting, _) => ItemState::Submitted,
+            (JobState::Running | JobState::RetryScheduled, _) => ItemState::Running,
+            (JobState::Validated, _) => ItemState::Validated,
+            (JobState::Published, _) => ItemState::Published,
+            (JobState::Terminal, Some(TerminalReason::Cancelled)) => ItemState::Cancelled,
+            (JobState::Terminal, _) => ItemState::Failed,
         }
     }
 
@@ -225,6 +238,29 @@ impl ItemState {
     }
 }
 
+/// What a sweep's progress reads of an item's job record (metadata only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemJob {
+    pub state: JobState,
+    pub reason: Option<TerminalReason>,
+    pub tokens: crate::job::Tokens,
+    pub cost_micro_usd: u64,
+    /// Owned by a provider batch of the sweep (`batch::OWNER_PREFIX`).
+    pub in_batch: bool,
+}
+
+impl ItemJob {
+    pub fn of(rec: &crate::job::JobRecord) -> ItemJob {
+        ItemJob {
+            state: rec.state,
+            reason: rec.reason,
+            tokens: rec.tokens,
+            cost_micro_usd: rec.cost_micro_usd,
+            in_batch: crate::batch::in_provider_batch(rec.owner.as_deref()),
+        }
+    }
+}
+
 /// A sweep's progress: its items by state, the failed by reason, and the tokens of
 /// their paid calls.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -237,23 +273,19 @@ pub struct SweepCounts {
 }
 
 impl SweepCounts {
-    /// Adds one item whose job is `job` (state, reason, tokens, cost; `None`: no job yet)
-    /// of a sweep that is or is not cancelled.
-    pub fn add(
-        &mut self,
-        job: Option<(JobState, Option<TerminalReason>, crate::job::Tokens, u64)>,
-        sweep_cancelled: bool,
-    ) {
-        let state = ItemState::of(job.map(|(s, r, ..)| (s, r)), sweep_cancelled);
+    /// Adds one item whose job is `job` (`None`: no job yet) of a sweep that is or is
+    /// not cancelled.
+    pub fn add(&mut self, job: Option<&ItemJob>, sweep_cancelled: bool) {
+        let state = ItemState::of(job, sweep_cancelled);
         self.total += 1;
         *self.by_state.entry(state).or_default() += 1;
-        if let Some((_, reason, tokens, cost)) = job {
+        if let Some(job) = job {
             if state == ItemState::Failed {
-                *self.failed_by_reason.entry(reason.unwrap_or(TerminalReason::Lost)).or_default() += 1;
+                *self.failed_by_reason.entry(job.reason.unwrap_or(TerminalReason::Lost)).or_default() += 1;
             }
-            self.tokens.input += tokens.input;
-            self.tokens.output += tokens.output;
-            self.cost_micro_usd += cost;
+            self.tokens.input += job.tokens.input;
+            self.tokens.output += job.tokens.output;
+            self.cost_micro_usd += job.cost_micro_usd;
         }
     }
 
@@ -292,6 +324,7 @@ mod tests {
             cancelled_at_ms: None,
             started: false,
             items_added: 0,
+            settled: false,
         }
     }
 
@@ -321,20 +354,26 @@ mod tests {
         assert_eq!(sealed.after(SweepEvent::Added(1), 60), Err(SweepError::NotOpen(SweepState::Sealed)));
         // An open sweep may be cancelled too: nothing of it runs.
         assert_eq!(open.after(SweepEvent::Cancel, 70).unwrap().unwrap().state, SweepState::Cancelled);
+        assert_eq!(open.after(SweepEvent::Settled, 70), Err(SweepError::NotOpen(SweepState::Open)));
+        let settled = cancelled.after(SweepEvent::Settled, 80).unwrap().unwrap();
+        assert!(settled.settled);
+        assert_eq!(settled.after(SweepEvent::Settled, 90), Ok(None));
     }
 
     #[test]
     fn progress_counts_each_item_once_by_its_jobs_state() {
         let t = |i, o| Tokens { input: i, output: o };
+        let job =
+            |state, reason, tokens, cost| ItemJob { state, reason, tokens, cost_micro_usd: cost, in_batch: false };
         let mut c = SweepCounts::default();
         c.add(None, false);
-        c.add(Some((JobState::Waiting, None, t(0, 0), 0)), false);
-        c.add(Some((JobState::RetryScheduled, None, t(0, 0), 0)), false);
-        c.add(Some((JobState::Published, None, t(100, 20), 7)), false);
-        c.add(Some((JobState::Published, None, t(50, 10), 3)), false);
-        c.add(Some((JobState::Terminal, Some(TerminalReason::UpstreamRejected), t(0, 0), 0)), false);
-        c.add(Some((JobState::Terminal, Some(TerminalReason::Cancelled), t(0, 0), 0)), false);
-        c.add(Some((JobState::Validated, None, t(10, 1), 1)), false);
+        c.add(Some(&job(JobState::Waiting, None, t(0, 0), 0)), false);
+        c.add(Some(&job(JobState::RetryScheduled, None, t(0, 0), 0)), false);
+        c.add(Some(&job(JobState::Published, None, t(100, 20), 7)), false);
+        c.add(Some(&job(JobState::Published, None, t(50, 10), 3)), false);
+        c.add(Some(&job(JobState::Terminal, Some(TerminalReason::UpstreamRejected), t(0, 0), 0)), false);
+        c.add(Some(&job(JobState::Terminal, Some(TerminalReason::Cancelled), t(0, 0), 0)), false);
+        c.add(Some(&job(JobState::Validated, None, t(10, 1), 1)), false);
         assert_eq!(c.total, 8);
         let by: Vec<u64> = ItemState::ALL.iter().map(|s| c.of(*s)).collect();
         assert_eq!(by, [1, 1, 1, 1, 2, 1, 1]);
@@ -348,5 +387,10 @@ mod tests {
         let mut cancelled = SweepCounts::default();
         cancelled.add(None, true);
         assert_eq!((cancelled.of(ItemState::Cancelled), cancelled.percent_done()), (1, 100.0));
+        // In a provider batch: submitted; waiting for the next batch: queued.
+        let batched = |state| ItemState::of(Some(&ItemJob { in_batch: true, ..job(state, None, t(0, 0), 0) }), false);
+        assert_eq!(batched(JobState::Running), ItemState::Submitted);
+        assert_eq!(batched(JobState::RetryScheduled), ItemState::Queued);
+        assert_eq!(batched(JobState::Published), ItemState::Published);
     }
 }

@@ -3,14 +3,21 @@
 //! key), `item.<sweep id>.<job id>` one item of its manifest. A sweep and an
 //! item are each created once (KV create: exactly one creator wins, so a page added
 //! twice adds nothing twice); a sweep's record changes by compare-and-set. An item's
-//! entry keeps its review until it is handed to where it runs, then only its key.
+//! entry keeps its review until it is handed to where it runs, then only its key (a
+//! provider batch's item keeps it until it is final: its result is validated against
+//! it). Beside them: `batch.<sweep id>.<seq>`, the sweep's provider batches
+//! (`reviewlane_core::batch::ChunkRecord`); `capability`, whether this region's
+//! extractor runs provider batches (and why not); `coordinator`, which of its replicas
+//! drives them.
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv};
 use futures::StreamExt;
+use reviewlane_core::batch::ChunkRecord;
 use reviewlane_core::region::Region;
 use reviewlane_core::sweep::{ItemEntry, SweepError, SweepEvent, SweepRecord};
+use serde::{Deserialize, Serialize};
 
 use crate::layout;
 use crate::store::StoreError;
@@ -41,6 +48,32 @@ fn item_key(sweep_id: &str, job_id: &str) -> String {
     format!("item.{sweep_id}.{job_id}")
 }
 
+fn chunk_key(sweep_id: &str, seq: u32) -> String {
+    format!("batch.{sweep_id}.{seq:06}")
+}
+
+const CAPABILITY: &str = "capability";
+const COORDINATOR: &str = "coordinator";
+
+/// Whether the region's extractor runs sweeps through its provider's batch API, as it
+/// announced at start (metadata only).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchCapability {
+    /// `openai`, `anthropic`, `builtin`.
+    pub provider: String,
+    pub available: bool,
+    /// Why not, when it is not: said to a caller asking for `provider_batch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub why_not: Option<String>,
+}
+
+/// Which replica drives the region's provider batches, until when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Lead {
+    owner: String,
+    until_ms: u64,
+}
+
 impl Sweeps {
     pub fn new(js: jetstream::Context, kv: kv::Store, region: Region) -> Sweeps {
         Sweeps { kv, js, region }
@@ -64,13 +97,23 @@ impl Sweeps {
         read(&self.kv, &sweep_key(tenant, sweep_id)).await
     }
 
+    /// Every tenant's sweeps (the coordinator's round).
+    pub async fn all(&self) -> Result<Vec<SweepRecord>, StoreError> {
+        let bucket = layout::sweeps_bucket(self.region);
+        let entries = self.last_of(format!("$KV.{bucket}.sweep.>"), false).await?;
+        entries
+            .into_iter()
+            .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
+            .collect()
+    }
+
     /// The tenant's sweeps, newest first.
     pub async fn list(&self, tenant: &str) -> Result<Vec<SweepRecord>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
         let entries = self.last_of(format!("$KV.{bucket}.sweep.{tenant}.*"), false).await?;
         let mut out = entries
             .into_iter()
-            .map(|(_, payload)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
+            .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
             .collect::<Result<Vec<SweepRecord>, _>>()?;
         out.sort_by(|a, b| b.created_at_ms.cmp(&a.created_at_ms).then_with(|| a.sweep_id.cmp(&b.sweep_id)));
         Ok(out)
@@ -146,7 +189,7 @@ impl Sweeps {
     pub async fn item_ids(&self, sweep_id: &str) -> Result<Vec<String>, StoreError> {
         let prefix = format!("$KV.{}.item.{sweep_id}.", layout::sweeps_bucket(self.region));
         let entries = self.last_of(self.items_filter(sweep_id), true).await?;
-        Ok(entries.into_iter().filter_map(|(subject, _)| subject.strip_prefix(&prefix).map(str::to_string)).collect())
+        Ok(entries.into_iter().filter_map(|(subject, ..)| subject.strip_prefix(&prefix).map(str::to_string)).collect())
     }
 
     /// The sweep's items with what their entries hold (their reviews, until handed over).
@@ -154,18 +197,113 @@ impl Sweeps {
         let entries = self.last_of(self.items_filter(sweep_id), false).await?;
         entries
             .into_iter()
-            .map(|(_, payload)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
+            .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
             .collect()
+    }
+
+    /// Stores a chunk's record unless its key exists; as it then stands, with its
+    /// revision.
+    pub async fn create_chunk(&self, chunk: &ChunkRecord) -> Result<(ChunkRecord, u64), StoreError> {
+        let key = chunk_key(&chunk.sweep_id, chunk.seq);
+        let bytes = serde_json::to_vec(chunk).expect("chunk serializes");
+        match self.kv.create(&key, bytes.into()).await {
+            Ok(revision) => Ok((chunk.clone(), revision)),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                read(&self.kv, &key).await?.ok_or(StoreError::NotFound)
+            }
+            Err(e) => Err(StoreError::kv_create(e)),
+        }
+    }
+
+    /// Writes a chunk's next record from the revision read (`Conflict` if anything
+    /// wrote in between); the revision written.
+    pub async fn update_chunk(&self, chunk: &ChunkRecord, revision: u64) -> Result<u64, StoreError> {
+        let bytes = serde_json::to_vec(chunk).expect("chunk serializes");
+        self.kv
+            .update(chunk_key(&chunk.sweep_id, chunk.seq), bytes.into(), revision)
+            .await
+            .map_err(StoreError::kv_update)
+    }
+
+    /// The sweep's provider batches, by sequence, with their revisions.
+    pub async fn chunks(&self, sweep_id: &str) -> Result<Vec<(ChunkRecord, u64)>, StoreError> {
+        let filter = format!("$KV.{}.batch.{sweep_id}.*", layout::sweeps_bucket(self.region));
+        let mut out = self
+            .last_of(filter, false)
+            .await?
+            .into_iter()
+            .map(|(_, payload, revision)| {
+                serde_json::from_slice(&payload).map(|c| (c, revision)).map_err(|_| StoreError::Corrupt)
+            })
+            .collect::<Result<Vec<(ChunkRecord, u64)>, _>>()?;
+        out.sort_by_key(|(c, _)| c.seq);
+        Ok(out)
+    }
+
+    /// Keeps what the region's extractor announced of its batch path.
+    pub async fn announce(&self, capability: &BatchCapability) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(capability).expect("capability serializes");
+        self.kv.put(CAPABILITY, bytes.into()).await.map_err(StoreError::other)?;
+        Ok(())
+    }
+
+    /// What the region's extractor last announced (`None`: none has started).
+    pub async fn capability(&self) -> Result<Option<BatchCapability>, StoreError> {
+        Ok(read(&self.kv, CAPABILITY).await?.map(|(c, _)| c))
+    }
+
+    /// Takes or keeps the lead of the region's provider batches for `owner` until
+    /// `now_ms + ttl_ms`: whether it is `owner`'s (another's lead that has not run out
+    /// is left alone). A compare-and-set on the lead as read.
+    pub async fn lead(&self, owner: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+        let mine = Lead { owner: owner.to_string(), until_ms: now_ms.saturating_add(ttl_ms) };
+        let bytes: bytes::Bytes = serde_json::to_vec(&mine).expect("lead serializes").into();
+        let written = match read::<Lead>(&self.kv, COORDINATOR).await {
+            Ok(Some((held, _))) if held.owner != owner && held.until_ms > now_ms => return Ok(false),
+            Ok(Some((_, revision))) => {
+                self.kv.update(COORDINATOR, bytes, revision).await.map_err(StoreError::kv_update)
+            }
+            Ok(None) | Err(StoreError::Corrupt) => {
+                match self.kv.entry(COORDINATOR).await.map_err(StoreError::kv_entry)? {
+                    Some(entry) => {
+                        self.kv.update(COORDINATOR, bytes, entry.revision).await.map_err(StoreError::kv_update)
+                    }
+                    None => self.kv.create(COORDINATOR, bytes).await.map_err(StoreError::kv_create),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        match written {
+            Ok(_) => Ok(true),
+            Err(StoreError::Conflict) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Gives the lead up (at shutdown), if it is `owner`'s.
+    pub async fn resign(&self, owner: &str) -> Result<(), StoreError> {
+        if let Some((held, revision)) = read::<Lead>(&self.kv, COORDINATOR).await?
+            && held.owner == owner
+        {
+            let gone = Lead { owner: String::new(), until_ms: 0 };
+            let bytes = serde_json::to_vec(&gone).expect("lead serializes");
+            let _ = self.kv.update(COORDINATOR, bytes.into(), revision).await;
+        }
+        Ok(())
     }
 
     fn items_filter(&self, sweep_id: &str) -> String {
         format!("$KV.{}.item.{sweep_id}.*", layout::sweeps_bucket(self.region))
     }
 
-    /// The last entry of each key under `filter`: (subject, payload; none with
-    /// `headers_only`). Every one, or an error: a listing that stalls is not cut short
+    /// The last entry of each key under `filter`: (subject, payload — none with
+    /// `headers_only` — and revision). Every one, or an error: a listing that stalls is not cut short
     /// (a seal would leave the items past the cut unrun).
-    async fn last_of(&self, filter: String, headers_only: bool) -> Result<Vec<(String, bytes::Bytes)>, StoreError> {
+    async fn last_of(
+        &self,
+        filter: String,
+        headers_only: bool,
+    ) -> Result<Vec<(String, bytes::Bytes, u64)>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
         let stream = self.js.get_stream(format!("KV_{bucket}")).await.map_err(StoreError::other)?;
         let config = consumer::pull::OrderedConfig {
@@ -184,7 +322,8 @@ impl Sweeps {
                 Ok(None) => return Err(StoreError::other("the listing ended early")),
                 Err(_) => return Err(StoreError::Timeout("the listing stalled".into())),
             };
-            out.push((msg.subject.to_string(), msg.payload.clone()));
+            let revision = msg.info().map_err(StoreError::other)?.stream_sequence;
+            out.push((msg.subject.to_string(), msg.payload.clone(), revision));
         }
         Ok(out)
     }

@@ -284,6 +284,7 @@ impl ProcStack {
                     ("REVIEWLANE_KEY_LIMIT", opts.key_limit.to_string()),
                     ("REVIEWLANE_LEASE_SECS", opts.lease.as_secs().max(1).to_string()),
                     ("REVIEWLANE_CONTEXT_TOKENS", opts.context_tokens.unwrap_or(100_000).to_string()),
+                    ("REVIEWLANE_PROVIDER_BATCH", opts.provider_batch.clone()),
                     ("REVIEWLANE_HEARTBEAT_MS", opts.heartbeat.as_millis().to_string()),
                     ("REVIEWLANE_BACKOFF_BASE_MS", "200".into()),
                     ("REVIEWLANE_BACKOFF_CAP_SECS", "2".into()),

@@ -84,6 +84,7 @@ struct ExtractorKnobs {
     prices: std::collections::HashMap<String, reviewlane_extractor::config::Price>,
     anthropic: bool,
     context_tokens: Option<usize>,
+    provider_batch: String,
 }
 
 pub struct StackOptions {
@@ -133,6 +134,8 @@ pub struct StackOptions {
     /// Batch pulls no more than its minimum while interactive work waited longer.
     pub interactive_wait_limit: Duration,
     pub ingress_limits: reviewlane_ingress::config::ServerLimits,
+    /// The extractors' `REVIEWLANE_PROVIDER_BATCH` (polling fast by default).
+    pub provider_batch: String,
     /// The ingress's clock: where submits start their deadlines (the system's if unset).
     pub ingress_clock: Option<reviewlane_core::clock::SharedClock>,
 }
@@ -151,6 +154,7 @@ impl Default for StackOptions {
             canaries: Vec::new(),
             max_diff_bytes: 1024 * 1024,
             context_tokens: None,
+            provider_batch: "poll=50ms..200ms".into(),
             extra_tenants: String::new(),
             extractor_concurrency: 8,
             lease: Duration::from_secs(5),
@@ -290,6 +294,7 @@ impl Stack {
             prices: opts.model_prices.clone(),
             anthropic: opts.anthropic,
             context_tokens: opts.context_tokens,
+            provider_batch: opts.provider_batch.clone(),
         };
         let ingress_clock = opts.ingress_clock.clone().unwrap_or_else(reviewlane_core::clock::system);
         let ingress = reviewlane_ingress::build_with_clock(
@@ -395,6 +400,8 @@ impl Stack {
         if let Some(t) = self.opts.context_tokens {
             xc.parts.plan.limits.max_tokens = t;
         }
+        xc.batch = reviewlane_extractor::config::BatchSettings::parse(&self.opts.provider_batch)
+            .expect("the stack's provider batch setting parses");
         xc
     }
 

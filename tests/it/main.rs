@@ -28,6 +28,7 @@ mod manual;
 mod nats_auth;
 mod pipeline;
 mod proto_api;
+mod provider_batches;
 mod publish_once;
 mod quarantine;
 mod rate_limits;

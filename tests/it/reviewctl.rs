@@ -343,7 +343,10 @@ async fn sweep_reviews_each_text_file_of_a_revision_once_and_writes_one_sarif_ru
         .collect();
     uris.sort_unstable();
     assert_eq!(uris, ["docs/guide.md", "src/a.rs", "src/b.rs"], "binary, large, empty and unmatched files left out");
-    assert_eq!(stack.us.provider.stats().paid_calls.len(), 3);
+    // `auto` runs through the provider's batch API here: one line paid per item.
+    let paid = || stack.us.provider.batch_stats().paid_lines.values().sum::<u64>();
+    assert_eq!((paid(), stack.us.provider.batch_stats().batches_created), (3, 1));
+    assert_eq!(stack.us.provider.stats().total_calls, 0);
 
     // The same sweep again is the same sweep: nothing added, nothing paid again; at or
     // above `low` it fails the build.
@@ -352,7 +355,7 @@ async fn sweep_reviews_each_text_file_of_a_revision_once_and_writes_one_sarif_ru
     let repeat = run(&stack, US_KEY, &again, None, Some(repo.path())).await;
     assert_eq!(repeat.code, 1, "{}", repeat.stderr);
     assert!(repeat.stderr.contains("3 items (0 new, 3 already in the sweep)"), "{}", repeat.stderr);
-    assert_eq!(stack.us.provider.stats().total_calls, 3);
+    assert_eq!(paid(), 3);
 
     // `batch`: the sweep's progress and items.
     let id = repeat.stderr.split(':').next().unwrap().trim().to_string();
@@ -361,6 +364,7 @@ async fn sweep_reviews_each_text_file_of_a_revision_once_and_writes_one_sarif_ru
     let sweep: serde_json::Value = serde_json::from_str(&got.stdout).unwrap();
     assert_eq!((sweep["items_total"].as_u64(), sweep["items"]["published"].as_u64()), (Some(3), Some(3)), "{sweep}");
     assert_eq!(sweep["percent_done"], 100.0);
+    assert_eq!(sweep["runs_on"], "provider_batch", "{sweep}");
     let items = run(&stack, US_KEY, &["batch", "items", &id, "--state", "published"], None, None).await;
     let keys: Vec<&str> = items.stdout.lines().map(|l| l.rsplit('\t').next().unwrap()).collect();
     assert_eq!(keys.len(), 3, "{}", items.stdout);

@@ -46,6 +46,7 @@ pub const BYTES_PER_TOKEN: &str = "REVIEWLANE_BYTES_PER_TOKEN";
 pub const TOKENIZER: &str = "REVIEWLANE_TOKENIZER";
 pub const MAX_PARTS: &str = "REVIEWLANE_MAX_PARTS";
 pub const FINDINGS_CAP: &str = "REVIEWLANE_FINDINGS_CAP";
+pub const PROVIDER_BATCH: &str = "REVIEWLANE_PROVIDER_BATCH";
 
 /// Names the extractor read before and no longer does, with where they went.
 pub const RETIRED: common::Retired = &[
@@ -102,6 +103,7 @@ pub const OWN: &[&str] = &[
     TOKENIZER,
     MAX_PARTS,
     FINDINGS_CAP,
+    PROVIDER_BATCH,
 ];
 
 /// Every name the extractor reads.

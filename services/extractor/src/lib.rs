@@ -11,6 +11,7 @@ pub mod quota;
 pub mod reconcile;
 pub mod schedule;
 pub mod startup;
+pub mod sweep;
 pub mod tokenizer;
 pub mod upstream;
 pub mod worker;

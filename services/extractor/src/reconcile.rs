@@ -25,6 +25,11 @@ use crate::metrics::Metrics;
 /// a candidate; the lane is checked before anything is done to it.
 pub fn overdue(rec: &JobRecord, now_ms: u64, grace: Duration) -> bool {
     let grace = grace.as_millis() as u64;
+    // Its sweep's coordinator drives a job of a provider batch (and ends it at the
+    // sweep's window); it has no lane message to look for.
+    if reviewlane_core::batch::in_provider_batch(rec.owner.as_deref()) {
+        return false;
+    }
     let since = match rec.state {
         JobState::Published | JobState::Terminal => return false,
         // The publisher's message is durable on FINDINGS_<R> and retried there.
@@ -209,5 +214,11 @@ mod tests {
         for state in [JobState::Validated, JobState::Published, JobState::Terminal] {
             assert!(!overdue(&rec(state), u64::MAX, grace), "{state:?}");
         }
+        // A provider batch's item has no lane message: its coordinator drives it.
+        let mut batched = running.clone();
+        batched.owner = Some(reviewlane_core::batch::chunk_id("us_s", 1));
+        assert!(!overdue(&batched, 60_000, grace));
+        retry.owner = batched.owner.clone();
+        assert!(!overdue(&retry, 110_000, grace));
     }
 }

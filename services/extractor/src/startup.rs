@@ -37,6 +37,9 @@ pub struct App {
     /// One quota scope per tenant of the region.
     scopes: Vec<Scope>,
     quota: Quota,
+    /// Drives the region's provider batches while this replica leads (none where the
+    /// provider has no batch API this region may use).
+    coordinator: Option<crate::sweep::Coordinator>,
     config: ExtractorConfig,
 }
 
@@ -66,6 +69,16 @@ pub async fn build_with_provider(
             config.region
         )));
     }
+    let batch_client = batch_client_of(&config);
+    if let Some(client) = &batch_client
+        && client.region() != config.region
+    {
+        return Err(StartError::Other(anyhow::anyhow!(
+            "the provider's batch endpoint belongs to region `{}` but this extractor serves `{}`",
+            client.region(),
+            config.region
+        )));
+    }
     let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.nats).await?;
     let (loops, key) = lane_loops(&config, &conn, provider.name()).await?;
     let mut registry = Registry::default();
@@ -89,6 +102,38 @@ pub async fn build_with_provider(
             .with_budgets(q.budgets.clone());
     let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
     let client = conn.client.clone();
+    let sweeps =
+        reviewlane_shared::sweeps::Sweeps::new(conn.layout.js.clone(), conn.layout.sweeps.clone(), config.region);
+    let why_not = crate::sweep::why_no_batches(&config.provider, config.region, &config.batch);
+    if let Some(why) = &why_not {
+        tracing::info!(region = %config.region, "sweeps of this region run on the lanes: {why}");
+    }
+    let capability = reviewlane_shared::sweeps::BatchCapability {
+        provider: provider.name().to_string(),
+        available: why_not.is_none(),
+        why_not: why_not.clone(),
+    };
+    sweeps.announce(&capability).await.map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
+    let coordinator = batch_client.filter(|_| why_not.is_none()).map(|client| crate::sweep::Coordinator {
+        region: config.region,
+        sweeps: sweeps.clone(),
+        jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
+        results: Results::new(
+            conn.layout.clone(),
+            config.results.inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout)),
+        ),
+        index: reviewlane_shared::job_index::JobIndex::new(conn.layout.js.clone(), config.region),
+        dead_letters: reviewlane_shared::dead_letters::DeadLetters::new(conn.layout.js.clone(), config.region),
+        client,
+        settings: config.batch,
+        clock: clock.clone(),
+        owner: format!("replica-{:016x}", rand::random::<u64>()),
+        lead_ttl: LEAD_TTL,
+        price: config.results.prices.get(&config.quota.model_class).copied(),
+        budgets: config.retry.budgets,
+        quarantine_raw_max: config.results.quarantine_raw_max,
+        tokens_of: item_tokens(&config),
+    });
     let worker = Arc::new(Worker {
         region: config.region,
         stores: stores_of(&config, conn, &clock),
@@ -102,7 +147,76 @@ pub async fn build_with_provider(
         split_cache: Default::default(),
         abort: CancellationToken::new(),
     });
-    Ok(App { admin, registry: Arc::new(registry), client, worker, loops, scopes, quota, config })
+    Ok(App { admin, registry: Arc::new(registry), client, worker, loops, scopes, quota, coordinator, config })
+}
+
+/// How long the coordinator's lead lasts unrenewed: another replica takes over this
+/// long after the leader dies.
+const LEAD_TTL: Duration = Duration::from_secs(10);
+
+/// The Anthropic Messages adapter the config names, if it names one.
+fn anthropic_adapter(config: &ExtractorConfig) -> Option<crate::provider::anthropic::AnthropicProvider> {
+    let ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens } = &config.provider else {
+        return None;
+    };
+    Some(crate::provider::anthropic::AnthropicProvider::new(
+        crate::provider::anthropic::AnthropicEndpoint {
+            base_url: base_url.clone(),
+            model: model.clone(),
+            api_key: api_key.clone(),
+            region: *endpoint_region,
+            max_tokens: *max_tokens,
+        },
+        config.scheduling.provider_timeout,
+        config.quota.hint_ceiling,
+        config.results.max_response_bytes,
+    ))
+}
+
+/// The batch client of the configured provider, if it has a batch API.
+fn batch_client_of(config: &ExtractorConfig) -> Option<crate::sweep::client::BatchClient> {
+    use crate::batch::{anthropic::AnthropicBatches, openai::OpenAiBatches};
+    use crate::sweep::client::BatchClient;
+    let (timeout, ceiling, max_body) =
+        (config.scheduling.provider_timeout, config.quota.hint_ceiling, config.results.max_response_bytes);
+    match &config.provider {
+        ProviderConfig::Builtin => None,
+        ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect } => {
+            Some(BatchClient::OpenAi {
+                batches: OpenAiBatches::new(base_url, api_key.clone(), *endpoint_region, timeout, ceiling),
+                adapter: Arc::new(
+                    OpenAiProvider::new(
+                        base_url,
+                        model.clone(),
+                        api_key.clone(),
+                        *endpoint_region,
+                        timeout,
+                        ceiling,
+                        max_body,
+                    )
+                    .with_schema_dialect(*schema_dialect),
+                ),
+            })
+        }
+        ProviderConfig::Anthropic { base_url, api_key, endpoint_region, .. } => Some(BatchClient::Anthropic {
+            batches: AnthropicBatches::new(base_url, api_key.clone(), *endpoint_region, timeout, ceiling),
+            adapter: Arc::new(anthropic_adapter(config)?),
+        }),
+    }
+}
+
+/// The tokens an item of a provider batch is metered for against the enqueued-token
+/// budget: its prompt's, the call's overhead and its output limit.
+fn item_tokens(
+    config: &ExtractorConfig,
+) -> Arc<dyn Fn(&reviewlane_core::messages::ReviewMessage) -> u64 + Send + Sync> {
+    let tokenizer = config.parts.plan.tokenizer;
+    let reviewlane_core::meter::Cost { input: fixed, output } = call_overhead(config);
+    Arc::new(move |review| {
+        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return fixed + output };
+        let prompt = crate::provider::prompt_diff(review, &diff);
+        fixed + output + crate::tokenizer::counter(tokenizer).tokens(&prompt) as u64
+    })
 }
 
 /// The provider adapter the config names.
@@ -115,20 +229,7 @@ fn provider_of(config: &ExtractorConfig) -> Arc<dyn Provider> {
             OpenAiProvider::new(base_url, model.clone(), api_key.clone(), *endpoint_region, timeout, ceiling, max_body)
                 .with_schema_dialect(*schema_dialect),
         ),
-        ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens } => {
-            Arc::new(crate::provider::anthropic::AnthropicProvider::new(
-                crate::provider::anthropic::AnthropicEndpoint {
-                    base_url: base_url.clone(),
-                    model: model.clone(),
-                    api_key: api_key.clone(),
-                    region: *endpoint_region,
-                    max_tokens: *max_tokens,
-                },
-                timeout,
-                ceiling,
-                max_body,
-            ))
-        }
+        ProviderConfig::Anthropic { .. } => Arc::new(anthropic_adapter(config).expect("an Anthropic provider")),
     }
 }
 
@@ -295,6 +396,9 @@ impl App {
                 .run(self.config.results.reconcile.every, stop.clone())
                 .instrument(tracing::info_span!("reconcile", region = %self.config.region)),
         );
+        let coordinating = self.coordinator.map(|c| {
+            tokio::spawn(c.run(stop.clone()).instrument(tracing::info_span!("sweeps", region = %self.config.region)))
+        });
         let lanes = tokio::spawn(sample(
             async_nats::jetstream::new(self.client.clone()),
             self.config.region,
@@ -349,6 +453,9 @@ impl App {
         let _ = monitor.await;
         let _ = lanes.await;
         let _ = reconciling.await;
+        if let Some(c) = coordinating {
+            let _ = c.await;
+        }
         let _ = admin.await;
         tasks.close();
         if tokio::time::timeout(self.config.shutdown_grace, tasks.wait()).await.is_err() {

@@ -69,7 +69,7 @@ pub enum ApiError {
     PermissionDenied { reason: Reason, what: &'static str },
     /// The request cannot be served as things stand (`reason`: the `ErrorInfo` reason).
     #[error("{what}")]
-    FailedPrecondition { reason: Reason, what: &'static str },
+    FailedPrecondition { reason: Reason, what: std::borrow::Cow<'static, str> },
     /// The request is larger than the server decodes (`limit` bytes, the largest diff
     /// limit with room for the rest of the request).
     #[error("the request is over the server's limit of {limit} bytes")]
@@ -173,7 +173,7 @@ impl From<ApiError> for Status {
                 status(Code::PermissionDenied, what, reason, &[], None, none())
             }
             ApiError::FailedPrecondition { reason, what } => {
-                status(Code::FailedPrecondition, what, reason, &[], None, none())
+                status(Code::FailedPrecondition, what.into_owned(), reason, &[], None, none())
             }
             ApiError::RequestTooLarge { limit } => {
                 let description = format!(
@@ -246,7 +246,7 @@ mod tests {
             ApiError::Store(StoreError::Full(async_nats::Error::from("full"))),
             ApiError::Store(StoreError::Corrupt),
             ApiError::StreamInterrupted { reason: Reason::ShuttingDown, what: "server shutting down; watch again" },
-            ApiError::FailedPrecondition { reason: Reason::ContentExpired, what: "content expired" },
+            ApiError::FailedPrecondition { reason: Reason::ContentExpired, what: "content expired".into() },
             ApiError::PermissionDenied { reason: Reason::OperatorRoleRequired, what: "operators only" },
             ApiError::RequestTooLarge { limit: 1024 },
             ApiError::Internal(anyhow::anyhow!("x")),

@@ -372,22 +372,6 @@ impl Worker {
 
     /// The result message of this lease's generation (no part), for `keep` and parts.
     pub(super) fn result_message(&self, job: &Job<'_>, lease: &Lease, v: &Validated) -> FindingsMessage {
-        let review = job.review;
-        FindingsMessage {
-            job_id: review.job_id.clone(),
-            generation: lease.generation(),
-            stored_as: None,
-            tenant: review.tenant.clone(),
-            region: review.region,
-            lane: review.lane,
-            schema_version: review.schema_version.clone(),
-            review_depth: review.review_depth,
-            metadata: review.metadata.clone(),
-            findings: v.findings.clone(),
-            quarantined: v.quarantined.iter().cloned().map(|q| q.bounded(self.policy.quarantine_raw_max)).collect(),
-            submitted_at_ms: review.submitted_at_ms,
-            part: None,
-            findings_dropped: 0,
-        }
+        FindingsMessage::of(job.review, lease.generation(), v, self.policy.quarantine_raw_max)
     }
 }

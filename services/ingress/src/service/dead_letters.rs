@@ -54,7 +54,8 @@ impl ReviewApi {
         let Some(old) = dead_letters(handle).content(&dead).await? else {
             return Err(ApiError::FailedPrecondition {
                 reason: Reason::ContentExpired,
-                what: "the dead letter's content is no longer kept (its retention ended); submit the review again",
+                what: "the dead letter's content is no longer kept (its retention ended); submit the review again"
+                    .into(),
             });
         };
         let now = self.clock.now_ms();

@@ -10,7 +10,9 @@ use reviewlane_api::proto::{
     AddSweepItemsRequest, AddSweepItemsResponse, CreateSweepRequest, ListSweepItemsRequest, ListSweepItemsResponse,
     SubmitReviewRequest, SweepItemStatus,
 };
-use reviewlane_core::sweep::{ItemEntry, ItemState, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState};
+use reviewlane_core::sweep::{
+    ItemEntry, ItemJob, ItemState, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState,
+};
 use reviewlane_shared::sweeps::{ApplyError, Made, Sweeps};
 
 use super::submit::{Limits, SubmitPlan, plan};
@@ -39,10 +41,8 @@ struct Progress {
     jobs: std::collections::HashMap<String, Option<ItemJob>>,
 }
 
-type ItemJob = (JobState, Option<reviewlane_core::job::TerminalReason>, reviewlane_core::job::Tokens, u64);
-
 async fn item_job(handle: &RegionHandle, job: &str) -> Result<Option<ItemJob>, ApiError> {
-    Ok(handle.jobs.get(job).await?.map(|(r, _)| (r.state, r.reason, r.tokens, r.cost_micro_usd)))
+    Ok(handle.jobs.get(job).await?.map(|(r, _)| ItemJob::of(&r)))
 }
 
 impl Progress {
@@ -88,7 +88,7 @@ impl Progress {
     fn view(&self, now_ms: u64) -> proto::Sweep {
         let mut counts = SweepCounts::default();
         for job in self.jobs.values() {
-            counts.add(*job, self.rec.state == SweepState::Cancelled);
+            counts.add(job.as_ref(), self.rec.state == SweepState::Cancelled);
         }
         api::sweep(&self.rec, &counts, estimate(&self.rec, &counts, now_ms))
     }
@@ -101,6 +101,28 @@ fn estimate(rec: &SweepRecord, counts: &SweepCounts, now_ms: u64) -> Option<u64>
         .and_then(|sealed| reviewlane_core::batch::estimate(counts.done(), counts.total, sealed, now_ms, None))
 }
 
+/// When the rest of a provider-batch sweep is likely done: from the lines its running
+/// batches report done (OpenAI counts them as they finish) beside the items already
+/// final, else from the turnaround of its batches that ended (Anthropic reports nothing
+/// per line before a batch ends).
+fn batch_estimate(
+    rec: &SweepRecord,
+    counts: &SweepCounts,
+    chunks: &[(reviewlane_core::batch::ChunkRecord, u64)],
+    now_ms: u64,
+) -> Option<u64> {
+    use reviewlane_core::batch::ChunkStep;
+    let sealed = rec.sealed_at_ms.filter(|_| rec.state == SweepState::Sealed && counts.done() < counts.total)?;
+    let running: u64 = chunks.iter().filter(|(c, _)| c.step == ChunkStep::Created).map(|(c, _)| c.done).sum();
+    let turnarounds: Vec<u64> = chunks.iter().filter_map(|(c, _)| c.turnaround_ms()).collect();
+    let turnaround = (!turnarounds.is_empty()).then(|| turnarounds.iter().sum::<u64>() / turnarounds.len() as u64);
+    let since = chunks.iter().filter_map(|(c, _)| c.submitted_at_ms).max().unwrap_or(sealed);
+    if running > 0 {
+        return reviewlane_core::batch::estimate(counts.done() + running, counts.total, sealed, now_ms, None);
+    }
+    reviewlane_core::batch::estimate(0, counts.total, since, now_ms, turnaround)
+}
+
 fn sweeps(handle: &RegionHandle) -> Sweeps {
     Sweeps::new(handle.layout.js.clone(), handle.layout.sweeps.clone(), handle.layout.region)
 }
@@ -110,10 +132,10 @@ impl From<ApplyError> for ApiError {
         match e {
             ApplyError::Refused(reviewlane_core::sweep::SweepError::NotOpen(_)) => ApiError::FailedPrecondition {
                 reason: Reason::SweepNotOpen,
-                what: "the sweep is sealed or cancelled and takes no more items",
+                what: "the sweep is sealed or cancelled and takes no more items".into(),
             },
             ApplyError::Refused(reviewlane_core::sweep::SweepError::Cancelled) => {
-                ApiError::FailedPrecondition { reason: Reason::SweepNotOpen, what: "the sweep is cancelled" }
+                ApiError::FailedPrecondition { reason: Reason::SweepNotOpen, what: "the sweep is cancelled".into() }
             }
             ApplyError::Store(StoreError::NotFound) => ApiError::SweepNotFound,
             ApplyError::Store(e) => e.into(),
@@ -143,18 +165,25 @@ impl ReviewApi {
                 return Err(ApiError::invalid("completion_window", "must be positive and at most 7 days"));
             }
         };
-        // No provider batch path yet: `auto` runs on the lanes, `provider_batch` is refused.
-        let runs_on = match mode {
-            SweepMode::ProviderBatch => {
-                return Err(ApiError::FailedPrecondition {
-                    reason: Reason::ProviderBatchUnavailable,
-                    what: "this region's provider has no batch path here; use mode lanes or auto",
-                });
-            }
-            SweepMode::Auto | SweepMode::Lanes => SweepMode::Lanes,
-        };
         let region = tenant.region;
         let handle = self.region(region)?;
+        // Where it runs: the provider's batch API when the region's extractor announced
+        // one it may use, else the lanes (`provider_batch` asked for is refused, with why).
+        let capability = sweeps(handle).capability().await?;
+        let runs_on = match (mode, &capability) {
+            (SweepMode::Lanes, _) => SweepMode::Lanes,
+            (_, Some(c)) if c.available => SweepMode::ProviderBatch,
+            (SweepMode::Auto, _) => SweepMode::Lanes,
+            (_, _) => {
+                let why = capability
+                    .and_then(|c| c.why_not)
+                    .unwrap_or_else(|| "no extractor of the region has announced a batch path".into());
+                return Err(ApiError::FailedPrecondition {
+                    reason: Reason::ProviderBatchUnavailable,
+                    what: why.into(),
+                });
+            }
+        };
         let sweep_id = job_id::derive(region, &tenant.id, &format!("sweep\0{}", req.idempotency_key));
         tracing::Span::current().record("job_id", sweep_id.as_str());
         let window_ms = window.as_millis() as u64;
@@ -172,6 +201,7 @@ impl ReviewApi {
             cancelled_at_ms: None,
             started: false,
             items_added: 0,
+            settled: false,
         };
         let rec = match sweeps(handle).create(&rec).await? {
             Made::New(rec) => {
@@ -255,6 +285,7 @@ impl ReviewApi {
         // A seal that raced this page may have listed the manifest before these items:
         // hand them over here (each once, whoever is first).
         if added > 0
+            && rec.runs_on == SweepMode::Lanes
             && let Some((now_rec, _)) = store.get(&rec.tenant, &rec.sweep_id).await?
             && now_rec.state == SweepState::Sealed
         {
@@ -314,7 +345,11 @@ impl ReviewApi {
         let (handle, _) = self.owned_sweep(tenant, id).await?;
         let store = sweeps(handle);
         let rec = store.apply(&tenant.id, id, SweepEvent::Seal, self.clock.now_ms()).await?;
-        if !rec.started {
+        if !rec.started && rec.runs_on == SweepMode::ProviderBatch {
+            // The region's coordinator cuts the manifest into provider batches.
+            store.apply(&tenant.id, id, SweepEvent::Started, self.clock.now_ms()).await?;
+            tracing::info!(items = rec.items_added, "sweep sealed for provider batches");
+        } else if !rec.started {
             let items = store.items(id).await?;
             let waiting: Vec<ItemEntry> = items.into_iter().filter(|i| i.review.is_some()).collect();
             let n = waiting.len();
@@ -463,10 +498,15 @@ impl ReviewApi {
         let mut read =
             futures::stream::iter(ids).map(|job| async move { handle.jobs.get(&job).await }).buffered(AT_ONCE);
         while let Some(job) = read.next().await {
-            let job = job?.map(|(r, _)| (r.state, r.reason, r.tokens, r.cost_micro_usd));
-            counts.add(job, rec.state == SweepState::Cancelled);
+            let job = job?.map(|(r, _)| ItemJob::of(&r));
+            counts.add(job.as_ref(), rec.state == SweepState::Cancelled);
         }
-        Ok(api::sweep(&rec, &counts, estimate(&rec, &counts, self.clock.now_ms())))
+        let now = self.clock.now_ms();
+        let estimate = match rec.runs_on {
+            SweepMode::ProviderBatch => batch_estimate(&rec, &counts, &store.chunks(id).await?, now),
+            _ => estimate(&rec, &counts, now),
+        };
+        Ok(api::sweep(&rec, &counts, estimate))
     }
 
     pub(super) async fn list_sweep_items(
@@ -499,7 +539,7 @@ impl ReviewApi {
                 break;
             }
             let job = job?.map(|(r, _)| r);
-            let state = ItemState::of(job.as_ref().map(|r| (r.state, r.reason)), cancelled);
+            let state = ItemState::of(job.as_ref().map(ItemJob::of).as_ref(), cancelled);
             let reason = job.as_ref().and_then(|r| r.reason).filter(|_| state == ItemState::Failed);
             if (!states.is_empty() && !states.contains(&state))
                 || (!reasons.is_empty() && !reason.is_some_and(|r| reasons.contains(&r)))

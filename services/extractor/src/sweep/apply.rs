@@ -1,0 +1,191 @@
+//! Applying a provider batch's result lines, each to its item once. An item's job is
+//! leased to its chunk; a line is applied only while it still is (the compare-and-set
+//! on the job record fences it), so a line applied again after a crash changes nothing.
+//! What a line means is `core::batch::fate`; a success is validated against the
+//! schema and the diff exactly as a lane answer is, kept on `FINDINGS_<R>` (the
+//! publisher delivers it once), and the job records it validated with the tokens and
+//! the cost of the line at the batch price.
+
+use reviewlane_core::batch::{self, ChunkRecord, ItemFate, LineResult};
+use reviewlane_core::job::{Budget, Event, JobRecord, JobState, TerminalReason, Tokens};
+use reviewlane_core::messages::FindingsMessage;
+use reviewlane_core::sweep::{SweepRecord, SweepState};
+use reviewlane_shared::job_store::StoreError;
+
+use super::{Coordinator, RoundError};
+
+impl Coordinator {
+    /// Applies every line of an ended batch (an item with none is `Missing`).
+    pub(super) async fn apply_lines(
+        &self,
+        sweep: &SweepRecord,
+        chunk: &ChunkRecord,
+        lines: Vec<(String, LineResult)>,
+    ) -> Result<(), RoundError> {
+        let matched = batch::reconcile(&chunk.job_ids, lines);
+        if matched.unknown + matched.repeated > 0 {
+            tracing::warn!(
+                unknown = matched.unknown,
+                repeated = matched.repeated,
+                "result lines naming no item of the batch, or repeated"
+            );
+        }
+        for (job_id, line) in matched.items {
+            self.apply_line(sweep, chunk, &job_id, line).await?;
+        }
+        Ok(())
+    }
+
+    /// A batch in which nothing ran: each item goes again (within its budget), but
+    /// those in `refused` end `upstream_rejected`.
+    pub(super) async fn resubmit_all(
+        &self,
+        sweep: &SweepRecord,
+        chunk: &ChunkRecord,
+        refused: &[String],
+    ) -> Result<(), RoundError> {
+        for job_id in &chunk.job_ids {
+            let line = if refused.contains(job_id) {
+                LineResult::Rejected { status: None }
+            } else {
+                LineResult::Retryable(batch::Retryable::Transient)
+            };
+            self.apply_line(sweep, chunk, job_id, line).await?;
+        }
+        Ok(())
+    }
+
+    /// One item's line, once: nothing when its job is no longer leased to the chunk.
+    async fn apply_line(
+        &self,
+        sweep: &SweepRecord,
+        chunk: &ChunkRecord,
+        job_id: &str,
+        line: LineResult,
+    ) -> Result<(), RoundError> {
+        let Some((rec, revision)) = self.jobs.get(job_id).await? else { return Ok(()) };
+        if rec.state != JobState::Running || rec.owner.as_deref() != Some(chunk.chunk_id.as_str()) {
+            return Ok(());
+        }
+        let generation = rec.generation();
+        let resubmitted = rec.attempts.leases.saturating_sub(1);
+        let cancelled = sweep.state == SweepState::Cancelled;
+        let read = (rec, revision);
+        match batch::fate(line, resubmitted, self.settings.resubmissions, cancelled) {
+            ItemFate::Validate { output, usage } => self.validated(sweep, read, &output, usage).await,
+            ItemFate::Resubmit { .. } if read.0.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) => {
+                self.end(sweep, read, TerminalReason::DeadlineExceeded, None).await
+            }
+            ItemFate::Resubmit { .. } => {
+                let event = Event::RetryScheduled {
+                    generation,
+                    budget: Budget::Transient,
+                    next_eligible_at_ms: self.clock.now_ms(),
+                    upstream_status: Some("batch".into()),
+                    invalid_output: None,
+                };
+                self.record(job_id, read, &event, None).await
+            }
+            ItemFate::Ended(reason) => self.end(sweep, read, reason, None).await,
+        }
+    }
+
+    /// A succeeded line: validated against the item's diff and kept, or — invalid —
+    /// sent again within the schema budget (it was paid for either way).
+    async fn validated(
+        &self,
+        sweep: &SweepRecord,
+        read: (JobRecord, u64),
+        output: &str,
+        usage: Option<Tokens>,
+    ) -> Result<(), RoundError> {
+        let job_id = read.0.job_id.clone();
+        let generation = read.0.generation();
+        let charge = usage.map(|t| (t, self.cost(t)));
+        let Some(review) = self.review(&sweep.sweep_id, &job_id).await? else {
+            return self.end(sweep, read, TerminalReason::Lost, charge).await;
+        };
+        let diff = reviewlane_core::diff::parse(&review.diff_text())
+            .unwrap_or(reviewlane_core::diff::Diff { files: Vec::new() });
+        match reviewlane_core::findings::validate(&review.schema_version, output, &diff) {
+            Ok(v) => {
+                let (findings, quarantined) = (v.findings.len() as u32, v.quarantined.len() as u32);
+                let result = FindingsMessage::of(&review, generation, &v, self.quarantine_raw_max);
+                self.results.keep(&result, &async_nats::HeaderMap::new()).await?;
+                let event = Event::Validated { generation, findings, quarantined, dropped: 0 };
+                self.record(&job_id, read, &event, charge).await?;
+                self.strip(sweep, &job_id).await;
+                Ok(())
+            }
+            Err(invalid) => {
+                tracing::warn!(reason = invalid.as_str(), "invalid provider output in a batch line");
+                let schema_left = read.0.attempts.schema + 1 < self.budgets.schema;
+                let batches_left = read.0.attempts.leases.saturating_sub(1) < self.settings.resubmissions;
+                if schema_left && batches_left {
+                    let event = Event::RetryScheduled {
+                        generation,
+                        budget: Budget::Schema,
+                        next_eligible_at_ms: self.clock.now_ms(),
+                        upstream_status: Some("batch".into()),
+                        invalid_output: Some(invalid.as_str().to_string()),
+                    };
+                    self.record(&job_id, read, &event, charge).await
+                } else {
+                    self.end(sweep, read, TerminalReason::InvalidOutput, charge).await
+                }
+            }
+        }
+    }
+
+    /// The item ends with `reason`: its record says so (fenced by the chunk's lease), its
+    /// review goes to the dead letters (as a lane job's would).
+    async fn end(
+        &self,
+        sweep: &SweepRecord,
+        read: (JobRecord, u64),
+        reason: TerminalReason,
+        charge: Option<(Tokens, u64)>,
+    ) -> Result<(), RoundError> {
+        let job_id = read.0.job_id.clone();
+        let event =
+            Event::Terminate { reason, upstream_status: Some("batch".into()), generation: Some(read.0.generation()) };
+        let attempts = read.0.attempts;
+        if let Some(review) = self.review(&sweep.sweep_id, &job_id).await? {
+            let payload = serde_json::to_vec(&review).expect("a review serializes");
+            self.dead_letters.publish(&review, payload.into(), reason, attempts, self.clock.now_ms()).await?;
+        }
+        self.record(&job_id, read, &event, charge).await?;
+        tracing::info!(reason = reason.as_str(), "sweep item ended");
+        self.strip(sweep, &job_id).await;
+        Ok(())
+    }
+
+    /// Applies `event` to the item's job from the record read (read again on a
+    /// conflict); a refused transition means another writer got there first.
+    async fn record(
+        &self,
+        job_id: &str,
+        read: (JobRecord, u64),
+        event: &Event,
+        charge: Option<(Tokens, u64)>,
+    ) -> Result<(), RoundError> {
+        match self.jobs.apply_charging(job_id, Some(read), event, charge).await {
+            Ok(_) | Err(StoreError::Transition(..)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A final item's review leaves the manifest (best effort: it only takes room).
+    async fn strip(&self, sweep: &SweepRecord, job_id: &str) {
+        if let Ok(Some(item)) = self.sweeps.item(&sweep.sweep_id, job_id).await
+            && let Err(e) = self.sweeps.strip_item(&sweep.sweep_id, &item).await
+        {
+            tracing::warn!(kind = e.kind(), "stripping a final item's review from the manifest failed");
+        }
+    }
+
+    /// A line's cost at the batch price.
+    fn cost(&self, t: Tokens) -> u64 {
+        self.price.map_or(0, |p| p.cost_micro_usd(t) * u64::from(self.settings.price_percent) / 100)
+    }
+}

@@ -1,0 +1,170 @@
+//! One face for both providers' batch APIs, as the coordinator uses them: the request
+//! line of an item, sending a chunk (OpenAI: upload, then create; Anthropic: create with
+//! the requests inline), finding a batch a crash may have created before its id was
+//! recorded, polling, cancelling and reading the result lines.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use reviewlane_core::batch::{BatchLimits, BatchStatus, ChunkRecord, LineResult};
+
+use crate::batch::BatchApiError;
+use crate::batch::anthropic::{AnthropicBatches, MessageBatch};
+use crate::batch::openai::{BatchInfo, OpenAiBatches};
+use crate::provider::ProviderRequest;
+use crate::provider::anthropic::AnthropicProvider;
+use crate::provider::openai::OpenAiProvider;
+
+/// The metadata key naming a chunk on the OpenAI batch it created.
+pub const CHUNK_KEY: &str = "reviewlane_chunk";
+/// Pages of the account's batches looked through for one a crash may have created.
+const FIND_PAGES: u32 = 5;
+
+pub enum BatchClient {
+    OpenAi { batches: OpenAiBatches, adapter: Arc<OpenAiProvider> },
+    Anthropic { batches: AnthropicBatches, adapter: Arc<AnthropicProvider> },
+}
+
+/// A batch as polled, in both providers' terms.
+#[derive(Debug, Clone)]
+pub struct Polled {
+    pub status: BatchStatus,
+    /// Lines done so far, when the provider reports it while the batch runs.
+    pub done: u64,
+    raw: Raw,
+}
+
+#[derive(Debug, Clone)]
+enum Raw {
+    OpenAi(BatchInfo),
+    Anthropic(MessageBatch),
+}
+
+impl BatchClient {
+    pub fn provider(&self) -> &'static str {
+        match self {
+            BatchClient::OpenAi { .. } => "openai",
+            BatchClient::Anthropic { .. } => "anthropic",
+        }
+    }
+
+    pub fn region(&self) -> reviewlane_shared::Region {
+        match self {
+            BatchClient::OpenAi { batches, .. } => batches.region(),
+            BatchClient::Anthropic { batches, .. } => batches.region(),
+        }
+    }
+
+    /// The provider's own limits on one batch.
+    pub fn limits(&self) -> BatchLimits {
+        match self {
+            BatchClient::OpenAi { .. } => BatchLimits::OPENAI,
+            BatchClient::Anthropic { .. } => BatchLimits::ANTHROPIC,
+        }
+    }
+
+    /// An item's request line (the synchronous call's body under its custom id).
+    pub fn line(&self, custom_id: &str, req: &ProviderRequest<'_>) -> serde_json::Value {
+        match self {
+            BatchClient::OpenAi { adapter, .. } => adapter.batch_line(custom_id, req),
+            BatchClient::Anthropic { adapter, .. } => adapter.batch_request(custom_id, req),
+        }
+    }
+
+    /// Anthropic: the newest batch of the account now (stored with the intent, so a
+    /// batch newer than it can be told as possibly this chunk's after a crash).
+    pub async fn newest(&self) -> Result<Option<String>, BatchApiError> {
+        match self {
+            BatchClient::OpenAi { .. } => Ok(None),
+            BatchClient::Anthropic { batches, .. } => Ok(batches.list(None, 1).await?.0.first().map(|b| b.id.clone())),
+        }
+    }
+
+    /// OpenAI: uploads the chunk's input file under its id; the file id.
+    pub async fn upload(&self, chunk: &ChunkRecord, lines: &[serde_json::Value]) -> Result<String, BatchApiError> {
+        let BatchClient::OpenAi { batches, .. } = self else { unreachable!("only OpenAI uploads") };
+        let mut jsonl = Vec::new();
+        for line in lines {
+            jsonl.extend(line.to_string().into_bytes());
+            jsonl.push(b'\n');
+        }
+        batches.upload(&format!("{}.jsonl", chunk.chunk_id), jsonl).await
+    }
+
+    /// Creates the chunk's batch: OpenAI from its uploaded file, with the chunk's id in
+    /// the metadata; Anthropic with the requests inline. The batch id.
+    pub async fn create(&self, chunk: &ChunkRecord, lines: &[serde_json::Value]) -> Result<String, BatchApiError> {
+        match self {
+            BatchClient::OpenAi { batches, .. } => {
+                let file = chunk.file_id.as_deref().expect("an OpenAI chunk is created from its upload");
+                let metadata = BTreeMap::from([(CHUNK_KEY.to_string(), chunk.chunk_id.clone())]);
+                Ok(batches.create(file, &metadata).await?.id)
+            }
+            BatchClient::Anthropic { batches, .. } => Ok(batches.create(lines).await?.id),
+        }
+    }
+
+    /// A batch the chunk may have created before a crash kept its id. OpenAI: the one
+    /// whose metadata names the chunk. Anthropic (no metadata): one listed before the
+    /// newest at the intent, with as many requests as the chunk, that no known chunk
+    /// names (creates are one at a time, so at most one is unrecorded).
+    pub async fn find(&self, chunk: &ChunkRecord, known: &HashSet<String>) -> Result<Option<String>, BatchApiError> {
+        match self {
+            BatchClient::OpenAi { batches, .. } => {
+                Ok(batches.find(CHUNK_KEY, &chunk.chunk_id, FIND_PAGES).await?.map(|b| b.id))
+            }
+            BatchClient::Anthropic { batches, .. } => {
+                let mut after: Option<String> = None;
+                for _ in 0..FIND_PAGES {
+                    let (page, more) = batches.list(after.as_deref(), 100).await?;
+                    for b in &page {
+                        if Some(&b.id) == chunk.newest_before.as_ref() {
+                            return Ok(None);
+                        }
+                        let requests = b.processing + b.succeeded + b.errored + b.canceled + b.expired;
+                        if !known.contains(&b.id) && requests == chunk.job_ids.len() as u64 {
+                            return Ok(Some(b.id.clone()));
+                        }
+                    }
+                    match page.last() {
+                        Some(last) if more => after = Some(last.id.clone()),
+                        _ => return Ok(None),
+                    }
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    pub async fn get(&self, batch_id: &str) -> Result<Polled, BatchApiError> {
+        Ok(match self {
+            BatchClient::OpenAi { batches, .. } => polled_openai(batches.get(batch_id).await?),
+            BatchClient::Anthropic { batches, .. } => polled_anthropic(batches.get(batch_id).await?),
+        })
+    }
+
+    pub async fn cancel(&self, batch_id: &str) -> Result<(), BatchApiError> {
+        match self {
+            BatchClient::OpenAi { batches, .. } => batches.cancel(batch_id).await.map(drop),
+            BatchClient::Anthropic { batches, .. } => batches.cancel(batch_id).await.map(drop),
+        }
+    }
+
+    /// Every result line of an ended batch: (custom id, what it says), in any order.
+    pub async fn lines(&self, polled: &Polled) -> Result<Vec<(String, LineResult)>, BatchApiError> {
+        match (self, &polled.raw) {
+            (BatchClient::OpenAi { batches, .. }, Raw::OpenAi(info)) => batches.lines(info).await,
+            (BatchClient::Anthropic { batches, .. }, Raw::Anthropic(batch)) => batches.lines(batch).await,
+            _ => unreachable!("a batch is polled by its own provider's client"),
+        }
+    }
+}
+
+fn polled_openai(info: BatchInfo) -> Polled {
+    Polled { status: info.status.clone(), done: info.completed + info.failed, raw: Raw::OpenAi(info) }
+}
+
+fn polled_anthropic(batch: MessageBatch) -> Polled {
+    let done = batch.succeeded + batch.errored + batch.canceled + batch.expired;
+    Polled { status: batch.status.clone(), done, raw: Raw::Anthropic(batch) }
+}

@@ -1,0 +1,631 @@
+//! The region's sweep coordinator: drives the sweeps that run through the provider's own
+//! batch API. One replica of the region leads at a time (`Sweeps::lead`, a lease in
+//! `SWEEPS_<R>`); its round, every `poll.first` at most:
+//!
+//! 1. **Cut.** A sealed sweep's items with no job yet (or waiting for a later batch) are
+//!    cut into chunks within the provider's limits and the model's enqueued-token budget
+//!    (`core::batch::Cut`); each chunk's record is created once (KV create), naming its
+//!    items.
+//! 2. **Lease.** Each item's job is leased to its chunk (created leased, or leased from
+//!    `retry_scheduled`): the chunk owns it, and nothing else runs it.
+//! 3. **Intent.** The leased items and the digest of their request lines are stored
+//!    before anything is sent to the provider.
+//! 4. **Send.** OpenAI: the input file is uploaded (its file id recorded), then the batch
+//!    created with the chunk's id in its metadata; Anthropic: the batch created with the
+//!    requests inline. The batch id is recorded right after. Neither provider makes a
+//!    create idempotent, so a chunk this replica did not itself just take to that step
+//!    (a crash, another leader) first looks for a batch it may have created
+//!    (`BatchClient::find`) and creates one only when there is none.
+//! 5. **Poll** with the backoff (`core::batch::PollBackoff`), keeping the live counts;
+//!    a cancelled sweep's batches are cancelled at the provider.
+//! 6. **Apply** each line to its item once (`apply`): the compare-and-set on the item's
+//!    job, fenced by the chunk's lease, lets one apply through.
+//!
+//! A sweep whose items are all final is marked settled and looked at no more.
+
+mod apply;
+pub mod client;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use reviewlane_core::batch::{self, BatchStep, ChunkRecord, ChunkStep, Cut};
+use reviewlane_core::clock::SharedClock;
+use reviewlane_core::job::{Event, JobRecord, JobState};
+use reviewlane_core::messages::ReviewMessage;
+use reviewlane_core::sweep::{SweepEvent, SweepMode, SweepRecord, SweepState};
+use reviewlane_shared::job_store::{Created, JobStore, StoreError};
+use reviewlane_shared::sweeps::{ApplyError, Sweeps};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::batch::BatchApiError;
+use crate::config::BatchSettings;
+use client::BatchClient;
+
+/// Records read at once.
+const AT_ONCE: usize = 32;
+
+pub struct Coordinator {
+    pub region: reviewlane_shared::Region,
+    pub sweeps: Sweeps,
+    pub jobs: JobStore,
+    pub results: reviewlane_shared::results::Results,
+    pub index: reviewlane_shared::job_index::JobIndex,
+    pub dead_letters: reviewlane_shared::dead_letters::DeadLetters,
+    pub client: BatchClient,
+    pub settings: BatchSettings,
+    pub clock: SharedClock,
+    /// This replica, as the lead names it.
+    pub owner: String,
+    /// How long a lead lasts without being renewed.
+    pub lead_ttl: Duration,
+    /// The synchronous price of the model (the batch price is `settings.price_percent`).
+    pub price: Option<crate::config::Price>,
+    pub budgets: crate::config::Budgets,
+    pub quarantine_raw_max: usize,
+    /// Tokens an item's call is metered for: its prompt's and the call's overhead.
+    pub tokens_of: Arc<dyn Fn(&ReviewMessage) -> u64 + Send + Sync>,
+}
+
+/// What the leader remembers between rounds (all of it can be rebuilt from the store).
+#[derive(Default)]
+struct Memory {
+    /// Sweeps whose items are to be cut again (seen first, or a chunk of theirs ended).
+    to_cut: HashSet<String>,
+    /// Chunks this leader took to their current step itself: no batch of theirs can
+    /// exist unrecorded.
+    fresh: HashSet<String>,
+    /// Per chunk: polls so far and when the next is due.
+    polls: HashMap<String, (u32, tokio::time::Instant)>,
+    /// Sweeps whose batches were refused for the enqueued tokens: cut smaller (halved
+    /// each time).
+    shrink: HashMap<String, u32>,
+    seen: HashSet<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum RoundError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("batch endpoint: {0}")]
+    Api(#[from] BatchApiError),
+    #[error("another replica leads the provider batches now")]
+    LeadLost,
+}
+
+impl From<ApplyError> for RoundError {
+    fn from(e: ApplyError) -> Self {
+        match e {
+            ApplyError::Store(e) => RoundError::Store(e),
+            ApplyError::Refused(r) => RoundError::Store(StoreError::other(r.to_string())),
+        }
+    }
+}
+
+impl Coordinator {
+    /// Rounds until `stop`, every `poll.first` (within 250 ms and 1 s); the lead is
+    /// renewed every third of its life and given up at the end.
+    pub async fn run(self, stop: CancellationToken) {
+        let every = self.settings.poll.first.clamp(Duration::from_millis(250), Duration::from_secs(1));
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut memory = Memory::default();
+        let mut led_at: Option<tokio::time::Instant> = None;
+        loop {
+            tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => break }
+            if led_at.is_none_or(|at| at.elapsed() >= self.lead_ttl / 3) {
+                let now = self.clock.now_ms();
+                match self.sweeps.lead(&self.owner, now, self.lead_ttl.as_millis() as u64).await {
+                    Ok(true) => {
+                        if led_at.is_none() {
+                            tracing::info!("leading the region's provider batches");
+                            // What another leader (or this one before a crash) left is looked at anew.
+                            memory = Memory::default();
+                        }
+                        led_at = Some(tokio::time::Instant::now());
+                    }
+                    Ok(false) => {
+                        led_at = None;
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(kind = e.kind(), "reading the coordinator lead failed");
+                        led_at = None;
+                        continue;
+                    }
+                }
+            }
+            if let Err(e) = self.round(&mut memory, &stop).await {
+                tracing::warn!(error = %e, "a coordinator round stopped; the next one goes on from the store");
+            }
+        }
+        let _ = self.sweeps.resign(&self.owner).await;
+    }
+
+    async fn round(&self, memory: &mut Memory, stop: &CancellationToken) -> Result<(), RoundError> {
+        let sweeps: Vec<SweepRecord> = self
+            .sweeps
+            .all()
+            .await?
+            .into_iter()
+            .filter(|s| s.runs_on == SweepMode::ProviderBatch && s.state != SweepState::Open && !s.settled)
+            .collect();
+        let mut chunks = HashMap::new();
+        for s in &sweeps {
+            if memory.seen.insert(s.sweep_id.clone()) {
+                memory.to_cut.insert(s.sweep_id.clone());
+            }
+            chunks.insert(s.sweep_id.clone(), self.sweeps.chunks(&s.sweep_id).await?);
+        }
+        let known: HashSet<String> = chunks.values().flatten().filter_map(|(c, _)| c.batch_id.clone()).collect();
+        for s in &sweeps {
+            if stop.is_cancelled() {
+                break;
+            }
+            let span = tracing::info_span!("sweep.round", job_id = %s.sweep_id, tenant = %s.tenant);
+            let mine = chunks.remove(&s.sweep_id).unwrap_or_default();
+            let held: Vec<ChunkRecord> = chunks.values().flatten().map(|(c, _)| c.clone()).collect();
+            let after = self.drive(s, mine, &held, &known, memory).instrument(span).await?;
+            chunks.insert(s.sweep_id.clone(), after);
+        }
+        Ok(())
+    }
+
+    /// One sweep's round: its live chunks moved on, its items cut again when something
+    /// changed, and settled once all are final. Its chunks as they then stand.
+    async fn drive(
+        &self,
+        sweep: &SweepRecord,
+        mut chunks: Vec<(ChunkRecord, u64)>,
+        others: &[ChunkRecord],
+        known: &HashSet<String>,
+        memory: &mut Memory,
+    ) -> Result<Vec<(ChunkRecord, u64)>, RoundError> {
+        for (chunk, revision) in chunks.iter_mut().filter(|(c, _)| c.step != ChunkStep::Applied) {
+            self.advance(sweep, chunk, revision, known, memory).await?;
+            if chunk.step == ChunkStep::Applied {
+                memory.to_cut.insert(sweep.sweep_id.clone());
+            }
+        }
+        if memory.to_cut.remove(&sweep.sweep_id) {
+            let held: Vec<ChunkRecord> = others.iter().cloned().chain(chunks.iter().map(|(c, _)| c.clone())).collect();
+            let cut = self.cut(sweep, &chunks, &held, memory).await?;
+            for (mut chunk, mut revision) in cut {
+                self.advance(sweep, &mut chunk, &mut revision, known, memory).await?;
+                chunks.push((chunk, revision));
+            }
+        }
+        Ok(chunks)
+    }
+
+    /// Cuts the sweep's items that wait for a batch into new chunks (each record created
+    /// once); ends those of a cancelled sweep; settles a sweep with nothing left.
+    async fn cut(
+        &self,
+        sweep: &SweepRecord,
+        chunks: &[(ChunkRecord, u64)],
+        held: &[ChunkRecord],
+        memory: &mut Memory,
+    ) -> Result<Vec<(ChunkRecord, u64)>, RoundError> {
+        let cancelled = sweep.state == SweepState::Cancelled;
+        let mut ids = self.sweeps.item_ids(&sweep.sweep_id).await?;
+        ids.sort();
+        let in_chunks: HashSet<&String> =
+            chunks.iter().filter(|(c, _)| c.step == ChunkStep::Leasing).flat_map(|(c, _)| &c.job_ids).collect();
+        let mut read =
+            futures::stream::iter(ids).map(|id| async move { (self.jobs.get(&id).await, id) }).buffered(AT_ONCE);
+        let (mut waiting, mut open) = (Vec::new(), 0usize);
+        while let Some((job, id)) = read.next().await {
+            let job = job?;
+            let waits = match &job {
+                None => true,
+                Some((r, _)) => r.state == JobState::RetryScheduled && batch::in_provider_batch(r.owner.as_deref()),
+            };
+            if waits && !in_chunks.contains(&id) && cancelled {
+                // Never sent again: it ends `cancelled` (one with no job never runs).
+                if let Some(read) = job {
+                    self.end_cancelled(&id, read).await?;
+                }
+                continue;
+            }
+            // Left for the coordinator: not final, nor validated (the publisher's).
+            if !job.as_ref().is_some_and(|(r, _)| r.state.is_final() || r.state == JobState::Validated) {
+                open += 1;
+            }
+            if waits && !in_chunks.contains(&id) {
+                waiting.push(id);
+            }
+        }
+        let live = chunks.iter().any(|(c, _)| c.step != ChunkStep::Applied);
+        if !live && open == 0 {
+            self.settle(sweep).await?;
+            return Ok(Vec::new());
+        }
+        if waiting.is_empty() {
+            return Ok(Vec::new());
+        }
+        let limits = {
+            let mut l = self.settings.limits(self.client.limits());
+            let halvings = memory.shrink.get(&sweep.sweep_id).copied().unwrap_or(0);
+            l.max_requests = (l.max_requests >> halvings.min(16)).max(1);
+            l
+        };
+        let room = batch::enqueued_room(held, self.settings.enqueued_tokens);
+        let mut seq = chunks.iter().map(|(c, _)| c.seq).max().unwrap_or(0);
+        let mut out = Vec::new();
+        let mut rest = waiting.into_iter().peekable();
+        let mut room_left = room;
+        while rest.peek().is_some() {
+            if room_left == Some(0) && (!out.is_empty() || held.iter().any(ChunkRecord::holds_tokens)) {
+                // The rest waits for a batch to end and give its tokens back.
+                memory.to_cut.insert(sweep.sweep_id.clone());
+                break;
+            }
+            let mut cut = Cut::new(limits, room_left);
+            let mut ids = Vec::new();
+            while let Some(id) = rest.peek() {
+                let Some(review) = self.review(&sweep.sweep_id, id).await? else {
+                    rest.next();
+                    continue;
+                };
+                let bytes = review.diff_text().len() + 2048;
+                if !cut.take(bytes, (self.tokens_of)(&review)) {
+                    break;
+                }
+                ids.push(rest.next().expect("peeked"));
+            }
+            if ids.is_empty() {
+                break;
+            }
+            seq += 1;
+            let mut chunk = ChunkRecord::new(&sweep.sweep_id, &sweep.tenant, seq, ids, self.clock.now_ms());
+            chunk.tokens = cut.tokens;
+            room_left = room_left.map(|r| r.saturating_sub(cut.tokens));
+            let made = self.sweeps.create_chunk(&chunk).await?;
+            tracing::info!(chunk = seq, items = made.0.job_ids.len(), tokens = made.0.tokens, "provider batch cut");
+            out.push(made);
+        }
+        Ok(out)
+    }
+
+    /// The review an item of the manifest keeps (until it is final).
+    async fn review(&self, sweep_id: &str, job_id: &str) -> Result<Option<ReviewMessage>, StoreError> {
+        Ok(self.sweeps.item(sweep_id, job_id).await?.and_then(|i| i.review))
+    }
+
+    /// Marks a sweep settled: every item final, no batch of it left.
+    async fn settle(&self, sweep: &SweepRecord) -> Result<(), RoundError> {
+        self.sweeps.apply(&sweep.tenant, &sweep.sweep_id, SweepEvent::Settled, self.clock.now_ms()).await?;
+        tracing::info!("sweep settled: every item is final");
+        Ok(())
+    }
+
+    /// Ends an item of a cancelled sweep that waits for a later batch.
+    async fn end_cancelled(&self, job_id: &str, read: (JobRecord, u64)) -> Result<(), RoundError> {
+        let generation = read.0.generation();
+        let event = Event::Terminate {
+            reason: reviewlane_core::job::TerminalReason::Cancelled,
+            upstream_status: None,
+            generation: Some(generation),
+        };
+        match self.jobs.apply_from(job_id, Some(read), &event).await {
+            Ok(_) | Err(StoreError::Transition(..)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Renews the lead before a step that must happen under it (anything sent to create
+    /// a batch): a round that outlived its lead stops.
+    async fn still_leading(&self) -> Result<(), RoundError> {
+        match self.sweeps.lead(&self.owner, self.clock.now_ms(), self.lead_ttl.as_millis() as u64).await? {
+            true => Ok(()),
+            false => Err(RoundError::LeadLost),
+        }
+    }
+
+    /// Moves a chunk on as far as it goes now: lease, intent, send, poll, apply.
+    async fn advance(
+        &self,
+        sweep: &SweepRecord,
+        chunk: &mut ChunkRecord,
+        revision: &mut u64,
+        known: &HashSet<String>,
+        memory: &mut Memory,
+    ) -> Result<(), RoundError> {
+        let span = tracing::info_span!("batch.chunk", chunk = chunk.seq, provider = self.client.provider());
+        async {
+            loop {
+                let fresh = memory.fresh.contains(&chunk.chunk_id);
+                match chunk.step {
+                    ChunkStep::Leasing => {
+                        let leased = self.lease(sweep, chunk).await?;
+                        chunk.job_ids = leased;
+                        if chunk.job_ids.is_empty() {
+                            chunk.step = ChunkStep::Applied;
+                            chunk.ended_at_ms = Some(self.clock.now_ms());
+                        } else {
+                            let lines = self.lines(sweep, chunk).await?;
+                            chunk.input_digest = Some(digest(&lines));
+                            chunk.newest_before = self.client.newest().await?;
+                            chunk.step = ChunkStep::Intent;
+                        }
+                        self.write(chunk, revision).await?;
+                        memory.fresh.insert(chunk.chunk_id.clone());
+                    }
+                    ChunkStep::Intent | ChunkStep::Uploaded if !fresh => {
+                        // A batch may exist for it: look before creating one.
+                        memory.fresh.insert(chunk.chunk_id.clone());
+                        if let Some(found) = self.client.find(chunk, known).await? {
+                            tracing::info!("found the batch created before its id was recorded");
+                            self.created(chunk, found);
+                            self.write(chunk, revision).await?;
+                        }
+                    }
+                    ChunkStep::Intent => {
+                        self.still_leading().await?;
+                        let lines = self.lines(sweep, chunk).await?;
+                        if chunk.input_digest.as_deref() != Some(digest(&lines).as_str()) {
+                            tracing::warn!("a chunk's request lines differ from its intent; sent as they now are");
+                        }
+                        if self.client.provider() == "openai" {
+                            chunk.file_id = Some(self.client.upload(chunk, &lines).await?);
+                            chunk.step = ChunkStep::Uploaded;
+                        } else {
+                            let id = self.client.create(chunk, &lines).await?;
+                            self.created(chunk, id);
+                        }
+                        self.write(chunk, revision).await?;
+                    }
+                    ChunkStep::Uploaded => {
+                        self.still_leading().await?;
+                        let id = self.client.create(chunk, &[]).await?;
+                        self.created(chunk, id);
+                        self.write(chunk, revision).await?;
+                    }
+                    ChunkStep::Created => {
+                        if !self.poll(sweep, chunk, revision, memory).await? {
+                            return Ok(());
+                        }
+                    }
+                    ChunkStep::Applied => {
+                        memory.polls.remove(&chunk.chunk_id);
+                        memory.fresh.remove(&chunk.chunk_id);
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    fn created(&self, chunk: &mut ChunkRecord, batch_id: String) {
+        chunk.batch_id = Some(batch_id);
+        chunk.step = ChunkStep::Created;
+        chunk.submitted_at_ms = Some(self.clock.now_ms());
+        tracing::info!(items = chunk.job_ids.len(), "provider batch created");
+    }
+
+    /// Writes the chunk's record from its revision.
+    async fn write(&self, chunk: &ChunkRecord, revision: &mut u64) -> Result<(), StoreError> {
+        *revision = self.sweeps.update_chunk(chunk, *revision).await?;
+        Ok(())
+    }
+
+    /// Polls the chunk's batch when due; applies its lines once it ends. Whether the
+    /// chunk moved on (else it waits for its next poll).
+    async fn poll(
+        &self,
+        sweep: &SweepRecord,
+        chunk: &mut ChunkRecord,
+        revision: &mut u64,
+        memory: &mut Memory,
+    ) -> Result<bool, RoundError> {
+        let now = tokio::time::Instant::now();
+        let (polls, due) = memory.polls.get(&chunk.chunk_id).copied().unwrap_or((0, now));
+        if now < due {
+            return Ok(false);
+        }
+        let batch_id = chunk.batch_id.clone().expect("a created chunk has its batch id");
+        if sweep.state == SweepState::Cancelled && !chunk.cancel_sent {
+            match self.client.cancel(&batch_id).await {
+                Ok(()) | Err(BatchApiError::Refused { .. }) => {
+                    chunk.cancel_sent = true;
+                    self.write(chunk, revision).await?;
+                    tracing::info!("provider batch cancelled with its sweep");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let polled = match self.client.get(&batch_id).await {
+            Ok(p) => p,
+            Err(BatchApiError::RateLimited { retry_after }) => {
+                let wait = self.settings.poll.delay(polls, retry_after);
+                memory.polls.insert(chunk.chunk_id.clone(), (polls + 1, now + wait));
+                return Ok(false);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match batch::step(&polled.status) {
+            BatchStep::Poll => {
+                if polled.done != chunk.done {
+                    chunk.done = polled.done;
+                    self.write(chunk, revision).await?;
+                }
+                let wait = self.settings.poll.delay(polls, None);
+                memory.polls.insert(chunk.chunk_id.clone(), (polls + 1, now + wait));
+                Ok(false)
+            }
+            BatchStep::Collect => {
+                let lines = self.client.lines(&polled).await?;
+                self.apply_lines(sweep, chunk, lines).await?;
+                self.ended(chunk, revision).await?;
+                Ok(true)
+            }
+            BatchStep::Resubmit { smaller } => {
+                if smaller {
+                    *memory.shrink.entry(sweep.sweep_id.clone()).or_default() += 1;
+                    tracing::warn!(
+                        "provider batch refused for the model's enqueued tokens; its items go again, in smaller batches"
+                    );
+                }
+                self.resubmit_all(sweep, chunk, &[]).await?;
+                self.ended(chunk, revision).await?;
+                Ok(true)
+            }
+            BatchStep::Reject { lines } => {
+                tracing::warn!(lines = lines.len(), "provider batch input refused");
+                let refused = if lines.is_empty() { chunk.job_ids.clone() } else { chunk.jobs_of_lines(&lines) };
+                self.resubmit_all(sweep, chunk, &refused).await?;
+                self.ended(chunk, revision).await?;
+                Ok(true)
+            }
+        }
+    }
+
+    async fn ended(&self, chunk: &mut ChunkRecord, revision: &mut u64) -> Result<(), StoreError> {
+        chunk.step = ChunkStep::Applied;
+        chunk.ended_at_ms = Some(self.clock.now_ms());
+        chunk.done = chunk.job_ids.len() as u64;
+        self.write(chunk, revision).await?;
+        tracing::info!(turnaround_ms = chunk.turnaround_ms(), "provider batch applied");
+        Ok(())
+    }
+
+    /// Leases each of the chunk's items to it: a new item's job is created leased (it
+    /// is never without an owner), one waiting for a later batch is leased from there.
+    /// The items now leased to it (an item that ended meanwhile, a cancelled one, is
+    /// left out).
+    async fn lease(&self, sweep: &SweepRecord, chunk: &ChunkRecord) -> Result<Vec<String>, RoundError> {
+        let mut leased = Vec::new();
+        for id in &chunk.job_ids {
+            let Some(review) = self.review(&sweep.sweep_id, id).await? else { continue };
+            let now = self.clock.now_ms();
+            let event = Event::Leased {
+                owner: chunk.chunk_id.clone(),
+                lease_expires_at_ms: review.deadline_ms.unwrap_or(now).max(now),
+            };
+            let mine = |r: &JobRecord| r.state == JobState::Running && r.owner.as_deref() == Some(&chunk.chunk_id);
+            let existing = match self.jobs.get(id).await? {
+                Some(read) => read,
+                None => {
+                    let rec = reviewlane_core::job::transition(&review.record(), &event, now)
+                        .expect("a new job can be leased");
+                    match self.jobs.create(&rec).await? {
+                        Created::New(rec, _) => {
+                            if let Err(e) = self.index.add(&rec, &review.metadata.repository).await {
+                                tracing::warn!(kind = e.kind(), "indexing a sweep item for listings failed");
+                            }
+                            leased.push(id.clone());
+                            continue;
+                        }
+                        Created::Exists(_) => self.jobs.get(id).await?.ok_or(StoreError::NotFound)?,
+                    }
+                }
+            };
+            if mine(&existing.0) {
+                leased.push(id.clone());
+                continue;
+            }
+            if sweep.state == SweepState::Cancelled
+                || !(existing.0.state == JobState::RetryScheduled
+                    && batch::in_provider_batch(existing.0.owner.as_deref()))
+            {
+                continue;
+            }
+            match self.jobs.apply_from(id, Some(existing), &event).await {
+                Ok(_) => leased.push(id.clone()),
+                Err(StoreError::Transition(_, current)) if mine(&current) => leased.push(id.clone()),
+                Err(StoreError::Transition(..)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(leased)
+    }
+
+    /// The chunk's request lines, in its items' order, built from the manifest.
+    async fn lines(&self, sweep: &SweepRecord, chunk: &ChunkRecord) -> Result<Vec<serde_json::Value>, RoundError> {
+        let mut out = Vec::with_capacity(chunk.job_ids.len());
+        for id in &chunk.job_ids {
+            let review = self.review(&sweep.sweep_id, id).await?.ok_or(StoreError::NotFound)?;
+            let text = review.diff_text();
+            let diff = reviewlane_core::diff::parse(&text).unwrap_or(reviewlane_core::diff::Diff { files: Vec::new() });
+            let req = crate::provider::ProviderRequest {
+                job_id: &review.job_id,
+                region: review.region,
+                schema_version: &review.schema_version,
+                diff_text: &text,
+                diff: &diff,
+                review_depth: review.review_depth,
+                part: None,
+            };
+            let custom = batch::custom_id(id).ok_or_else(|| StoreError::other("a job id that is no custom id"))?;
+            out.push(self.client.line(custom, &req));
+        }
+        Ok(out)
+    }
+}
+
+/// The digest of a chunk's request lines, in order.
+fn digest(lines: &[serde_json::Value]) -> String {
+    let bytes: Vec<Vec<u8>> = lines.iter().map(|l| l.to_string().into_bytes()).collect();
+    let parts: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+    reviewlane_core::job_id::sha256_hex(&parts)
+}
+
+/// Why this region's sweeps cannot run through its provider's batch API, if they
+/// cannot: said at start and to a caller asking for `provider_batch`.
+pub fn why_no_batches(
+    provider: &crate::config::ProviderConfig,
+    region: reviewlane_shared::Region,
+    settings: &BatchSettings,
+) -> Option<String> {
+    use crate::config::ProviderConfig;
+    match provider {
+        _ if !settings.enabled => {
+            Some(format!("provider batches are off for region {region} (REVIEWLANE_PROVIDER_BATCH=off)"))
+        }
+        ProviderConfig::Builtin => Some("the built-in analyzer has no batch API".into()),
+        ProviderConfig::Anthropic { .. } if region == reviewlane_shared::Region::Eu => Some(format!(
+            "Anthropic's Message Batches API offers no EU processing location, so batch data could not stay in region {region}"
+        )),
+        ProviderConfig::OpenAi { .. } | ProviderConfig::Anthropic { .. } => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ProviderConfig;
+    use reviewlane_shared::Region;
+
+    #[test]
+    fn batches_run_where_the_provider_has_a_batch_api_that_keeps_the_data_in_region() {
+        let on = BatchSettings::default();
+        let openai = |r| ProviderConfig::OpenAi {
+            base_url: "http://127.0.0.1:1/v1".into(),
+            model: "m".into(),
+            api_key: None,
+            endpoint_region: r,
+            schema_dialect: Default::default(),
+        };
+        let anthropic = |r| ProviderConfig::Anthropic {
+            base_url: "http://127.0.0.1:1".into(),
+            model: "m".into(),
+            api_key: None,
+            endpoint_region: r,
+            max_tokens: 1024,
+        };
+        assert_eq!(why_no_batches(&openai(Region::Us), Region::Us, &on), None);
+        assert_eq!(why_no_batches(&openai(Region::Eu), Region::Eu, &on), None);
+        assert_eq!(why_no_batches(&anthropic(Region::Us), Region::Us, &on), None);
+        let eu = why_no_batches(&anthropic(Region::Eu), Region::Eu, &on).expect("refused in the EU");
+        assert!(eu.contains("no EU processing location"), "{eu}");
+        assert!(why_no_batches(&ProviderConfig::Builtin, Region::Us, &on).is_some());
+        let off = BatchSettings { enabled: false, ..on };
+        assert!(why_no_batches(&openai(Region::Us), Region::Us, &off).unwrap().contains("off"));
+    }
+}

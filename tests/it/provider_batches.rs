@@ -1,0 +1,203 @@
+//! Sweeps through the providers' own batch APIs, end to end: the region's coordinator
+//! cuts the manifest into provider batches, sends each once, polls it, applies each
+//! result line to its item once (validated against the item's diff, as a lane answer
+//! is), sends again what did not run, and ends what was refused; the publisher delivers
+//! each validated item once. Against the simulated provider's OpenAI Batch API and
+//! Anthropic Message Batches API over loopback; real nats-server.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use reviewlane_api::proto::{
+    self, AddSweepItemsRequest, CancelSweepRequest, CreateSweepRequest, GetSweepRequest, SealSweepRequest, SweepItem,
+    SweepItemState, SweepMode, SweepState,
+};
+use reviewlane_testkit::simbatch::{BatchScript, LineFault};
+use tonic::Code;
+
+use crate::harness::*;
+
+type Client = reviewlane_api::proto::review_service_client::ReviewServiceClient<tonic::transport::Channel>;
+
+fn item(i: usize) -> SweepItem {
+    SweepItem {
+        item_key: format!("src/batch_{i}.rs"),
+        diff: format!(
+            "diff --git a/src/batch_{i}.rs b/src/batch_{i}.rs\nnew file mode 100644\n--- /dev/null\n+++ b/src/batch_{i}.rs\n@@ -0,0 +1,2 @@\n+fn g_{i}() {{}}\n+// TODO: finish {i}\n"
+        ),
+        ..Default::default()
+    }
+}
+
+fn count(sweep: &proto::Sweep, state: SweepItemState) -> u64 {
+    sweep.items.iter().find(|c| c.state == state as i32).map_or(0, |c| c.count)
+}
+
+fn failed(sweep: &proto::Sweep) -> BTreeMap<i32, u64> {
+    sweep.failed.iter().map(|r| (r.reason, r.count)).collect()
+}
+
+async fn sweep_of(client: &mut Client, key: &str, id: &str) -> proto::Sweep {
+    client.get_sweep(authed(key, GetSweepRequest { sweep_id: id.into() })).await.unwrap().into_inner().sweep.unwrap()
+}
+
+/// Creates a sweep of `n` items under `key` in `mode`, and seals it; its id.
+async fn sealed_sweep(client: &mut Client, key: &str, name: &str, mode: SweepMode, n: usize) -> proto::Sweep {
+    let create = CreateSweepRequest { idempotency_key: name.into(), mode: mode as i32, ..Default::default() };
+    let sweep = client.create_sweep(authed(key, create)).await.unwrap().into_inner().sweep.unwrap();
+    let page = AddSweepItemsRequest { sweep_id: sweep.sweep_id.clone(), items: (0..n).map(item).collect() };
+    client.add_sweep_items(authed(key, page)).await.unwrap();
+    let seal = SealSweepRequest { sweep_id: sweep.sweep_id.clone() };
+    client.seal_sweep(authed(key, seal)).await.unwrap().into_inner().sweep.unwrap()
+}
+
+/// Waits until every item of the sweep is final and the publisher is done.
+async fn finished(client: &Client, key: &str, id: &str, within: Duration) -> proto::Sweep {
+    poll_until(within, || {
+        let mut client = client.clone();
+        let (key, id) = (key.to_string(), id.to_string());
+        async move {
+            let s = sweep_of(&mut client, &key, &id).await;
+            (s.percent_done == 100.0).then_some(s)
+        }
+    })
+    .await
+    .expect("every item final in time")
+}
+
+/// The job ids of the sweep's items, by item key.
+async fn item_jobs(client: &mut Client, key: &str, id: &str) -> BTreeMap<String, (String, i32, i32)> {
+    let req = proto::ListSweepItemsRequest { sweep_id: id.into(), page_size: 1000, ..Default::default() };
+    let items = client.list_sweep_items(authed(key, req)).await.unwrap().into_inner().items;
+    items.into_iter().map(|i| (i.item_key, (i.job_id, i.state, i.terminal_reason))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_through_openais_batch_api_is_paid_once_per_item_at_the_batch_price_and_reconciled() {
+    let prices =
+        [("sim".to_string(), reviewlane_extractor::config::Price { input_per_mtok: 1.0, output_per_mtok: 2.0 })].into();
+    let stack = Stack::start_with(StackOptions { model_prices: prices, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    // Every item is sent once; item 4's line is refused; item 5's never runs (expired)
+    // and is sent again within its budget (2), then ends with its own reason.
+    let sweep = sealed_sweep(&mut client, US_KEY, "openai-batch", SweepMode::Auto, 6).await;
+    assert_eq!(sweep.runs_on, SweepMode::ProviderBatch as i32, "auto runs on the provider's batch API here");
+    let id = sweep.sweep_id.clone();
+    let jobs = item_jobs(&mut client, US_KEY, &id).await;
+    let job = |i: usize| jobs[&format!("src/batch_{i}.rs")].0.clone();
+    stack.us.provider.script_batches(BatchScript {
+        lines: [(job(4), LineFault::Status(400)), (job(5), LineFault::Expired)].into(),
+        ..Default::default()
+    });
+    let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
+    assert_eq!((count(&done, SweepItemState::Published), count(&done, SweepItemState::Failed)), (4, 2));
+    let reasons = failed(&done);
+    assert_eq!(reasons.get(&(proto::TerminalReason::UpstreamRejected as i32)), Some(&1), "{reasons:?}");
+    assert_eq!(reasons.get(&(proto::TerminalReason::DeadlineExceeded as i32)), Some(&1), "{reasons:?}");
+
+    let stats = stack.us.provider.batch_stats();
+    // The first batch, then item 5 alone twice more.
+    assert_eq!((stats.files_uploaded, stats.batches_created), (3, 3), "{stats:?}");
+    let paid: Vec<u64> = (0..4).map(|i| stats.paid_lines.get(&job(i)).copied().unwrap_or(0)).collect();
+    assert_eq!(paid, [1, 1, 1, 1], "each published item paid once: {stats:?}");
+    assert_eq!(stats.paid_lines.len(), 4, "nothing else paid");
+    assert_eq!(stack.us.provider.stats().total_calls, 0, "no lane call");
+    // Tokens of the paid lines; cost at half the synchronous price (100 in, 50 out each:
+    // 0.0002 USD a call).
+    let t = done.tokens.unwrap();
+    assert_eq!((t.input, t.output), (400, 200));
+    assert!((done.estimated_cost_usd - 4.0 * 0.0001).abs() < 1e-9, "{}", done.estimated_cost_usd);
+
+    // Each published item delivered once, as an ordinary review linked to its sweep.
+    for i in 0..4 {
+        assert!(stack.webhook.wait_for(&job(i), Duration::from_secs(20)).await.is_some(), "item {i} delivered");
+    }
+    let settled = stack.webhook.wait_count(4, Duration::from_millis(500), Duration::from_secs(10)).await;
+    assert_eq!(settled, 4);
+    for i in 0..4 {
+        assert_eq!(stack.webhook.for_job(&job(i)).len(), 1, "item {i} delivered once");
+    }
+    let review = client
+        .get_review(authed(US_KEY, proto::GetReviewRequest { job_id: job(0) }))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert_eq!(review.state, proto::JobState::Published as i32);
+    assert_eq!(review.sweep_id, id);
+    assert!(!review.findings.is_empty(), "the batch line's findings, validated against the item's diff");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_through_anthropics_message_batches_resubmits_what_failed_and_ends_it_in_budget() {
+    let stack = Stack::start_with(StackOptions { anthropic: true, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "anthropic-batch", SweepMode::ProviderBatch, 4).await;
+    assert_eq!(sweep.runs_on, SweepMode::ProviderBatch as i32);
+    let id = sweep.sweep_id.clone();
+    let jobs = item_jobs(&mut client, US_KEY, &id).await;
+    let job = |i: usize| jobs[&format!("src/batch_{i}.rs")].0.clone();
+    // Item 3 errors (`api_error`) in every batch: sent again twice, then it ends.
+    stack
+        .us
+        .provider
+        .script_batches(BatchScript { lines: [(job(3), LineFault::Status(500))].into(), ..Default::default() });
+    let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
+    assert_eq!((count(&done, SweepItemState::Published), count(&done, SweepItemState::Failed)), (3, 1));
+    assert_eq!(failed(&done).get(&(proto::TerminalReason::TransientBudgetExhausted as i32)), Some(&1));
+    let stats = stack.us.provider.batch_stats();
+    assert_eq!(stats.batches_created, 3, "{stats:?}");
+    assert_eq!(stats.paid_lines.values().copied().collect::<Vec<_>>(), [1, 1, 1], "only succeeded lines are billed");
+    assert_eq!(stack.us.provider.stats().total_calls, 0);
+    for i in 0..3 {
+        assert!(stack.webhook.wait_for(&job(i), Duration::from_secs(20)).await.is_some(), "item {i} delivered");
+    }
+    assert!(stack.webhook.for_job(&job(3)).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eu_region_on_anthropic_refuses_provider_batches_saying_why_and_runs_auto_on_the_lanes() {
+    let stack = Stack::start_with(StackOptions { anthropic: true, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let create = |mode: SweepMode| CreateSweepRequest {
+        idempotency_key: format!("eu-{}", mode as i32),
+        mode: mode as i32,
+        ..Default::default()
+    };
+    let refused = client.create_sweep(authed(EU_KEY, create(SweepMode::ProviderBatch))).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert!(refused.message().contains("no EU processing location"), "{}", refused.message());
+    let auto = client.create_sweep(authed(EU_KEY, create(SweepMode::Auto))).await.unwrap().into_inner().sweep.unwrap();
+    assert_eq!(auto.runs_on, SweepMode::Lanes as i32);
+    // The US region on the same provider runs them.
+    let us = client.create_sweep(authed(US_KEY, create(SweepMode::ProviderBatch))).await.unwrap().into_inner();
+    assert_eq!(us.sweep.unwrap().runs_on, SweepMode::ProviderBatch as i32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_sweep_cancels_its_provider_batch_and_delivers_only_what_ran() {
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    // A batch that runs long: cancelled while in progress, half its lines have run.
+    stack.us.provider.script_batches(BatchScript { progress_polls: 400, ..Default::default() });
+    let sweep = sealed_sweep(&mut client, US_KEY, "cancelled-batch", SweepMode::ProviderBatch, 6).await;
+    let id = sweep.sweep_id.clone();
+    poll_until(Duration::from_secs(20), || {
+        let mut client = client.clone();
+        let id = id.clone();
+        async move { (count(&sweep_of(&mut client, US_KEY, &id).await, SweepItemState::Submitted) == 6).then_some(()) }
+    })
+    .await
+    .expect("every item submitted to the provider");
+    assert_eq!(stack.us.provider.batch_stats().batches_created, 1);
+    let cancelled = client.cancel_sweep(authed(US_KEY, CancelSweepRequest { sweep_id: id.clone() })).await.unwrap();
+    assert_eq!(cancelled.into_inner().sweep.unwrap().state, SweepState::Cancelled as i32);
+    let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
+    let stats = stack.us.provider.batch_stats();
+    let (published, cancelled) = (count(&done, SweepItemState::Published), count(&done, SweepItemState::Cancelled));
+    assert_eq!(published + cancelled, 6, "{done:?}");
+    assert_eq!(published, stats.paid_lines.len() as u64, "what ran (and was paid) is delivered, nothing else");
+    assert!(cancelled > 0, "what had not run ends cancelled");
+    assert_eq!(stats.batches_created, 1, "nothing is sent again");
+}
