@@ -190,7 +190,10 @@ async fn a_cancelled_sweep_cancels_its_provider_batch_and_delivers_only_what_ran
     })
     .await
     .expect("every item submitted to the provider");
-    assert_eq!(stack.us.provider.batch_stats().batches_created, 1);
+    let provider = &stack.us.provider;
+    let created =
+        poll_until(Duration::from_secs(20), || async { (provider.batch_stats().batches_created == 1).then_some(()) });
+    assert!(created.await.is_some(), "the batch is created");
     let cancelled = client.cancel_sweep(authed(US_KEY, CancelSweepRequest { sweep_id: id.clone() })).await.unwrap();
     assert_eq!(cancelled.into_inner().sweep.unwrap().state, SweepState::Cancelled as i32);
     let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
