@@ -44,6 +44,19 @@ pub struct BatchScript {
     pub expire: bool,
     /// Answer this many requests to the batch endpoints 429 first.
     pub throttle_requests: u32,
+    /// Hold the next create until `SimProvider::release_batches` (so a test can kill
+    /// its caller there): before the batch exists (it is then never created), or after
+    /// it is created and before the answer.
+    pub hold_create: Option<HoldCreate>,
+}
+
+/// Where a held create waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldCreate {
+    /// The request arrived; no batch is made (its caller died before the create).
+    Before,
+    /// The batch is made; its answer waits (its caller dies before it records the id).
+    After,
 }
 
 impl Default for BatchScript {
@@ -56,6 +69,7 @@ impl Default for BatchScript {
             fail_with: None,
             expire: false,
             throttle_requests: 0,
+            hold_create: None,
         }
     }
 }
@@ -77,6 +91,8 @@ pub struct BatchStats {
     /// Lines answered with a success (the billed ones), per custom id.
     pub paid_lines: BTreeMap<String, u64>,
     pub throttled: u64,
+    /// Creates held (`BatchScript::hold_create`).
+    pub creates_held: u64,
 }
 
 #[derive(Default)]

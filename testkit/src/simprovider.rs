@@ -144,6 +144,8 @@ struct State {
     config: SimConfig,
     /// The OpenAI Batch API's files and batches (`simbatch`).
     batches: Mutex<crate::simbatch::Batches>,
+    /// Where a held batch create waits (`release_batches`).
+    batch_gate: tokio::sync::Notify,
     slots: Option<Arc<Semaphore>>,
     in_flight: AtomicUsize,
     stats: Mutex<Stats>,
@@ -179,6 +181,7 @@ impl SimProvider {
             slots: config.concurrency_cap.map(|n| Arc::new(Semaphore::new(n))),
             meter: config.limits.map(|l| Mutex::new(crate::simmeter::SimMeter::new(l))),
             batches: Mutex::default(),
+            batch_gate: tokio::sync::Notify::new(),
             config,
             in_flight: AtomicUsize::new(0),
             stats: Mutex::new(Stats::default()),
@@ -205,6 +208,11 @@ impl SimProvider {
     /// How the simulated account runs batches from now on (`simbatch`).
     pub fn script_batches(&self, script: crate::simbatch::BatchScript) {
         self.state.batches.lock().expect("batches lock").script = script;
+    }
+
+    /// Lets a held batch create go on (`BatchScript::hold_create`).
+    pub fn release_batches(&self) {
+        self.state.batch_gate.notify_waiters();
     }
 
     /// What the simulated account saw of batches.
@@ -521,12 +529,30 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
             .unwrap_or_default();
         model_output(st, request, anthropic, prompt)
     };
-    let mut batches = st.batches.lock().expect("batches lock");
-    if anthropic {
-        let base = format!("http://{host}");
-        return batches.handle_messages(&method, &path, &query, &base, body, &answer);
+    let create = method == hyper::Method::POST && (path == "/v1/batches" || path == "/v1/messages/batches");
+    let hold = if create { st.batches.lock().expect("batches lock").script.hold_create.take() } else { None };
+    if hold.is_some() {
+        st.batches.lock().expect("batches lock").stats.creates_held += 1;
     }
-    batches.handle(&method, &path, &query, body, &answer)
+    if hold == Some(crate::simbatch::HoldCreate::Before) {
+        st.batch_gate.notified().await;
+        let mut r = Response::new(Full::new(Bytes::from_static(b"{}")));
+        *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        return r;
+    }
+    let answered = {
+        let mut batches = st.batches.lock().expect("batches lock");
+        if anthropic {
+            let base = format!("http://{host}");
+            batches.handle_messages(&method, &path, &query, &base, body, &answer)
+        } else {
+            batches.handle(&method, &path, &query, body, &answer)
+        }
+    };
+    if hold == Some(crate::simbatch::HoldCreate::After) {
+        st.batch_gate.notified().await;
+    }
+    answered
 }
 
 /// What the model answers a request showing `prompt`: a finding per file (`findings_for`),

@@ -204,3 +204,107 @@ async fn a_cancelled_sweep_cancels_its_provider_batch_and_delivers_only_what_ran
     assert!(cancelled > 0, "what had not run ends cancelled");
     assert_eq!(stats.batches_created, 1, "nothing is sent again");
 }
+
+/// Where the coordinator is killed (kill -9) in a provider batch's life.
+#[derive(Clone, Copy, Debug)]
+enum KillAt {
+    /// Its input file uploaded, the create sent but not yet made.
+    BeforeCreate,
+    /// The batch made, its id not yet recorded.
+    AfterCreate,
+    /// Some of its result lines applied, not all.
+    Applying,
+}
+
+/// A sweep of `n` items through the OpenAI batch path with the extractor killed at
+/// `at`, then restarted: no second provider batch for the chunk, no item paid twice,
+/// every item published and delivered once, the counts exact.
+async fn killed_coordinator_resumes(at: KillAt, n: usize) {
+    use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+    use reviewlane_testkit::simbatch::HoldCreate;
+    ensure_nats_server().expect("nats-server");
+    ensure_built().expect("service binaries build");
+    let mut stack = ProcStack::start(StackOptions { extractors: 1, ..Default::default() }).await.expect("stack starts");
+    let hold = match at {
+        KillAt::BeforeCreate => Some(HoldCreate::Before),
+        KillAt::AfterCreate => Some(HoldCreate::After),
+        KillAt::Applying => None,
+    };
+    stack.us.provider.script_batches(BatchScript { hold_create: hold, ..Default::default() });
+    // Every change of a job record, as it happens (core NATS on the bucket's subjects).
+    let nats = async_nats::connect(stack.us.nats.url()).await.unwrap();
+    let bucket = reviewlane_shared::layout::jobs_bucket(reviewlane_core::region::Region::Us);
+    let mut changes = nats.subscribe(format!("$KV.{bucket}.>")).await.unwrap();
+    let mut client = Client::connect(format!("http://{}", stack.ingress)).await.unwrap();
+    let sweep = sealed_sweep(&mut client, US_KEY, "killed", SweepMode::ProviderBatch, n).await;
+    let id = sweep.sweep_id.clone();
+
+    let provider = &stack.us.provider;
+    match at {
+        KillAt::BeforeCreate | KillAt::AfterCreate => {
+            let held = poll_until(Duration::from_secs(30), || async {
+                (provider.batch_stats().creates_held == 1).then_some(())
+            });
+            assert!(held.await.is_some(), "the create reached the provider");
+            stack.service_mut("extractor-us").unwrap().kill_and_restart().unwrap();
+            stack.us.provider.release_batches();
+            let made = if matches!(at, KillAt::BeforeCreate) { 0 } else { 1 };
+            assert_eq!(stack.us.provider.batch_stats().batches_created, made);
+        }
+        KillAt::Applying => {
+            let validated = tokio::time::timeout(Duration::from_secs(60), async {
+                let mut validated = std::collections::HashSet::new();
+                while let Some(m) = futures::StreamExt::next(&mut changes).await {
+                    let rec: Option<reviewlane_core::job::JobRecord> = serde_json::from_slice(&m.payload).ok();
+                    if let Some(r) = rec.filter(|r| r.state == reviewlane_core::job::JobState::Validated) {
+                        validated.insert(r.job_id);
+                        if validated.len() == 10 {
+                            break;
+                        }
+                    }
+                }
+                validated.len() as u64
+            })
+            .await
+            .expect("results being applied within 60 s");
+            stack.service_mut("extractor-us").unwrap().kill_and_restart().unwrap();
+            let sweep = sweep_of(&mut client, US_KEY, &id).await;
+            let applied = count(&sweep, SweepItemState::Validated) + count(&sweep, SweepItemState::Published);
+            assert!(applied >= validated && applied < n as u64, "killed while applying: {applied} of {n} applied");
+        }
+    }
+
+    let done = finished(&client, US_KEY, &id, Duration::from_secs(90)).await;
+    let provider = &stack.us.provider;
+    assert_eq!(count(&done, SweepItemState::Published), n as u64, "{at:?}: {done:?}");
+    assert_eq!(done.items_total, n as u64);
+    let stats = provider.batch_stats();
+    assert_eq!(stats.batches_created, 1, "{at:?}: one provider batch for the chunk: {stats:?}");
+    assert_eq!(stats.paid_lines.len(), n, "{at:?}");
+    assert!(stats.paid_lines.values().all(|p| *p == 1), "{at:?}: an item paid twice: {stats:?}");
+    let t = done.tokens.unwrap();
+    assert_eq!((t.input, t.output), (100 * n as u64, 50 * n as u64), "{at:?}: tokens charged once per item");
+    let jobs = item_jobs(&mut client, US_KEY, &id).await;
+    let delivered = stack.webhook.wait_count(n, Duration::from_millis(500), Duration::from_secs(30)).await;
+    assert_eq!(delivered, n, "{at:?}");
+    for (job, ..) in jobs.values() {
+        assert_eq!(stack.webhook.for_job(job).len(), 1, "{at:?}: delivered once");
+    }
+    let codes = stack.shutdown();
+    assert!(codes.values().all(|c| *c == Some(0)), "{codes:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_killed_between_upload_and_create_creates_the_batch_once_after_restart() {
+    killed_coordinator_resumes(KillAt::BeforeCreate, 5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_killed_between_create_and_recording_the_id_finds_its_batch_and_creates_none() {
+    killed_coordinator_resumes(KillAt::AfterCreate, 5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_coordinator_killed_while_applying_results_applies_each_line_once_after_restart() {
+    killed_coordinator_resumes(KillAt::Applying, 300).await;
+}
