@@ -93,6 +93,8 @@ pub struct BatchStats {
     pub throttled: u64,
     /// Creates held (`BatchScript::hold_create`).
     pub creates_held: u64,
+    /// Most batches running at once (counted at each create).
+    pub max_running: u64,
 }
 
 #[derive(Default)]
@@ -160,6 +162,17 @@ fn respond(status: StatusCode, body: Value) -> Response<Full<Bytes>> {
 }
 
 impl Batches {
+    /// Counts the batches running with `new` more.
+    fn note_running(&mut self, new: u64) {
+        let openai = self
+            .batches
+            .values()
+            .filter(|b| matches!(b.status, "validating" | "in_progress" | "finalizing" | "cancelling"))
+            .count();
+        let anthropic = self.messages.values().filter(|b| b.status != "ended").count();
+        self.stats.max_running = self.stats.max_running.max(openai as u64 + anthropic as u64 + new);
+    }
+
     fn id(&mut self, prefix: &str) -> String {
         self.next += 1;
         format!("{prefix}-sim{:06}", self.next)
@@ -234,6 +247,7 @@ impl Batches {
         let total = bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()).count();
         let id = self.id("batch");
         self.stats.batches_created += 1;
+        self.note_running(1);
         let created_at = self.next;
         self.batches.insert(
             id.clone(),
@@ -421,6 +435,7 @@ impl Batches {
                 };
                 let id = self.id("msgbatch");
                 self.stats.batches_created += 1;
+                self.note_running(1);
                 let created_at = self.next;
                 self.messages.insert(
                     id.clone(),

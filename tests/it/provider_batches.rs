@@ -308,3 +308,21 @@ async fn a_coordinator_killed_between_create_and_recording_the_id_finds_its_batc
 async fn a_coordinator_killed_while_applying_results_applies_each_line_once_after_restart() {
     killed_coordinator_resumes(KillAt::Applying, 300).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_hold_no_more_enqueued_tokens_than_the_models_budget() {
+    // A budget smaller than one item: each batch holds one item, and the next is made
+    // only once the one before has ended and given its tokens back.
+    let stack = Stack::start_with(StackOptions {
+        provider_batch: "poll=50ms..200ms,enqueued_tokens=1".into(),
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "budgeted", SweepMode::ProviderBatch, 3).await;
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(60)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 3);
+    let stats = stack.us.provider.batch_stats();
+    assert_eq!((stats.batches_created, stats.max_running), (3, 1), "{stats:?}");
+    assert_eq!(stats.paid_lines.len(), 3);
+}
