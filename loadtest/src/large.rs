@@ -194,16 +194,16 @@ async fn large_review(
     Ok((run, diff.len()))
 }
 
-/// The other tenants each submit one small review every `cfg.interactive_every` until
-/// `until` resolves; each review is followed to its final state.
-async fn interactive(
+/// The other tenants each submit one small review every `every` until `until`
+/// resolves; each review is followed to its final state.
+pub async fn interactive_reviews(
     channel: &Channel,
-    cfg: &LargeConfig,
+    every: Duration,
     round: &str,
     until: impl std::future::Future<Output = ()>,
 ) -> Interactive {
     let mut followers = tokio::task::JoinSet::new();
-    let mut tick = tokio::time::interval(cfg.interactive_every);
+    let mut tick = tokio::time::interval(every);
     tokio::pin!(until);
     let mut i = 0;
     loop {
@@ -244,10 +244,10 @@ pub async fn run(stack: &ProcStack, cfg: &LargeConfig) -> anyhow::Result<LargeRe
     let channel = crate::load::connect(stack.ingress).await?;
     let (cold, diff_bytes) = large_review(stack, &channel, cfg, "large-cold").await?;
     let (idle, _) = large_review(stack, &channel, cfg, "large-idle").await?;
-    let alone = interactive(&channel, cfg, "alone", tokio::time::sleep(cfg.alone_for)).await;
+    let alone = interactive_reviews(&channel, cfg.interactive_every, "alone", tokio::time::sleep(cfg.alone_for)).await;
     // The other tenants send from before the large review until it is published.
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-    let beside = interactive(&channel, cfg, "beside", async {
+    let beside = interactive_reviews(&channel, cfg.interactive_every, "beside", async {
         let _ = done_rx.await;
     });
     let large = async {

@@ -1,5 +1,5 @@
 //! reviewlane's load generator (`load`, `corpus`) and load scenarios (`scenarios`,
-//! `chaos`, `replicas`, `large`, `tpm`), run by `cargo run --release -p loadtest -- <scenario>`.
+//! `chaos`, `replicas`, `large`, `tpm`, `sweep`), run by `cargo run --release -p loadtest -- <scenario>`.
 //! What they run against — the stack, the simulated provider, the webhook receiver, the
 //! fake GitHub — is the test kit (`reviewlane-testkit`), re-exported here by name.
 
@@ -9,6 +9,7 @@ pub mod large;
 pub mod load;
 pub mod replicas;
 pub mod scenarios;
+pub mod sweep;
 pub mod tpm;
 
 pub use reviewlane_testkit::{fakegithub, http, procs, simmeter, simprovider, stack, webhook};

@@ -292,6 +292,14 @@ impl ProcStack {
                 ]
                 .map(|(k, v): (&str, String)| (k.to_string(), v)),
             );
+            if !opts.model_prices.is_empty() {
+                let prices: Vec<String> = opts
+                    .model_prices
+                    .iter()
+                    .map(|(model, p)| format!("{model}={}/{}", p.input_per_mtok, p.output_per_mtok))
+                    .collect();
+                env.push(("REVIEWLANE_MODEL_PRICES".into(), prices.join(",")));
+            }
             if !opts.key_budgets.is_empty() {
                 let budgets: Vec<String> = opts.key_budgets.iter().map(|(d, l)| format!("{}={l}", d.short())).collect();
                 env.push(("REVIEWLANE_KEY_BUDGETS".into(), budgets.join(",")));

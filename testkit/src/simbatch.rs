@@ -95,6 +95,8 @@ pub struct BatchStats {
     pub creates_held: u64,
     /// Most batches running at once (counted at each create).
     pub max_running: u64,
+    /// Request lines in every batch created (items sent again count again).
+    pub lines_received: u64,
 }
 
 #[derive(Default)]
@@ -247,6 +249,7 @@ impl Batches {
         let total = bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()).count();
         let id = self.id("batch");
         self.stats.batches_created += 1;
+        self.stats.lines_received += total as u64;
         self.note_running(1);
         let created_at = self.next;
         self.batches.insert(
@@ -435,6 +438,7 @@ impl Batches {
                 };
                 let id = self.id("msgbatch");
                 self.stats.batches_created += 1;
+                self.stats.lines_received += requests.len() as u64;
                 self.note_running(1);
                 let created_at = self.next;
                 self.messages.insert(

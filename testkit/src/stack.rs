@@ -2,6 +2,7 @@
 //! processes), per region a simulated provider, an extractor and a publisher, one
 //! ingress, and a real webhook receiver. Everything binds 127.0.0.1 port 0.
 
+pub use reviewlane_extractor::config::Price;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

@@ -11,7 +11,8 @@
 //! time, its time split by stage) (see `scenarios.rs` and BENCHMARKS.md); `chaos`,
 //! `replicas` (`--key-limit 8`: the deployment told more than the provider allows),
 //! `large` (reviews split into parts: on a fresh and an idle account, and beside two
-//! other tenants' interactive reviews), and `tpm` (an account metering requests or
+//! other tenants' interactive reviews), `sweep` (5,000 items through the provider's
+//! batch API beside interactive reviews, then through the lanes), and `tpm` (an account metering requests or
 //! tokens per minute: `openai-48000-tpm`, `anthropic-itpm-otpm`, `openai-20-rpm`). `--in-process` runs the
 //! services inside this process instead (no RSS or CPU figures). `--provider anthropic` runs the extractors through the Anthropic
 //! Messages adapter against the simulated provider's Anthropic mode (default: the
@@ -27,7 +28,7 @@ use loadtest::stack::Stack;
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
     format!(
-        "usage: loadtest <{}|chaos|replicas [--key-limit N]|large|tpm [variant]> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        "usage: loadtest <{}|chaos|replicas [--key-limit N]|large|sweep|tpm [variant]> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
         names.join("|")
     )
 }
@@ -93,6 +94,24 @@ async fn large() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `sweep`: a sweep of 5,000 items through the provider's batch API beside
+/// interactive reviews, then through the lanes.
+async fn sweep() -> anyhow::Result<()> {
+    let cfg = loadtest::sweep::SweepConfig::full();
+    loadtest::procs::ensure_nats_server()?;
+    ensure_built()?;
+    let stack = ProcStack::start(cfg.options()).await?;
+    let report = loadtest::sweep::run(&stack, &cfg).await;
+    let _ = stack.shutdown();
+    let report = report?;
+    loadtest::sweep::print(&report);
+    println!("{}", serde_json::to_string(&report)?);
+    if !report.ok() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
 /// `chaos`: the services as processes, killed, frozen and restarted under load.
 async fn chaos(jobs: Option<usize>) -> anyhow::Result<()> {
     let mut cfg = loadtest::chaos::ChaosConfig::full();
@@ -137,6 +156,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.first().map(String::as_str) == Some("large") {
         return large().await;
+    }
+    if args.first().map(String::as_str) == Some("sweep") {
+        return sweep().await;
     }
     let Some(scenario) = args.first().and_then(|a| Scenario::parse(a)) else { bail!(usage()) };
     let mut over = Overrides::default();
