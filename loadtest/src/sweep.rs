@@ -143,6 +143,9 @@ async fn one_sweep(
 ) -> anyhow::Result<SweepRun> {
     let mut client = ReviewServiceClient::new(channel.clone());
     let round = if mode == SweepMode::ProviderBatch { "batch" } else { "lanes" };
+    // Read before the first item exists: through the lanes, items run from the seal on.
+    let before = stack.us.provider.batch_stats();
+    let calls_before = stack.us.provider.stats().paid_calls.len() as u64;
     let started = Instant::now();
     let create =
         CreateSweepRequest { idempotency_key: format!("load-{round}"), mode: mode as i32, ..Default::default() };
@@ -155,8 +158,6 @@ async fn one_sweep(
     client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await?;
     let upload = started.elapsed();
     let sealed = Instant::now();
-    let before = stack.us.provider.batch_stats();
-    let calls_before = stack.us.provider.stats().paid_calls.len() as u64;
     let deadline = Instant::now() + Duration::from_secs(1800);
     let done = loop {
         let s = client.get_sweep(authed(US_KEY, GetSweepRequest { sweep_id: id.clone() })).await?.into_inner().sweep;
