@@ -272,6 +272,8 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
         terminal_reason_enum: rec.reason.map_or(proto::TerminalReason::Unspecified, reason_to_proto) as i32,
         replay_of: rec.replay_of.clone().unwrap_or_default(),
         sweep_id: rec.sweep_id.clone().unwrap_or_default(),
+        deeper_of: rec.deeper_of.clone().unwrap_or_default(),
+        deeper_review_id: rec.deeper_review.clone().unwrap_or_default(),
     }
 }
 

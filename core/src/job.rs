@@ -236,6 +236,12 @@ pub struct JobRecord {
     /// The sweep this job is an item of.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sweep_id: Option<String>,
+    /// The review admitted at depth `changed_hunks` that this full-depth one deepens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_of: Option<String>,
+    /// The full-depth review that follows this degraded one (tenant option `deeper_pass`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_review: Option<String>,
 }
 
 /// How a review was split and which parts are done: the checkpoint that lets a crash, a
@@ -397,6 +403,8 @@ impl JobRecord {
             findings_dropped: 0,
             replay_of: None,
             sweep_id: None,
+            deeper_of: None,
+            deeper_review: None,
         }
     }
 }

@@ -53,6 +53,12 @@ pub struct ReviewMessage {
     /// The sweep this review is an item of.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sweep_id: Option<String>,
+    /// The review admitted at depth `changed_hunks` that this full-depth one deepens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_of: Option<String>,
+    /// The full-depth review that follows this degraded one (tenant option `deeper_pass`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_review: Option<String>,
 }
 
 impl ReviewMessage {
@@ -81,6 +87,8 @@ impl ReviewMessage {
         rec.deadline_ms = self.deadline_ms;
         rec.replay_of = self.replay_of.clone();
         rec.sweep_id = self.sweep_id.clone();
+        rec.deeper_of = self.deeper_of.clone();
+        rec.deeper_review = self.deeper_review.clone();
         rec
     }
 }
@@ -113,6 +121,12 @@ pub struct FindingsMessage {
     /// Findings over the cap, left out of a split review's merged result.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub findings_dropped: u32,
+    /// See `ReviewMessage::deeper_of`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_of: Option<String>,
+    /// See `ReviewMessage::deeper_review`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_review: Option<String>,
 }
 
 impl FindingsMessage {
@@ -139,6 +153,8 @@ impl FindingsMessage {
             submitted_at_ms: review.submitted_at_ms,
             part: None,
             findings_dropped: 0,
+            deeper_of: review.deeper_of.clone(),
+            deeper_review: review.deeper_review.clone(),
         }
     }
 }
@@ -185,6 +201,12 @@ pub struct Delivery {
     /// Findings left out because the merged result of a split review was over the cap.
     #[serde(default)]
     pub findings_dropped: u32,
+    /// This full-depth review deepens that one, admitted at `changed_hunks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_of: Option<String>,
+    /// A full-depth review of the same diff follows this one under that id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deeper_review: Option<String>,
 }
 
 impl Delivery {
@@ -200,6 +222,8 @@ impl Delivery {
             findings: m.findings.clone(),
             quarantined_count: m.quarantined.len() as u32,
             findings_dropped: m.findings_dropped,
+            deeper_of: m.deeper_of.clone(),
+            deeper_review: m.deeper_review.clone(),
         }
     }
 }

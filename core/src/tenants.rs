@@ -17,6 +17,7 @@
 //! #     (api_url = "https://ghe.example/api/v3" for GitHub Enterprise)
 //! allow_private_webhook = false # optional: let the webhook point at loopback/private addresses
 //! lane_share = 0.5              # optional: share of each lane's bound (default: equal among the region's tenants)
+//! deeper_pass = false           # optional: follow a review admitted at `changed_hunks` with a full-depth review
 //! role = "operator"             # optional: may also list, read and replay every tenant's dead letters of its region
 //! ```
 
@@ -143,6 +144,11 @@ pub struct Tenant {
     /// addresses (local stacks, in-cluster receivers). Off: such targets are refused.
     #[serde(default)]
     pub allow_private_webhook: bool,
+    /// A review admitted at depth `changed_hunks` (its lane over its window) is followed
+    /// by a full-depth review of the same diff through the sweep path: its own review,
+    /// delivered once, linked both ways (`deeper_of`, `deeper_review`).
+    #[serde(default)]
+    pub deeper_pass: bool,
     /// `operator`: may also list, read and replay every tenant's dead letters of its
     /// region (an operator's own reviews are still its own).
     #[serde(default)]

@@ -11,6 +11,7 @@ mod cluster;
 mod compose;
 mod dead_letters;
 mod deadlines;
+mod deeper_pass;
 mod delivery;
 mod dialects;
 mod faults;

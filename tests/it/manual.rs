@@ -58,6 +58,8 @@ pub fn result(rec: &JobRecord, generation: u32) -> FindingsMessage {
         submitted_at_ms: rec.created_at_ms,
         part: None,
         findings_dropped: 0,
+        deeper_of: None,
+        deeper_review: None,
     }
 }
 

@@ -223,7 +223,7 @@ async fn kill_9_mid_call_is_redelivered_after_the_lease_and_published_once() {
 
 /// One call at a time of 400 ms (about 2.5 reviews/s served); a 1 s window; degraded
 /// service up to 3 s predicted; admission sampled every 100 ms.
-async fn slow_lane() -> Stack {
+pub(crate) fn slow_lane_options() -> StackOptions {
     use reviewlane_ingress::admission::LanePolicy;
     let policy = LanePolicy {
         window: Duration::from_secs(1),
@@ -231,13 +231,16 @@ async fn slow_lane() -> Stack {
         min_waiting: 2,
         deadline: Duration::from_secs(600),
     };
-    Stack::start_with(StackOptions {
+    StackOptions {
         extractor_concurrency: 1,
         us_provider: SimConfig { latency: Duration::from_millis(400), ..Default::default() },
         interactive_policy: Some((policy, Duration::from_millis(100))),
         ..Default::default()
-    })
-    .await
+    }
+}
+
+async fn slow_lane() -> Stack {
+    Stack::start_with(slow_lane_options()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -280,6 +280,8 @@ mod tests {
             }],
             quarantined_count: 0,
             findings_dropped: 0,
+            deeper_of: None,
+            deeper_review: None,
         };
         let dir = tempfile::tempdir().unwrap();
         let sinks = Sinks::new(Duration::from_secs(1));

@@ -215,6 +215,8 @@ mod tests {
             deadline_ms: None,
             replay_of: None,
             sweep_id: None,
+            deeper_of: None,
+            deeper_review: None,
         }
     }
 

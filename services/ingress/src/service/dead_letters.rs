@@ -66,6 +66,9 @@ impl ReviewApi {
             deadline_ms: Some(now + lane_deadline.as_millis() as u64),
             request_digest: job_id::sha256_hex(&[b"replay", id.as_bytes(), old.request_digest.as_bytes()]),
             replay_of: Some(id.to_string()),
+            // The replay is a review of its own: the links of the dead one stay with it.
+            deeper_of: None,
+            deeper_review: None,
             ..old
         };
         let rec = match self.write_job(handle, &msg).await? {

@@ -67,6 +67,10 @@ impl ReviewApi {
             deadline_ms: Some(deadline_ms),
             replay_of: None,
             sweep_id: None,
+            deeper_of: None,
+            // Named before it exists: a retry of this submit finds the same one.
+            deeper_review: (depth == ReviewDepth::ChangedHunks && tenant.deeper_pass)
+                .then(|| super::sweeps::DeeperIds::of(tenant, &id).job_id),
         };
         if late >= deadline_ms {
             return self.too_late(handle, &msg).await;
@@ -77,10 +81,18 @@ impl ReviewApi {
             // message first: the job as it stands, with its findings once it has them.
             Created::Exists(existing) if existing.request_digest == msg.request_digest => {
                 tracing::debug!(state = existing.state.as_str(), "idempotent retry");
+                if existing.deeper_review.is_some() {
+                    self.deeper_pass(tenant, handle, &msg).await?;
+                }
                 return self.view(handle, &existing).await;
             }
             Created::Exists(_) => return Err(ApiError::AlreadyExists),
         };
+        // Queued once the degraded review is durable; a failure here fails the submit,
+        // and the caller's same-key retry queues it then.
+        if rec.deeper_review.is_some() {
+            self.deeper_pass(tenant, handle, &msg).await?;
+        }
         tracing::info!(state = rec.state.as_str(), "review accepted");
         Ok(api::review(&rec, &[]))
     }

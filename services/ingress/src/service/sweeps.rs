@@ -123,6 +123,35 @@ fn batch_estimate(
     reviewlane_core::batch::estimate(0, counts.total, since, now_ms, turnaround)
 }
 
+/// The id of the tenant's sweep of idempotency key `key`.
+fn sweep_id_of(tenant: &Tenant, key: &str) -> String {
+    job_id::derive(tenant.region, &tenant.id, &format!("sweep\0{key}"))
+}
+
+/// The job id of a sweep's item of key `item_key`.
+fn item_job_id(tenant: &Tenant, sweep_id: &str, item_key: &str) -> String {
+    job_id::derive(tenant.region, &tenant.id, &format!("sweep\0{sweep_id}\0{item_key}"))
+}
+
+/// The ids of the deeper pass of a degraded review, derived from its id alone: the
+/// submit that admits it names the deeper review before it exists, and a retry finds
+/// the same one.
+pub(super) struct DeeperIds {
+    /// The sweep's idempotency key.
+    key: String,
+    pub sweep_id: String,
+    pub job_id: String,
+}
+
+impl DeeperIds {
+    pub fn of(tenant: &Tenant, first: &str) -> DeeperIds {
+        let key = format!("deeper\0{first}");
+        let sweep_id = sweep_id_of(tenant, &key);
+        let job_id = item_job_id(tenant, &sweep_id, first);
+        DeeperIds { key, sweep_id, job_id }
+    }
+}
+
 fn sweeps(handle: &RegionHandle) -> Sweeps {
     Sweeps::new(handle.layout.js.clone(), handle.layout.sweeps.clone(), handle.layout.region)
 }
@@ -165,8 +194,22 @@ impl ReviewApi {
                 return Err(ApiError::invalid("completion_window", "must be positive and at most 7 days"));
             }
         };
+        let handle = self.region(tenant.region)?;
+        let rec = self.open_sweep(tenant, handle, &req.idempotency_key, mode, window).await?;
+        Ok(api::sweep(&rec, &SweepCounts::default(), None))
+    }
+
+    /// Opens the tenant's sweep of key `key` (or finds it, when the same sweep was
+    /// asked for before): where it runs follows from the region's announced batch path.
+    async fn open_sweep(
+        &self,
+        tenant: &Tenant,
+        handle: &RegionHandle,
+        key: &str,
+        mode: SweepMode,
+        window: Duration,
+    ) -> Result<SweepRecord, ApiError> {
         let region = tenant.region;
-        let handle = self.region(region)?;
         // Where it runs: the provider's batch API when the region's extractor announced
         // one it may use, else the lanes (`provider_batch` asked for is refused, with why).
         let capability = sweeps(handle).capability().await?;
@@ -184,7 +227,7 @@ impl ReviewApi {
                 });
             }
         };
-        let sweep_id = job_id::derive(region, &tenant.id, &format!("sweep\0{}", req.idempotency_key));
+        let sweep_id = sweep_id_of(tenant, key);
         tracing::Span::current().record("job_id", sweep_id.as_str());
         let window_ms = window.as_millis() as u64;
         let rec = SweepRecord {
@@ -203,15 +246,76 @@ impl ReviewApi {
             items_added: 0,
             settled: false,
         };
-        let rec = match sweeps(handle).create(&rec).await? {
+        match sweeps(handle).create(&rec).await? {
             Made::New(rec) => {
                 tracing::info!(mode = mode.as_str(), "sweep created");
-                rec
+                Ok(rec)
             }
-            Made::Exists(existing) if existing.request_digest == rec.request_digest => existing,
-            Made::Exists(_) => return Err(ApiError::AlreadyExists),
+            Made::Exists(existing) if existing.request_digest == rec.request_digest => Ok(existing),
+            Made::Exists(_) => Err(ApiError::AlreadyExists),
+        }
+    }
+
+    /// The full-depth review that follows `first`, a review admitted at `changed_hunks`
+    /// for a tenant with `deeper_pass`: a sweep of one item, opened, filled and sealed
+    /// here (each step idempotent, so a same-key retry of the submit carries on where a
+    /// failed one stopped). It runs through the provider's batch API where the region
+    /// has one, else through the batch lane, and is delivered as its own review.
+    pub(super) async fn deeper_pass(
+        &self,
+        tenant: &Tenant,
+        handle: &RegionHandle,
+        first: &ReviewMessage,
+    ) -> Result<(), ApiError> {
+        let ids = DeeperIds::of(tenant, &first.job_id);
+        let store = sweeps(handle);
+        if let Some((rec, _)) = store.get(&tenant.id, &ids.sweep_id).await?
+            && rec.started
+        {
+            return Ok(());
+        }
+        let rec = self.open_sweep(tenant, handle, &ids.key, SweepMode::Auto, DEFAULT_WINDOW).await?;
+        let now = self.clock.now_ms();
+        let request_digest = job_id::sha256_hex(&[first.request_digest.as_bytes(), b"full"]);
+        let review = ReviewMessage {
+            job_id: ids.job_id.clone(),
+            lane: reviewlane_shared::Lane::Batch,
+            review_depth: ReviewDepth::Full,
+            submitted_at_ms: now,
+            request_digest: request_digest.clone(),
+            deadline_ms: Some(rec.items_deadline_ms(now)),
+            sweep_id: Some(rec.sweep_id.clone()),
+            deeper_of: Some(first.job_id.clone()),
+            deeper_review: None,
+            ..first.clone()
         };
-        Ok(api::sweep(&rec, &SweepCounts::default(), None))
+        let entry = ItemEntry {
+            job_id: ids.job_id,
+            item_key: first.job_id.clone(),
+            request_digest,
+            added_at_ms: now,
+            review: Some(review),
+        };
+        match store.add_item(&rec.sweep_id, &entry).await? {
+            Made::New(_) => match store.apply(&tenant.id, &rec.sweep_id, SweepEvent::Added(1), now).await {
+                Ok(_) | Err(ApplyError::Refused(_)) => {}
+                Err(ApplyError::Store(e)) => return Err(e.into()),
+            },
+            Made::Exists(_) => {}
+        }
+        match self.seal(handle, &tenant.id, &rec.sweep_id).await {
+            Ok(()) => {
+                tracing::info!(runs_on = rec.runs_on.as_str(), "deeper pass queued");
+                Ok(())
+            }
+            // The interactive answer does not wait on the batch lane: the sealed sweep
+            // hands its item over at the next seal, which a same-key retry makes.
+            Err(ApiError::ResourceExhausted { reason: Reason::LaneFull, .. }) => {
+                tracing::warn!("batch lane full: the deeper pass waits for a same-key retry of the submit");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// The sweep a tenant may see: its own, in its own region.
@@ -317,7 +421,7 @@ impl ReviewApi {
         };
         let SubmitPlan { lane, schema_version, diff, submitted_at_ms, metadata, request_digest, .. } =
             plan(req, limits, now)?;
-        let job_id = job_id::derive(tenant.region, &tenant.id, &format!("sweep\0{}\0{}", rec.sweep_id, item.item_key));
+        let job_id = item_job_id(tenant, &rec.sweep_id, &item.item_key);
         let review = ReviewMessage {
             job_id: job_id.clone(),
             tenant: tenant.id.clone(),
@@ -334,6 +438,8 @@ impl ReviewApi {
             deadline_ms: Some(rec.items_deadline_ms(now)),
             replay_of: None,
             sweep_id: Some(rec.sweep_id.clone()),
+            deeper_of: None,
+            deeper_review: None,
         };
         // Refused now, not at the seal, when the lane would not take it.
         super::submit::encode(handle, &review)?;
@@ -343,21 +449,27 @@ impl ReviewApi {
     /// Seals the sweep and hands every item not yet handed over to the batch lane.
     pub(super) async fn seal_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
         let (handle, _) = self.owned_sweep(tenant, id).await?;
+        self.seal(handle, &tenant.id, id).await?;
+        self.sweep_view(handle, &tenant.id, id).await
+    }
+
+    /// Seals the sweep; then the region's coordinator cuts it into provider batches, or
+    /// its items not yet handed over go to the batch lane now.
+    async fn seal(&self, handle: &RegionHandle, tenant: &str, id: &str) -> Result<(), ApiError> {
         let store = sweeps(handle);
-        let rec = store.apply(&tenant.id, id, SweepEvent::Seal, self.clock.now_ms()).await?;
+        let rec = store.apply(tenant, id, SweepEvent::Seal, self.clock.now_ms()).await?;
         if !rec.started && rec.runs_on == SweepMode::ProviderBatch {
-            // The region's coordinator cuts the manifest into provider batches.
-            store.apply(&tenant.id, id, SweepEvent::Started, self.clock.now_ms()).await?;
+            store.apply(tenant, id, SweepEvent::Started, self.clock.now_ms()).await?;
             tracing::info!(items = rec.items_added, "sweep sealed for provider batches");
         } else if !rec.started {
             let items = store.items(id).await?;
             let waiting: Vec<ItemEntry> = items.into_iter().filter(|i| i.review.is_some()).collect();
             let n = waiting.len();
             self.hand_over(handle, &rec, waiting).await?;
-            store.apply(&tenant.id, id, SweepEvent::Started, self.clock.now_ms()).await?;
+            store.apply(tenant, id, SweepEvent::Started, self.clock.now_ms()).await?;
             tracing::info!(items = n, "sweep sealed and started");
         }
-        self.sweep_view(handle, &tenant.id, id).await
+        Ok(())
     }
 
     /// Makes each item's job durable on the batch lane (as a submit does), its deadline
