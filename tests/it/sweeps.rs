@@ -194,3 +194,42 @@ async fn a_cancelled_sweep_runs_nothing_more_and_counts_its_items_cancelled() {
     assert_eq!(stack.us.provider.stats().total_calls, 0, "nothing of it ran");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_called_when_its_sweep_is_cancelled_is_not_called_again_after_its_call_fails() {
+    use reviewlane_testkit::simprovider::{Scripted, SimConfig};
+    let provider = SimConfig { latency: Duration::from_millis(800), ..Default::default() };
+    let stack = Stack::start_with(StackOptions { us_provider: provider, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    // Its one call fails with a transient error: without the cancel it would be retried.
+    stack.us.provider.script([Scripted::Status { status: 503, headers: Vec::new(), body: "{}".into() }]);
+    let create = CreateSweepRequest {
+        idempotency_key: "cancel-mid-call".into(),
+        mode: SweepMode::Lanes as i32,
+        ..Default::default()
+    };
+    let id = client.create_sweep(authed(US_KEY, create)).await.unwrap().into_inner().sweep.unwrap().sweep_id;
+    let page = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![item(0)] };
+    client.add_sweep_items(authed(US_KEY, page)).await.unwrap();
+    client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await.unwrap();
+    let provider = &stack.us.provider;
+    let calling =
+        poll_until(Duration::from_secs(10), || async move { (provider.in_flight() == 1).then_some(()) }).await;
+    assert!(calling.is_some(), "the item's call started");
+    client.cancel_sweep(authed(US_KEY, CancelSweepRequest { sweep_id: id.clone() })).await.unwrap();
+
+    let req = ListSweepItemsRequest { sweep_id: id.clone(), ..Default::default() };
+    let job = client.list_sweep_items(authed(US_KEY, req)).await.unwrap().into_inner().items[0].job_id.clone();
+    let done = wait_final(&mut client, US_KEY, &job).await;
+    assert_eq!(
+        (done.state, done.terminal_reason.as_str()),
+        (proto::JobState::Terminal as i32, "cancelled"),
+        "{done:?}"
+    );
+    let stats = stack.us.provider.stats();
+    assert_eq!(stats.calls_by_job.get(&job), Some(&1), "called once, not again after the cancel");
+    assert!(stats.paid_by_job.get(&job).is_none(), "nothing paid");
+    let swept = sweep_of(&mut client, US_KEY, &id).await;
+    assert_eq!((count(&swept, SweepItemState::Cancelled), swept.percent_done), (1, 100.0));
+    stack.shutdown().await;
+}

@@ -182,6 +182,15 @@ impl Worker {
                     let decision = Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None };
                     return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
                 }
+                // An item of a cancelled sweep whose call failed (or whose holder died
+                // without keeping an answer) is not called again: it ends `cancelled`.
+                if lease.rec.attempts.leases > 1
+                    && let Some(sweep) = lease.rec.sweep_id.as_deref()
+                    && self.sweep_cancelled(&lease.rec.tenant, sweep).await?
+                {
+                    let decision = Decision::Terminal { reason: TerminalReason::Cancelled, status: None };
+                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
+                }
                 Ok(Leased::Held(Box::new(lease)))
             }
             Err(StoreError::Transition(TransitionError::LeaseHeld { until_ms: at }, _))
@@ -207,6 +216,14 @@ impl Worker {
             Leased::Settled(outcome) => Ok(outcome),
             Leased::Held(lease) => self.settle(job, &lease, Decision::Release(Some(LEASE_MARGIN))).await,
         }
+    }
+
+    /// Whether the tenant's sweep was cancelled (read only on a sweep item's retry).
+    async fn sweep_cancelled(&self, tenant: &str, sweep_id: &str) -> Result<bool, StoreError> {
+        let layout = &self.stores.layout;
+        let sweeps = reviewlane_shared::sweeps::Sweeps::new(layout.js.clone(), layout.sweeps.clone(), self.region);
+        let state = sweeps.get(tenant, sweep_id).await?.map(|(s, _)| s.state);
+        Ok(state == Some(reviewlane_core::sweep::SweepState::Cancelled))
     }
 
     /// The job needs nothing more from this message.
