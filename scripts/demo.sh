@@ -2,8 +2,10 @@
 # The main job end to end: installs nats-server if missing, builds the services, starts
 # two regional nats-servers and the five services, submits the sample diffs (one US and
 # one EU tenant) with the built-in analyzer, prints the findings, runs the US review
-# again through reviewctl as SARIF, stops everything. `--keep` keeps the working
-# directory (logs, sink files, the SARIF file).
+# again through reviewctl as SARIF, sweeps the ingress's own sources at HEAD through
+# `reviewctl sweep` and shows the sweep's progress and items (`reviewctl batch get`,
+# `batch items`), stops everything. `--keep` keeps the working directory (logs, sink
+# files, the SARIF files).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 nats_dir="$(bash scripts/install-deps.sh | tail -n1)"

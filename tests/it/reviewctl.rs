@@ -369,6 +369,11 @@ async fn sweep_reviews_each_text_file_of_a_revision_once_and_writes_one_sarif_ru
     let keys: Vec<&str> = items.stdout.lines().map(|l| l.rsplit('\t').next().unwrap()).collect();
     assert_eq!(keys.len(), 3, "{}", items.stdout);
     assert!(keys.contains(&"src/a.rs") && keys.contains(&"docs/guide.md"), "{keys:?}");
+    // What the commands show (printed with `--nocapture`).
+    eprintln!(
+        "$ reviewctl sweep ... --wait\n{}\n$ reviewctl batch get {id}\n{}\n$ reviewctl batch items {id} --state published\n{}",
+        swept.stderr, got.stdout, items.stdout
+    );
     let watched = run(&stack, US_KEY, &["batch", "watch", &id], None, None).await;
     assert_eq!(watched.code, 0, "{}", watched.stderr);
     let listed = run(&stack, US_KEY, &["batch", "list"], None, None).await;

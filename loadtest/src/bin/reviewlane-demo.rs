@@ -1,8 +1,9 @@
 //! The main job end to end on this machine: two regional nats-servers, each
 //! provisioned with its identity, the ingress, an extractor and a publisher per region
 //! (the real binaries, built-in analyzer), the sample diffs submitted by one US and one
-//! EU tenant over gRPC, the findings printed as a table, then everything stopped with
-//! SIGTERM (and killed if it does not stop).
+//! EU tenant over gRPC, the findings printed as a table, the US review again through
+//! `reviewctl` as SARIF, the ingress's sources swept through `reviewctl sweep`, then
+//! everything stopped with SIGTERM (and killed if it does not stop).
 //!
 //! Run through `scripts/demo.sh`, which installs nats-server and builds the binaries.
 
@@ -187,6 +188,7 @@ async fn main() -> anyhow::Result<()> {
         sarif.display()
     );
     let cli_ok = matches!(out.status.code(), Some(0 | 1)) && results > 0;
+    let swept_ok = sweep(&bin_dir, &root, port, &submissions[0].key, work.as_path())?;
 
     println!();
     let mut clean = true;
@@ -199,7 +201,7 @@ async fn main() -> anyhow::Result<()> {
     drop(eu);
     println!("  stopped both nats-servers");
     let published = rows.iter().all(|(_, _, r)| r.state == proto::JobState::Published as i32);
-    if !published || !clean || !cli_ok {
+    if !published || !clean || !cli_ok || !swept_ok {
         bail!("demo did not complete cleanly (logs in {})", work.display());
     }
     if std::env::args().any(|a| a == "--keep") {
@@ -208,6 +210,57 @@ async fn main() -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&work);
     }
     Ok(())
+}
+
+/// The ingress's own sources at this checkout's `HEAD`, reviewed as one sweep through
+/// `reviewctl` (through the lanes here: the built-in analyzer has no batch API), then its
+/// progress and reconciliation as `reviewctl batch get` and `batch items` show them.
+/// Skipped outside a git checkout.
+fn sweep(bin_dir: &Path, root: &Path, port: u16, key: &str, work: &Path) -> anyhow::Result<bool> {
+    let reviewctl = |args: &[&str]| {
+        Command::new(bin_dir.join("reviewctl"))
+            .args(args)
+            .current_dir(root)
+            .env("REVIEWLANE_ENDPOINT", format!("http://127.0.0.1:{port}"))
+            .env("REVIEWLANE_API_KEY", key)
+            .env_remove("REVIEWLANE_API_KEY_FILE")
+            .output()
+            .context("running reviewctl")
+    };
+    let in_git = Command::new("git").args(["rev-parse", "HEAD"]).current_dir(root).output();
+    if !in_git.is_ok_and(|o| o.status.success()) {
+        println!("  not a git checkout: the sweep is skipped");
+        return Ok(true);
+    }
+    println!();
+    let args =
+        ["sweep", "--git", "HEAD", "--paths", "services/ingress/src/service/*.rs", "--repository", "acme/sample"];
+    let out = reviewctl(&[&args[..], &["--wait", "--format", "sarif"]].concat())?;
+    let sarif = work.join("acme-sweep.sarif");
+    std::fs::write(&sarif, &out.stdout)?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let log: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let results = log["runs"][0]["results"].as_array().map_or(0, Vec::len);
+    println!(
+        "  reviewctl {} --wait --format sarif: exit {}, {results} SARIF results in {}",
+        args.join(" "),
+        out.status.code().map_or("killed".into(), |c| c.to_string()),
+        sarif.display()
+    );
+    for line in stderr.lines() {
+        println!("    {line}");
+    }
+    let Some(id) = stderr.lines().find_map(|l| l.split_once(':').map(|(id, _)| id.trim().to_string())) else {
+        return Ok(false);
+    };
+    for args in [["batch", "get", id.as_str()], ["batch", "items", id.as_str()]] {
+        let out = reviewctl(&args)?;
+        println!("  reviewctl {}:", args.join(" "));
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            println!("    {line}");
+        }
+    }
+    Ok(matches!(out.status.code(), Some(0 | 1)))
 }
 
 fn hex_key() -> String {
