@@ -306,6 +306,9 @@ pub fn estimate(done: u64, total: u64, started_ms: u64, now_ms: u64, turnaround_
 /// The owner an item's job names while it is in a provider batch: its chunk's id
 /// (`chunk_id`), so the item counts as submitted to the provider, not as being called.
 pub const OWNER_PREFIX: &str = "batch-";
+/// The owner of an item of a provider-batch sweep handed to the batch lane, until a
+/// lane worker leases it (see `Event::ToLanes`).
+pub const LANES_OWNER: &str = "lanes";
 
 /// The id of a sweep's `seq`-th provider batch: the owner of its items' jobs, the
 /// metadata a created OpenAI batch carries, the name of its input file.

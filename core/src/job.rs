@@ -330,6 +330,11 @@ pub enum Event {
     /// The caller cancels: the job ends `cancelled` unless its delivery has started
     /// (then it is delivered, and the cancel answers the state as it stands).
     Cancel,
+    /// An item of a provider batch whose line did not run goes to the batch lane (its
+    /// sweep's coordinator has put its review there): the chunk's lease ends, one unit of
+    /// the transient budget is spent, and a lane worker may lease it at once. Owned by
+    /// `batch::LANES_OWNER` until then, so no later provider batch takes it.
+    ToLanes { generation: u32 },
     /// The job ends without a result. `generation: Some(g)` when the lease holder ends
     /// it (fenced like its other writes); `None` for cancel, reconciler, publisher.
     Terminate { reason: TerminalReason, upstream_status: Option<String>, generation: Option<u32> },
@@ -428,6 +433,7 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
         | Event::Validated { generation, .. }
         | Event::Planned { generation, .. }
         | Event::PartDone { generation, .. }
+        | Event::ToLanes { generation }
         | Event::Terminate { generation: Some(generation), .. } => Some(*generation),
         _ => None,
     };
@@ -473,6 +479,15 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             if invalid_output.is_some() {
                 next.last_invalid_output = invalid_output.clone();
             }
+        }
+        (_, Event::ToLanes { .. }) => {
+            running()?;
+            next.state = RetryScheduled;
+            next.attempts.bump(Budget::Transient);
+            next.next_eligible_at_ms = Some(now_ms);
+            next.lease_expires_at_ms = None;
+            next.owner = Some(crate::batch::LANES_OWNER.to_string());
+            next.last_upstream_status = Some("batch".into());
         }
         (_, Event::Planned { total, plan, .. }) => {
             running()?;
@@ -574,6 +589,32 @@ mod tests {
 
     fn cancel() -> Event {
         Event::Terminate { reason: TerminalReason::Cancelled, upstream_status: None, generation: None }
+    }
+
+    #[test]
+    fn an_item_handed_from_its_provider_batch_to_the_lanes_is_leased_by_a_lane_worker_only() {
+        let chunk = crate::batch::chunk_id("us_s", 1);
+        let r = apply(&rec(), lease(&chunk, 1_000_000));
+        let handed = apply(&r, Event::ToLanes { generation: 1 });
+        assert_eq!(handed.state, JobState::RetryScheduled);
+        assert_eq!(handed.owner.as_deref(), Some(crate::batch::LANES_OWNER));
+        assert!(!crate::batch::in_provider_batch(handed.owner.as_deref()), "no later provider batch takes it");
+        assert_eq!(
+            (handed.attempts.transient, handed.next_eligible_at_ms, handed.lease_expires_at_ms),
+            (1, Some(100), None)
+        );
+        // A lane worker leases it at once; the chunk's write after that is fenced.
+        let leased = apply(&handed, lease("replica-1", 30_100));
+        assert_eq!((leased.state, leased.generation()), (JobState::Running, 2));
+        assert_eq!(
+            transition(&leased, &Event::ToLanes { generation: 1 }, 200),
+            Err(TransitionError::Fenced { writer: 1, newest: 2 })
+        );
+        // Only a running job is handed over.
+        assert_eq!(
+            transition(&handed, &Event::ToLanes { generation: 1 }, 200),
+            Err(TransitionError::NotAllowed(JobState::RetryScheduled))
+        );
     }
 
     #[test]

@@ -326,3 +326,94 @@ async fn batches_hold_no_more_enqueued_tokens_than_the_models_budget() {
     assert_eq!((stats.batches_created, stats.max_running), (3, 1), "{stats:?}");
     assert_eq!(stats.paid_lines.len(), 3);
 }
+
+/// Waits until no delivery arrives for a while, then checks each of `jobs` was
+/// delivered exactly once.
+async fn delivered_once(stack: &Stack, jobs: &[String]) {
+    for job in jobs {
+        assert!(stack.webhook.wait_for(job, Duration::from_secs(20)).await.is_some(), "{job} delivered");
+    }
+    stack.webhook.wait_count(usize::MAX, Duration::from_millis(700), Duration::from_secs(15)).await;
+    for job in jobs {
+        assert_eq!(stack.webhook.for_job(job).len(), 1, "{job} delivered once");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_resubmit_via_lanes_an_item_whose_line_did_not_run_is_called_once_on_the_batch_lane() {
+    let batches = "poll=50ms..200ms,resubmit_via=lanes".into();
+    let stack = Stack::start_with(StackOptions { provider_batch: batches, ..Default::default() }).await;
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "again-on-lanes", SweepMode::ProviderBatch, 4).await;
+    let id = sweep.sweep_id.clone();
+    let jobs = item_jobs(&mut client, US_KEY, &id).await;
+    let job = |i: usize| jobs[&format!("src/batch_{i}.rs")].0.clone();
+    // Item 1's line fails with a 5xx, item 2's never runs (expired).
+    stack.us.provider.script_batches(BatchScript {
+        lines: [(job(1), LineFault::Status(500)), (job(2), LineFault::Expired)].into(),
+        ..Default::default()
+    });
+    let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 4, "{done:?}");
+
+    let (lines, calls) = (stack.us.provider.batch_stats(), stack.us.provider.stats());
+    assert_eq!(lines.batches_created, 1, "no second provider batch: {lines:?}");
+    for i in [0, 3] {
+        assert_eq!(lines.paid_lines.get(&job(i)), Some(&1), "item {i}: one batch line");
+        assert_eq!(calls.calls_by_job.get(&job(i)), None, "item {i}: no lane call");
+    }
+    for i in [1, 2] {
+        assert_eq!(lines.paid_lines.get(&job(i)), None, "item {i}: its line was not paid");
+        assert_eq!(calls.paid_by_job.get(&job(i)), Some(&1), "item {i}: one lane call");
+    }
+    let again = client
+        .get_review(authed(US_KEY, proto::GetReviewRequest { job_id: job(1) }))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert_eq!((again.state, again.sweep_id.as_str()), (proto::JobState::Published as i32, id.as_str()));
+    assert_eq!(again.attempts.unwrap().transient, 1, "the line that did not run counted once");
+    delivered_once(&stack, &(0..4).map(job).collect::<Vec<_>>()).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_over_one_calls_budget_runs_on_the_batch_lane_in_parts_and_the_rest_in_a_provider_batch() {
+    // Parts of 8,000 tokens: the large item (about 34 KB) is split, the small ones fit.
+    let opts = StackOptions { context_tokens: Some(8_000), ..Default::default() };
+    let stack = Stack::start_with(opts).await;
+    let mut client = stack.client().await;
+    let create = CreateSweepRequest {
+        idempotency_key: "one-large".into(),
+        mode: SweepMode::ProviderBatch as i32,
+        ..Default::default()
+    };
+    let id = client.create_sweep(authed(US_KEY, create)).await.unwrap().into_inner().sweep.unwrap().sweep_id;
+    let large = SweepItem { item_key: "large".into(), diff: loadtest::large::large_diff(2, 300), ..Default::default() };
+    let page = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![item(0), item(1), large] };
+    client.add_sweep_items(authed(US_KEY, page)).await.unwrap();
+    client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await.unwrap();
+    let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 3, "{done:?}");
+
+    let jobs = item_jobs(&mut client, US_KEY, &id).await;
+    let (lines, calls) = (stack.us.provider.batch_stats(), stack.us.provider.stats());
+    assert_eq!((lines.batches_created, lines.lines_received), (1, 2), "the small items in one batch: {lines:?}");
+    let large = &jobs["large"].0;
+    assert_eq!(lines.paid_lines.get(large), None, "the large item is in no batch");
+    let parts: Vec<(&String, &u64)> =
+        calls.paid_by_part.iter().filter(|(k, _)| k.starts_with(&format!("{large}/"))).collect();
+    assert!(parts.len() >= 2 && parts.iter().all(|(_, n)| **n == 1), "each part paid once: {parts:?}");
+    let review = client
+        .get_review(authed(US_KEY, proto::GetReviewRequest { job_id: large.clone() }))
+        .await
+        .unwrap()
+        .into_inner()
+        .review
+        .unwrap();
+    assert_eq!((review.parts_total as usize, review.sweep_id.as_str()), (parts.len(), id.as_str()));
+    delivered_once(&stack, &jobs.values().map(|(j, ..)| j.clone()).collect::<Vec<_>>()).await;
+    stack.shutdown().await;
+}

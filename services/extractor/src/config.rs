@@ -482,6 +482,9 @@ pub struct BatchSettings {
     /// Times an item whose line did not run (expired, cancelled, 5xx, missing) is sent
     /// again, in a later provider batch.
     pub resubmissions: u32,
+    /// Where such an item goes again: a later provider batch, or the batch lane (one
+    /// synchronous call at the full price, within the lane's own budgets).
+    pub resubmit_via: ResubmitVia,
     /// Tokens the model's batches may hold enqueued at once (`None`: no budget).
     pub enqueued_tokens: Option<u64>,
     /// The batch price, in percent of the synchronous price (both providers: 50).
@@ -496,10 +499,18 @@ impl Default for BatchSettings {
             max_requests: 10_000,
             max_bytes: None,
             resubmissions: 2,
+            resubmit_via: ResubmitVia::Batches,
             enqueued_tokens: None,
             price_percent: 50,
         }
     }
+}
+
+/// Where an item of a provider batch whose line did not run goes again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResubmitVia {
+    Batches,
+    Lanes,
 }
 
 /// `500ms`, `30s`, `5m`.
@@ -538,6 +549,13 @@ impl BatchSettings {
                 "requests" => b.max_requests = count()?.clamp(1, 50_000) as usize,
                 "mb" => b.max_bytes = Some((count()?.max(1) as usize).saturating_mul(1024 * 1024)),
                 "resubmit" => b.resubmissions = count()?.min(10) as u32,
+                "resubmit_via" => {
+                    b.resubmit_via = match value {
+                        "batches" => ResubmitVia::Batches,
+                        "lanes" => ResubmitVia::Lanes,
+                        _ => return Err("resubmit_via is `batches` or `lanes`".into()),
+                    }
+                }
                 "enqueued_tokens" => b.enqueued_tokens = Some(count()?.max(1)),
                 "price" => b.price_percent = count()?.min(100) as u32,
                 other => return Err(format!("unknown key `{other}`")),
@@ -744,8 +762,12 @@ mod tests {
     fn the_batch_setting_reads_off_or_its_keys_and_refuses_the_rest() {
         assert_eq!(BatchSettings::parse(""), Ok(BatchSettings::default()));
         assert!(!BatchSettings::parse("off").unwrap().enabled);
-        let b = BatchSettings::parse("poll=50ms..2s, requests=300, mb=5, resubmit=1, enqueued_tokens=9000, price=40")
-            .unwrap();
+        assert_eq!(BatchSettings::default().resubmit_via, ResubmitVia::Batches);
+        let b = BatchSettings::parse(
+            "poll=50ms..2s, requests=300, mb=5, resubmit=1, resubmit_via=lanes, enqueued_tokens=9000, price=40",
+        )
+        .unwrap();
+        assert_eq!(b.resubmit_via, ResubmitVia::Lanes);
         assert_eq!((b.poll.first, b.poll.cap), (Duration::from_millis(50), Duration::from_secs(2)));
         assert_eq!((b.max_requests, b.max_bytes, b.resubmissions), (300, Some(5 * 1024 * 1024), 1));
         assert_eq!((b.enqueued_tokens, b.price_percent, b.enabled), (Some(9000), 40, true));
@@ -755,7 +777,7 @@ mod tests {
             BatchSettings::default().limits(reviewlane_core::batch::BatchLimits::ANTHROPIC).max_requests,
             10_000
         );
-        for bad in ["poll=5m..30s", "poll=30", "requests=lots", "colour=blue", "requests"] {
+        for bad in ["poll=5m..30s", "poll=30", "requests=lots", "colour=blue", "requests", "resubmit_via=carrier"] {
             assert!(BatchSettings::parse(bad).is_err(), "{bad}");
         }
     }

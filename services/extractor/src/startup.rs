@@ -133,6 +133,8 @@ pub async fn build_with_provider(
         budgets: config.retry.budgets,
         quarantine_raw_max: config.results.quarantine_raw_max,
         tokens_of: item_tokens(&config),
+        too_large: over_one_call(&config),
+        js: conn.layout.js.clone(),
     });
     let worker = Arc::new(Worker {
         region: config.region,
@@ -216,6 +218,19 @@ fn item_tokens(
         let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return fixed + output };
         let prompt = crate::provider::prompt_diff(review, &diff);
         fixed + output + crate::tokenizer::counter(tokenizer).tokens(&prompt) as u64
+    })
+}
+
+/// Whether a review would be split into parts on the lanes (`chunk::split` under the
+/// configured plan gives more than one).
+fn over_one_call(
+    config: &ExtractorConfig,
+) -> Arc<dyn Fn(&reviewlane_core::messages::ReviewMessage) -> bool + Send + Sync> {
+    let plan = config.parts.plan;
+    Arc::new(move |review| {
+        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return false };
+        let counter = crate::tokenizer::counter(plan.tokenizer);
+        reviewlane_core::chunk::split(&diff, &plan.limits, counter.as_ref()).len() > 1
     })
 }
 

@@ -13,6 +13,7 @@ use reviewlane_core::sweep::{SweepRecord, SweepState};
 use reviewlane_shared::job_store::StoreError;
 
 use super::{Coordinator, RoundError};
+use crate::config::ResubmitVia;
 
 impl Coordinator {
     /// Applies every line of an ended batch (an item with none is `Missing`).
@@ -76,6 +77,9 @@ impl Coordinator {
             ItemFate::Resubmit { .. } if read.0.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) => {
                 self.end(sweep, read, TerminalReason::DeadlineExceeded, None).await
             }
+            ItemFate::Resubmit { .. } if self.settings.resubmit_via == ResubmitVia::Lanes => {
+                self.to_lanes(sweep, read).await
+            }
             ItemFate::Resubmit { .. } => {
                 let event = Event::RetryScheduled {
                     generation,
@@ -88,6 +92,25 @@ impl Coordinator {
             }
             ItemFate::Ended(reason) => self.end(sweep, read, reason, None).await,
         }
+    }
+
+    /// An item whose line did not run goes again through the batch lane: handed over
+    /// (the chunk's lease ends, so no later provider batch takes it), then put there. A
+    /// leader that dies between the two puts it there when the next one starts.
+    async fn to_lanes(&self, sweep: &SweepRecord, read: (JobRecord, u64)) -> Result<(), RoundError> {
+        let job_id = read.0.job_id.clone();
+        let Some(review) = self.review(&sweep.sweep_id, &job_id).await? else {
+            return self.end(sweep, read, TerminalReason::Lost, None).await;
+        };
+        let event = Event::ToLanes { generation: read.0.generation() };
+        match self.jobs.apply_charging(&job_id, Some(read), &event, None).await {
+            Ok(_) => {}
+            Err(StoreError::Transition(..)) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        self.put_on_lane(&review).await?;
+        tracing::info!("sweep item sent again through the batch lane");
+        Ok(())
     }
 
     /// A succeeded line: validated against the item's diff and kept, or — invalid —

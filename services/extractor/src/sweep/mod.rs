@@ -68,6 +68,11 @@ pub struct Coordinator {
     pub quarantine_raw_max: usize,
     /// Tokens an item's call is metered for: its prompt's and the call's overhead.
     pub tokens_of: Arc<dyn Fn(&ReviewMessage) -> u64 + Send + Sync>,
+    /// Whether an item is over one call's budget: a lane worker splits it into parts, a
+    /// provider batch would send it whole. Such an item goes to the batch lane.
+    pub too_large: Arc<dyn Fn(&ReviewMessage) -> bool + Send + Sync>,
+    /// The region's JetStream, for the batch lane.
+    pub js: async_nats::jetstream::Context,
 }
 
 /// What the leader remembers between rounds (all of it can be rebuilt from the store).
@@ -84,6 +89,9 @@ struct Memory {
     /// each time).
     shrink: HashMap<String, u32>,
     seen: HashSet<String>,
+    /// Sweeps whose items handed to the lanes were put there again by this leader (once:
+    /// a leader before it may have died between recording the hand-over and the put).
+    relaned: HashSet<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -218,8 +226,17 @@ impl Coordinator {
         let mut read =
             futures::stream::iter(ids).map(|id| async move { (self.jobs.get(&id).await, id) }).buffered(AT_ONCE);
         let (mut waiting, mut open) = (Vec::new(), 0usize);
+        let again = memory.relaned.insert(sweep.sweep_id.clone());
         while let Some((job, id)) = read.next().await {
             let job = job?;
+            if again
+                && let Some((r, _)) = &job
+                && r.state == JobState::RetryScheduled
+                && r.owner.as_deref() == Some(batch::LANES_OWNER)
+                && let Some(review) = self.review(&sweep.sweep_id, &id).await?
+            {
+                self.put_on_lane(&review).await?;
+            }
             let waits = match &job {
                 None => true,
                 Some((r, _)) => r.state == JobState::RetryScheduled && batch::in_provider_batch(r.owner.as_deref()),
@@ -245,6 +262,10 @@ impl Coordinator {
             return Ok(Vec::new());
         }
         if waiting.is_empty() {
+            if !live {
+                // What is left runs on the lanes: look again next round, to settle it.
+                memory.to_cut.insert(sweep.sweep_id.clone());
+            }
             return Ok(Vec::new());
         }
         let limits = {
@@ -271,6 +292,11 @@ impl Coordinator {
                     rest.next();
                     continue;
                 };
+                if (self.too_large)(&review) {
+                    self.large_to_lane(&review).await?;
+                    rest.next();
+                    continue;
+                }
                 let bytes = review.diff_text().len() + 2048;
                 if !cut.take(bytes, (self.tokens_of)(&review)) {
                     break;
@@ -289,6 +315,37 @@ impl Coordinator {
             out.push(made);
         }
         Ok(out)
+    }
+
+    /// An item over one call's budget, never in a provider batch: its review goes to the
+    /// batch lane, where a worker splits it into parts, and its job is made (the lane
+    /// worker makes it from the message too, whichever is first).
+    async fn large_to_lane(&self, review: &ReviewMessage) -> Result<(), RoundError> {
+        self.put_on_lane(review).await?;
+        if let Created::New(rec, _) = self.jobs.create(&review.record()).await?
+            && let Err(e) = self.index.add(&rec, &review.metadata.repository).await
+        {
+            tracing::warn!(kind = e.kind(), "indexing a sweep item for listings failed");
+        }
+        tracing::info!("sweep item over one call's budget: sent through the batch lane");
+        Ok(())
+    }
+
+    /// Puts an item's review on the batch lane, as a submit does (the lane drops a copy
+    /// by `Nats-Msg-Id`, and a worker a copy whose job has moved on).
+    pub(super) async fn put_on_lane(&self, review: &ReviewMessage) -> Result<(), StoreError> {
+        let lane = reviewlane_shared::Lane::Batch;
+        let subject = reviewlane_shared::layout::lane_subject(self.region, lane, &review.tenant, &review.job_id);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
+        let payload = serde_json::to_vec(review).map_err(StoreError::other)?;
+        self.js
+            .publish_with_headers(subject, headers, payload.into())
+            .await
+            .map_err(StoreError::publish)?
+            .await
+            .map_err(StoreError::publish)?;
+        Ok(())
     }
 
     /// The review an item of the manifest keeps (until it is final).
