@@ -19,6 +19,10 @@ pub mod point {
     pub const EXTRACTOR_RECORD_VALIDATED: &str = "extractor.record_validated";
     /// Publisher: recording a delivery the sink took (its claim `published`).
     pub const PUBLISHER_RECORD_DELIVERED: &str = "publisher.record_delivered";
+    /// Sweep coordinator: putting an item it handed to the lanes on the batch lane
+    /// (failing it stands for the coordinator dying, or the lane refusing, between the
+    /// hand-over and the put).
+    pub const COORDINATOR_LANE: &str = "coordinator.lane";
 }
 
 #[derive(Clone, Default)]

@@ -348,13 +348,17 @@ async fn with_resubmit_via_lanes_an_item_whose_line_did_not_run_is_called_once_o
     let id = sweep.sweep_id.clone();
     let jobs = item_jobs(&mut client, US_KEY, &id).await;
     let job = |i: usize| jobs[&format!("src/batch_{i}.rs")].0.clone();
-    // Item 1's line fails with a 5xx, item 2's never runs (expired).
+    // Item 1's line fails with a 5xx, item 2's never runs (expired). The first put on
+    // the lane fails after its item was handed over: the next cut puts it there.
     stack.us.provider.script_batches(BatchScript {
         lines: [(job(1), LineFault::Status(500)), (job(2), LineFault::Expired)].into(),
         ..Default::default()
     });
+    let lane = reviewlane_shared::faults::point::COORDINATOR_LANE;
+    stack.faults().fail(lane, 1);
     let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
     assert_eq!(count(&done, SweepItemState::Published), 4, "{done:?}");
+    assert_eq!(stack.faults().pending(lane), 0, "the failed put was met");
 
     let (lines, calls) = (stack.us.provider.batch_stats(), stack.us.provider.stats());
     assert_eq!(lines.batches_created, 1, "no second provider batch: {lines:?}");

@@ -135,6 +135,7 @@ pub async fn build_with_provider(
         tokens_of: item_tokens(&config),
         too_large: over_one_call(&config),
         js: conn.layout.js.clone(),
+        faults: config.faults.clone(),
     });
     let worker = Arc::new(Worker {
         region: config.region,

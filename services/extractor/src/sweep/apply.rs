@@ -95,8 +95,9 @@ impl Coordinator {
     }
 
     /// An item whose line did not run goes again through the batch lane: handed over
-    /// (the chunk's lease ends, so no later provider batch takes it), then put there. A
-    /// leader that dies between the two puts it there when the next one starts.
+    /// (the chunk's lease ends, so no later provider batch takes it), then put there.
+    /// Should the put fail (or the leader die first), the next cut finds it handed over
+    /// and not on the lane, and puts it there.
     async fn to_lanes(&self, sweep: &SweepRecord, read: (JobRecord, u64)) -> Result<(), RoundError> {
         let job_id = read.0.job_id.clone();
         let Some(review) = self.review(&sweep.sweep_id, &job_id).await? else {

@@ -73,6 +73,7 @@ pub struct Coordinator {
     pub too_large: Arc<dyn Fn(&ReviewMessage) -> bool + Send + Sync>,
     /// The region's JetStream, for the batch lane.
     pub js: async_nats::jetstream::Context,
+    pub faults: reviewlane_shared::faults::Faults,
 }
 
 /// What the leader remembers between rounds (all of it can be rebuilt from the store).
@@ -89,9 +90,6 @@ struct Memory {
     /// each time).
     shrink: HashMap<String, u32>,
     seen: HashSet<String>,
-    /// Sweeps whose items handed to the lanes were put there again by this leader (once:
-    /// a leader before it may have died between recording the hand-over and the put).
-    relaned: HashSet<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -226,16 +224,18 @@ impl Coordinator {
         let mut read =
             futures::stream::iter(ids).map(|id| async move { (self.jobs.get(&id).await, id) }).buffered(AT_ONCE);
         let (mut waiting, mut open) = (Vec::new(), 0usize);
-        let again = memory.relaned.insert(sweep.sweep_id.clone());
         while let Some((job, id)) = read.next().await {
             let job = job?;
-            if again
-                && let Some((r, _)) = &job
+            // Handed to the lanes but not there (the put failed, or a leader died
+            // between the two): put it there now.
+            if let Some((r, _)) = &job
                 && r.state == JobState::RetryScheduled
                 && r.owner.as_deref() == Some(batch::LANES_OWNER)
+                && !crate::reconcile::on_lane(&self.js, r).await?
                 && let Some(review) = self.review(&sweep.sweep_id, &id).await?
             {
                 self.put_on_lane(&review).await?;
+                tracing::info!("sweep item handed to the lanes put there again");
             }
             let waits = match &job {
                 None => true,
@@ -334,6 +334,7 @@ impl Coordinator {
     /// Puts an item's review on the batch lane, as a submit does (the lane drops a copy
     /// by `Nats-Msg-Id`, and a worker a copy whose job has moved on).
     pub(super) async fn put_on_lane(&self, review: &ReviewMessage) -> Result<(), StoreError> {
+        self.faults.check(reviewlane_shared::faults::point::COORDINATOR_LANE)?;
         let lane = reviewlane_shared::Lane::Batch;
         let subject = reviewlane_shared::layout::lane_subject(self.region, lane, &review.tenant, &review.job_id);
         let mut headers = async_nats::HeaderMap::new();
