@@ -327,6 +327,21 @@ async fn batches_hold_no_more_enqueued_tokens_than_the_models_budget() {
     assert_eq!(stats.paid_lines.len(), 3);
 }
 
+/// Whether the region's coordinator marks the sweep settled (every item final, no
+/// batch left) within 20 s.
+async fn settled(stack: &Stack, id: &str) -> bool {
+    use reviewlane_shared::Region;
+    let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
+    let layout = reviewlane_shared::layout::ensure(&js, Region::Us, &Default::default()).await.unwrap();
+    let sweeps = reviewlane_shared::sweeps::Sweeps::new(js, layout.sweeps, Region::Us);
+    let sweeps = &sweeps;
+    poll_until(Duration::from_secs(20), || async move {
+        sweeps.get("acme", id).await.unwrap().filter(|(r, _)| r.settled).map(|_| ())
+    })
+    .await
+    .is_some()
+}
+
 /// Waits until no delivery arrives for a while, then checks each of `jobs` was
 /// delivered exactly once.
 async fn delivered_once(stack: &Stack, jobs: &[String]) {
@@ -380,6 +395,7 @@ async fn with_resubmit_via_lanes_an_item_whose_line_did_not_run_is_called_once_o
     assert_eq!((again.state, again.sweep_id.as_str()), (proto::JobState::Published as i32, id.as_str()));
     assert_eq!(again.attempts.unwrap().transient, 1, "the line that did not run counted once");
     delivered_once(&stack, &(0..4).map(job).collect::<Vec<_>>()).await;
+    assert!(settled(&stack, &id).await, "settled once the items on the lanes are final");
     stack.shutdown().await;
 }
 
@@ -419,5 +435,6 @@ async fn an_item_over_one_calls_budget_runs_on_the_batch_lane_in_parts_and_the_r
         .unwrap();
     assert_eq!((review.parts_total as usize, review.sweep_id.as_str()), (parts.len(), id.as_str()));
     delivered_once(&stack, &jobs.values().map(|(j, ..)| j.clone()).collect::<Vec<_>>()).await;
+    assert!(settled(&stack, &id).await, "settled once the item on the lane is final");
     stack.shutdown().await;
 }

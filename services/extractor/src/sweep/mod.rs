@@ -90,6 +90,10 @@ struct Memory {
     /// each time).
     shrink: HashMap<String, u32>,
     seen: HashSet<String>,
+    /// Per sweep with no batch left: the items still open, which run on the lanes.
+    /// Only they are read each round; once they are final the sweep is cut again (and
+    /// settled).
+    on_lanes: HashMap<String, Vec<String>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -196,6 +200,24 @@ impl Coordinator {
                 memory.to_cut.insert(sweep.sweep_id.clone());
             }
         }
+        if let Some(ids) = memory.on_lanes.remove(&sweep.sweep_id) {
+            let mut left = Vec::new();
+            for id in ids {
+                match self.jobs.get(&id).await? {
+                    Some((r, _)) if r.state.is_final() || r.state == JobState::Validated => {}
+                    Some((r, _)) => {
+                        self.keep_on_lane(sweep, &r).await?;
+                        left.push(id);
+                    }
+                    None => left.push(id),
+                }
+            }
+            if left.is_empty() {
+                memory.to_cut.insert(sweep.sweep_id.clone());
+            } else {
+                memory.on_lanes.insert(sweep.sweep_id.clone(), left);
+            }
+        }
         if memory.to_cut.remove(&sweep.sweep_id) {
             let held: Vec<ChunkRecord> = others.iter().cloned().chain(chunks.iter().map(|(c, _)| c.clone())).collect();
             let cut = self.cut(sweep, &chunks, &held, memory).await?;
@@ -223,19 +245,11 @@ impl Coordinator {
             chunks.iter().filter(|(c, _)| c.step == ChunkStep::Leasing).flat_map(|(c, _)| &c.job_ids).collect();
         let mut read =
             futures::stream::iter(ids).map(|id| async move { (self.jobs.get(&id).await, id) }).buffered(AT_ONCE);
-        let (mut waiting, mut open) = (Vec::new(), 0usize);
+        let (mut waiting, mut open) = (Vec::new(), Vec::new());
         while let Some((job, id)) = read.next().await {
             let job = job?;
-            // Handed to the lanes but not there (the put failed, or a leader died
-            // between the two): put it there now.
-            if let Some((r, _)) = &job
-                && r.state == JobState::RetryScheduled
-                && r.owner.as_deref() == Some(batch::LANES_OWNER)
-                && !crate::reconcile::on_lane(&self.js, r).await?
-                && let Some(review) = self.review(&sweep.sweep_id, &id).await?
-            {
-                self.put_on_lane(&review).await?;
-                tracing::info!("sweep item handed to the lanes put there again");
+            if let Some((r, _)) = &job {
+                self.keep_on_lane(sweep, r).await?;
             }
             let waits = match &job {
                 None => true,
@@ -250,21 +264,21 @@ impl Coordinator {
             }
             // Left for the coordinator: not final, nor validated (the publisher's).
             if !job.as_ref().is_some_and(|(r, _)| r.state.is_final() || r.state == JobState::Validated) {
-                open += 1;
+                open.push(id.clone());
             }
             if waits && !in_chunks.contains(&id) {
                 waiting.push(id);
             }
         }
         let live = chunks.iter().any(|(c, _)| c.step != ChunkStep::Applied);
-        if !live && open == 0 {
+        if !live && open.is_empty() {
             self.settle(sweep).await?;
             return Ok(Vec::new());
         }
         if waiting.is_empty() {
             if !live {
-                // What is left runs on the lanes: look again next round, to settle it.
-                memory.to_cut.insert(sweep.sweep_id.clone());
+                // What is left runs on the lanes: followed round by round, to settle it.
+                memory.on_lanes.insert(sweep.sweep_id.clone(), open);
             }
             return Ok(Vec::new());
         }
@@ -315,6 +329,20 @@ impl Coordinator {
             out.push(made);
         }
         Ok(out)
+    }
+
+    /// An item handed to the lanes but not on the lane (the put failed, or a leader
+    /// died between the hand-over and the put) is put there now.
+    async fn keep_on_lane(&self, sweep: &SweepRecord, rec: &JobRecord) -> Result<(), RoundError> {
+        if rec.state == JobState::RetryScheduled
+            && rec.owner.as_deref() == Some(batch::LANES_OWNER)
+            && !crate::reconcile::on_lane(&self.js, rec).await?
+            && let Some(review) = self.review(&sweep.sweep_id, &rec.job_id).await?
+        {
+            self.put_on_lane(&review).await?;
+            tracing::info!("sweep item handed to the lanes put there again");
+        }
+        Ok(())
     }
 
     /// An item over one call's budget, never in a provider batch: its review goes to the
