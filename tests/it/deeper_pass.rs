@@ -58,6 +58,13 @@ async fn degraded_reviews(client: &mut Client) -> ((proto::Review, String, Strin
             let r = r.into_inner().review.unwrap();
             if r.review_depth == ReviewDepth::ChangedHunks as i32 {
                 if slot == 0 {
+                    // A review that ends at admission (due before the predicted wait
+                    // ends) names no deeper pass.
+                    let mut due = submit_req(DELTA_KEY, &format!("due-{i}"), &sample_diff(&format!("due{i}")));
+                    due.get_mut().timeout = Some(prost_types::Duration { seconds: 0, nanos: 200_000_000 });
+                    let late = client.submit_review(due).await.unwrap().into_inner().review.unwrap();
+                    assert_eq!(late.terminal_reason, "deadline_exceeded", "{late:?}");
+                    assert!(late.deeper_review_id.is_empty(), "{late:?}");
                     delta = Some((r, idem, diff));
                 } else {
                     acme = Some(r);

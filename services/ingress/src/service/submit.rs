@@ -73,7 +73,8 @@ impl ReviewApi {
                 .then(|| super::sweeps::DeeperIds::of(tenant, &id).job_id),
         };
         if late >= deadline_ms {
-            return self.too_late(handle, &msg).await;
+            // It ends here: no deeper pass follows it.
+            return self.too_late(handle, &ReviewMessage { deeper_review: None, ..msg }).await;
         }
         let rec = match self.write_job(handle, &msg).await? {
             Created::New(rec, _) => rec,
