@@ -37,6 +37,11 @@ fn failed(sweep: &proto::Sweep) -> BTreeMap<i32, u64> {
     sweep.failed.iter().map(|r| (r.reason, r.count)).collect()
 }
 
+async fn review_of(client: &mut Client, key: &str, job_id: String) -> proto::Review {
+    let req = authed(key, proto::GetReviewRequest { job_id });
+    client.get_review(req).await.unwrap().into_inner().review.unwrap()
+}
+
 async fn sweep_of(client: &mut Client, key: &str, id: &str) -> proto::Sweep {
     client.get_sweep(authed(key, GetSweepRequest { sweep_id: id.into() })).await.unwrap().into_inner().sweep.unwrap()
 }
@@ -117,13 +122,7 @@ async fn a_sweep_through_openais_batch_api_is_paid_once_per_item_at_the_batch_pr
     for i in 0..4 {
         assert_eq!(stack.webhook.for_job(&job(i)).len(), 1, "item {i} delivered once");
     }
-    let review = client
-        .get_review(authed(US_KEY, proto::GetReviewRequest { job_id: job(0) }))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let review = review_of(&mut client, US_KEY, job(0)).await;
     assert_eq!(review.state, proto::JobState::Published as i32);
     assert_eq!(review.sweep_id, id);
     assert!(!review.findings.is_empty(), "the batch line's findings, validated against the item's diff");
@@ -385,13 +384,7 @@ async fn with_resubmit_via_lanes_an_item_whose_line_did_not_run_is_called_once_o
         assert_eq!(lines.paid_lines.get(&job(i)), None, "item {i}: its line was not paid");
         assert_eq!(calls.paid_by_job.get(&job(i)), Some(&1), "item {i}: one lane call");
     }
-    let again = client
-        .get_review(authed(US_KEY, proto::GetReviewRequest { job_id: job(1) }))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let again = review_of(&mut client, US_KEY, job(1)).await;
     assert_eq!((again.state, again.sweep_id.as_str()), (proto::JobState::Published as i32, id.as_str()));
     assert_eq!(again.attempts.unwrap().transient, 1, "the line that did not run counted once");
     delivered_once(&stack, &(0..4).map(job).collect::<Vec<_>>()).await;
@@ -426,13 +419,7 @@ async fn an_item_over_one_calls_budget_runs_on_the_batch_lane_in_parts_and_the_r
     let parts: Vec<(&String, &u64)> =
         calls.paid_by_part.iter().filter(|(k, _)| k.starts_with(&format!("{large}/"))).collect();
     assert!(parts.len() >= 2 && parts.iter().all(|(_, n)| **n == 1), "each part paid once: {parts:?}");
-    let review = client
-        .get_review(authed(US_KEY, proto::GetReviewRequest { job_id: large.clone() }))
-        .await
-        .unwrap()
-        .into_inner()
-        .review
-        .unwrap();
+    let review = review_of(&mut client, US_KEY, large.clone()).await;
     assert_eq!((review.parts_total as usize, review.sweep_id.as_str()), (parts.len(), id.as_str()));
     delivered_once(&stack, &jobs.values().map(|(j, ..)| j.clone()).collect::<Vec<_>>()).await;
     assert!(settled(&stack, &id).await, "settled once the item on the lane is final");

@@ -157,18 +157,7 @@ impl Reconciler {
 
     /// Whether the job's review is still on its lane.
     async fn has_message(&self, rec: &JobRecord) -> Result<bool, StoreError> {
-        on_lane(&self.layout.js, rec).await
-    }
-}
-
-/// Whether the job's review is on its lane (one subject per job).
-pub async fn on_lane(js: &async_nats::jetstream::Context, rec: &JobRecord) -> Result<bool, StoreError> {
-    let stream = js.get_stream_no_info(layout::lane_stream(rec.region, rec.lane)).await.map_err(StoreError::other)?;
-    let subject = layout::lane_subject(rec.region, rec.lane, &rec.tenant, &rec.job_id);
-    match stream.get_last_raw_message_by_subject(&subject).await {
-        Ok(_) => Ok(true),
-        Err(e) if e.kind() == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound => Ok(false),
-        Err(e) => Err(StoreError::other(e)),
+        reviewlane_shared::lanes::holds(&self.layout.js, rec).await
     }
 }
 

@@ -336,7 +336,7 @@ impl Coordinator {
     async fn keep_on_lane(&self, sweep: &SweepRecord, rec: &JobRecord) -> Result<(), RoundError> {
         if rec.state == JobState::RetryScheduled
             && rec.owner.as_deref() == Some(batch::LANES_OWNER)
-            && !crate::reconcile::on_lane(&self.js, rec).await?
+            && !reviewlane_shared::lanes::holds(&self.js, rec).await?
             && let Some(review) = self.review(&sweep.sweep_id, &rec.job_id).await?
         {
             self.put_on_lane(&review).await?;
@@ -363,18 +363,8 @@ impl Coordinator {
     /// by `Nats-Msg-Id`, and a worker a copy whose job has moved on).
     pub(super) async fn put_on_lane(&self, review: &ReviewMessage) -> Result<(), StoreError> {
         self.faults.check(reviewlane_shared::faults::point::COORDINATOR_LANE)?;
-        let lane = reviewlane_shared::Lane::Batch;
-        let subject = reviewlane_shared::layout::lane_subject(self.region, lane, &review.tenant, &review.job_id);
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, review.job_id.as_str());
         let payload = serde_json::to_vec(review).map_err(StoreError::other)?;
-        self.js
-            .publish_with_headers(subject, headers, payload.into())
-            .await
-            .map_err(StoreError::publish)?
-            .await
-            .map_err(StoreError::publish)?;
-        Ok(())
+        reviewlane_shared::lanes::put(&self.js, review, payload).await.map_err(StoreError::publish)
     }
 
     /// The review an item of the manifest keeps (until it is final).

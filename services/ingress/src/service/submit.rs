@@ -284,19 +284,8 @@ pub(super) fn plan(mut req: SubmitReviewRequest, limits: &Limits, now_ms: u64) -
     messaging.destination.name = %layout::lane_subject(msg.region, msg.lane, &msg.tenant, &msg.job_id),
 ))]
 pub(super) async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage, payload: Vec<u8>) -> Result<(), ApiError> {
-    let subject = layout::lane_subject(msg.region, msg.lane, &msg.tenant, &msg.job_id);
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(async_nats::header::NATS_MESSAGE_ID, msg.job_id.as_str());
-    reviewlane_shared::telemetry::inject_nats(&mut headers);
-    let ack = handle
-        .layout
-        .js
-        .publish_with_headers(subject, headers, payload.into())
-        .await
-        .map_err(StoreError::publish)?
-        .await;
-    match ack {
-        Ok(_) => Ok(()),
+    match reviewlane_shared::lanes::put(&handle.layout.js, msg, payload).await {
+        Ok(()) => Ok(()),
         Err(e) if is_stream_full(&e) => Err(ApiError::ResourceExhausted {
             reason: Reason::LaneFull,
             what: "lane is full",
