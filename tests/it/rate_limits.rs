@@ -389,6 +389,9 @@ async fn a_provider_reporting_fewer_tokens_left_than_the_bucket_holds_wins() {
     stack.us.provider.set_answer_headers(vec![
         ("x-ratelimit-limit-tokens".into(), "120000".into()),
         ("x-ratelimit-remaining-tokens".into(), "1000".into()),
+        // OpenAI says when the dimension is full again (here: what refilling the
+        // 119,000 missing at 2,000 a second takes), so the bucket refills continuously.
+        ("x-ratelimit-reset-tokens".into(), "59.5s".into()),
     ]);
     let mut client = stack.client().await;
     let first = submit(&mut client, US_KEY, "meter-1", &sample_diff("meter 1")).await.job_id;
@@ -473,4 +476,78 @@ async fn a_bucket_429_empties_its_bucket_and_a_racing_429_keeps_the_window() {
     // At the window, the level does not hold.
     q.rate_limited(limited(Some(Dimension::Requests), 8)).await.unwrap();
     assert_eq!(q.fleet_window(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answers_without_it() {
+    use reviewlane_core::meter::Cost;
+    use reviewlane_extractor::quota::{KeyConfig, Limited, Quota};
+    use reviewlane_extractor::upstream::Meter;
+    let nats = reviewlane_shared::testing::NatsServer::start_provisioned(reviewlane_shared::Region::Us).await;
+    let s = crate::manual::stores(nats.url(), reviewlane_shared::Region::Us, reviewlane_core::clock::system()).await;
+    let clock = reviewlane_core::clock::ManualClock::at(1_000_000);
+    let url = nats.url().to_string();
+    let quota = |key: &str| {
+        let key = KeyConfig { key: key.into(), limit: 8, tenant_limits: Default::default(), weights: Default::default() };
+        let (kv, clock, url) = (s.layout.quota.clone(), clock.clone(), url.clone());
+        async move {
+            let client = async_nats::connect(url).await.unwrap();
+            Quota::new(kv, client, key, Duration::from_secs(1), Duration::from_secs(60), clock)
+        }
+    };
+    let q = quota("openai.learned").await;
+    let call = Cost { input: 1_000, output: 100 };
+    let reading = |limit, remaining, reset_ms| Reading {
+        limit: Some(limit),
+        remaining: Some(remaining),
+        reset: Some(Duration::from_millis(reset_ms)),
+    };
+    // The answers teach 20 requests a minute, none left (one back in 3 s).
+    q.follow_readings(&Meter::from([(Dimension::Requests, reading(20, 0, 3_000))])).await;
+    assert_eq!(q.budgets(), vec![(Dimension::Requests, 20)]);
+    assert!(q.reserve_call(call).await.is_err(), "an empty learned bucket paces the next call");
+    // A larger tier: the higher limit holds from the answer that reports it, and what it
+    // adds is there at once.
+    q.follow_readings(&Meter::from([(Dimension::Requests, reading(40, 20, 1_500))])).await;
+    assert_eq!(q.budgets(), vec![(Dimension::Requests, 40)]);
+    let r = q.reserve_call(call).await.expect("the raised limit has room at once");
+    q.settle_call(&r, Cost::default()).await;
+
+    // The provider stops reporting the limit. For ten minutes the learned one still
+    // paces: drained, a call waits for the refill.
+    let silent = Meter::new();
+    for _ in 0..9 {
+        clock.advance(Duration::from_secs(60));
+        q.follow_readings(&silent).await;
+    }
+    assert_eq!(q.budgets(), vec![(Dimension::Requests, 40)]);
+    while let Ok(r) = q.reserve_call(call).await {
+        q.settle_call(&r, Cost::default()).await;
+    }
+    // Ten minutes of answers without it: it lapses. Calls are no longer paced by it, its
+    // bucket is gone from the fleet (a replica starting now adopts nothing), and a 429
+    // with `retry-after: 2` holds the key for the hint, not for a refill.
+    clock.advance(Duration::from_secs(61));
+    q.follow_readings(&silent).await;
+    assert_eq!(q.budgets(), vec![], "the learned limit lapsed");
+    assert!(q.reserve_call(call).await.is_ok(), "nothing paces the call any more");
+    assert!(s.layout.quota.get("bucket.openai.learned.requests").await.unwrap().is_none());
+    let fresh = quota("openai.learned").await;
+    fresh.start(tokio_util::sync::CancellationToken::new()).await.unwrap();
+    assert_eq!(fresh.budgets(), vec![], "a replica starting later adopts no lapsed limit");
+    let hint = Duration::from_secs(2);
+    let limited = Limited { pause: hint, started_ms: q.now_ms(), in_flight: Some(1), bucket: Some(Dimension::Requests) };
+    q.rate_limited(limited).await.unwrap();
+    assert!(q.paused_for().is_some_and(|p| p <= hint), "{:?}", q.paused_for());
+    clock.advance(hint);
+    assert_eq!(q.paused_for(), None);
+    assert!(q.reserve_call(call).await.is_ok(), "the retry after the hint is not held back");
+
+    // A configured limit never lapses.
+    let configured = quota("openai.configured").await.with_budgets(vec![(Dimension::Requests, 20)]);
+    for _ in 0..30 {
+        clock.advance(Duration::from_secs(60));
+        configured.follow_readings(&silent).await;
+    }
+    assert_eq!(configured.budgets(), vec![(Dimension::Requests, 20)]);
 }

@@ -288,8 +288,9 @@ impl Quota {
         format!("{BUCKET_PREFIX}{}.{}", self.key, dim.as_str())
     }
 
-    /// The bucket as stored, at `capacity` (a changed limit keeps what is left, up to
-    /// the new capacity); a full one when there is none yet.
+    /// The bucket as stored, at `capacity`; a full one when there is none yet. A lower
+    /// limit keeps what is left, up to it; a higher one adds the difference at once
+    /// (what the provider's own bucket gained).
     fn at_capacity(stored: Option<Bucket>, dim: Dimension, capacity: u64, now_ms: u64) -> Bucket {
         let period_ms = dim.period().as_millis() as u64;
         match stored {
@@ -297,8 +298,9 @@ impl Quota {
             Some(b) => Bucket {
                 capacity,
                 period_ms,
-                level: b.level_at(now_ms).min(capacity as f64),
+                level: (b.level_at(now_ms) + capacity.saturating_sub(b.capacity) as f64).min(capacity as f64),
                 at_ms: now_ms.max(b.at_ms),
+                refills_at_ms: b.refills_at_ms,
             },
             None => Bucket::full_over(capacity, period_ms, now_ms),
         }
@@ -365,7 +367,8 @@ impl Quota {
         for dim in Dimension::ALL {
             let Some(v) = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)? else { continue };
             if let Ok(b) = serde_json::from_slice::<Bucket>(&v) {
-                self.limits().adopt(dim, b.capacity);
+                let now = self.now_ms();
+                self.limits().adopt(dim, b.capacity, now);
             }
         }
         Ok(())
@@ -429,9 +432,19 @@ impl Quota {
     /// each budget: a provider that reports less than the fleet's bucket holds wins
     /// (another deployment on the account, or traffic outside reviewlane, is absorbed
     /// within one answer).
+    ///
+    /// A learned limit the answers stopped reporting lapses (`Limits::learn`): its bucket
+    /// is removed, so that a replica starting later does not adopt it.
     pub async fn follow_readings(&self, meter: &crate::upstream::Meter) {
-        if self.limits().learn(meter) {
+        let learnt = self.limits().learn(meter, self.now_ms());
+        if learnt.changed {
             tracing::info!(budgets = ?self.budgets(), "the key's limits, as the provider reports them");
+        }
+        for dim in learnt.lapsed {
+            tracing::info!(dimension = dim.as_str(), "a learned limit lapsed: no answer reported it for a while");
+            if let Err(e) = self.kv.delete(self.bucket_key(dim)).await {
+                tracing::warn!(error = %e, dimension = dim.as_str(), "removing a lapsed bucket failed");
+            }
         }
         for (dim, capacity) in self.budgets() {
             let Some(reading) = meter.get(&dim) else { continue };
@@ -439,6 +452,30 @@ impl Quota {
                 tracing::warn!(error = %e, dimension = dim.as_str(), "following the provider's reading failed");
             }
         }
+    }
+
+    /// A 429 without a hint that the answers predicted (`Limits::predicted`: the last
+    /// reading of a limited dimension said none remained): that dimension, and how long
+    /// until its bucket, emptied, has room again — for a fixed window, the window's end.
+    /// Such a 429 is the bucket's, not congestion; each reading predicts one.
+    pub async fn predicted(&self) -> Option<(Dimension, std::time::Duration)> {
+        let dim = self.limits().predicted()?;
+        let capacity = self.limits().of(dim)?;
+        let now = self.now_ms();
+        let stored = match self.kv.get(self.bucket_key(dim)).await {
+            Ok(v) => v.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok()),
+            Err(e) => {
+                tracing::warn!(error = %e, dimension = dim.as_str(), "reading a bucket failed");
+                None
+            }
+        };
+        let mut b = Quota::at_capacity(stored, dim, capacity, now);
+        b.follow(&Reading { remaining: Some(0), ..Default::default() }, now);
+        let wait = match b.reserve(1, now) {
+            Err(Refused::Wait(d)) => d,
+            _ => std::time::Duration::from_millis(1),
+        };
+        Some((dim, wait))
     }
 
     /// A 429 that names `dim` (or whose headers say it is empty): its bucket, when the

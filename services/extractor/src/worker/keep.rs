@@ -206,8 +206,14 @@ impl Worker {
             _ => Default::default(),
         };
         let used = lease.rec.attempts.congestion;
+        let predicted = match &answer {
+            Answer::Upstream { outcome: UpstreamOutcome::RateLimited { retry_after: None, .. }, .. } => {
+                self.quota.predicted().await
+            }
+            _ => None,
+        };
         let (verdict, effect) =
-            plan::verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>());
+            plan::verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted);
         let decision = match verdict {
             plan::Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
             plan::Verdict::Usable { output, usage, status } => {

@@ -49,10 +49,22 @@ pub enum QuotaEffect {
     OpenCircuit,
 }
 
+/// A 429 without a hint that the answers predicted (the last reading of a limited
+/// dimension said none remained): the dimension, and how long until its bucket has room.
+pub type Predicted = Option<(reviewlane_core::meter::Dimension, Duration)>;
+
 /// The verdict on `answer` for a lease that has spent `congestion_used` congestion
 /// retries: a 429 without the provider's hint waits the lane's `backoff` for the next
-/// one (`unit`: uniform in [0, 1), the jitter).
-pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f64) -> (Verdict, QuotaEffect) {
+/// one (`unit`: uniform in [0, 1), the jitter) — unless the answers `predicted` it: then
+/// the key pauses until the bucket has room and the job goes back to wait for it,
+/// spending no retry.
+pub fn verdict(
+    answer: Answer,
+    congestion_used: u32,
+    backoff: &Backoff,
+    unit: f64,
+    predicted: Predicted,
+) -> (Verdict, QuotaEffect) {
     let decided = |d| (Verdict::Decided(d), QuotaEffect::None);
     let (upstream, started_ms) = match answer {
         Answer::Cached(hit) => return (Verdict::Cached(hit), QuotaEffect::None),
@@ -65,6 +77,13 @@ pub fn verdict(answer: Answer, congestion_used: u32, backoff: &Backoff, unit: f6
             Verdict::Usable { output, usage, status },
             QuotaEffect::Succeeded { started_ms: started_ms.0, pause: slow_down },
         ),
+        UpstreamOutcome::RateLimited { retry_after: None, .. } if predicted.is_some() => {
+            let (dimension, wait) = predicted.expect("checked");
+            let (started_ms, in_flight) = started_ms;
+            let limited =
+                crate::quota::Limited { pause: wait, started_ms, in_flight: Some(in_flight), bucket: Some(dimension) };
+            (Verdict::Decided(Decision::Release(Some(wait))), QuotaEffect::RateLimited(limited))
+        }
         UpstreamOutcome::RateLimited { retry_after, dimension, .. } => {
             let delay = retry_after.unwrap_or_else(|| backoff.delay(congestion_used + 1, unit));
             let retry = Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status, invalid: None };
@@ -200,7 +219,7 @@ mod tests {
     const NOW: u64 = 1_000_000;
 
     fn decided(answer: Answer, used: u32, backoff: &Backoff) -> (Decision, QuotaEffect) {
-        match verdict(answer, used, backoff, 0.5) {
+        match verdict(answer, used, backoff, 0.5, None) {
             (Verdict::Decided(d), effect) => (d, effect),
             (other, _) => panic!("{other:?}"),
         }
@@ -220,7 +239,7 @@ mod tests {
             usage: Some(usage),
             meter: Default::default(),
         };
-        let (v, effect) = verdict(upstream(ok), 0, &Backoff::default(), 0.5);
+        let (v, effect) = verdict(upstream(ok), 0, &Backoff::default(), 0.5, None);
         assert!(
             matches!(&v, Verdict::Usable { output, usage: Some(u), status: Some(s) } if output == "{}" && *u == usage && s == "2xx"),
             "{v:?}"
@@ -260,6 +279,16 @@ mod tests {
         let four = Duration::from_secs(4);
         assert!(matches!(d, Decision::Retry { budget: Budget::Congestion, hint: Some(h), .. } if h == four), "{d:?}");
         assert_eq!(effect, effect_of(four, Some(reviewlane_core::meter::Dimension::Tokens)));
+        // Predicted by the answers (none left, no hint): the job waits for the bucket,
+        // spending no retry, and the key pauses as long, for that bucket.
+        let requests = reviewlane_core::meter::Dimension::Requests;
+        let wait = Duration::from_secs(41);
+        let (v, effect) = verdict(upstream(limited(None, None)), 2, &b, 0.5, Some((requests, wait)));
+        assert!(matches!(v, Verdict::Decided(Decision::Release(Some(w))) if w == wait), "{v:?}");
+        assert_eq!(effect, effect_of(wait, Some(requests)));
+        // A hint is the provider's word: it is a congestion retry whatever was predicted.
+        let (v, _) = verdict(upstream(limited(Some(seven), None)), 0, &b, 0.5, Some((requests, wait)));
+        assert!(matches!(v, Verdict::Decided(Decision::Retry { budget: Budget::Congestion, .. })), "{v:?}");
     }
 
     #[test]
