@@ -1,9 +1,14 @@
 //! The `replicas` scenario: a fleet of extractor replicas that share one provider key.
-//! Three extractor processes in the US region, two tenants (acme, beta) on one key whose
-//! provider answers 429 above 4 calls in flight; one replica is killed (-9, not
-//! restarted) a third of the way through and a new one started at two thirds. The
-//! fleet must stay within the key's limit whatever the number of replicas, and the
-//! survivors must take the dead replica's share at once.
+//! Three extractor processes in the US region on one key whose provider answers 429
+//! above 4 calls in flight. Three variants (`Variant`): all three alive with one tenant;
+//! one tenant with one replica killed (-9, not restarted) a third of the way through and
+//! a new one started at two thirds; two tenants (acme, beta) sharing the key, all
+//! alive. The fleet must stay within the key's limit whatever the number of replicas,
+//! and the survivors must take the dead replica's share at once.
+//!
+//! Each report says where the time above the physical limit went: the provider's
+//! capacity (calls it allows × the run) left unused, split by what the run was doing
+//! then (`Unused`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,10 +27,47 @@ use crate::stack::StackOptions;
 /// The bearer key `extractor-us-1` (the replica killed) calls the provider with.
 const KILLED_KEY: &str = "sk-load-1";
 
+/// What the fleet goes through during the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Variant {
+    /// Three replicas alive throughout, one tenant.
+    Alive,
+    /// One tenant; a replica killed at a third, a new one started at two thirds.
+    Killed,
+    /// Two tenants sharing the key, three replicas alive throughout.
+    Tenants,
+    /// Two tenants, and a replica killed and another started (the test suite's).
+    KilledTenants,
+}
+
+impl Variant {
+    /// The variants of record.
+    pub const ALL: [Variant; 3] = [Variant::Alive, Variant::Killed, Variant::Tenants];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Alive => "alive",
+            Variant::Killed => "killed",
+            Variant::Tenants => "tenants",
+            Variant::KilledTenants => "killed_tenants",
+        }
+    }
+
+    pub fn tenants(self) -> usize {
+        if matches!(self, Variant::Tenants | Variant::KilledTenants) { 2 } else { 1 }
+    }
+
+    pub fn kills(self) -> bool {
+        matches!(self, Variant::Killed | Variant::KilledTenants)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ReplicasConfig {
-    /// Jobs per tenant (two tenants).
-    pub jobs_per_tenant: usize,
+    pub variant: Variant,
+    /// Jobs in all (spread over the variant's tenants).
+    pub jobs: usize,
     pub provider_latency: Duration,
     /// The provider's limit on the key: calls in flight above it are answered 429.
     pub provider_cap: usize,
@@ -35,10 +77,11 @@ pub struct ReplicasConfig {
 }
 
 impl ReplicasConfig {
-    /// The scenario of record: 2 × 100 jobs of 1 s against a cap of 4 (50 s at the limit).
-    pub fn full() -> Self {
+    /// The scenario of record: 200 jobs of 1 s against a cap of 4 (50 s at the limit).
+    pub fn full(variant: Variant) -> Self {
         ReplicasConfig {
-            jobs_per_tenant: 100,
+            variant,
+            jobs: 200,
             provider_latency: Duration::from_secs(1),
             provider_cap: 4,
             key_limit: 4,
@@ -46,10 +89,11 @@ impl ReplicasConfig {
         }
     }
 
-    /// The test suite's: 2 × 20 jobs of 300 ms.
+    /// The test suite's: 40 jobs of 300 ms, two tenants, a replica killed.
     pub fn small() -> Self {
         ReplicasConfig {
-            jobs_per_tenant: 20,
+            variant: Variant::KilledTenants,
+            jobs: 40,
             provider_latency: Duration::from_millis(300),
             provider_cap: 4,
             key_limit: 4,
@@ -78,12 +122,15 @@ impl ReplicasConfig {
 
     /// Jobs × latency / the provider's cap.
     pub fn physical_limit(&self) -> Duration {
-        self.provider_latency * (2 * self.jobs_per_tenant) as u32 / self.provider_cap as u32
+        self.provider_latency * self.jobs as u32 / self.provider_cap as u32
     }
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ReplicasReport {
+    pub variant: Variant,
+    /// Where the time above the physical limit went.
+    pub unused: Unused,
     pub jobs: usize,
     pub published: usize,
     pub lost: usize,
@@ -104,19 +151,19 @@ pub struct ReplicasReport {
     /// Jobs published per tenant.
     pub published_by_tenant: BTreeMap<String, usize>,
     pub killed: String,
-    pub killed_at_s: f64,
+    pub killed_at_s: Option<f64>,
     pub started: String,
-    pub started_at_s: f64,
+    pub started_at_s: Option<f64>,
 }
 
 /// Runs the scenario on a `ProcStack` started with `cfg.options()`.
 pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<ReplicasReport> {
     let channel = load::connect(stack.ingress).await?;
-    let n = cfg.jobs_per_tenant;
+    let tenants = cfg.variant.tenants();
     let jobs: Arc<Vec<Job>> = Arc::new(
-        (0..2 * n)
+        (0..cfg.jobs)
             .map(|i| Job {
-                tenant: if i % 2 == 0 { Tenant::Acme } else { Tenant::Beta },
+                tenant: if i % tenants == 0 { Tenant::Acme } else { Tenant::Beta },
                 lane: Lane::Interactive,
                 idempotency_key: format!("replicas-{i}"),
                 diff: corpus::generate(50_000 + i as u64, Size::Small),
@@ -124,21 +171,26 @@ pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<
             .collect(),
     );
     let start = Instant::now();
+    let start_unix_ms = reviewlane_shared::telemetry::now_ms();
     let pace = Pace { concurrency: 16, rate: None, timeout: Duration::from_secs(10) };
     let submitted = load::submit(&channel, &jobs, (0..jobs.len()).collect(), pace).await;
     let limit = cfg.physical_limit();
-    // A third of the way: one replica killed, not restarted.
-    tokio::time::sleep((limit / 3).saturating_sub(start.elapsed())).await;
-    let killed = "extractor-us-1".to_string();
-    let killed_at = start.elapsed();
-    let killed_unix_ms = reviewlane_shared::telemetry::now_ms();
-    if let Some(s) = stack.service(&killed) {
-        s.signal("KILL")?;
+    let (mut killed, mut killed_at, mut killed_unix_ms) = (String::new(), None, u64::MAX);
+    let (mut started, mut started_at) = (String::new(), None);
+    if cfg.variant.kills() {
+        // A third of the way: one replica killed, not restarted.
+        tokio::time::sleep((limit / 3).saturating_sub(start.elapsed())).await;
+        killed = "extractor-us-1".to_string();
+        killed_at = Some(start.elapsed());
+        killed_unix_ms = reviewlane_shared::telemetry::now_ms();
+        if let Some(s) = stack.service(&killed) {
+            s.signal("KILL")?;
+        }
+        // Two thirds: a new one.
+        tokio::time::sleep((limit * 2 / 3).saturating_sub(start.elapsed())).await;
+        started_at = Some(start.elapsed());
+        started = stack.spawn_extractor(Region::Us)?;
     }
-    // Two thirds: a new one.
-    tokio::time::sleep((limit * 2 / 3).saturating_sub(start.elapsed())).await;
-    let started_at = start.elapsed();
-    let started = stack.spawn_extractor(Region::Us)?;
 
     let accepted: Vec<_> = submitted.iter().filter(|s| s.sent == Sent::Accepted).cloned().collect();
     let finals = load::follow(&channel, &jobs, &accepted, Duration::from_secs(300)).await;
@@ -183,7 +235,11 @@ pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<
         }
     }
     let round = |x: f64| (x * 1000.0).round() / 1000.0;
+    let kill_ms = killed_at.map(|k| k.as_millis() as u64);
+    let unused = unused(&stats, start_unix_ms, (makespan * 1000.0) as u64, cfg, kill_ms);
     Ok(ReplicasReport {
+        variant: cfg.variant,
+        unused,
         jobs: jobs.len(),
         published,
         lost: accepted.len().saturating_sub(published) + (jobs.len() - accepted.len()),
@@ -200,16 +256,101 @@ pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<
         ratio_to_physical: round(makespan / limit.as_secs_f64()),
         published_by_tenant,
         killed,
-        killed_at_s: round(killed_at.as_secs_f64()),
+        killed_at_s: killed_at.map(|d| round(d.as_secs_f64())),
         started,
-        started_at_s: round(started_at.as_secs_f64()),
+        started_at_s: started_at.map(|d| round(d.as_secs_f64())),
     })
+}
+
+/// The provider's capacity the run left unused, in seconds of the run (capacity-seconds
+/// over the calls it allows at once), by what the run was doing then: ramping up before
+/// the provider first ran at its cap; within 3 s after a 429 (its pause and the window's
+/// regain); from a kill until the dead replica's lease has run out and a second more;
+/// the tail, once fewer jobs were left than the cap allows; and the rest.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Unused {
+    pub ramp_s: f64,
+    pub after_429_s: f64,
+    pub after_kill_s: f64,
+    pub tail_s: f64,
+    pub other_s: f64,
+}
+
+fn unused(
+    stats: &crate::simprovider::Stats,
+    start_unix_ms: u64,
+    makespan_ms: u64,
+    cfg: &ReplicasConfig,
+    kill_ms: Option<u64>,
+) -> Unused {
+    let cap = cfg.provider_cap as f64;
+    let rel = |unix_ms: u64| unix_ms.saturating_sub(start_unix_ms);
+    // Paid calls in flight, per 10 ms step of the run.
+    let steps = (makespan_ms / 10) as usize + 1;
+    let mut busy = vec![0u32; steps];
+    for c in &stats.paid_calls {
+        let (a, b) = ((rel(c.started_unix_ms) / 10) as usize, (rel(c.answered_unix_ms) / 10) as usize);
+        for slot in busy.iter_mut().take(b.min(steps)).skip(a) {
+            *slot += 1;
+        }
+    }
+    // The 429s' times: every call start that is not a paid call's start, on the
+    // provider's clock, moved to the run's by a paid call seen on both.
+    let offset = stats.paid_calls.first().map(|c| c.started_unix_ms as i64 - (c.started_us / 1000) as i64);
+    let mut paid_starts: Vec<u64> = stats.paid_calls.iter().map(|c| c.started_us / 1000).collect();
+    paid_starts.sort();
+    let mut refused = Vec::new();
+    for t in stats.call_times_ms.values().flatten() {
+        match paid_starts.binary_search(t) {
+            Ok(i) => {
+                paid_starts.remove(i);
+            }
+            Err(_) => refused.extend(offset.map(|o| rel((*t as i64 + o).max(0) as u64))),
+        }
+    }
+    let ramp_end = busy.iter().position(|b| f64::from(*b) >= cap).unwrap_or(steps) as u64 * 10;
+    let tail_from = {
+        let mut ends: Vec<u64> = stats.paid_calls.iter().map(|c| rel(c.started_unix_ms)).collect();
+        ends.sort();
+        ends.iter().rev().nth(cfg.provider_cap.saturating_sub(1)).copied().unwrap_or(makespan_ms)
+    };
+    let kill_window = kill_ms.map(|k| (k, k + cfg.lease.as_millis() as u64 + 1_000));
+    let mut u = Unused::default();
+    for (i, b) in busy.iter().enumerate() {
+        let t = i as u64 * 10;
+        let idle = (cap - f64::from(*b)).max(0.0) * 0.01 / cap;
+        let slot = if t < ramp_end {
+            &mut u.ramp_s
+        } else if t >= tail_from {
+            &mut u.tail_s
+        } else if kill_window.is_some_and(|(a, b)| (a..b).contains(&t)) {
+            &mut u.after_kill_s
+        } else if refused.iter().any(|r| (*r..*r + 3_000).contains(&t)) {
+            &mut u.after_429_s
+        } else {
+            &mut u.other_s
+        };
+        *slot += idle;
+    }
+    let round = |x: f64| (x * 100.0).round() / 100.0;
+    Unused {
+        ramp_s: round(u.ramp_s),
+        after_429_s: round(u.after_429_s),
+        after_kill_s: round(u.after_kill_s),
+        tail_s: round(u.tail_s),
+        other_s: round(u.other_s),
+    }
 }
 
 pub fn print(r: &ReplicasReport) {
     println!(
-        "replicas: {} jobs, {} published, {} lost, terminal {:?}, by tenant {:?}",
-        r.jobs, r.published, r.lost, r.terminal, r.published_by_tenant
+        "replicas ({}): {} jobs, {} published, {} lost, terminal {:?}, by tenant {:?}",
+        r.variant.name(),
+        r.jobs,
+        r.published,
+        r.lost,
+        r.terminal,
+        r.published_by_tenant
     );
     println!(
         "  provider: {} calls, {} answered 429 ({:.1}%), {} paid, {} paid twice, {} paid again after the kill, at most {} in flight",
@@ -222,7 +363,15 @@ pub fn print(r: &ReplicasReport) {
         r.provider_max_concurrent
     );
     println!(
-        "  last result {:.2} s against the physical limit {:.2} s: {:.3}x; {} killed at {:.1} s, {} started at {:.1} s",
-        r.makespan_s, r.physical_limit_s, r.ratio_to_physical, r.killed, r.killed_at_s, r.started, r.started_at_s
+        "  last result {:.2} s against the physical limit {:.2} s: {:.3}x",
+        r.makespan_s, r.physical_limit_s, r.ratio_to_physical
+    );
+    if let (Some(k), Some(s)) = (r.killed_at_s, r.started_at_s) {
+        println!("  {} killed at {k:.1} s, {} started at {s:.1} s", r.killed, r.started);
+    }
+    let u = &r.unused;
+    println!(
+        "  capacity unused, in seconds of the run: ramp {:.2}, after a 429 {:.2}, after the kill {:.2}, tail {:.2}, other {:.2}",
+        u.ramp_s, u.after_429_s, u.after_kill_s, u.tail_s, u.other_s
     );
 }

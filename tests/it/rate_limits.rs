@@ -488,7 +488,8 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
     let clock = reviewlane_core::clock::ManualClock::at(1_000_000);
     let url = nats.url().to_string();
     let quota = |key: &str| {
-        let key = KeyConfig { key: key.into(), limit: 8, tenant_limits: Default::default(), weights: Default::default() };
+        let key =
+            KeyConfig { key: key.into(), limit: 8, tenant_limits: Default::default(), weights: Default::default() };
         let (kv, clock, url) = (s.layout.quota.clone(), clock.clone(), url.clone());
         async move {
             let client = async_nats::connect(url).await.unwrap();
@@ -536,7 +537,8 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
     fresh.start(tokio_util::sync::CancellationToken::new()).await.unwrap();
     assert_eq!(fresh.budgets(), vec![], "a replica starting later adopts no lapsed limit");
     let hint = Duration::from_secs(2);
-    let limited = Limited { pause: hint, started_ms: q.now_ms(), in_flight: Some(1), bucket: Some(Dimension::Requests) };
+    let limited =
+        Limited { pause: hint, started_ms: q.now_ms(), in_flight: Some(1), bucket: Some(Dimension::Requests) };
     q.rate_limited(limited).await.unwrap();
     assert!(q.paused_for().is_some_and(|p| p <= hint), "{:?}", q.paused_for());
     clock.advance(hint);

@@ -28,27 +28,32 @@ use loadtest::stack::Stack;
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
     format!(
-        "usage: loadtest <{}|chaos|replicas [--key-limit N]|large|sweep|tpm [variant]> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        "usage: loadtest <{}|chaos|replicas [--key-limit N] [--variant alive|killed|tenants]|large|sweep|tpm [variant]> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
         names.join("|")
     )
 }
 
 /// `replicas`: three extractor processes sharing one provider key; `key_limit`: what
 /// the deployment is told the key allows (default: the provider's cap, 4).
-async fn replicas(key_limit: Option<u32>) -> anyhow::Result<()> {
-    let mut cfg = loadtest::replicas::ReplicasConfig::full();
-    cfg.key_limit = key_limit.unwrap_or(cfg.key_limit);
+async fn replicas(key_limit: Option<u32>, only: Option<String>) -> anyhow::Result<()> {
+    use loadtest::replicas::{ReplicasConfig, Variant};
     loadtest::procs::ensure_nats_server()?;
     ensure_built()?;
-    let mut stack = ProcStack::start(cfg.options()).await?;
-    let report = loadtest::replicas::run(&mut stack, &cfg).await;
-    stack.keep_logs();
-    println!("  service logs: {}", stack.log_dir().display());
-    let _ = stack.shutdown();
-    let report = report?;
-    loadtest::replicas::print(&report);
-    println!("{}", serde_json::to_string(&report)?);
-    if report.lost > 0 || report.paid_twice > 0 {
+    let mut reports = Vec::new();
+    for variant in Variant::ALL.into_iter().filter(|v| only.as_deref().is_none_or(|o| o == v.name())) {
+        let mut cfg = ReplicasConfig::full(variant);
+        cfg.key_limit = key_limit.unwrap_or(cfg.key_limit);
+        let mut stack = ProcStack::start(cfg.options()).await?;
+        let report = loadtest::replicas::run(&mut stack, &cfg).await;
+        stack.keep_logs();
+        println!("  service logs: {}", stack.log_dir().display());
+        let _ = stack.shutdown();
+        let report = report?;
+        loadtest::replicas::print(&report);
+        reports.push(report);
+    }
+    println!("{}", serde_json::to_string(&reports)?);
+    if reports.iter().any(|r| r.lost > 0 || r.paid_twice > 0) {
         std::process::exit(1);
     }
     Ok(())
@@ -144,12 +149,16 @@ async fn main() -> anyhow::Result<()> {
         return chaos(jobs).await;
     }
     if args.first().map(String::as_str) == Some("replicas") {
-        let key_limit = match args.get(1..).unwrap_or_default() {
-            [] => None,
-            [flag, n] if flag == "--key-limit" => Some(n.parse()?),
-            _ => bail!(usage()),
-        };
-        return replicas(key_limit).await;
+        let (mut key_limit, mut only) = (None, None);
+        let mut it = args.iter().skip(1);
+        while let Some(a) = it.next() {
+            match a.as_str() {
+                "--key-limit" => key_limit = Some(it.next().context("--key-limit N")?.parse()?),
+                "--variant" => only = Some(it.next().context("--variant alive|killed|tenants")?.clone()),
+                _ => bail!(usage()),
+            }
+        }
+        return replicas(key_limit, only).await;
     }
     if args.first().map(String::as_str) == Some("tpm") {
         return tpm(args.get(1).cloned()).await;

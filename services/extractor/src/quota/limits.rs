@@ -53,20 +53,12 @@ pub struct Learnt {
 
 impl Limits {
     pub fn configured(budgets: impl IntoIterator<Item = (Dimension, u64)>) -> Limits {
-        Limits {
-            configured: budgets.into_iter().collect(),
-            learned: BTreeMap::new(),
-            remaining: BTreeMap::new(),
-        }
+        Limits { configured: budgets.into_iter().collect(), learned: BTreeMap::new(), remaining: BTreeMap::new() }
     }
-
 
     /// Every dimension with a limit now, and that limit.
     pub fn active(&self) -> Vec<(Dimension, u64)> {
-        Dimension::ALL
-            .into_iter()
-            .filter_map(|d| Some((d, self.of(d)?)))
-            .collect()
+        Dimension::ALL.into_iter().filter_map(|d| Some((d, self.of(d)?))).collect()
     }
 
     /// The limit of `dim` now, if it has one.
