@@ -269,6 +269,8 @@ pub async fn run(stack: &mut ProcStack, cfg: &ReplicasConfig) -> anyhow::Result<
 /// the tail, once fewer jobs were left than the cap allows; and the rest.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Unused {
+    /// When the calls answered 429 started, in seconds of the run.
+    pub refused_at_s: Vec<f64>,
     pub ramp_s: f64,
     pub after_429_s: f64,
     pub after_kill_s: f64,
@@ -333,7 +335,9 @@ fn unused(
         *slot += idle;
     }
     let round = |x: f64| (x * 100.0).round() / 100.0;
+    refused.sort();
     Unused {
+        refused_at_s: refused.iter().map(|ms| round(*ms as f64 / 1000.0)).collect(),
         ramp_s: round(u.ramp_s),
         after_429_s: round(u.after_429_s),
         after_kill_s: round(u.after_kill_s),
@@ -371,7 +375,7 @@ pub fn print(r: &ReplicasReport) {
     }
     let u = &r.unused;
     println!(
-        "  capacity unused, in seconds of the run: ramp {:.2}, after a 429 {:.2}, after the kill {:.2}, tail {:.2}, other {:.2}",
-        u.ramp_s, u.after_429_s, u.after_kill_s, u.tail_s, u.other_s
+        "  capacity unused, in seconds of the run: ramp {:.2}, after a 429 {:.2}, after the kill {:.2}, tail {:.2}, other {:.2}; 429s at {:?} s",
+        u.ramp_s, u.after_429_s, u.after_kill_s, u.tail_s, u.other_s, u.refused_at_s
     );
 }

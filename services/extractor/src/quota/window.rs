@@ -44,6 +44,11 @@ pub struct Window {
     /// decrease.
     #[serde(default)]
     held: f64,
+    /// `stable` is a ceiling presumed when slow start ended, not a level that held: the
+    /// window regains toward it by additive increase, and a 429 on the way or at it
+    /// settles the window at what held.
+    #[serde(default)]
+    presumed: bool,
 }
 
 /// What a 429 did to the window.
@@ -87,6 +92,7 @@ impl Window {
             event_end_ms: 0,
             at_level: 0,
             held: 0.0,
+            presumed: false,
         }
     }
 
@@ -116,6 +122,7 @@ impl Window {
         m.last_probe_ms = self.last_probe_ms.max(other.last_probe_ms);
         m.at_level = self.at_level.max(other.at_level);
         m.held = self.held.max(other.held);
+        m.presumed = self.presumed && other.presumed;
         m
     }
 
@@ -128,6 +135,7 @@ impl Window {
             || self.in_event != before.in_event
             || self.last_decrease_ms != before.last_decrease_ms
             || self.last_probe_ms != before.last_probe_ms
+            || self.presumed != before.presumed
     }
 
     /// A 429 for a call that started at `started_ms`; the scope pauses for `pause`.
@@ -142,10 +150,11 @@ impl Window {
         self.on_congestion(RateLimited { now_ms, started_ms, pause, limit, in_flight: None });
     }
 
-    /// A 429. A first 429 while the window is at the key's configured limit is
-    /// congestion at a level that holds (a burst of another client of the account, or
-    /// the fleet's own overshoot while shares move), not a limit learned: halve, and
-    /// regain the limit by additive increase.
+    /// A 429. The first one ends slow start: halve (the calls slow start sent above the
+    /// provider's capacity drain), and regain by additive increase toward a presumed
+    /// ceiling — the key's configured limit when the window had reached it (a burst of
+    /// another client of the account, or the fleet's own overshoot while shares move),
+    /// else one call below the level refused — settling at what held on the way.
     pub fn on_congestion(&mut self, c: RateLimited) -> Congestion {
         let RateLimited { now_ms, started_ms, pause, limit, in_flight } = c;
         if self.in_event
@@ -161,18 +170,19 @@ impl Window {
         self.event_until_ms = now_ms + pause.as_millis() as u64;
         let level = self.window.floor();
         let halved = (level / 2.0).ceil().max(1.0);
-        if self.stable < 1.0 && level >= f64::from(limit) {
+        let presumed = self.presumed;
+        self.presumed = false;
+        if self.stable < 1.0 {
             self.window = halved;
-            self.stable = f64::from(limit);
-        } else if self.stable < 1.0 {
-            self.window = halved;
-            self.stable = halved;
+            self.stable = if level >= f64::from(limit) { f64::from(limit) } else { (level - 1.0).max(halved) };
+            self.presumed = self.stable > halved;
         } else if level > self.stable {
             // A failed probe.
             self.window = self.stable;
-        } else if level < self.stable {
-            // Congestion again before the level that held was regained: it no longer
-            // holds. What ran a window of calls on the way up still does.
+        } else if level < self.stable || presumed {
+            // Congestion again before the level that held was regained (or at a ceiling
+            // only presumed): it no longer holds. What ran a window of calls on the way
+            // up still does.
             let settled = halved.max(self.held.min(level - 1.0));
             self.window = settled;
             self.stable = settled;
@@ -212,8 +222,9 @@ impl Window {
             self.at_level += 1;
             if f64::from(self.at_level) >= level {
                 self.held = self.held.max(level);
-                if level > self.stable {
+                if level >= self.stable {
                     self.stable = level;
+                    self.presumed = false;
                 }
             }
         }
@@ -224,7 +235,10 @@ impl Window {
         if self.slow_start {
             self.window = (self.window + 1.0).min(cap);
         } else if self.window < self.stable {
-            self.window = (self.window + 1.0 / self.window.max(1.0)).min(self.stable);
+            // One call more per window of successes: each level runs a window's worth of
+            // calls (and can be seen to hold) before the next.
+            let grown = (self.window + 1.0 / self.window.max(1.0)).min(self.stable);
+            self.window = if grown.floor() > self.window.floor() { grown.floor() } else { grown };
         } else if quiet && self.window < cap {
             if now_ms.saturating_sub(self.last_probe_ms) >= self.probe_every_ms {
                 // The first success after a quiet interval probes one call higher...
@@ -264,25 +278,35 @@ mod tests {
         w.on_rate_limited(6_011, 6_000, pause);
         w.on_rate_limited(6_030, 6_015, pause);
         assert_eq!(w.allowed(8), 2);
+        // Slow start was refused at 4: the window regains toward 3 (one below) at once,
+        // by additive increase, and is refused there: it settles at 2, what held.
+        for t in [7_000, 7_100] {
+            w.on_success(8, t);
+            assert_eq!(w.allowed(8), 2, "at {t}");
+        }
+        w.on_success(8, 7_200);
+        assert_eq!(w.allowed(8), 3);
+        w.on_rate_limited(8_500, 8_000, pause);
+        assert_eq!(w.allowed(8), 2);
         // No probing within the quiet interval.
-        for t in [9_000, 12_000, 30_000, 60_000] {
+        for t in [11_000, 12_000, 30_000, 60_000] {
             w.on_success(8, t);
             assert_eq!(w.allowed(8), 2, "at {t}");
         }
         // A probe after it; refused: back to the level that held, not lower.
-        w.on_success(8, 66_100);
+        w.on_success(8, 70_100);
         assert_eq!(w.allowed(8), 3);
-        w.on_rate_limited(67_000, 66_200, pause);
+        w.on_rate_limited(71_000, 70_200, pause);
         assert_eq!(w.allowed(8), 2);
         // Congestion at the level that held halves (after a success ended the event)...
-        w.on_success(8, 68_000);
-        w.on_rate_limited(70_000, 69_000, pause);
+        w.on_success(8, 72_000);
+        w.on_rate_limited(74_000, 73_000, pause);
         assert_eq!(w.allowed(8), 1);
         assert_eq!(w.allowed(0), 0, "no share, no calls");
         // ...and the level is regained one call per window of successes.
-        w.on_success(8, 73_000);
+        w.on_success(8, 77_000);
         assert_eq!(w.allowed(8), 2);
-        w.on_success(8, 76_000);
+        w.on_success(8, 80_000);
         assert_eq!(w.allowed(8), 2, "not above the level that held without a probe");
     }
 
@@ -402,7 +426,8 @@ mod tests {
         }
         assert_eq!(w.fleet(4), 4, "regained by additive increase, in {} successes", t - 2_000);
         assert!(t - 2_000 <= 8);
-        // Below the known limit the first 429 teaches the level, as before.
+        // Refused at 3 in slow start, below the known limit: halved to 2, the ceiling
+        // presumed at 2 is the level, which holds until a probe.
         let mut learn = Window::new(Duration::from_secs(60));
         learn.on_success(8, 0);
         learn.on_rate_limited_under(1_000, 990, Duration::from_secs(1), 8);
@@ -411,6 +436,55 @@ mod tests {
             learn.on_call_success(8, t, t);
         }
         assert_eq!(learn.fleet(8), 2, "holds until a probe");
+    }
+
+    #[test]
+    fn a_slow_start_overshoot_below_the_limit_is_regained_at_once_up_to_what_holds() {
+        // Key limit 8 (as configured), provider cap 4: slow start is refused at 6 (the
+        // replicas' successes came in faster than its 429s).
+        let mut w = Window::new(Duration::from_secs(60));
+        let mut t = 0;
+        succeed(&mut w, &mut t, 4);
+        assert_eq!(w.fleet(8), 6);
+        assert_eq!(w.on_congestion(congestion(1_000, 990, Some(6))), Congestion::Lowered);
+        assert_eq!(w.fleet(8), 3, "halved");
+        // Regained by additive increase without waiting for a probe (60 s), refused at 5:
+        // the window settles at 4, what held on the way.
+        t = 2_000;
+        while w.fleet(8) < 5 && t < 3_000 {
+            succeed(&mut w, &mut t, 1);
+        }
+        assert_eq!(w.fleet(8), 5, "regained past the cap within {} successes", (t - 2_000) / 10);
+        assert!(t - 2_000 <= 100);
+        assert_eq!(w.on_congestion(congestion(t + 5, t, Some(5))), Congestion::Lowered);
+        assert_eq!(w.fleet(8), 4);
+        t += 2_000;
+        succeed(&mut w, &mut t, 40);
+        assert_eq!(w.fleet(8), 4, "holds at the cap until the next probe");
+
+        // Provider cap 5: the ceiling presumed (one below the level refused) holds, and
+        // no further 429 comes.
+        let mut w = Window::new(Duration::from_secs(60));
+        let mut t = 0;
+        succeed(&mut w, &mut t, 4);
+        w.on_congestion(congestion(1_000, 990, Some(6)));
+        t = 2_000;
+        succeed(&mut w, &mut t, 40);
+        assert_eq!(w.fleet(8), 5, "regained to one below the level refused, and held there");
+        // A 429 at a ceiling only presumed settles at what held; one at a level that held
+        // is a burst: halved, and regained.
+        let mut p = Window::new(Duration::from_secs(60));
+        let mut t = 0;
+        succeed(&mut p, &mut t, 4);
+        p.on_congestion(congestion(1_000, 990, Some(6)));
+        t = 2_000;
+        while p.fleet(8) < 5 {
+            succeed(&mut p, &mut t, 1);
+        }
+        p.on_congestion(congestion(t + 5, t, Some(5)));
+        assert_eq!(p.fleet(8), 4, "settled at what held, not halved");
+        assert_eq!(w.on_congestion(congestion(t + 10_000, t + 9_990, Some(5))), Congestion::Lowered);
+        assert_eq!(w.fleet(8), 3, "a burst at a level that held halves it");
     }
 
     fn congestion(now_ms: u64, started_ms: u64, in_flight: Option<u32>) -> RateLimited {
