@@ -8,6 +8,7 @@ pub mod fakegithub;
 pub mod http;
 pub mod procs;
 pub mod simbatch;
+pub mod simgateway;
 pub mod simmeter;
 pub mod simprovider;
 pub mod stack;
