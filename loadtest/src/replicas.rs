@@ -296,18 +296,17 @@ fn unused(
             *slot += 1;
         }
     }
-    // The 429s' times: every call start that is not a paid call's start, on the
-    // provider's clock, moved to the run's by a paid call seen on both.
+    // The refused calls' times: a job's calls run one after another and only its last
+    // is paid, so its calls before the paid ones were refused (or lost with a killed
+    // replica); on the provider's clock, moved to the run's by a paid call seen on both.
     let offset = stats.paid_calls.first().map(|c| c.started_unix_ms as i64 - (c.started_us / 1000) as i64);
-    let mut paid_starts: Vec<u64> = stats.paid_calls.iter().map(|c| c.started_us / 1000).collect();
-    paid_starts.sort();
     let mut refused = Vec::new();
-    for t in stats.call_times_ms.values().flatten() {
-        match paid_starts.binary_search(t) {
-            Ok(i) => {
-                paid_starts.remove(i);
-            }
-            Err(_) => refused.extend(offset.map(|o| rel((*t as i64 + o).max(0) as u64))),
+    for (job, times) in &stats.call_times_ms {
+        let paid = stats.paid_by_job.get(job).copied().unwrap_or(0) as usize;
+        let mut times = times.clone();
+        times.sort();
+        for t in &times[..times.len().saturating_sub(paid)] {
+            refused.extend(offset.map(|o| rel((*t as i64 + o).max(0) as u64)));
         }
     }
     let ramp_end = busy.iter().position(|b| f64::from(*b) >= cap).unwrap_or(steps) as u64 * 10;

@@ -409,6 +409,12 @@ impl Stack {
     /// Starts one more extractor replica for `region`.
     pub async fn start_extractor(&mut self, region: Region) {
         let xc = self.extractor_config(region);
+        self.start_extractor_with(region, xc).await
+    }
+
+    /// Starts one more extractor replica for `region` with `xc` (an `extractor_config`
+    /// the test changed: another provider endpoint, say).
+    pub async fn start_extractor_with(&mut self, region: Region, xc: ExtractorConfig) {
         let x = reviewlane_extractor::build(xc).await.expect("extractor builds");
         self.extractor_admin.push((region, x.admin_addr()));
         let stop = CancellationToken::new();

@@ -553,3 +553,63 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
     }
     assert_eq!(configured.budgets(), vec![(Dimension::Requests, 20)]);
 }
+
+/// The system's clock, shifted back so that a fixed window of `window` starts now.
+struct WindowStartsNow(u64);
+
+impl reviewlane_core::clock::Clock for WindowStartsNow {
+    fn now_ms(&self) -> u64 {
+        reviewlane_core::clock::now_ms() - self.0
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_gateway_with_fixed_windows_reviews_wait_for_the_next_window_not_for_429s() {
+    use reviewlane_extractor::config::ProviderConfig;
+    use reviewlane_testkit::simgateway::{GatewayConfig, SimGateway};
+    // A LiteLLM-style proxy in front of the provider: 6 requests per fixed minute, its
+    // 200s carrying the limit and what remains but no reset, its 429s no hint at all
+    // ("No deployments available for selected model"). The window starts as the test
+    // does, so one window and a call is the floor for 10 reviews.
+    let window = Duration::from_secs(60);
+    let shift = reviewlane_core::clock::now_ms() % window.as_millis() as u64;
+    let gateway = SimGateway::start(GatewayConfig {
+        rpm: 6,
+        window,
+        clock: std::sync::Arc::new(WindowStartsNow(shift)),
+        deployment: SimConfig { latency: Duration::from_millis(200), ..Default::default() },
+        ..Default::default()
+    })
+    .await;
+    let mut stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
+    let mut xc = stack.extractor_config(Region::Us);
+    let ProviderConfig::OpenAi { base_url, .. } = &mut xc.provider else { panic!("the stack's OpenAI adapter") };
+    *base_url = gateway.base_url();
+    stack.start_extractor_with(Region::Us, xc).await;
+
+    let started = std::time::Instant::now();
+    let mut client = stack.client().await;
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        ids.push(submit(&mut client, US_KEY, &format!("gw-{i}"), &sample_diff(&format!("gateway {i}"))).await.job_id);
+    }
+    for id in &ids {
+        let r = wait_final_within(&mut client, US_KEY, id, Duration::from_secs(120)).await;
+        assert_eq!(r.state, JobState::Published as i32, "{id}: {r:?}");
+        let a = r.attempts.unwrap_or_default();
+        assert_eq!(a.congestion, 0, "{id}: a wait the answers predicted spends no retry");
+    }
+    let took = started.elapsed();
+    let stats = gateway.stats();
+    // Six in the first window, four in the next: no call sent into a window the answers
+    // said was used up (continuous refill would send one every 10 s, each a 429).
+    assert_eq!(
+        stats.calls_429, 0,
+        "{} calls, {} answered 429: {:?}",
+        stats.total_calls, stats.calls_429, stats.windows
+    );
+    assert_eq!(stats.calls_200, 10);
+    // Within 1.15x of the floor: one window and a call.
+    assert!(took <= (window + Duration::from_secs(2)).mul_f64(1.15), "ten reviews took {took:?}");
+    stack.shutdown().await;
+}
