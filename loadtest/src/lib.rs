@@ -1,10 +1,11 @@
 //! reviewlane's load generator (`load`, `corpus`) and load scenarios (`scenarios`,
-//! `chaos`, `replicas`, `large`, `tpm`, `sweep`), run by `cargo run --release -p loadtest -- <scenario>`.
+//! `chaos`, `replicas`, `large`, `tpm`, `sweep`, `gateway`), run by `cargo run --release -p loadtest -- <scenario>`.
 //! What they run against — the stack, the simulated provider, the webhook receiver, the
 //! fake GitHub — is the test kit (`reviewlane-testkit`), re-exported here by name.
 
 pub mod chaos;
 pub mod corpus;
+pub mod gateway;
 pub mod large;
 pub mod load;
 pub mod replicas;

@@ -412,9 +412,20 @@ impl Stack {
         self.start_extractor_with(region, xc).await
     }
 
+    /// Starts one more extractor replica for `region` whose OpenAI adapter calls
+    /// `base_url` (a gateway in front of the provider, say) instead of the region's
+    /// simulated provider.
+    pub async fn start_extractor_calling(&mut self, region: Region, url: String) {
+        let mut xc = self.extractor_config(region);
+        if let ProviderConfig::OpenAi { base_url, .. } = &mut xc.provider {
+            *base_url = url;
+        }
+        self.start_extractor_with(region, xc).await
+    }
+
     /// Starts one more extractor replica for `region` with `xc` (an `extractor_config`
     /// the test changed: another provider endpoint, say).
-    pub async fn start_extractor_with(&mut self, region: Region, xc: ExtractorConfig) {
+    async fn start_extractor_with(&mut self, region: Region, xc: ExtractorConfig) {
         let x = reviewlane_extractor::build(xc).await.expect("extractor builds");
         self.extractor_admin.push((region, x.admin_addr()));
         let stop = CancellationToken::new();

@@ -565,7 +565,6 @@ impl reviewlane_core::clock::Clock for WindowStartsNow {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_a_gateway_with_fixed_windows_reviews_wait_for_the_next_window_not_for_429s() {
-    use reviewlane_extractor::config::ProviderConfig;
     use reviewlane_testkit::simgateway::{GatewayConfig, SimGateway};
     // A LiteLLM-style proxy in front of the provider: 6 requests per fixed minute, its
     // 200s carrying the limit and what remains but no reset, its 429s no hint at all
@@ -582,10 +581,7 @@ async fn behind_a_gateway_with_fixed_windows_reviews_wait_for_the_next_window_no
     })
     .await;
     let mut stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
-    let mut xc = stack.extractor_config(Region::Us);
-    let ProviderConfig::OpenAi { base_url, .. } = &mut xc.provider else { panic!("the stack's OpenAI adapter") };
-    *base_url = gateway.base_url();
-    stack.start_extractor_with(Region::Us, xc).await;
+    stack.start_extractor_calling(Region::Us, gateway.base_url()).await;
 
     let started = std::time::Instant::now();
     let mut client = stack.client().await;

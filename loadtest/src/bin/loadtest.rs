@@ -28,7 +28,7 @@ use loadtest::stack::Stack;
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
     format!(
-        "usage: loadtest <{}|chaos|replicas [--key-limit N] [--variant alive|killed|tenants]|large|sweep|tpm [variant]> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        "usage: loadtest <{}|chaos|replicas [--key-limit N] [--variant alive|killed|tenants]|large|sweep|tpm [variant]|gateway> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
         names.join("|")
     )
 }
@@ -77,6 +77,19 @@ async fn tpm(only: Option<String>) -> anyhow::Result<()> {
     }
     println!("{}", serde_json::to_string(&reports)?);
     if reports.iter().any(|r| r.published != r.reviews) {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// `gateway`: reviews through a LiteLLM-style proxy with fixed windows and hint-less 429s.
+async fn gateway() -> anyhow::Result<()> {
+    let cfg = loadtest::gateway::GatewayRun::full();
+    loadtest::procs::ensure_nats_server()?;
+    let report = loadtest::gateway::run(&cfg).await?;
+    loadtest::gateway::print(&report);
+    println!("{}", serde_json::to_string(&report)?);
+    if !report.ok() {
         std::process::exit(1);
     }
     Ok(())
@@ -162,6 +175,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.first().map(String::as_str) == Some("tpm") {
         return tpm(args.get(1).cloned()).await;
+    }
+    if args.first().map(String::as_str) == Some("gateway") {
+        return gateway().await;
     }
     if args.first().map(String::as_str) == Some("large") {
         return large().await;
