@@ -4,8 +4,11 @@
 //! review is for; listing comments and reviews in pages; the primary rate limit
 //! (`x-ratelimit-remaining` / `x-ratelimit-reset`: the answer that uses the last
 //! request says when it resets, and every request until then is 403) and the
-//! secondary ones (429 with `retry-after` on request, and a 403 with `retry-after` for a
-//! content-creating request less than a second after the previous one).
+//! secondary ones (429 with `retry-after` on request; a 403 with `retry-after` for a
+//! content-creating request less than a second after the previous one, or, when set,
+//! beyond N content-creating requests per rolling window — GitHub documents such
+//! limits, e.g. 80 a minute and 500 an hour, answered 403 or 429 with a message saying
+//! so and possibly `retry-after`).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -62,6 +65,10 @@ struct State {
     secondary: VecDeque<u64>,
     /// When the last content-creating request (a POST of a review) came.
     last_post: Option<Instant>,
+    /// Content-creating requests allowed per rolling window.
+    content_limit: Option<(usize, Duration)>,
+    /// When the reviews still in that window were created (at most the limit's count).
+    created: VecDeque<Instant>,
 }
 
 /// GitHub's least time between content-creating requests; a closer one hits the
@@ -115,6 +122,14 @@ impl FakeGitHub {
     /// The next POSTs are answered 429 with these `retry-after` seconds.
     pub fn secondary_limit(&self, retry_after_secs: impl IntoIterator<Item = u64>) {
         self.state.lock().expect("fake lock").secondary.extend(retry_after_secs);
+    }
+
+    /// At most `requests` content-creating requests (reviews created) per rolling
+    /// `window`; one more is answered 403 with `retry-after` (whole seconds until the
+    /// window's oldest leaves it) and GitHub's secondary-limit message. Refused requests
+    /// do not count.
+    pub fn content_limit(&self, requests: usize, window: Duration) {
+        self.state.lock().expect("fake lock").content_limit = Some((requests, window));
     }
 
     pub fn pull_request(&self) -> &PullRequest {
@@ -295,6 +310,23 @@ fn answer(
                     json!({"message": "You have exceeded a secondary rate limit. Please wait a few minutes before you try again."}),
                 );
             }
+            if let Some((limit, window)) = s.content_limit {
+                s.created.retain(|at| now.duration_since(*at) < window);
+                if let Some(oldest) = s.created.front().filter(|_| s.created.len() >= limit) {
+                    let frees_in = window.saturating_sub(now.duration_since(*oldest));
+                    let secs = frees_in.as_millis().div_ceil(1000).max(1);
+                    let mut h = limit_headers.to_vec();
+                    h.push(("retry-after", secs.to_string()));
+                    return respond(
+                        StatusCode::FORBIDDEN,
+                        &h,
+                        json!({
+                            "message": "You have exceeded a secondary rate limit and have been temporarily blocked from content creation. Please retry your request again later.",
+                            "documentation_url": "https://docs.github.com/rest/overview/rate-limits-for-the-rest-api#about-secondary-rate-limits",
+                        }),
+                    );
+                }
+            }
             if let Some(secs) = s.secondary.pop_front() {
                 let h = [("retry-after", secs.to_string())];
                 return respond(
@@ -337,6 +369,9 @@ fn answer(
             }
             let body_text = review["body"].as_str().unwrap_or_default().to_string();
             s.reviews.push(PostedReview { at: now, body: body_text, comments });
+            if s.content_limit.is_some() {
+                s.created.push_back(now);
+            }
             respond(StatusCode::OK, &limit_headers, json!({"id": s.reviews.len()}))
         }
         _ => respond(StatusCode::NOT_FOUND, &[], json!({"message": "Not Found"})),

@@ -1,13 +1,15 @@
 //! The GitHub pull-request review sink against a fake GitHub API that enforces the real
 //! one's rules: line comments only on the pull request's diff, a marker per finding so
-//! a re-run posts nothing twice, a 422 moved into the summary, and both rate limits
-//! obeyed without a retry storm; a token from a file, or a GitHub App's installation
-//! token minted from its private key.
+//! a re-run posts nothing twice, a 422 moved into the summary, both rate limits obeyed
+//! without a retry storm, and a backlog slowed down after a secondary limit so it meets
+//! the limit once; a token from a file, or a GitHub App's installation token minted
+//! from its private key.
 
 use std::time::Duration;
 
 use reviewlane_api::proto::{self, JobState};
 use reviewlane_testkit::fakegithub::{FakeGitHub, PullRequest};
+use serde_json::Value;
 
 use crate::harness::*;
 
@@ -142,6 +144,13 @@ async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_stor
     // One installation token served both deliveries.
     assert_eq!(fake.minted(), 1);
     // The pause was shared with the region's other publishers (PUBLISHED_US).
+    assert!(!shared_entries(&stack, "github-pause.").await.is_empty(), "no shared pause recorded");
+    stack.shutdown().await;
+}
+
+/// The entries of `PUBLISHED_US` whose keys start with `prefix`: what the region's
+/// publishers share.
+async fn shared_entries(stack: &Stack, prefix: &str) -> Vec<(String, bytes::Bytes)> {
     let js = async_nats::jetstream::new(async_nats::connect(stack.us.url()).await.unwrap());
     let published =
         js.get_key_value(reviewlane_shared::layout::published_bucket(reviewlane_shared::Region::Us)).await.unwrap();
@@ -149,12 +158,12 @@ async fn githubs_primary_and_secondary_rate_limits_are_waited_out_without_a_stor
     let mut shared = Vec::new();
     while let Some(k) = futures::StreamExt::next(&mut keys).await {
         let k = k.unwrap();
-        if k.starts_with("github-pause.") {
-            shared.push(k);
+        if k.starts_with(prefix) {
+            let value = published.get(&k).await.unwrap().unwrap_or_default();
+            shared.push((k, value));
         }
     }
-    assert!(!shared.is_empty(), "no shared pause recorded");
-    stack.shutdown().await;
+    shared
 }
 
 /// A fake GitHub serving pull request `number` of `octo/app` to the token `ghp-test`,
@@ -193,36 +202,84 @@ async fn a_success_that_uses_the_last_request_stops_the_delivery_until_the_reset
     stack.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reviews_of_one_pull_request_are_posted_a_second_apart_after_a_secondary_limit() {
+/// Six reviews of pull request 11, one file each, submitted at once and waited for:
+/// the fake, the stack, the finished reviews (all published).
+async fn six_reviews_at_once(
+    prepare: impl FnOnce(&FakeGitHub),
+) -> (FakeGitHub, Stack, tempfile::NamedTempFile, Vec<proto::Review>) {
     let files: Vec<String> =
         (0..6).map(|i| file(&format!("src/m{i}.rs"), &format!("let v{i} = q.unwrap();"))).collect();
-    let (fake, stack, _token) = token_stack(11, files.concat()).await;
-    // The first review to post meets a secondary limit (retry-after 2): every delivery
-    // to the account waits, then all six are due at once.
-    fake.secondary_limit([2]);
+    let (fake, stack, token) = token_stack(11, files.concat()).await;
+    prepare(&fake);
     let reviews = files.iter().enumerate().map(|(i, diff)| {
         let stack = &stack;
         async move { review(stack, &format!("pace-{i}"), diff, 11).await }
     });
-    for done in futures::future::join_all(reviews).await {
-        assert_eq!(done.state, JobState::Published as i32, "{done:?}");
+    let done = futures::future::join_all(reviews).await;
+    for d in &done {
+        assert_eq!(d.state, JobState::Published as i32, "{d:?}");
     }
-    let posts: Vec<_> = fake.requests().into_iter().filter(|r| r.1 == "POST" && r.2.ends_with("/reviews")).collect();
-    let refused: Vec<_> = posts.iter().filter(|r| r.3 != 200).collect();
+    (fake, stack, token, done)
+}
+
+/// The fake's answers to posting a review: (when, status).
+fn review_posts(fake: &FakeGitHub) -> Vec<(std::time::Instant, u16)> {
+    fake.requests().into_iter().filter(|r| r.1 == "POST" && r.2.ends_with("/reviews")).map(|r| (r.0, r.3)).collect()
+}
+
+/// The value of the us publisher's metric line starting with `prefix`.
+async fn publisher_metric(stack: &Stack, prefix: &str) -> f64 {
+    let (_, admin) = stack.publisher_admin.iter().find(|(r, _)| *r == reviewlane_shared::Region::Us).unwrap();
+    let page = reviewlane_testkit::stack::http_get(*admin, "/metrics").await;
+    let line = page.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix}: {page}"));
+    line.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reviews_of_one_pull_request_are_posted_a_second_apart_after_a_secondary_limit() {
+    // The first review to post meets a secondary limit (retry-after 2): every delivery
+    // to the account waits, then all six are due at once.
+    let (fake, stack, _token, _) = six_reviews_at_once(|fake| fake.secondary_limit([2])).await;
+    let posts = review_posts(&fake);
+    let refused: Vec<_> = posts.iter().filter(|r| r.1 != 200).collect();
     assert_eq!(refused.len(), 1, "only the scripted limit, no secondary limit of our making: {posts:?}");
-    let posted: Vec<_> = posts.iter().filter(|r| r.3 == 200).collect();
+    let posted: Vec<_> = posts.iter().filter(|r| r.1 == 200).collect();
     assert_eq!(posted.len(), 6);
     for pair in posted.windows(2) {
         assert!(pair[1].0 - pair[0].0 >= Duration::from_secs(1), "posts {:?} apart", pair[1].0 - pair[0].0);
     }
     // Secondary limits are counted.
-    let (_, admin) = stack.publisher_admin.iter().find(|(r, _)| *r == reviewlane_shared::Region::Us).unwrap();
-    let page = reviewlane_testkit::stack::http_get(*admin, "/metrics").await;
-    let line = page
-        .lines()
-        .find(|l| l.starts_with("reviewlane_github_rate_limited_total{") && l.contains(r#"kind="secondary""#))
-        .unwrap_or_else(|| panic!("{page}"));
-    assert!(line.ends_with(" 1"), "{line}");
+    let secondary = r#"reviewlane_github_rate_limited_total{region="us",kind="secondary"}"#;
+    assert_eq!(publisher_metric(&stack, secondary).await, 1.0);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_secondary_limit_a_backlog_slows_down_and_meets_it_once() {
+    // GitHub allows 2 content-creating requests per rolling 4 s (the shape of 2 per
+    // 10 s, shorter): at the configured pace the third review meets the limit, and so
+    // would every second one after each wait.
+    let (fake, stack, _token, done) = six_reviews_at_once(|fake| fake.content_limit(2, Duration::from_secs(4))).await;
+    let posts = review_posts(&fake);
+    let limited: Vec<_> = posts.iter().filter(|r| r.1 == 403).collect();
+    assert!(limited.len() <= 1, "the limit met again after slowing down: {posts:?}");
+    // Each review posted exactly once: each job's finding is in one review on GitHub.
+    let posted = fake.reviews();
+    assert_eq!(posted.len(), 6, "{posts:?}");
+    for d in &done {
+        let marker = format!("<!-- reviewlane:fingerprint={} -->", d.findings[0].fingerprint);
+        let carrying = posted
+            .iter()
+            .filter(|r| r.body.contains(&marker) || r.comments.iter().any(|c| c.to_string().contains(&marker)))
+            .count();
+        assert_eq!(carrying, 1, "{} carried by {carrying} reviews", d.job_id);
+    }
+    // The interval was widened (at least doubled from 1.1 s), reported, and shared with
+    // the region's other publishers.
+    let interval = publisher_metric(&stack, r#"reviewlane_github_content_interval_seconds{region="us"}"#).await;
+    assert!(interval >= 2.2, "content interval {interval} s");
+    let shared = shared_entries(&stack, "github-interval.").await;
+    let widened: Vec<Value> = shared.iter().map(|(_, v)| serde_json::from_slice(v).unwrap()).collect();
+    assert!(matches!(widened.as_slice(), [w] if w["interval_ms"].as_u64() >= Some(2200)), "{widened:?}");
     stack.shutdown().await;
 }

@@ -20,8 +20,14 @@
 //!   [`CONTENT_INTERVAL`] apart per account, as GitHub asks, across the region's
 //!   publishers (a compare-and-set on `PUBLISHED_<R>`, key `github-pace.<digest>`);
 //!   a delivery whose turn has not come is handed back until it has, holding nothing.
+//! - GitHub asks integrations to slow down after a secondary limit: each one widens the
+//!   account's content interval ([`widen`]: doubled, and at least by the wait; up to
+//!   [`SLOWDOWN_CAP`]), narrowed back by half per [`SLOWDOWN_QUIET`] without one, for
+//!   the region's publishers alike (`PUBLISHED_<R>`, key `github-interval.<digest>`),
+//!   so a backlog meets the limit once rather than at every resumption.
 //! - Answers that hit a limit are counted by kind (`primary`, `secondary`) in
-//!   `reviewlane_github_rate_limited_total`.
+//!   `reviewlane_github_rate_limited_total`; the widest interval in force is
+//!   `reviewlane_github_content_interval_seconds`.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -181,6 +187,52 @@ const MAX_PAGES: usize = 10;
 /// for a second; a tenth more covers the time a request takes to get there.
 pub const CONTENT_INTERVAL: Duration = Duration::from_millis(1100);
 
+/// The widest a content interval gets after secondary limits.
+pub const SLOWDOWN_CAP: Duration = Duration::from_secs(60);
+
+/// How long an account goes without a secondary limit before its widened interval is
+/// halved (back toward [`CONTENT_INTERVAL`]): from the cap back down takes six of
+/// them, an hour, the span of GitHub's hourly content-creation limit.
+pub const SLOWDOWN_QUIET: Duration = Duration::from_secs(10 * 60);
+
+/// An account's content interval as widened by secondary limits, shared by the region's
+/// publishers (`PUBLISHED_<R>`, key `github-interval.<digest>`, JSON).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Slowdown {
+    /// The interval as last widened.
+    pub interval_ms: u64,
+    /// When the last secondary limit's wait ends (Unix ms): the quiet periods count from
+    /// here, and a limit answered before it belongs to the same episode.
+    pub quiet_from_ms: u64,
+}
+
+/// The content interval in force at `now_ms`: the widened one halved once per full
+/// [`SLOWDOWN_QUIET`] since its limit lifted, never below [`CONTENT_INTERVAL`].
+pub fn content_interval(slowdown: Option<&Slowdown>, now_ms: u64) -> Duration {
+    let base = CONTENT_INTERVAL.as_millis() as u64;
+    let Some(s) = slowdown else { return CONTENT_INTERVAL };
+    let quiet = now_ms.saturating_sub(s.quiet_from_ms) / SLOWDOWN_QUIET.as_millis() as u64;
+    let narrowed = s.interval_ms.checked_shr(quiet.min(63) as u32).unwrap_or(0);
+    Duration::from_millis(narrowed.max(base))
+}
+
+/// The slowdown after a secondary limit answered at `now_ms` with `retry_after`: the
+/// interval in force doubled, and at least widened by the wait — a backlog posting at
+/// the old pace filled a window that frees its first slot only `retry_after` later, so
+/// a pace `retry_after` slower per request fits it whatever its size (up to
+/// [`SLOWDOWN_CAP`]). An answer before the last limit's wait ended is the same
+/// episode (requests already in flight, another publisher's): it widens nothing again.
+pub fn widen(prev: Option<Slowdown>, now_ms: u64, retry_after: Duration) -> Slowdown {
+    let wait = retry_after.as_millis() as u64;
+    let lifts = now_ms + wait;
+    if let Some(p) = prev.filter(|p| now_ms < p.quiet_from_ms) {
+        return Slowdown { interval_ms: p.interval_ms, quiet_from_ms: p.quiet_from_ms.max(lifts) };
+    }
+    let now = content_interval(prev.as_ref(), now_ms).as_millis() as u64;
+    let wider = (now * 2).max(now + wait).min(SLOWDOWN_CAP.as_millis() as u64);
+    Slowdown { interval_ms: wider.max(CONTENT_INTERVAL.as_millis() as u64), quiet_from_ms: lifts }
+}
+
 /// Which of GitHub's limits an answer hit: the primary one (no requests left until the
 /// reset), or a secondary one (`retry-after`, or a 403/429 without a count).
 pub fn limit_kind(status: u16, headers: &reqwest::header::HeaderMap) -> Option<&'static str> {
@@ -204,6 +256,27 @@ pub struct LimitLabels {
 pub type LimitCounter =
     prometheus_client::metrics::family::Family<LimitLabels, prometheus_client::metrics::counter::Counter>;
 
+/// `reviewlane_github_content_interval_seconds{region}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct RegionLabel {
+    pub region: String,
+}
+
+pub type IntervalGauge = prometheus_client::metrics::family::Family<
+    RegionLabel,
+    prometheus_client::metrics::gauge::Gauge<f64, std::sync::atomic::AtomicU64>,
+>;
+
+/// The sink's metric families, with the region's label.
+#[derive(Clone, Default)]
+pub struct GitHubMetrics {
+    pub region: String,
+    /// Limit answers by kind.
+    pub limited: LimitCounter,
+    /// The widest content interval in force among the accounts this process posts to.
+    pub interval: IntervalGauge,
+}
+
 pub struct GitHub {
     /// Accounts (API URL and token) paused until a limit resets.
     paused: Mutex<HashMap<String, Instant>>,
@@ -212,12 +285,15 @@ pub struct GitHub {
     installation_tokens: Mutex<HashMap<String, (String, Instant)>>,
     /// Where pauses are shared with the region's other publishers (`PUBLISHED_<R>`, key
     /// `github-pause.<digest of the account>`, value: until when, Unix milliseconds),
-    /// and the next content-creating request's turn (`github-pace.<digest>`, the same).
+    /// the next content-creating request's turn (`github-pace.<digest>`, the same) and
+    /// the content interval as widened (`github-interval.<digest>`, a [`Slowdown`]).
     shared: Option<async_nats::jetstream::kv::Store>,
     /// When this process may next post to an account (the shared turn is the fleet's).
     next_post: Mutex<HashMap<String, Instant>>,
-    /// Limit answers by kind, with the region's label.
-    limited: Option<(String, LimitCounter)>,
+    /// Accounts' widened content intervals as last seen (the shared ones are the
+    /// fleet's); an account back at [`CONTENT_INTERVAL`] is dropped.
+    slowdowns: Mutex<HashMap<String, Slowdown>>,
+    metrics: Option<GitHubMetrics>,
     /// Jobs whose line comments GitHub refused (422): posted with every finding in the
     /// summary next time.
     comments_refused: Mutex<HashSet<String>>,
@@ -281,29 +357,33 @@ impl GitHub {
             installation_tokens: Mutex::new(HashMap::new()),
             shared: None,
             next_post: Mutex::new(HashMap::new()),
-            limited: None,
+            slowdowns: Mutex::new(HashMap::new()),
+            metrics: None,
             comments_refused: Mutex::new(HashSet::new()),
         }
     }
 
-    /// Limit answers are counted in `counter` (labelled with `region`).
-    pub fn with_limit_counter(mut self, region: &str, counter: LimitCounter) -> Self {
-        self.limited = Some((region.to_string(), counter));
+    /// Limit answers and the content interval are reported in `metrics`.
+    pub fn with_metrics(mut self, metrics: GitHubMetrics) -> Self {
+        self.metrics = Some(metrics);
         self
     }
 
     /// Takes the account's turn for a content-creating request, or says how long until
     /// it comes: this process's own turn first, then the fleet's (a compare-and-set;
-    /// a store that cannot answer leaves the local pacing alone in force).
+    /// a store that cannot answer leaves the local pacing alone in force). Turns are
+    /// the account's content interval apart, as widened by secondary limits.
     async fn take_turn(&self, account: &str) -> Result<(), SinkOutcome> {
         {
+            let interval = content_interval(self.slowdowns.lock().expect("slowdown lock").get(account), now_unix_ms());
             let mut next = self.next_post.lock().expect("pace lock");
             let now = Instant::now();
             if let Some(at) = next.get(account).filter(|at| **at > now) {
                 return Err(SinkOutcome::Deferred(*at - now));
             }
-            next.insert(account.to_string(), now + CONTENT_INTERVAL);
+            next.insert(account.to_string(), now + interval);
         }
+        let interval = self.refresh_slowdown(account).await;
         let Some(kv) = &self.shared else { return Ok(()) };
         let key = account_key("github-pace", account);
         let stored = match kv.entry(&key).await {
@@ -314,7 +394,7 @@ impl GitHub {
             }
         };
         let next_ms = stored.as_ref().and_then(|e| std::str::from_utf8(&e.value).ok()?.parse().ok());
-        let mine = match turn(next_ms, now_unix_ms(), CONTENT_INTERVAL) {
+        let mine = match turn(next_ms, now_unix_ms(), interval) {
             Ok(mine) => mine,
             Err(wait) => {
                 // Not ours after all: give the local turn back.
@@ -331,9 +411,90 @@ impl GitHub {
         if written.is_err() {
             // Another publisher took this turn first.
             self.next_post.lock().expect("pace lock").remove(account);
-            return Err(SinkOutcome::Deferred(CONTENT_INTERVAL));
+            return Err(SinkOutcome::Deferred(interval));
         }
+        // The fleet's interval may be wider than the one this process knew.
+        self.next_post.lock().expect("pace lock").insert(account.to_string(), Instant::now() + interval);
         Ok(())
+    }
+
+    /// The account's shared slowdown, read into this process's (the later limit wins: a
+    /// widening this process could not share stays in force here), and the content
+    /// interval in force now.
+    async fn refresh_slowdown(&self, account: &str) -> Duration {
+        let stored = match &self.shared {
+            Some(kv) => match kv.get(account_key("github-interval", account)).await {
+                Ok(v) => v.and_then(|v| serde_json::from_slice::<Slowdown>(&v).ok()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the shared GitHub content interval failed");
+                    None
+                }
+            },
+            None => None,
+        };
+        let now = now_unix_ms();
+        let interval = {
+            let mut local = self.slowdowns.lock().expect("slowdown lock");
+            let known = local.get(account).copied().into_iter().chain(stored).max_by_key(|s| s.quiet_from_ms);
+            if let Some(s) = known {
+                local.insert(account.to_string(), s);
+            }
+            content_interval(known.as_ref(), now)
+        };
+        self.report_interval(now);
+        interval
+    }
+
+    /// After a secondary limit answered with `wait`: widens the account's content
+    /// interval, for the whole fleet (a compare-and-set, a few tries; this process keeps
+    /// its own when the store cannot take it).
+    async fn slow_down(&self, account: &str, wait: Duration) {
+        let now = now_unix_ms();
+        let local = self.slowdowns.lock().expect("slowdown lock").get(account).copied();
+        let mut widened = widen(local, now, wait);
+        if let Some(kv) = &self.shared {
+            let key = account_key("github-interval", account);
+            for _ in 0..3 {
+                let entry = match kv.entry(&key).await {
+                    Ok(e) => e.filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading the shared GitHub content interval failed");
+                        break;
+                    }
+                };
+                let stored = entry.as_ref().and_then(|e| serde_json::from_slice::<Slowdown>(&e.value).ok());
+                let known = local.into_iter().chain(stored).max_by_key(|s| s.quiet_from_ms);
+                let next = widen(known, now, wait);
+                let value: bytes::Bytes = serde_json::to_vec(&next).expect("a slowdown serialises").into();
+                let written = match &entry {
+                    Some(e) => kv.update(&key, value, e.revision).await.map(|_| ()).map_err(|e| e.to_string()),
+                    None => kv.create(&key, value).await.map(|_| ()).map_err(|e| e.to_string()),
+                };
+                if written.is_ok() {
+                    widened = next;
+                    break;
+                }
+            }
+        }
+        self.slowdowns.lock().expect("slowdown lock").insert(account.to_string(), widened);
+        tracing::warn!(
+            interval_ms = content_interval(Some(&widened), now).as_millis() as u64,
+            "GitHub secondary limit; content-creating requests slowed down"
+        );
+        self.report_interval(now);
+    }
+
+    /// Sets the interval gauge to the widest interval in force; accounts back at the
+    /// configured interval are forgotten.
+    fn report_interval(&self, now_ms: u64) {
+        let widest = {
+            let mut local = self.slowdowns.lock().expect("slowdown lock");
+            local.retain(|_, s| now_ms < s.quiet_from_ms || content_interval(Some(s), now_ms) > CONTENT_INTERVAL);
+            local.values().map(|s| content_interval(Some(s), now_ms)).max().unwrap_or(CONTENT_INTERVAL)
+        };
+        if let Some(m) = &self.metrics {
+            m.interval.get_or_create(&RegionLabel { region: m.region.clone() }).set(widest.as_secs_f64());
+        }
     }
 
     /// Pauses are shared with every publisher of the region through `kv`.
@@ -426,13 +587,17 @@ impl GitHub {
         let status = resp.status().as_u16();
         let now_unix = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let wait = limit_delay(status, resp.headers(), now_unix);
-        if let (Some(kind), Some((region, counter))) = (limit_kind(status, resp.headers()), &self.limited) {
-            counter.get_or_create(&LimitLabels { region: region.clone(), kind: kind.into() }).inc();
+        let kind = limit_kind(status, resp.headers());
+        if let (Some(kind), Some(m)) = (kind, &self.metrics) {
+            m.limited.get_or_create(&LimitLabels { region: m.region.clone(), kind: kind.into() }).inc();
         }
         let body: Value = resp.json().await.unwrap_or(Value::Null);
         if let Some(d) = wait {
             self.pause(account, d);
             self.share_pause(account, d).await;
+            if kind == Some("secondary") {
+                self.slow_down(account, d).await;
+            }
             if matches!(status, 403 | 429) {
                 tracing::warn!(
                     status,
@@ -640,6 +805,81 @@ mod tests {
         assert_eq!(turn(Some(9_000), 10_000, s), Ok(11_000), "the last turn is over");
         assert_eq!(turn(Some(10_000), 10_000, s), Ok(11_000));
         assert_eq!(turn(Some(10_700), 10_000, s), Err(Duration::from_millis(700)), "wait for the next turn");
+    }
+
+    #[test]
+    fn a_secondary_limit_widens_the_content_interval_up_to_the_cap() {
+        let s = |ms: u64| Duration::from_millis(ms);
+        // Doubled when the wait is short, widened by the wait when it is longer.
+        assert_eq!(widen(None, 10_000, s(1_000)), Slowdown { interval_ms: 2_200, quiet_from_ms: 11_000 });
+        assert_eq!(widen(None, 10_000, s(8_000)), Slowdown { interval_ms: 9_100, quiet_from_ms: 18_000 });
+        // Again after the wait: from the interval in force.
+        let first = widen(None, 10_000, s(1_000));
+        assert_eq!(widen(Some(first), 20_000, s(1_000)).interval_ms, 4_400);
+        // Never past the cap (GitHub's usual minute, or a long one).
+        assert_eq!(widen(None, 10_000, s(60_000)).interval_ms, SLOWDOWN_CAP.as_millis() as u64);
+        let wide = Slowdown { interval_ms: 40_000, quiet_from_ms: 0 };
+        assert_eq!(widen(Some(wide), 10_000, s(1_000)).interval_ms, SLOWDOWN_CAP.as_millis() as u64);
+    }
+
+    #[test]
+    fn a_limit_answered_during_the_last_ones_wait_widens_nothing_again() {
+        let first = widen(None, 10_000, Duration::from_secs(5));
+        // A request already in flight, or another publisher's, answered at 12 s.
+        let same = widen(Some(first), 12_000, Duration::from_secs(5));
+        assert_eq!(same, Slowdown { interval_ms: first.interval_ms, quiet_from_ms: 17_000 });
+    }
+
+    #[test]
+    fn the_interval_narrows_by_half_per_quiet_period_after_the_wait() {
+        let quiet = SLOWDOWN_QUIET.as_millis() as u64;
+        let s = Slowdown { interval_ms: 8_800, quiet_from_ms: 100_000 };
+        assert_eq!(content_interval(None, 5), CONTENT_INTERVAL);
+        // In force from the limit on, through the wait and the first quiet period.
+        assert_eq!(content_interval(Some(&s), 50_000), Duration::from_millis(8_800));
+        assert_eq!(content_interval(Some(&s), 100_000 + quiet - 1), Duration::from_millis(8_800));
+        assert_eq!(content_interval(Some(&s), 100_000 + quiet), Duration::from_millis(4_400));
+        assert_eq!(content_interval(Some(&s), 100_000 + 2 * quiet), Duration::from_millis(2_200));
+        // Back at the configured interval, never below it.
+        assert_eq!(content_interval(Some(&s), 100_000 + 3 * quiet), CONTENT_INTERVAL);
+        assert_eq!(content_interval(Some(&s), u64::MAX), CONTENT_INTERVAL);
+    }
+
+    /// Limit answers while a backlog of `backlog` posts is paced against `n` posts per
+    /// rolling `window_ms` (accepted ones; `retry-after`: until the window's oldest
+    /// leaves it, in whole seconds, or `fixed_retry`), widening the interval after each
+    /// one, or (`slow_down: false`) keeping the configured one.
+    fn limit_answers(backlog: usize, n: usize, window_ms: u64, fixed_retry: Option<u64>, slow_down: bool) -> usize {
+        let (mut now, mut slowdown, mut hits) = (0u64, None, 0);
+        let mut accepted: Vec<u64> = Vec::new();
+        while accepted.len() < backlog && hits < 100 {
+            let in_window: Vec<u64> = accepted.iter().copied().filter(|at| now - at < window_ms).collect();
+            if in_window.len() >= n {
+                hits += 1;
+                let wait = fixed_retry.unwrap_or((in_window[0] + window_ms - now).div_ceil(1000)).max(1) * 1000;
+                if slow_down {
+                    slowdown = Some(widen(slowdown, now, Duration::from_millis(wait)));
+                }
+                now += wait;
+                continue;
+            }
+            accepted.push(now);
+            now += content_interval(slowdown.as_ref(), now).as_millis() as u64;
+        }
+        hits
+    }
+
+    #[test]
+    fn a_backlog_meets_a_content_limit_once() {
+        // The case in point: 2 posts per rolling 10 s, six reviews.
+        assert_eq!(limit_answers(6, 2, 10_000, None, true), 1);
+        assert!(limit_answers(6, 2, 10_000, None, false) > 1, "the configured pace alone meets it again");
+        // Other windows and sizes, and GitHub's usual minute's wait.
+        assert_eq!(limit_answers(20, 2, 4_000, None, true), 1);
+        assert_eq!(limit_answers(30, 5, 60_000, None, true), 1);
+        assert_eq!(limit_answers(6, 2, 10_000, Some(60), true), 1);
+        // A limit the configured pace keeps under is never met.
+        assert_eq!(limit_answers(200, 80, 60_000, None, true), 0);
     }
 
     #[test]

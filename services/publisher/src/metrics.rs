@@ -38,8 +38,8 @@ pub struct Metrics {
     pub submit_to_published: Family<LaneLabels, Histogram, Buckets>,
     pub retry_delay: Family<ReasonLabels, Histogram>,
     pub terminal: TerminalJobs,
-    /// GitHub answers that hit a rate limit, by kind.
-    pub github_limited: crate::github::LimitCounter,
+    /// GitHub answers that hit a rate limit, by kind, and the content interval.
+    pub github: crate::github::GitHubMetrics,
 }
 
 /// Histograms with bucket bounds from configuration.
@@ -73,7 +73,7 @@ impl Metrics {
                 Histogram::new([0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0])
             }),
             terminal: TerminalJobs::register(registry),
-            github_limited: Default::default(),
+            github: crate::github::GitHubMetrics { region: region.as_str().into(), ..Default::default() },
         };
         registry.register("reviewlane_publish_outcomes", "Findings messages handled, by outcome", m.outcomes.clone());
         registry.register(
@@ -89,13 +89,23 @@ impl Metrics {
         registry.register(
             "reviewlane_github_rate_limited",
             "GitHub answers that hit a rate limit, by kind (primary, secondary)",
-            m.github_limited.clone(),
+            m.github.limited.clone(),
+        );
+        registry.register(
+            "reviewlane_github_content_interval_seconds",
+            "Least time between content-creating GitHub requests to one account, as widened by secondary limits (the widest in force)",
+            m.github.interval.clone(),
         );
         for kind in ["primary", "secondary"] {
             let _ = m
-                .github_limited
+                .github
+                .limited
                 .get_or_create(&crate::github::LimitLabels { region: region.as_str().into(), kind: kind.into() });
         }
+        m.github
+            .interval
+            .get_or_create(&crate::github::RegionLabel { region: region.as_str().into() })
+            .set(crate::github::CONTENT_INTERVAL.as_secs_f64());
         // At zero from the start: the delivery alerts see the first failure.
         m.terminal.at_zero(region);
         m

@@ -101,9 +101,9 @@ impl Sinks {
         self
     }
 
-    /// GitHub's limit answers counted in `counter`.
-    pub fn with_github_limits(mut self, region: &str, counter: crate::github::LimitCounter) -> Self {
-        self.github = self.github.with_limit_counter(region, counter);
+    /// GitHub's limit answers and content interval reported in `metrics`.
+    pub fn with_github_metrics(mut self, metrics: crate::github::GitHubMetrics) -> Self {
+        self.github = self.github.with_metrics(metrics);
         self
     }
 

@@ -43,7 +43,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         config.region,
         conn.client.clone(),
     )])));
-    let github_limited = metrics.github_limited.clone();
+    let github_metrics = metrics.github.clone();
     let health = reviewlane_shared::store_health::StoreHealth::register(
         &mut registry,
         &[config.region],
@@ -66,7 +66,7 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
         tenants: config.tenants.clone(),
         sinks: Sinks::new(config.sink_timeout)
             .with_shared_pauses(conn.layout.published.clone())
-            .with_github_limits(config.region.as_str(), github_limited),
+            .with_github_metrics(github_metrics),
         delivery_attempts: config.delivery_attempts,
         backoff_base: config.delivery_backoff_base,
         backoff_cap: config.delivery_backoff_cap,
