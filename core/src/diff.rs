@@ -4,6 +4,13 @@
 //! Errors carry line numbers and kinds only, never text of the diff, so they can be
 //! returned to callers and logged.
 
+mod colours;
+pub mod path;
+
+use std::borrow::Cow;
+
+pub use colours::strip_colours;
+
 /// A parsed unified diff.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Diff {
@@ -84,14 +91,31 @@ pub enum DiffError {
 }
 
 impl Diff {
-    /// The file whose new side has `path`.
-    pub fn file_by_new_path(&self, path: &str) -> Option<&FileDiff> {
-        self.files.iter().find(|f| f.new_path.as_deref() == Some(path))
+    /// The file whose new side has the name `name` (see [`Diff::file_named`]).
+    pub fn file_by_new_path(&self, name: &str) -> Option<&FileDiff> {
+        self.file_named(name, |f| f.new_path.as_deref())
     }
 
-    /// The file whose old side is `path` (a deleted or renamed file by its old name).
-    pub fn file_by_old_path(&self, path: &str) -> Option<&FileDiff> {
-        self.files.iter().find(|f| f.old_path.as_deref() == Some(path))
+    /// The file whose old side is `name` (a deleted or renamed file by its old name).
+    pub fn file_by_old_path(&self, name: &str) -> Option<&FileDiff> {
+        self.file_named(name, |f| f.old_path.as_deref())
+    }
+
+    /// The file whose name on one side is `name`: in its string form (see [`path`]), or
+    /// as a reader copies a name that is not UTF-8 from the diff — git's quoted form
+    /// without the quotes (`l\351gacy.txt`, from a `diff --git` line), or decoded with
+    /// replacement characters (`l\u{fffd}gacy.txt`, from a diff sent as bytes) when that
+    /// fits one file only.
+    fn file_named<'a>(&'a self, name: &str, side: impl Fn(&'a FileDiff) -> Option<&'a str>) -> Option<&'a FileDiff> {
+        let exact = |n: &str| self.files.iter().find(|f| side(f) == Some(n));
+        if let Some(f) = exact(name).or_else(|| exact(&format!("\"{name}\""))) {
+            return Some(f);
+        }
+        let mut shown = self.files.iter().filter(|f| side(f).is_some_and(|p| p != name && path::display(p) == name));
+        match (shown.next(), shown.next()) {
+            (Some(f), None) => Some(f),
+            _ => None,
+        }
     }
 
     /// Added lines of the diff, in order: (file, hunk, line).
@@ -154,29 +178,6 @@ impl Hunk {
     }
 }
 
-/// A diff as pasted from a terminal (`git diff --color=always`) without its colours:
-/// SGR sequences (`ESC [ ... m`) and erase-line (`ESC [ K`) removed; `None` when there
-/// were none. Works on bytes, so a `diff_bytes` diff that is not UTF-8 is cleaned alike.
-pub fn strip_colours(input: &[u8]) -> Option<Vec<u8>> {
-    if !input.contains(&0x1b) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(input.len());
-    let mut k = 0;
-    while k < input.len() {
-        if input[k] == 0x1b && input.get(k + 1) == Some(&b'[') {
-            let params = input[k + 2..].iter().take_while(|b| b.is_ascii_digit() || **b == b';' || **b == b':').count();
-            if let Some(b'm' | b'K') = input.get(k + 2 + params) {
-                k += 3 + params;
-                continue;
-            }
-        }
-        out.push(input[k]);
-        k += 1;
-    }
-    Some(out)
-}
-
 /// Whether a line that is not a hunk line is one of `--word-diff` output: the plain
 /// form's `[-removed-]` / `{+added+}` marks, or the porcelain form's `~` line ends.
 fn is_word_diff_line(line: &str) -> bool {
@@ -187,10 +188,29 @@ fn is_word_diff_line(line: &str) -> bool {
 /// message from `git format-patch`, say) is ignored. A combined merge diff and
 /// word-diff output are refused by name.
 pub fn parse(input: &str) -> Result<Diff, DiffError> {
+    parse_lines(input.as_bytes(), input)
+}
+
+/// [`parse`] of a diff as bytes (`diff_bytes`: files in a legacy encoding, names git
+/// took as they are): the lines decoded with replacement characters, as the model is
+/// shown them, and the file names exact (see [`path`]).
+pub fn parse_bytes(input: &[u8]) -> Result<Diff, DiffError> {
+    parse_lines(input, &String::from_utf8_lossy(input))
+}
+
+/// `text` is `raw` decoded: its lines for everything but file names, which are read
+/// from the bytes (the same lines: a newline is never part of a replaced sequence).
+fn parse_lines(raw: &[u8], input: &str) -> Result<Diff, DiffError> {
     if input.trim().is_empty() {
         return Err(DiffError::Empty);
     }
     let lines: Vec<&str> = input.split('\n').collect();
+    let raw_lines: Vec<&[u8]> = raw.split(|b| *b == b'\n').collect();
+    // Line `i` from byte `from` on, without its carriage return: where a name is read.
+    let bytes = |i: usize, from: usize| -> &[u8] {
+        let l = raw_lines[i];
+        l.strip_suffix(b"\r").unwrap_or(l).get(from..).unwrap_or_default()
+    };
     // A trailing newline leaves one empty element that is not a line.
     let n = if input.ends_with('\n') { lines.len() - 1 } else { lines.len() };
     let mut files: Vec<FileDiff> = Vec::new();
@@ -214,19 +234,19 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
         if line.starts_with("diff --cc ") || line.starts_with("diff --combined ") || line.starts_with("@@@ ") {
             return Err(DiffError::CombinedDiff { line: lno });
         }
-        if let Some(rest) = line.strip_prefix("diff --git ") {
+        if line.starts_with("diff --git ") {
             finish(&mut cur, &mut files)?;
-            let (old, new, found) = split_git_paths(rest).ok_or(DiffError::BadQuotedPath { line: lno })?;
+            let (old, new, found) =
+                split_git_paths(bytes(i, "diff --git ".len())).ok_or(DiffError::BadQuotedPath { line: lno })?;
             prefixes = found;
-            let (old, new) = (checked(old, lno)?, checked(new, lno)?);
+            let (old, new) = (checked(Some(old), lno)?, checked(Some(new), lno)?);
             cur = Some((FileDiff { old_path: old, new_path: new, hunks: Vec::new(), binary: false }, false));
             i += 1;
             continue;
         }
         if line.starts_with("--- ") && i + 1 < n && lines[i + 1].starts_with("+++ ") {
-            let old = header_path(&line[4..], &prefixes).ok_or(DiffError::BadQuotedPath { line: lno })?;
-            let new_line = lines[i + 1].strip_suffix('\r').unwrap_or(lines[i + 1]);
-            let new = header_path(&new_line[4..], &prefixes).ok_or(DiffError::BadQuotedPath { line: lno + 1 })?;
+            let old = header_path(bytes(i, 4), &prefixes).ok_or(DiffError::BadQuotedPath { line: lno })?;
+            let new = header_path(bytes(i + 1, 4), &prefixes).ok_or(DiffError::BadQuotedPath { line: lno + 1 })?;
             let (old, new) = (checked(old, lno)?, checked(new, lno + 1)?);
             match &mut cur {
                 // `diff --git` (and its rename or copy lines, unprefixed) already named
@@ -335,13 +355,15 @@ pub fn parse(input: &str) -> Result<Diff, DiffError> {
             } else if line.starts_with("deleted file mode ") {
                 file.new_path = None;
                 *has_meta = true;
-            } else if let Some(p) = line.strip_prefix("rename from ").or_else(|| line.strip_prefix("copy from ")) {
+            } else if let Some(k) = ["rename from ", "copy from "].iter().find(|p| line.starts_with(**p)) {
                 // Unprefixed, possibly quoted, and unambiguous where the `diff --git` line
                 // with spaces in both names is not.
-                file.old_path = checked(Some(header_name(p).ok_or(DiffError::BadQuotedPath { line: lno })?), lno)?;
+                let name = header_name(bytes(i, k.len())).ok_or(DiffError::BadQuotedPath { line: lno })?;
+                file.old_path = checked(Some(name), lno)?;
                 *has_meta = true;
-            } else if let Some(p) = line.strip_prefix("rename to ").or_else(|| line.strip_prefix("copy to ")) {
-                file.new_path = checked(Some(header_name(p).ok_or(DiffError::BadQuotedPath { line: lno })?), lno)?;
+            } else if let Some(k) = ["rename to ", "copy to "].iter().find(|p| line.starts_with(**p)) {
+                let name = header_name(bytes(i, k.len())).ok_or(DiffError::BadQuotedPath { line: lno })?;
+                file.new_path = checked(Some(name), lno)?;
                 *has_meta = true;
             } else if ["old mode ", "new mode ", "similarity index ", "dissimilarity index "]
                 .iter()
@@ -396,29 +418,30 @@ fn join_type_changes(files: Vec<FileDiff>) -> Vec<FileDiff> {
 /// (`--src-prefix`/`--dst-prefix`, `diff.srcPrefix`/`diff.dstPrefix`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Prefixes {
-    old: std::borrow::Cow<'static, str>,
-    new: std::borrow::Cow<'static, str>,
+    old: Cow<'static, [u8]>,
+    new: Cow<'static, [u8]>,
 }
 
 impl Prefixes {
-    const DEFAULT: Prefixes = Prefixes { old: std::borrow::Cow::Borrowed("a/"), new: std::borrow::Cow::Borrowed("b/") };
-    const OLD: [&'static str; 4] = ["a/", "c/", "i/", "o/"];
-    const NEW: [&'static str; 4] = ["b/", "i/", "w/", "c/"];
+    const DEFAULT: Prefixes = Prefixes { old: Cow::Borrowed(b"a/"), new: Cow::Borrowed(b"b/") };
+    const OLD: [&'static [u8]; 4] = [b"a/", b"c/", b"i/", b"o/"];
+    const NEW: [&'static [u8]; 4] = [b"b/", b"i/", b"w/", b"c/"];
+    const NONE: Prefixes = Prefixes { old: Cow::Borrowed(b""), new: Cow::Borrowed(b"") };
 }
 
-/// Old and new path of a `diff --git` line, each possibly C-quoted, and the prefixes it
-/// used. Unquoted paths with spaces are split where both halves name the same file.
-fn split_git_paths(rest: &str) -> Option<(Option<String>, Option<String>, Prefixes)> {
-    let (left, right) = if rest.starts_with('"') {
-        let (l, after) = take_quoted(rest)?;
-        let after = after.strip_prefix(' ')?;
-        let r = if after.starts_with('"') { take_quoted(after)?.0 } else { after.to_string() };
+/// Old and new name of a `diff --git` line, each possibly C-quoted, and the prefixes it
+/// used. Unquoted names with spaces are split where both halves name the same file.
+fn split_git_paths(rest: &[u8]) -> Option<(Vec<u8>, Vec<u8>, Prefixes)> {
+    let (left, right) = if rest.starts_with(b"\"") {
+        let (l, after) = path::unquote(rest)?;
+        let after = after.strip_prefix(b" ")?;
+        let r = if after.starts_with(b"\"") { path::unquote(after)?.0 } else { after.to_vec() };
         (l, r)
-    } else if let Some(q) = rest.find(" \"") {
-        (rest[..q].to_string(), take_quoted(&rest[q + 1..])?.0)
+    } else if let Some(q) = rest.windows(2).position(|w| w == b" \"") {
+        (rest[..q].to_vec(), path::unquote(&rest[q + 1..])?.0)
     } else {
         // `a/x y b/x y`: the split whose halves are the same path; else the first space.
-        let spaces: Vec<usize> = rest.match_indices(' ').map(|(k, _)| k).collect();
+        let spaces: Vec<usize> = (0..rest.len()).filter(|&k| rest[k] == b' ').collect();
         let (l, r) = (|k: usize| &rest[..k], |k: usize| &rest[k + 1..]);
         let k = spaces
             .iter()
@@ -426,126 +449,85 @@ fn split_git_paths(rest: &str) -> Option<(Option<String>, Option<String>, Prefix
             .find(|&k| unprefixed(l(k)).0 == unprefixed(r(k)).0)
             .or_else(|| spaces.iter().copied().find(|&k| custom_prefixes(l(k), r(k)).is_some()))
             .or(spaces.first().copied())?;
-        (rest[..k].to_string(), rest[k + 1..].to_string())
+        (rest[..k].to_vec(), rest[k + 1..].to_vec())
     };
     let (old, old_prefix) = unprefixed(&left);
     let (new, new_prefix) = unprefixed(&right);
     let (old, new, prefixes) = match (old_prefix, new_prefix) {
-        (Some(o), Some(n)) => (old.to_string(), new.to_string(), Prefixes { old: o.into(), new: n.into() }),
+        (Some(o), Some(n)) => (old.to_vec(), new.to_vec(), Prefixes { old: o.into(), new: n.into() }),
         _ => match custom_prefixes(&left, &right) {
             Some((o, n)) => {
-                let (old, new) = (left[o.len()..].to_string(), right[n.len()..].to_string());
+                let (old, new) = (left[o.len()..].to_vec(), right[n.len()..].to_vec());
                 (old, new, Prefixes { old: o.into(), new: n.into() })
             }
-            // `--no-prefix`: paths as they are.
-            None => (left, right, Prefixes { old: "".into(), new: "".into() }),
+            // `--no-prefix`: names as they are.
+            None => (left, right, Prefixes::NONE),
         },
     };
-    Some((Some(old), Some(new), prefixes))
+    Some((old, new, prefixes))
 }
 
 /// Custom side prefixes, as git reads a `diff --git` line: the two names are different
 /// leading directories before the same path (`old/src/app.rs new/src/app.rs`). The
 /// longest such path wins; the prefixes each end in `/`. `None` when the names are the
 /// same (`--no-prefix`) or share no path after a `/` in both.
-fn custom_prefixes(left: &str, right: &str) -> Option<(String, String)> {
-    left.match_indices('/').map(|(k, _)| k + 1).find_map(|k| {
+fn custom_prefixes(left: &[u8], right: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    (0..left.len()).filter(|&k| left[k] == b'/').map(|k| k + 1).find_map(|k| {
         let suffix = &left[k..];
         let n = right.len().checked_sub(suffix.len())?;
         let (l, r) = (&left[..k], &right[..n]);
-        (!suffix.is_empty() && right.ends_with(suffix) && r.ends_with('/') && l != r)
-            .then(|| (l.to_string(), r.to_string()))
+        (!suffix.is_empty() && right.ends_with(suffix) && r.ends_with(b"/") && l != r).then(|| (l.to_vec(), r.to_vec()))
     })
 }
 
-/// `path` without a side prefix git writes, and which one.
-fn unprefixed(path: &str) -> (&str, Option<&'static str>) {
+/// `name` without a side prefix git writes, and which one.
+fn unprefixed(name: &[u8]) -> (&[u8], Option<&'static [u8]>) {
     for p in Prefixes::OLD.iter().chain(Prefixes::NEW.iter()) {
-        if let Some(rest) = path.strip_prefix(p) {
+        if let Some(rest) = name.strip_prefix(*p) {
             return (rest, Some(p));
         }
     }
-    (path, None)
+    (name, None)
 }
 
-/// A `---`/`+++` path: `/dev/null` is none; a quoted path is unquoted; a trailing tab
+/// A `---`/`+++` name: `/dev/null` is none; a quoted name is unquoted; a trailing tab
 /// and timestamp are dropped; the side's prefix is removed. `None` outside: bad quoting.
-fn header_path(raw: &str, prefixes: &Prefixes) -> Option<Option<String>> {
-    let p = if raw.starts_with('"') {
-        take_quoted(raw)?.0
+fn header_path(raw: &[u8], prefixes: &Prefixes) -> Option<Option<Vec<u8>>> {
+    let p = if raw.starts_with(b"\"") {
+        path::unquote(raw)?.0
     } else {
         // Drop a trailing tab and timestamp (`--- a/x\t2024-01-01 ...`).
-        raw.split('\t').next().unwrap_or(raw).trim_end().to_string()
+        let name = raw.split(|b| *b == b'\t').next().unwrap_or(raw);
+        name.trim_ascii_end().to_vec()
     };
-    if p == "/dev/null" {
+    if p == b"/dev/null" {
         return Some(None);
     }
-    let stripped = p
-        .strip_prefix(&*prefixes.old)
-        .filter(|_| !prefixes.old.is_empty())
-        .or_else(|| p.strip_prefix(&*prefixes.new).filter(|_| !prefixes.new.is_empty()))
+    let stripped = [&prefixes.old, &prefixes.new]
+        .into_iter()
+        .find_map(|pre| p.strip_prefix(&pre[..]).filter(|_| !pre.is_empty()))
         .unwrap_or(&p);
-    Some(Some(stripped.to_string()))
+    Some(Some(stripped.to_vec()))
 }
 
 /// A name on a `rename from`/`copy to` line: as it is, or C-quoted.
-fn header_name(raw: &str) -> Option<String> {
-    if raw.starts_with('"') { take_quoted(raw).map(|(p, _)| p) } else { Some(raw.to_string()) }
+fn header_name(raw: &[u8]) -> Option<Vec<u8>> {
+    if raw.starts_with(b"\"") { path::unquote(raw).map(|(p, _)| p) } else { Some(raw.to_vec()) }
 }
 
-/// Git's C-style quoting (`core.quotePath`): `"..."` with `\\`, `\"`, `\t`, `\n`, and
-/// octal `\303\274` bytes. The path (UTF-8 decoded, with replacement characters for
-/// bytes that are not) and what follows the closing quote.
-fn take_quoted(s: &str) -> Option<(String, &str)> {
-    let body = s.strip_prefix('"')?;
-    let bytes = body.as_bytes();
-    let mut out = Vec::new();
-    let mut k = 0;
-    while k < bytes.len() {
-        match bytes[k] {
-            b'"' => return Some((String::from_utf8_lossy(&out).into_owned(), &body[k + 1..])),
-            b'\\' => {
-                let c = *bytes.get(k + 1)?;
-                k += 2;
-                match c {
-                    b'0'..=b'7' => {
-                        let digits = bytes.get(k - 1..k + 2)?;
-                        if !digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
-                            return None;
-                        }
-                        let v = digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0'));
-                        out.push(u8::try_from(v).ok()?);
-                        k += 2;
-                    }
-                    b'a' => out.push(7),
-                    b'b' => out.push(8),
-                    b't' => out.push(b'\t'),
-                    b'n' => out.push(b'\n'),
-                    b'v' => out.push(11),
-                    b'f' => out.push(12),
-                    b'r' => out.push(b'\r'),
-                    b'"' | b'\\' => out.push(c),
-                    _ => return None,
-                }
-            }
-            b => {
-                out.push(b);
-                k += 1;
-            }
-        }
-    }
-    None
-}
-
-/// Refuses paths a finding could use to point outside the repository, or that carry
-/// control characters (a tab, which git allows in names, excepted).
-fn checked(path: Option<String>, line: usize) -> Result<Option<String>, DiffError> {
-    if let Some(p) = &path
-        && (p.starts_with('/') || p.split('/').any(|seg| seg == "..") || p.chars().any(|c| c.is_control() && c != '\t'))
+/// Refuses names a finding could use to point outside the repository, or that carry
+/// control characters (a tab, which git allows in names, excepted); the rest in their
+/// string form (see [`path`]).
+fn checked(name: Option<Vec<u8>>, line: usize) -> Result<Option<String>, DiffError> {
+    let Some(name) = name else { return Ok(None) };
+    let text = String::from_utf8_lossy(&name);
+    if text.starts_with('/')
+        || text.split('/').any(|seg| seg == "..")
+        || text.chars().any(|c| c.is_control() && c != '\t')
     {
         return Err(DiffError::UnsafePath { line });
     }
-    Ok(path)
+    Ok(Some(path::from_bytes(&name)))
 }
 
 /// The diff with at most `context` unchanged lines around each change, hunks split where
@@ -596,10 +578,10 @@ pub fn changed_lines_only(diff: &Diff, context: usize) -> String {
 }
 
 impl FileDiff {
-    /// The file's `diff --git` and `---`/`+++` lines, paths quoted as git quotes them.
+    /// The file's `diff --git` and `---`/`+++` lines, names quoted as git quotes them.
     pub fn header(&self) -> String {
-        let old = self.old_path.as_deref().map(|p| format!("a/{}", quote_path(p)));
-        let new = self.new_path.as_deref().map(|p| format!("b/{}", quote_path(p)));
+        let old = self.old_path.as_deref().map(|p| side_name("a/", p));
+        let new = self.new_path.as_deref().map(|p| side_name("b/", p));
         let either = old.clone().or(new.clone()).unwrap_or_default();
         format!(
             "diff --git {} {}\n--- {}\n+++ {}\n",
@@ -648,25 +630,11 @@ pub fn render_run(run: &[(&HunkLine, u32, u32)]) -> String {
     out
 }
 
-/// A path as `git diff` writes it: C-quoted when it holds a quote, a backslash or a
-/// control character.
-fn quote_path(p: &str) -> String {
-    if !p.chars().any(|c| c == '"' || c == '\\' || c.is_control()) {
-        return p.to_string();
-    }
-    let mut q = String::from("\"");
-    for c in p.chars() {
-        match c {
-            '"' => q.push_str("\\\""),
-            '\\' => q.push_str("\\\\"),
-            '\t' => q.push_str("\\t"),
-            '\n' => q.push_str("\\n"),
-            c if c.is_control() => q.push_str(&format!("\\{:03o}", c as u32)),
-            c => q.push(c),
-        }
-    }
-    q.push('"');
-    q
+/// A name with its side prefix as `git diff` writes it: C-quoted when it holds a quote,
+/// a backslash or a control character, or is not UTF-8.
+fn side_name(prefix: &str, name: &str) -> String {
+    let bytes = [prefix.as_bytes(), &path::to_bytes(name)].concat();
+    if path::needs_quotes(&bytes) { path::quote(&bytes) } else { format!("{prefix}{name}") }
 }
 
 /// `@@ -a[,b] +c[,d] @@ ...`
@@ -857,6 +825,38 @@ new file mode 100644
             parse("diff --git \"a/x b/x\n--- a/x\n+++ b/x\n@@ -0,0 +1 @@\n+z\n"),
             Err(DiffError::BadQuotedPath { line: 1 })
         );
+    }
+
+    #[test]
+    fn names_that_are_not_utf8_keep_their_bytes() {
+        // `l\xe9gacy.txt` as git quotes it by default, and as its bytes
+        // (`core.quotePath=false`); a rename among such names.
+        let quoted = "diff --git \"a/l\\351gacy.txt\" \"b/l\\351gacy.txt\"\n--- \"a/l\\351gacy.txt\"\n+++ \"b/l\\351gacy.txt\"\n@@ -1 +1 @@\n-a\n+b\n";
+        let raw = b"diff --git a/l\xe9gacy.txt b/l\xe9gacy.txt\n--- a/l\xe9gacy.txt\n+++ b/l\xe9gacy.txt\n@@ -1 +1 @@\n-a\n+b\n";
+        let want = "\"l\\351gacy.txt\"";
+        assert_eq!(one_file(quoted).new_path.as_deref(), Some(want));
+        let from_bytes = parse_bytes(raw).unwrap();
+        assert_eq!(from_bytes.files[0].new_path.as_deref(), Some(want));
+        assert_eq!(from_bytes, parse(quoted).unwrap());
+        assert_eq!(&*path::to_bytes(want), b"l\xe9gacy.txt");
+        // Written back as git writes it, and read back the same.
+        let header = from_bytes.files[0].header();
+        assert!(header.starts_with("diff --git \"a/l\\351gacy.txt\" \"b/l\\351gacy.txt\"\n"), "{header}");
+        assert_eq!(parse(&changed_lines_only(&from_bytes, 3)).unwrap(), from_bytes);
+        let renamed = parse_bytes(
+            b"diff --git a/old name\xff b/new name\xff\nsimilarity index 100%\nrename from old name\xff\nrename to new name\xff\n",
+        )
+        .unwrap();
+        let f = &renamed.files[0];
+        assert_eq!(
+            (f.old_path.as_deref(), f.new_path.as_deref()),
+            (Some("\"old name\\377\""), Some("\"new name\\377\""))
+        );
+        // A reader's copy of the name finds the file: quoted, without the quotes, decoded.
+        for name in ["\"l\\351gacy.txt\"", "l\\351gacy.txt", "l\u{fffd}gacy.txt"] {
+            assert!(from_bytes.file_by_new_path(name).is_some(), "{name}");
+        }
+        assert!(from_bytes.file_by_new_path("l\u{e9}gacy.txt").is_none());
     }
 
     #[test]

@@ -291,7 +291,9 @@ pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, I
         } else {
             match serde_json::from_value::<Finding>(raw.clone()) {
                 Ok(mut f) => match semantic_check(&f, diff) {
-                    Ok(()) => {
+                    Ok(name) => {
+                        // The file's own name, however the model wrote it.
+                        f.path = name.to_string();
                         f.fingerprint = Some(fingerprint(&f));
                         out.findings.push(f);
                         None
@@ -317,12 +319,12 @@ pub fn validate(version: &str, output: &str, diff: &Diff) -> Result<Validated, I
 
 /// Step 3: the finding must point into the diff and quote it: its lines in one hunk
 /// on their side, the evidence on that side of that hunk, and a replacement only for
-/// lines of the new side.
-pub fn semantic_check(f: &Finding, diff: &Diff) -> Result<(), QuarantineReason> {
+/// lines of the new side. The file's name as the diff has it (`crate::diff::path`).
+pub fn semantic_check<'d>(f: &Finding, diff: &'d Diff) -> Result<&'d str, QuarantineReason> {
     let side = f.side();
-    let file = match side {
-        Side::New => diff.file_by_new_path(&f.path),
-        Side::Old => diff.file_by_old_path(&f.path),
+    let (file, name) = match side {
+        Side::New => diff.file_by_new_path(&f.path).map(|file| (file, file.new_path.as_deref())),
+        Side::Old => diff.file_by_old_path(&f.path).map(|file| (file, file.old_path.as_deref())),
     }
     .ok_or(QuarantineReason::PathNotInDiff)?;
     let hunk = match side {
@@ -352,7 +354,7 @@ pub fn semantic_check(f: &Finding, diff: &Diff) -> Result<(), QuarantineReason> 
     if f.suggested_replacement.is_some() && side != Side::New {
         return Err(QuarantineReason::ReplacementNotApplicable);
     }
-    Ok(())
+    Ok(name.unwrap_or_default())
 }
 
 /// `/findings/3/severity` -> 3
@@ -458,6 +460,41 @@ mod tests {
         assert_eq!(v.findings[0].evidence, "let new = token();");
         assert_eq!(v.quarantined[0].reason, QuarantineReason::EvidenceNotOnLineSide);
         assert_eq!(QuarantineReason::EvidenceNotOnLineSide.as_str(), "evidence_not_on_line_side");
+    }
+
+    #[test]
+    fn a_name_that_is_not_utf8_is_delivered_as_the_diff_has_it_however_the_model_wrote_it() {
+        // `l\xe9gacy.txt` as git quotes it by default, and `caf\xe9.txt` sent as raw bytes.
+        let mut raw = b"--- \"a/l\\351gacy.txt\"\n+++ \"b/l\\351gacy.txt\"\n@@ -1 +1,2 @@\n one\n+two\n".to_vec();
+        raw.extend_from_slice(b"--- a/caf\xe9.txt\n+++ b/caf\xe9.txt\n@@ -0,0 +1 @@\n+three\n");
+        let d = crate::diff::parse_bytes(&raw).unwrap();
+        let (legacy, cafe) = ("\"l\\351gacy.txt\"", "\"caf\\351.txt\"");
+        let out = json!({"findings": [
+            finding(legacy, 2, "two"),
+            finding("l\\351gacy.txt", 2, "two"),
+            finding("l\u{fffd}gacy.txt", 2, "two"),
+            finding("caf\u{fffd}.txt", 1, "three"),
+            finding("caf\u{e9}.txt", 1, "three"),
+        ]});
+        let v = validate(FINDINGS_V1, &out.to_string(), &d).unwrap();
+        let paths: Vec<&str> = v.findings.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(paths, [legacy, legacy, legacy, cafe], "{v:?}");
+        // One finding, one fingerprint, whichever way the name was written.
+        assert!(v.findings[..3].iter().all(|f| f.fingerprint == v.findings[0].fingerprint));
+        // A guess at the encoding is no name of the diff.
+        assert_eq!(
+            v.quarantined.iter().map(|q| (q.index, q.reason)).collect::<Vec<_>>(),
+            [(4, QuarantineReason::PathNotInDiff)]
+        );
+        // Decoded names that two files share name neither.
+        let mut two = raw.clone();
+        two.extend_from_slice(b"--- a/caf\xe8.txt\n+++ b/caf\xe8.txt\n@@ -0,0 +1 @@\n+three\n");
+        let d = crate::diff::parse_bytes(&two).unwrap();
+        let out = json!({"findings": [finding("caf\u{fffd}.txt", 1, "three")]});
+        assert_eq!(
+            validate(FINDINGS_V1, &out.to_string(), &d).unwrap().quarantined[0].reason,
+            QuarantineReason::PathNotInDiff
+        );
     }
 
     #[test]

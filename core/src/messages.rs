@@ -63,11 +63,20 @@ pub struct ReviewMessage {
 
 impl ReviewMessage {
     /// The diff as text: as sent when it is UTF-8, else decoded with replacement
-    /// characters. What the model sees and what findings are validated against.
+    /// characters. What the model sees.
     pub fn diff_text(&self) -> std::borrow::Cow<'_, str> {
         match &self.diff_bytes {
             Some(b) => String::from_utf8_lossy(b),
             None => std::borrow::Cow::Borrowed(&self.diff),
+        }
+    }
+
+    /// The diff parsed: its lines as [`ReviewMessage::diff_text`] has them, its file
+    /// names exact (`diff::path`). What findings are validated against.
+    pub fn parse_diff(&self) -> Result<crate::diff::Diff, crate::diff::DiffError> {
+        match &self.diff_bytes {
+            Some(b) => crate::diff::parse_bytes(b),
+            None => crate::diff::parse(&self.diff),
         }
     }
 

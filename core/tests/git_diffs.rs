@@ -67,9 +67,10 @@ struct Entry {
     counts: Option<(usize, usize)>,
 }
 
-/// Joins `--name-status -z` and `--numstat -z` output (same order of files).
+/// Joins `--name-status -z` and `--numstat -z` output (same order of files); names in
+/// their string form (`diff::path`).
 fn entries(names: &[u8], nums: &[u8]) -> Vec<Entry> {
-    let s = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let s = diff::path::from_bytes;
     let mut names = names.split(|b| *b == 0).filter(|f| !f.is_empty());
     let mut out = Vec::new();
     while let Some(status) = names.next() {
@@ -88,7 +89,7 @@ fn entries(names: &[u8], nums: &[u8]) -> Vec<Entry> {
     // numstat -z: `added\tremoved\tpath\0`, or `added\tremoved\t\0old\0new\0` for a move.
     let mut fields = nums.split(|b| *b == 0);
     for e in &mut out {
-        let head = s(fields.next().unwrap());
+        let head = String::from_utf8_lossy(fields.next().unwrap());
         let mut cols = head.splitn(3, '\t');
         let (a, r, path) = (cols.next().unwrap(), cols.next().unwrap(), cols.next().unwrap_or(""));
         if path.is_empty() {
@@ -103,8 +104,7 @@ fn entries(names: &[u8], nums: &[u8]) -> Vec<Entry> {
 /// Parses the diff (as the ingress does a `diff_bytes` request) and checks it against
 /// git's own account of the same change.
 fn check(raw: &[u8], git: &[Entry]) -> Diff {
-    let text = String::from_utf8_lossy(raw);
-    let parsed = diff::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let parsed = diff::parse_bytes(raw).unwrap_or_else(|e| panic!("{e}\n{}", String::from_utf8_lossy(raw)));
     assert_eq!(parsed.files.len(), git.len(), "files: {parsed:#?}\nvs git: {git:#?}");
     for (f, e) in parsed.files.iter().zip(git) {
         assert_eq!((&f.old_path, &f.new_path), (&e.old, &e.new), "paths of {e:?}");
@@ -124,10 +124,14 @@ fn check(raw: &[u8], git: &[Entry]) -> Diff {
 fn added_lines_match_file(repo: &Repo, parsed: &Diff) {
     for (file, _, line) in parsed.added_lines() {
         let Some(path) = file.new_path.as_deref() else { continue };
-        if file.binary || std::fs::symlink_metadata(repo.path(path)).is_ok_and(|m| !m.is_file()) {
+        let path = repo
+            .dir
+            .path()
+            .join(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&diff::path::to_bytes(path)));
+        if file.binary || std::fs::symlink_metadata(&path).is_ok_and(|m| !m.is_file()) {
             continue;
         }
-        let Ok(content) = std::fs::read(repo.path(path)) else { continue };
+        let Ok(content) = std::fs::read(&path) else { continue };
         let content = String::from_utf8_lossy(&content);
         let at = content.split('\n').nth(line.new_line.unwrap() as usize - 1).unwrap();
         assert_eq!(at.strip_suffix('\r').unwrap_or(at), line.text.strip_suffix('\r').unwrap_or(&line.text));
@@ -337,4 +341,86 @@ fn colours_are_stripped_and_combined_and_word_diffs_are_refused_by_name() {
     let err = diff::parse(&text).unwrap_err();
     assert!(matches!(err, diff::DiffError::CombinedDiff { line: 1 }), "{err}");
     assert!(err.to_string().contains("git diff <first parent> <merge>"), "{err}");
+}
+
+/// A file whose lines hold terminal escape codes, as ripgrep's tests of coloured output
+/// do (`ESC[0m1ESC[0m:ESC[0mESC[31m...`), changed in every way git marks up a line.
+const ESCAPES_BEFORE: &[u8] = b"fn main() {\n\x1b[0m1\x1b[0m:\x1b[0m\x1b[31mold\x1b[0m\n  keep \x1b[1mbold\x1b[m\nplain\n\x1b[32mgone\x1b[m\n\x1b[0m3\x1b[0m:context\ntail\nfn \x1b[31msecond\x1b[m() {\n  a\n  b\n  c\n  d\n  e\n";
+const ESCAPES_AFTER: &[u8] = b"fn main() {\n\x1b[0m1\x1b[0m:\x1b[0m\x1b[31mSherlock\x1b[0m\n  keep \x1b[1mbold\x1b[m\n\x1b[mstarts with a reset\n\tindented \x1b[4m\x1b[m  \n \tspace before tab\x1b[m\nends in a code\x1b[1m\ncr\x1b[m\r\n   \n\n        eight spaces\x1b[m\n\x1b[0m3\x1b[0m:context\ntail\nfn \x1b[31msecond\x1b[m() {\n  a\n  b\n  c\n  d\n  \x1b[1mE\x1b[m\n\x1b[0m2\x1b[0m:no newline\x1b[0m";
+
+/// The real shapes of both: a plain diff of a file whose lines hold escape codes is
+/// never changed, and the same diff as git colours it loses git's codes only.
+#[test]
+fn escape_codes_are_content_and_only_gits_colours_are_stripped() {
+    let repo = Repo::new();
+    repo.write("tests/colour.txt", ESCAPES_BEFORE);
+    repo.commit();
+    repo.write("tests/colour.txt", ESCAPES_AFTER);
+    let (plain, git) = repo.staged(&[]);
+    assert!(plain.contains(&0x1b), "the plain diff carries the file's codes");
+    assert_eq!(diff::strip_colours(&plain), None, "a plain diff is not changed");
+    let parsed = check(&plain, &git);
+    added_lines_match_file(&repo, &parsed);
+    let added: Vec<&str> = parsed.added_lines().map(|(_, _, l)| l.text.as_str()).collect();
+    assert!(added.contains(&"\x1b[0m1\x1b[0m:\x1b[0m\x1b[31mSherlock\x1b[0m"), "{added:?}");
+    assert!(
+        String::from_utf8_lossy(&plain).contains(" @@ fn \x1b[31msecond\x1b[m() {\n"),
+        "a function name with codes"
+    );
+    // git's defaults, and settings that change how it marks lines up: moved lines,
+    // whitespace errors on every line or none, colours with attributes.
+    for flags in [
+        vec!["diff", "--cached", "--color=always"],
+        vec!["diff", "--cached", "--color=always", "--color-moved=zebra"],
+        vec!["diff", "--cached", "--color=always", "--ws-error-highlight=all"],
+        vec!["diff", "--cached", "--color=always", "--ws-error-highlight=none"],
+        vec![
+            "-c",
+            "color.diff.new=bold green",
+            "-c",
+            "color.diff.old=red reverse",
+            "diff",
+            "--cached",
+            "--color=always",
+        ],
+        vec!["-c", "color.diff.meta=normal", "diff", "--cached", "--color=always"],
+    ] {
+        let coloured = repo.git(&flags);
+        assert_ne!(coloured, plain, "{flags:?}: git wrote colours");
+        let cleaned = diff::strip_colours(&coloured).unwrap_or_else(|| panic!("{flags:?}: colours found"));
+        assert_eq!(String::from_utf8_lossy(&cleaned), String::from_utf8_lossy(&plain), "{flags:?}");
+    }
+}
+
+/// Latin-1 file names (`l\xe9gacy.txt`): bytes that are no UTF-8, quoted by git by
+/// default and written raw with `core.quotePath=false`.
+#[test]
+fn a_file_name_that_is_not_utf8_is_kept_exactly() {
+    use std::os::unix::ffi::OsStrExt;
+    let repo = Repo::new();
+    let on_disk = |name: &[u8]| repo.dir.path().join(std::ffi::OsStr::from_bytes(name));
+    std::fs::write(on_disk(b"l\xe9gacy.txt"), b"one\n").unwrap();
+    std::fs::write(on_disk(b"old na\xefve.txt"), b"a\nb\nc\nd\ne\n").unwrap();
+    repo.commit();
+    std::fs::write(on_disk(b"l\xe9gacy.txt"), b"one\ntwo\n").unwrap();
+    std::fs::rename(on_disk(b"old na\xefve.txt"), on_disk(b"new na\xefve.txt")).unwrap();
+    std::fs::write(on_disk(b"new na\xefve.txt"), b"a\nb\nc\nd\ne\nf\n").unwrap();
+    for flags in [&[][..], &["-c", "core.quotePath=false"][..]] {
+        repo.git(&["add", "-A"]);
+        let raw = repo.git(&[flags, &["diff", "--cached", "-M"]].concat());
+        let n = repo.git(&[flags, &["diff", "--cached", "-M", "--name-status", "-z"]].concat());
+        let s = repo.git(&[flags, &["diff", "--cached", "-M", "--numstat", "-z"]].concat());
+        // git quotes the names by default (an ASCII diff), or writes their bytes.
+        assert_eq!(std::str::from_utf8(&raw).is_ok(), flags.is_empty(), "{flags:?}");
+        let parsed = check(&raw, &entries(&n, &s));
+        // git's own quoted form, which reads back to the bytes on disk.
+        let legacy = parsed.file_by_new_path("\"l\\351gacy.txt\"").expect("the quoted form");
+        assert_eq!(legacy.hunks[0].lines.last().unwrap().text, "two");
+        let renamed = parsed.file_by_new_path("\"new na\\357ve.txt\"").expect("the quoted form");
+        assert_eq!(renamed.old_path.as_deref(), Some("\"old na\\357ve.txt\""));
+        for f in &parsed.files {
+            assert!(on_disk(&diff::path::to_bytes(f.new_path.as_deref().unwrap())).is_file(), "{f:?}");
+        }
+        added_lines_match_file(&repo, &parsed);
+    }
 }

@@ -7,9 +7,8 @@ use reviewlane_core::{diff, findings};
 
 fuzz_target!(|data: &[u8]| {
     let split = data.iter().position(|b| *b == 0).unwrap_or(data.len());
-    let text = String::from_utf8_lossy(&data[..split]);
     let output = String::from_utf8_lossy(data.get(split + 1..).unwrap_or_default());
-    let Ok(d) = diff::parse(&text) else { return };
+    let Ok(d) = diff::parse_bytes(&data[..split]) else { return };
     for version in findings::known_schemas() {
         let _ = findings::validate(version, &output, &d);
     }

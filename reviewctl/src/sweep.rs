@@ -91,7 +91,7 @@ pub fn split_sections(out: &[u8]) -> Vec<ManifestItem> {
         .windows(2)
         .filter_map(|w| {
             let section = &out[w[0]..w[1]];
-            let parsed = reviewlane_core::diff::parse(&String::from_utf8_lossy(section)).ok()?;
+            let parsed = reviewlane_core::diff::parse_bytes(section).ok()?;
             let file = parsed.files.into_iter().next()?;
             if file.binary || file.hunks.is_empty() {
                 return None;

@@ -196,5 +196,21 @@ async fn a_diff_pasted_with_its_colours_is_reviewed_as_the_plain_diff() {
     // The plain diff under the same key is the same request.
     let again = client.submit_review(submit_req(US_KEY, "coloured", &plain)).await.expect("same request");
     assert_eq!(again.into_inner().review.unwrap().job_id, job.job_id);
+
+    // A plain diff whose lines hold escape codes (test data for coloured output): the
+    // codes are the file's, kept, and the finding quotes the line as the file has it.
+    let line = "\x1b[0m1\x1b[0m:\x1b[0m\x1b[31mSherlock\x1b[0m Holmes";
+    let plain = format!(
+        "diff --git a/tests/data/colour.txt b/tests/data/colour.txt\n--- a/tests/data/colour.txt\n+++ b/tests/data/colour.txt\n@@ -1 +1,2 @@\n \x1b[0m0\x1b[0m:start\n+{line}\n"
+    );
+    let job = submit(&mut client, US_KEY, "escape-codes", &plain).await;
+    let done = wait_final(&mut client, US_KEY, &job.job_id).await;
+    assert_eq!(done.state, proto::JobState::Published as i32, "{done:?}");
+    assert_eq!((done.findings.len(), done.quarantined_count), (1, 0), "{done:?}");
+    assert_eq!((done.findings[0].line, done.findings[0].evidence.as_str()), (2, line));
+    // The same diff coloured by git is the same request.
+    let again =
+        client.submit_review(submit_req(US_KEY, "escape-codes", &coloured(&plain))).await.expect("same request");
+    assert_eq!(again.into_inner().review.unwrap().job_id, job.job_id);
     stack.shutdown().await;
 }

@@ -1,9 +1,15 @@
 //! Review surfaces against the formats' published schemas: a published review's findings
 //! as SARIF 2.1.0 (OASIS schema) and as reviewdog rdjson / rdjsonl (reviewdog's Diagnostic
-//! Format schemas), vendored in `tests/vendor`.
+//! Format schemas), vendored in `tests/vendor`; and a file name that is not UTF-8 through
+//! the stack to every surface.
 
+use std::time::Duration;
+
+use reviewlane_api::proto;
 use reviewlane_core::findings::Finding;
 use reviewlane_core::surfaces::{Report, rdjson, sarif};
+
+use crate::harness::*;
 
 /// The schema's validator, formats (`uri`, `uri-reference`) checked as well.
 fn validator(path: &str) -> jsonschema::Validator {
@@ -136,4 +142,110 @@ fn rdjson_and_rdjsonl_output_follow_reviewdogs_schemas() {
     let mut broken = doc["diagnostics"][0].clone();
     broken["severity"] = "FATAL".into();
     assert!(!line_schema.is_valid(&broken));
+}
+
+/// A change to `l\xe9gacy.txt` (a Latin-1 name) made by git in a temporary repository:
+/// the diff as git writes it by default (the name quoted, `"l\351gacy.txt"`: ASCII) and
+/// with `core.quotePath=false` (the name's bytes as they are: no UTF-8).
+fn latin1_name_diffs() -> (String, Vec<u8>) {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .args(args)
+            .current_dir(dir.path())
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("HOME", dir.path())
+            .output()
+            .expect("git runs");
+        assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    git(&["init", "-q"]);
+    git(&["config", "user.email", "t@example.invalid"]);
+    git(&["config", "user.name", "t"]);
+    let file = dir.path().join(std::ffi::OsStr::from_bytes(b"l\xe9gacy.txt"));
+    std::fs::write(&file, b"first line\n").unwrap();
+    git(&["add", "-A"]);
+    git(&["commit", "-qm", "c"]);
+    std::fs::write(&file, b"first line\n// TODO: drop the legacy encoding\n").unwrap();
+    git(&["add", "-A"]);
+    let quoted = String::from_utf8(git(&["diff", "--cached"])).expect("git quotes the name");
+    let raw = git(&["-c", "core.quotePath=false", "diff", "--cached"]);
+    assert!(std::str::from_utf8(&raw).is_err(), "the name's bytes as they are");
+    (quoted, raw)
+}
+
+/// A US tenant delivering to files of `format` under `dir`.
+fn file_tenant(id: &str, dir: &std::path::Path, format: &str) -> String {
+    format!(
+        "[[tenants]]\nid = \"{id}\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nsink = {{ kind = \"file\", dir = \"{}\", format = \"{format}\" }}\n",
+        reviewlane_core::tenants::hash_api_key(&format!("key-{id}")),
+        dir.join(format).display(),
+    )
+}
+
+/// The review `diff` (as `diff`, or as `diff_bytes` when it is no UTF-8) of tenant
+/// `key`, once published.
+async fn published(stack: &Stack, key: &str, diff: &[u8]) -> proto::Review {
+    let mut client = stack.client().await;
+    let mut req = submit_req(key, &format!("latin1-name-{}", diff.len()), "").into_inner();
+    match std::str::from_utf8(diff) {
+        Ok(text) => req.diff = text.into(),
+        Err(_) => req.diff_bytes = diff.to_vec(),
+    }
+    let job = client.submit_review(authed(key, req)).await.unwrap().into_inner().review.unwrap();
+    let done = wait_final(&mut client, key, &job.job_id).await;
+    assert_eq!(done.state, proto::JobState::Published as i32, "{done:?}");
+    done
+}
+
+/// The file a file sink wrote for `job_id`, once there.
+async fn delivered_file(dir: &std::path::Path, format: &str, job_id: &str) -> serde_json::Value {
+    let path = dir.join(format).join(format!("{job_id}.{format}"));
+    let text = poll_until(Duration::from_secs(15), || {
+        let path = path.clone();
+        async move { std::fs::read(&path).ok() }
+    })
+    .await
+    .unwrap_or_else(|| panic!("no {format} file delivered"));
+    serde_json::from_slice(&text).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_name_that_is_not_utf8_reaches_every_surface_as_git_quotes_it() {
+    const NAME: &str = "\"l\\351gacy.txt\"";
+    let files = tempfile::tempdir().unwrap();
+    let extra_tenants =
+        ["json", "sarif", "rdjson"].map(|f| file_tenant(&format!("files-{f}"), files.path(), f)).join("\n");
+    let stack = Stack::start_with(StackOptions { extra_tenants, ..Default::default() }).await;
+    let (quoted, raw) = latin1_name_diffs();
+
+    // Either form of the diff: the finding names the file in git's quoted form, which
+    // reads back to the name's bytes.
+    for diff in [quoted.as_bytes(), &raw[..]] {
+        let done = published(&stack, US_KEY, diff).await;
+        let paths: Vec<&str> = done.findings.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(paths, [NAME], "{done:?}");
+        assert_eq!(&*reviewlane_core::diff::path::to_bytes(paths[0]), b"l\xe9gacy.txt");
+        // The webhook's delivery says the same.
+        let hook = stack.webhook.wait_for(&done.job_id, Duration::from_secs(15)).await.expect("delivered");
+        let body: serde_json::Value = serde_json::from_slice(&hook.body).unwrap();
+        assert_eq!(body["findings"][0]["path"], NAME, "{body}");
+    }
+
+    // The file sinks: the delivery as JSON and rdjson carry the same form; SARIF the
+    // bytes percent-encoded as the artifact's URI, the same form beside it.
+    let done = published(&stack, "key-files-json", &raw).await;
+    assert_eq!(delivered_file(files.path(), "json", &done.job_id).await["findings"][0]["path"], NAME);
+    let done = published(&stack, "key-files-rdjson", &raw).await;
+    let doc = delivered_file(files.path(), "rdjson", &done.job_id).await;
+    assert_valid(&validator("reviewdog-rdf/DiagnosticResult.json"), &doc);
+    assert_eq!(doc["diagnostics"][0]["location"]["path"], NAME, "{doc}");
+    let done = published(&stack, "key-files-sarif", quoted.as_bytes()).await;
+    let log = delivered_file(files.path(), "sarif", &done.job_id).await;
+    assert_valid(&validator("sarif/sarif-schema-2.1.0.json"), &log);
+    let location = &log["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"];
+    assert_eq!((location["uri"].as_str(), location["properties"]["path"].as_str()), (Some("l%E9gacy.txt"), Some(NAME)));
+    stack.shutdown().await;
 }

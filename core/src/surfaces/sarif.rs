@@ -87,13 +87,15 @@ const PATH_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUME
     .remove(b'@')
     .remove(b'/');
 
-/// A diff path as a SARIF `uri` (a URI reference, relative to the repository's root).
+/// A diff path as a SARIF `uri` (a URI reference, relative to the repository's root):
+/// the name's bytes percent-encoded, so a name that is not UTF-8 (`"l\351gacy.txt"`,
+/// see `diff::path`) is `l%E9gacy.txt`.
 pub fn path_uri(path: &str) -> String {
-    percent_encoding::utf8_percent_encode(path, PATH_KEEPS).to_string()
+    percent_encoding::percent_encode(&crate::diff::path::to_bytes(path), PATH_KEEPS).to_string()
 }
 
-/// The `artifactLocation` of a path: its URI reference, and the path as written when
-/// encoding changed it.
+/// The `artifactLocation` of a path: its URI reference, and the path as findings carry
+/// it (git's quoted form for a name that is not UTF-8) when encoding changed it.
 fn artifact_location(path: &str) -> Value {
     let uri = path_uri(path);
     if uri == path { json!({"uri": uri}) } else { json!({"uri": uri, "properties": {"path": path}}) }
@@ -223,5 +225,11 @@ mod tests {
             (Some("docs/read%20me.md"), Some("docs/read me.md"))
         );
         assert_eq!(r["fixes"][0]["artifactChanges"][0]["artifactLocation"]["uri"], "docs/read%20me.md");
+        // A name that is not UTF-8: its bytes encoded, git's quoted form beside them.
+        assert_eq!(path_uri("\"l\\351gacy.txt\""), "l%E9gacy.txt");
+        assert_eq!(path_uri("\"dir/\\\"q\\\" \\377\""), "dir/%22q%22%20%FF");
+        let location = &result(&Finding { path: "\"l\\351gacy.txt\"".into(), ..finding() })["locations"][0]["physicalLocation"]
+            ["artifactLocation"];
+        assert_eq!(location["properties"]["path"], "\"l\\351gacy.txt\"");
     }
 }

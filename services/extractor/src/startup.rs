@@ -216,7 +216,7 @@ fn item_tokens(
     let tokenizer = config.parts.plan.tokenizer;
     let reviewlane_core::meter::Cost { input: fixed, output } = call_overhead(config);
     Arc::new(move |review| {
-        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return fixed + output };
+        let Ok(diff) = review.parse_diff() else { return fixed + output };
         let prompt = crate::provider::prompt_diff(review, &diff);
         fixed + output + crate::tokenizer::counter(tokenizer).tokens(&prompt) as u64
     })
@@ -229,7 +229,7 @@ fn over_one_call(
 ) -> Arc<dyn Fn(&reviewlane_core::messages::ReviewMessage) -> bool + Send + Sync> {
     let plan = config.parts.plan;
     Arc::new(move |review| {
-        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return false };
+        let Ok(diff) = review.parse_diff() else { return false };
         let counter = crate::tokenizer::counter(plan.tokenizer);
         reviewlane_core::chunk::split(&diff, &plan.limits, counter.as_ref()).len() > 1
     })
@@ -314,7 +314,7 @@ fn call_cost(config: &ExtractorConfig) -> crate::schedule::CallCost {
         let Ok(review) = serde_json::from_slice::<reviewlane_core::messages::ReviewMessage>(payload) else {
             return at_most;
         };
-        let Ok(diff) = reviewlane_core::diff::parse(&review.diff_text()) else { return at_most };
+        let Ok(diff) = review.parse_diff() else { return at_most };
         let prompt = crate::provider::prompt_diff(&review, &diff);
         if prompt.len() > plan.limits.budget() || prompt.len() >= 4 * 1024 * 1024 {
             return at_most;

@@ -104,11 +104,13 @@ pub fn plan(
     let mut summary = Vec::new();
     for f in new {
         let lines = f.lines();
+        // GitHub names a file by its text: one whose name is not UTF-8 takes no comment.
+        let name = reviewlane_core::diff::path::utf8(&f.path).map(|n| n.into_owned());
         let fits = !all_in_summary
             && comments.len() < max_comments
-            && lines.clone().all(|l| commentable.contains(&(f.path.clone(), l, side(f))));
+            && name.as_ref().is_some_and(|n| lines.clone().all(|l| commentable.contains(&(n.clone(), l, side(f)))));
         if fits {
-            let mut c = json!({"path": f.path, "line": lines.end(), "side": side(f), "body": comment_body(f)});
+            let mut c = json!({"path": name, "line": lines.end(), "side": side(f), "body": comment_body(f)});
             if lines.start() < lines.end() {
                 c["start_line"] = json!(lines.start());
                 c["start_side"] = json!(side(f));
@@ -788,6 +790,21 @@ mod tests {
         assert!(fallback.comments.is_empty() && fallback.summarised == 1);
         // Nothing new: nothing to post.
         assert_eq!(plan(&[seen], &existing, &commentable, 20, false), None);
+    }
+
+    #[test]
+    fn a_name_that_is_not_utf8_is_listed_in_its_quoted_form() {
+        // GitHub lists the files by text: the Latin-1 name as it decodes them, and a
+        // name that begins with a quote as it is.
+        let commentable: HashSet<_> =
+            [("l\u{fffd}gacy.txt".to_string(), 1, "RIGHT"), ("\"x.rs".to_string(), 1, "RIGHT")].into();
+        let legacy = finding("\"l\\351gacy.txt\"", 1, "high");
+        let quoted = finding("\"\\\"x.rs\"", 1, "high");
+        let p = plan(&[legacy, quoted], &HashSet::new(), &commentable, 20, false).unwrap();
+        assert_eq!(p.comments.len(), 1);
+        assert_eq!(p.comments[0]["path"], "\"x.rs");
+        assert_eq!(p.summarised, 1);
+        assert!(p.body.contains("`\"l\\351gacy.txt\":1`"), "{}", p.body);
     }
 
     fn headers(pairs: &[(&'static str, &str)]) -> reqwest::header::HeaderMap {

@@ -129,8 +129,7 @@ impl Coordinator {
         let Some(review) = self.review(&sweep.sweep_id, &job_id).await? else {
             return self.end(sweep, read, TerminalReason::Lost, charge).await;
         };
-        let diff = reviewlane_core::diff::parse(&review.diff_text())
-            .unwrap_or(reviewlane_core::diff::Diff { files: Vec::new() });
+        let diff = review.parse_diff().unwrap_or(reviewlane_core::diff::Diff { files: Vec::new() });
         match reviewlane_core::findings::validate(&review.schema_version, output, &diff) {
             Ok(v) => {
                 let (findings, quarantined) = (v.findings.len() as u32, v.quarantined.len() as u32);

@@ -628,7 +628,7 @@ impl Coordinator {
         for id in &chunk.job_ids {
             let review = self.review(&sweep.sweep_id, id).await?.ok_or(StoreError::NotFound)?;
             let text = review.diff_text();
-            let diff = reviewlane_core::diff::parse(&text).unwrap_or(reviewlane_core::diff::Diff { files: Vec::new() });
+            let diff = review.parse_diff().unwrap_or(reviewlane_core::diff::Diff { files: Vec::new() });
             let req = crate::provider::ProviderRequest {
                 job_id: &review.job_id,
                 region: review.region,

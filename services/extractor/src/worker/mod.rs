@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use reviewlane_core::clock::SharedClock;
-use reviewlane_core::diff::{self, Diff};
+use reviewlane_core::diff::Diff;
 use reviewlane_core::messages::ReviewMessage;
 use reviewlane_core::region::Region;
 use reviewlane_shared::faults::Faults;
@@ -247,7 +247,7 @@ impl Worker {
             msg: &msg,
             review: &review,
             scope: &scope,
-            diff: diff::parse(&review.diff_text()).ok(),
+            diff: review.parse_diff().ok(),
             metering: Metering::new(reserved),
             place: std::sync::Mutex::new(place),
             more,

@@ -225,7 +225,7 @@ pub(super) fn plan(mut req: SubmitReviewRequest, limits: &Limits, now_ms: u64) -
         ));
     };
     let diff = SubmittedDiff::from_request(&mut req, limits.max_diff_bytes)?.without_colours();
-    diff::parse(&diff.text()).map_err(|e| ApiError::invalid("diff", e.to_string()))?;
+    diff::parse_bytes(diff.bytes()).map_err(|e| ApiError::invalid("diff", e.to_string()))?;
     let lane_deadline = limits.deadlines[usize::from(lane == reviewlane_shared::Lane::Batch)];
     let deadline_ms = deadline_of(&req, now_ms, lane_deadline)?;
     if req.idempotency_key.len() > MAX_IDEMPOTENCY_KEY {
@@ -364,8 +364,9 @@ impl SubmittedDiff {
         })
     }
 
-    /// The diff without terminal colours (pasted from `git diff --color=always`): what
-    /// is reviewed, stored and digested is the plain diff.
+    /// The diff without git's terminal colours (pasted from `git diff --color=always`):
+    /// what is reviewed, stored and digested is the plain diff. A plain diff is kept as
+    /// sent, escape codes in its lines included.
     pub(super) fn without_colours(self) -> Self {
         let Some(plain) = diff::strip_colours(self.bytes()) else { return self };
         match String::from_utf8(plain) {
@@ -376,13 +377,6 @@ impl SubmittedDiff {
 
     pub(super) fn bytes(&self) -> &[u8] {
         self.raw.as_deref().unwrap_or(self.utf8.as_bytes())
-    }
-
-    pub(super) fn text(&self) -> std::borrow::Cow<'_, str> {
-        match &self.raw {
-            Some(b) => String::from_utf8_lossy(b),
-            None => std::borrow::Cow::Borrowed(&self.utf8),
-        }
     }
 }
 
@@ -476,6 +470,9 @@ mod tests {
         let coloured = DIFF.replace("+fn b", "\u{1b}[32m+fn b").replace("{}\n", "{}\u{1b}[m\n");
         let pasted = plan(req(&coloured), &limits(), NOW).unwrap();
         assert_eq!((pasted.request_digest, pasted.diff.utf8.as_str()), (p.request_digest.clone(), DIFF));
+        // Escape codes in the lines of a plain diff are the file's: kept as sent.
+        let codes = DIFF.replace("+fn b() {}", "+\u{1b}[0m1\u{1b}[0m:\u{1b}[31mfn b\u{1b}[0m");
+        assert_eq!(plan(req(&codes), &limits(), NOW).unwrap().diff.utf8, codes);
         // A pull request counts in the digest; a key is kept as sent.
         let meta = proto::ReviewMetadata { pull_request: 7, ..Default::default() };
         let pr = plan(
