@@ -177,6 +177,9 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
 });
 
 fn in_scope(scope: Scope, path: &str) -> bool {
+    // A name that is no UTF-8 comes in git's quoted form: its extension is the shown one's.
+    let shown = reviewlane_core::diff::path::display(path);
+    let path = shown.as_ref();
     let ext = path.rsplit_once('.').map(|(_, e)| e).unwrap_or("");
     match scope {
         Scope::Any => true,
@@ -408,6 +411,9 @@ mod tests {
     #[test]
     fn unwrap_in_tests_is_fine() {
         assert!(titles(&one_file("tests/it.rs", &["x.unwrap();"])).is_empty());
+        // A name that is no UTF-8, in git's quoted form, keeps its language's rules.
+        let latin1 = "--- \"a/src/l\\351gacy.rs\"\n+++ \"b/src/l\\351gacy.rs\"\n@@ -1,1 +1,2 @@\n ctx\n+x.unwrap();\n";
+        assert_eq!(titles(latin1).len(), 1, "{:?}", titles(latin1));
         assert!(titles(&one_file("src/a.rs", &["#[cfg(test)]", "mod tests { fn t() { x.unwrap(); } }"])).is_empty());
         assert!(titles(&one_file("src/a.py", &["x.unwrap()"])).is_empty());
         // Removed lines are not reviewed.

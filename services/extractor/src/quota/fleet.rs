@@ -240,6 +240,7 @@ impl Quota {
         let mut l = self.ledger();
         l.others_in_flight = others_in_flight;
         if l.live != live {
+            tracing::info!(replicas = live.len(), was = l.live.len(), "live replicas on the key changed");
             l.live = live;
             drop(l);
             self.changed.notify_waiters();
@@ -250,11 +251,11 @@ impl Quota {
     /// Applies `event` to the key's window here and, when the fleet should know, to the
     /// shared entry (the event re-applied to the entry as read, merged with ours).
     pub(super) async fn update_window(&self, event: impl Fn(&mut Window)) -> Result<(), FleetError> {
-        let (differs, local) = {
+        let (differs, local, level_before) = {
             let mut l = self.ledger();
             let before = l.window;
             event(&mut l.window);
-            (l.window.differs(&before), l.window)
+            (l.window.differs(&before), l.window, before.fleet(l.key_limit))
         };
         if !differs {
             return Ok(());
@@ -273,7 +274,11 @@ impl Quota {
         if let Some(shared) = written {
             let mut l = self.ledger();
             l.window = shared.merged(&l.window);
+            let after = l.window.fleet(l.key_limit);
             drop(l);
+            if after != level_before {
+                tracing::info!(window = after, was = level_before, "the key's congestion window changed");
+            }
             self.changed.notify_waiters();
         }
         Ok(())
