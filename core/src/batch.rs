@@ -193,6 +193,47 @@ pub enum Retryable {
     Expired,
     /// The batch was cancelled before the line ran.
     Cancelled,
+    /// An error code this service does not know: taken as not run (counted, so that a
+    /// new code is seen).
+    Unrecognised,
+}
+
+/// What a result line's error says when it carries no answer of the endpoint: OpenAI's
+/// `error.code` of a line without a response, Anthropic's `error.type` of an `errored`
+/// result. By kind: the request did not run (it may if sent again), it was refused (the
+/// same request would be refused again), the account is out of money — or a code not
+/// known here, taken as not run.
+pub fn line_error(code: &str) -> LineResult {
+    match code {
+        "batch_expired" | "expired" => LineResult::Retryable(Retryable::Expired),
+        "batch_cancelled" | "cancelled" | "canceled" => LineResult::Retryable(Retryable::Cancelled),
+        "rate_limit_error" | "rate_limit_exceeded" | "too_many_requests" => {
+            LineResult::Retryable(Retryable::RateLimited)
+        }
+        "request_timeout"
+        | "timeout"
+        | "timeout_error"
+        | "api_error"
+        | "overloaded_error"
+        | "server_error"
+        | "internal_error"
+        | "service_unavailable" => LineResult::Retryable(Retryable::Transient),
+        "insufficient_quota" | "billing_hard_limit_reached" | "billing_error" => LineResult::OutOfQuota,
+        "invalid_request_error"
+        | "invalid_request"
+        | "invalid_url"
+        | "invalid_method"
+        | "invalid_body"
+        | "invalid_json"
+        | "invalid_model"
+        | "model_not_found"
+        | "context_length_exceeded"
+        | "authentication_error"
+        | "permission_error"
+        | "not_found_error"
+        | "request_too_large" => LineResult::Rejected { status: None },
+        _ => LineResult::Retryable(Retryable::Unrecognised),
+    }
 }
 
 /// What becomes of an item after its line.
@@ -226,7 +267,9 @@ pub fn fate(line: LineResult, resubmitted: u32, budget: u32, sweep_cancelled: bo
         let reason = match retryable {
             Some(Retryable::RateLimited) => TerminalReason::RateLimitBudgetExhausted,
             Some(Retryable::Expired) => TerminalReason::DeadlineExceeded,
-            Some(Retryable::Transient) | Some(Retryable::Cancelled) | None => TerminalReason::TransientBudgetExhausted,
+            Some(Retryable::Transient | Retryable::Cancelled | Retryable::Unrecognised) | None => {
+                TerminalReason::TransientBudgetExhausted
+            }
         };
         return ItemFate::Ended(reason);
     }
@@ -427,30 +470,35 @@ pub fn enqueued_room(chunks: &[ChunkRecord], budget: Option<u64>) -> Option<u64>
 }
 
 /// The running cut of items into one chunk: the provider's request and byte limits and
-/// the enqueued tokens there is room for. The first item always fits (a line too large
-/// for any batch goes alone and is refused by line; one over the token room waits for a
-/// chunk to end, or goes alone when none holds any).
+/// the enqueued tokens there is room for, a ceiling. The first line always fits the byte
+/// limit (a line too large for any batch goes alone and is refused by line). A line over
+/// the token room waits for a chunk to end and give its tokens back; only when no chunk
+/// holds any (`alone`: nothing will ever give room back) does a first line larger than
+/// the whole budget go alone, for the provider to decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cut {
     pub limits: BatchLimits,
     /// `None`: no enqueued-token budget.
     pub token_room: Option<u64>,
+    /// No chunk holds enqueued tokens: the room is the whole budget.
+    pub alone: bool,
     pub requests: usize,
     pub bytes: usize,
     pub tokens: u64,
 }
 
 impl Cut {
-    pub fn new(limits: BatchLimits, token_room: Option<u64>) -> Cut {
-        Cut { limits, token_room, requests: 0, bytes: 0, tokens: 0 }
+    pub fn new(limits: BatchLimits, token_room: Option<u64>, alone: bool) -> Cut {
+        Cut { limits, token_room, alone, requests: 0, bytes: 0, tokens: 0 }
     }
 
     /// Takes a line of `bytes` and `tokens` if it fits; whether it did.
     pub fn take(&mut self, bytes: usize, tokens: u64) -> bool {
         let first = self.requests == 0;
+        let over_room = self.token_room.is_some_and(|room| self.tokens + tokens > room);
         let fits = self.requests < self.limits.max_requests.max(1)
             && (first || self.bytes + bytes <= self.limits.max_bytes)
-            && (first || self.token_room.is_none_or(|room| self.tokens + tokens <= room));
+            && (!over_room || (first && self.alone));
         if fits {
             self.requests += 1;
             self.bytes += bytes;
@@ -574,6 +622,33 @@ mod tests {
     }
 
     #[test]
+    fn a_line_error_is_classified_by_kind_not_run_refused_or_unknown() {
+        let not_run = |r| LineResult::Retryable(r);
+        // Did not run: sent again within the item's budget.
+        assert_eq!(line_error("request_timeout"), not_run(Retryable::Transient));
+        assert_eq!(line_error("server_error"), not_run(Retryable::Transient));
+        assert_eq!(line_error("overloaded_error"), not_run(Retryable::Transient));
+        assert_eq!(line_error("rate_limit_exceeded"), not_run(Retryable::RateLimited));
+        assert_eq!(line_error("batch_expired"), not_run(Retryable::Expired));
+        assert_eq!(line_error("batch_cancelled"), not_run(Retryable::Cancelled));
+        // Refused: the same request would be refused again.
+        assert_eq!(line_error("invalid_request_error"), LineResult::Rejected { status: None });
+        assert_eq!(line_error("invalid_url"), LineResult::Rejected { status: None });
+        assert_eq!(line_error("insufficient_quota"), LineResult::OutOfQuota);
+        // Unknown: taken as not run.
+        assert_eq!(line_error("quantum_flux"), not_run(Retryable::Unrecognised));
+        assert_eq!(
+            fate(line_error("quantum_flux"), 0, 2, false),
+            ItemFate::Resubmit { resubmissions: 1 },
+            "an unknown code is sent again within the budget"
+        );
+        assert_eq!(
+            fate(line_error("request_timeout"), 2, 2, false),
+            ItemFate::Ended(TerminalReason::TransientBudgetExhausted)
+        );
+    }
+
+    #[test]
     fn polling_doubles_to_its_cap_and_waits_out_a_hint() {
         let b = PollBackoff::default();
         let secs = |n, hint| b.delay(n, hint).as_secs();
@@ -602,16 +677,26 @@ mod tests {
     #[test]
     fn a_chunk_is_cut_at_the_limits_and_the_enqueued_token_room() {
         let limits = BatchLimits { max_requests: 3, max_bytes: 100 };
-        let mut cut = Cut::new(limits, Some(50));
+        let mut cut = Cut::new(limits, Some(50), false);
         assert!(cut.take(10, 20) && cut.take(10, 20));
         assert!(!cut.take(10, 20), "over the token room");
-        let mut cut = Cut::new(limits, None);
+        let mut cut = Cut::new(limits, None, true);
         assert!(cut.take(10, 1) && cut.take(10, 1) && cut.take(10, 1));
         assert!(!cut.take(10, 1), "over the request limit");
-        let mut cut = Cut::new(limits, Some(5));
-        assert!(cut.take(150, 99), "the first line always fits");
+        // The room is a ceiling, for the first line too: 10.5 lines' worth holds 10.
+        let mut cut = Cut::new(BatchLimits { max_requests: 100, max_bytes: 1_000 }, Some(54_064), false);
+        let mut took = 0;
+        while cut.take(10, 5_151) {
+            took += 1;
+        }
+        assert_eq!((took, cut.tokens), (10, 51_510));
+        let mut cut = Cut::new(limits, Some(5), false);
+        assert!(!cut.take(1, 6), "over the room, while a chunk holds tokens: it waits");
+        // Nothing holds any: a first line over the whole budget goes alone.
+        let mut cut = Cut::new(limits, Some(5), true);
+        assert!(cut.take(150, 99), "the first line always fits the byte limit, and alone the budget");
         assert!(!cut.take(1, 1));
-        let mut cut = Cut::new(limits, None);
+        let mut cut = Cut::new(limits, None, true);
         assert!(cut.take(60, 0) && !cut.take(50, 0), "over the byte limit");
     }
 

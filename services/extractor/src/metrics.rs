@@ -109,6 +109,7 @@ pub struct Metrics {
     pub scope_limit: Family<ScopeLabels, Gauge>,
     /// Retry hints above the ceiling, rescheduled at the ceiling.
     pub hints_capped: Family<RegionLabel, Counter>,
+    pub batch_lines_unrecognised: Family<RegionLabel, Counter>,
     pub retry_delay: Family<ReasonLabels, Histogram>,
     pub attempts: Family<LaneLabels, Histogram>,
     pub validation_failures: Family<ValidationLabels, Counter>,
@@ -148,6 +149,7 @@ impl Metrics {
             scope_in_flight: Family::default(),
             scope_limit: Family::default(),
             hints_capped: Family::default(),
+            batch_lines_unrecognised: Family::default(),
             retry_delay: Family::new_with_constructor(|| {
                 Histogram::new([0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0])
             }),
@@ -236,6 +238,11 @@ impl Metrics {
             "reviewlane_retry_hints_capped",
             "Provider retry hints above the ceiling (rescheduled at the ceiling)",
             m.hints_capped.clone(),
+        );
+        registry.register(
+            "reviewlane_batch_lines_unrecognised",
+            "Provider batch result lines whose error code is not known here (taken as not run)",
+            m.batch_lines_unrecognised.clone(),
         );
         registry.register(
             "reviewlane_retry_delay_seconds",
@@ -370,6 +377,10 @@ impl Metrics {
 
     pub fn hint_capped(&self) {
         self.hints_capped.get_or_create(&RegionLabel { region: self.region.as_str().into() }).inc();
+    }
+
+    pub fn batch_lines_unrecognised(&self, n: u64) {
+        self.batch_lines_unrecognised.get_or_create(&RegionLabel { region: self.region.as_str().into() }).inc_by(n);
     }
 
     pub fn retry(&self, budget: Budget, delay: Duration) {

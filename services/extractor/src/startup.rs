@@ -136,6 +136,7 @@ pub async fn build_with_provider(
         too_large: over_one_call(&config),
         js: conn.layout.js.clone(),
         faults: config.faults.clone(),
+        metrics: metrics.clone(),
     });
     let worker = Arc::new(Worker {
         region: config.region,

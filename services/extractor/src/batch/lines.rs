@@ -25,8 +25,8 @@ fn of_outcome(outcome: UpstreamOutcome) -> LineResult {
 
 /// A line of an OpenAI batch's output or error file:
 /// `{"custom_id", "response": {"status_code", "body"} | null, "error": {"code"} | null}`.
-/// A line without a response is one that never ran: `batch_expired` and
-/// `batch_cancelled` may run if sent again; any other code is the request refused.
+/// A line without a response carries an error code instead, classified by kind
+/// (`batch::line_error`): did not run, refused, or unknown (taken as not run).
 pub fn openai(line: &[u8]) -> Option<(String, LineResult)> {
     let v: serde_json::Value = serde_json::from_slice(line).ok()?;
     let id = v["custom_id"].as_str()?.to_string();
@@ -36,21 +36,16 @@ pub fn openai(line: &[u8]) -> Option<(String, LineResult)> {
         let outcome = classify(status, &HeaderMap::new(), &body, SystemTime::UNIX_EPOCH, Duration::ZERO);
         return Some((id, of_outcome(outcome)));
     }
-    let result = match v["error"]["code"].as_str() {
-        Some("batch_expired") => LineResult::Retryable(Retryable::Expired),
-        Some("batch_cancelled") => LineResult::Retryable(Retryable::Cancelled),
-        Some(_) => LineResult::Rejected { status: None },
-        None => return None,
-    };
-    Some((id, result))
+    let code = v["error"]["code"].as_str()?;
+    Some((id, reviewlane_core::batch::line_error(code)))
 }
 
 /// A line of an Anthropic batch's results:
 /// `{"custom_id", "result": {"type": "succeeded", "message"} | {"type": "errored",
 /// "error": {"error": {"type"}}} | {"type": "canceled"} | {"type": "expired"}}`. Only
-/// `succeeded` lines are billed; an errored line is refused for good only as an
-/// `invalid_request_error` (or another 4xx type), and may run again when the API
-/// failed or was overloaded.
+/// `succeeded` lines are billed; an errored line is classified by its error type
+/// (`batch::line_error`): refused for good as an `invalid_request_error` (or another
+/// 4xx type), run again when the API failed, was overloaded or timed out.
 pub fn anthropic(line: &[u8]) -> Option<(String, LineResult)> {
     let v: serde_json::Value = serde_json::from_slice(line).ok()?;
     let id = v["custom_id"].as_str()?.to_string();
@@ -61,9 +56,8 @@ pub fn anthropic(line: &[u8]) -> Option<(String, LineResult)> {
             of_outcome(classify_anthropic(200, &HeaderMap::new(), &body, SystemTime::UNIX_EPOCH, Duration::ZERO))
         }
         "errored" => match r["error"]["error"]["type"].as_str().or(r["error"]["type"].as_str()) {
-            Some("api_error" | "overloaded_error" | "timeout_error") => LineResult::Retryable(Retryable::Transient),
-            Some("rate_limit_error") => LineResult::Retryable(Retryable::RateLimited),
-            _ => LineResult::Rejected { status: None },
+            Some(kind) => reviewlane_core::batch::line_error(kind),
+            None => LineResult::Retryable(Retryable::Unrecognised),
         },
         "canceled" => LineResult::Retryable(Retryable::Cancelled),
         "expired" => LineResult::Retryable(Retryable::Expired),
@@ -114,6 +108,8 @@ mod tests {
         assert_eq!(never_ran("batch_expired"), Some(LineResult::Retryable(Retryable::Expired)));
         assert_eq!(never_ran("batch_cancelled"), Some(LineResult::Retryable(Retryable::Cancelled)));
         assert_eq!(never_ran("invalid_url"), Some(LineResult::Rejected { status: None }));
+        assert_eq!(never_ran("request_timeout"), Some(LineResult::Retryable(Retryable::Transient)));
+        assert_eq!(never_ran("brand_new_code"), Some(LineResult::Retryable(Retryable::Unrecognised)));
         // A malformed line names no item.
         assert_eq!(openai(b"{\"custom_id\": \"us_d\", \"respo"), None);
         assert_eq!(openai(br#"{"response":{"status_code":200,"body":{}}}"#), None);

@@ -23,6 +23,12 @@ impl Coordinator {
         chunk: &ChunkRecord,
         lines: Vec<(String, LineResult)>,
     ) -> Result<(), RoundError> {
+        let unrecognised =
+            lines.iter().filter(|(_, l)| *l == LineResult::Retryable(batch::Retryable::Unrecognised)).count();
+        if unrecognised > 0 {
+            self.metrics.batch_lines_unrecognised(unrecognised as u64);
+            tracing::warn!(lines = unrecognised, "result lines with an error code not known here: taken as not run");
+        }
         let matched = batch::reconcile(&chunk.job_ids, lines);
         if matched.unknown + matched.repeated > 0 {
             tracing::warn!(

@@ -74,6 +74,7 @@ pub struct Coordinator {
     /// The region's JetStream, for the batch lane.
     pub js: async_nats::jetstream::Context,
     pub faults: reviewlane_shared::faults::Faults,
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// What the leader remembers between rounds (all of it can be rebuilt from the store).
@@ -294,12 +295,8 @@ impl Coordinator {
         let mut rest = waiting.into_iter().peekable();
         let mut room_left = room;
         while rest.peek().is_some() {
-            if room_left == Some(0) && (!out.is_empty() || held.iter().any(ChunkRecord::holds_tokens)) {
-                // The rest waits for a batch to end and give its tokens back.
-                memory.to_cut.insert(sweep.sweep_id.clone());
-                break;
-            }
-            let mut cut = Cut::new(limits, room_left);
+            let alone = out.is_empty() && !held.iter().any(ChunkRecord::holds_tokens);
+            let mut cut = Cut::new(limits, room_left, alone);
             let mut ids = Vec::new();
             while let Some(id) = rest.peek() {
                 let Some(review) = self.review(&sweep.sweep_id, id).await? else {
@@ -318,6 +315,10 @@ impl Coordinator {
                 ids.push(rest.next().expect("peeked"));
             }
             if ids.is_empty() {
+                if rest.peek().is_some() {
+                    // The rest waits for a batch to end and give its tokens back.
+                    memory.to_cut.insert(sweep.sweep_id.clone());
+                }
                 break;
             }
             seq += 1;
