@@ -207,7 +207,10 @@ impl Quota {
 
     /// Re-reads the live replicas; returns how many others there are.
     async fn refresh_live(&self) -> Result<usize, FleetError> {
-        let stale_after = 3 * self.heartbeat.as_millis() as u64;
+        // Six periods: a replica starved of CPU for a few heartbeats (its calls still
+        // running) keeps its rank, so the others do not take its share and run its calls
+        // again on top of it; a dead one's lease outlasts this anyway.
+        let stale_after = 6 * self.heartbeat.as_millis() as u64;
         let now = self.now_ms();
         let mut live = Vec::new();
         let mut others_in_flight = 0;
@@ -226,7 +229,7 @@ impl Quota {
                     live.push(id.to_string());
                 }
                 // Long dead: tidy up.
-                Ok(h) if now.saturating_sub(h.at_ms) > 20 * stale_after => {
+                Ok(h) if now.saturating_sub(h.at_ms) > 10 * stale_after => {
                     let _ = self.kv.delete(&key).await;
                 }
                 _ => {}
@@ -242,6 +245,7 @@ impl Quota {
         if l.live != live {
             tracing::info!(replicas = live.len(), was = l.live.len(), "live replicas on the key changed");
             l.live = live;
+            l.live_changed_ms = now;
             drop(l);
             self.changed.notify_waiters();
         }

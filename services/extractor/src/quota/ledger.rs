@@ -26,6 +26,8 @@ pub(super) struct Ledger {
     pub live: Vec<String>,
     /// Calls the other live replicas reported running at their last heartbeat.
     pub others_in_flight: u32,
+    /// When the live replicas last changed.
+    pub live_changed_ms: u64,
     /// Until this time the replica only heartbeats: the others must see it before it
     /// takes a share.
     pub warm_until_ms: u64,
@@ -58,6 +60,7 @@ impl Ledger {
             circuit_until_ms: 0,
             window,
             others_in_flight: 0,
+            live_changed_ms: 0,
             warm_until_ms: 0,
             in_flight: HashMap::new(),
             waiting: HashMap::new(),

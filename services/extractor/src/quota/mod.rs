@@ -260,8 +260,13 @@ impl Quota {
             Some(dim) => self.drain(dim).await,
             None => {
                 let now = self.now_ms();
-                let limit = self.ledger().key_limit;
-                let c = RateLimited { now_ms: now, started_ms, pause, limit, in_flight };
+                let (limit, changed_ms) = {
+                    let l = self.ledger();
+                    (l.key_limit, l.live_changed_ms)
+                };
+                // Within two heartbeats of a change in the live replicas, shares move.
+                let shares_moving = now.saturating_sub(changed_ms) <= 2 * self.heartbeat.as_millis() as u64;
+                let c = RateLimited { now_ms: now, started_ms, pause, limit, in_flight, shares_moving };
                 let kind = std::sync::Mutex::new(Congestion::SameEvent);
                 self.update_window(|w| *kind.lock().expect("kind lock") = w.on_congestion(c)).await?;
                 if *kind.lock().expect("kind lock") == Congestion::Race {

@@ -20,8 +20,8 @@ const INITIAL_WINDOW: f64 = 2.0;
 /// level lowered long ago never holds a later burst below the provider's capacity.
 ///
 /// A 429 of a call that started while the fleet had more calls in flight than its
-/// window is a race between replicas (shares moving), not a level that failed: the
-/// window keeps its level (`Congestion::Race`).
+/// window, or right after the live replicas changed, is a race between replicas (shares
+/// moving), not a level that failed: the window keeps its level (`Congestion::Race`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Window {
     window: f64,
@@ -76,6 +76,9 @@ pub struct RateLimited {
     /// The fleet's calls in flight on the key when the refused call started (itself
     /// included), as this replica knew them; `None` when unknown.
     pub in_flight: Option<u32>,
+    /// The live replicas changed just before (shares moving: one that dropped out for a
+    /// moment may still run its calls).
+    pub shares_moving: bool,
 }
 
 impl Window {
@@ -147,7 +150,7 @@ impl Window {
 
     /// As `on_rate_limited`, knowing the key's configured `limit`.
     pub fn on_rate_limited_under(&mut self, now_ms: u64, started_ms: u64, pause: Duration, limit: u32) {
-        self.on_congestion(RateLimited { now_ms, started_ms, pause, limit, in_flight: None });
+        self.on_congestion(RateLimited { now_ms, started_ms, pause, limit, in_flight: None, shares_moving: false });
     }
 
     /// A 429. The first one ends slow start: halve (the calls slow start sent above the
@@ -156,7 +159,7 @@ impl Window {
     /// another client of the account, or the fleet's own overshoot while shares move),
     /// else one call below the level refused — settling at what held on the way.
     pub fn on_congestion(&mut self, c: RateLimited) -> Congestion {
-        let RateLimited { now_ms, started_ms, pause, limit, in_flight } = c;
+        let RateLimited { now_ms, started_ms, pause, limit, in_flight, shares_moving } = c;
         if self.in_event
             || started_ms < self.last_decrease_ms
             || started_ms < self.event_end_ms
@@ -164,7 +167,7 @@ impl Window {
         {
             return Congestion::SameEvent;
         }
-        if in_flight.is_some_and(|n| n > self.fleet(limit)) {
+        if shares_moving || in_flight.is_some_and(|n| n > self.fleet(limit)) {
             return Congestion::Race;
         }
         self.event_until_ms = now_ms + pause.as_millis() as u64;
@@ -488,7 +491,7 @@ mod tests {
     }
 
     fn congestion(now_ms: u64, started_ms: u64, in_flight: Option<u32>) -> RateLimited {
-        RateLimited { now_ms, started_ms, pause: Duration::from_secs(1), limit: 8, in_flight }
+        RateLimited { now_ms, started_ms, pause: Duration::from_secs(1), limit: 8, in_flight, shares_moving: false }
     }
 
     /// Successes of calls started at their answer time, `n` of them from `t`, 10 ms apart.
@@ -536,6 +539,12 @@ mod tests {
         assert_eq!(w.on_congestion(congestion(1_100, 1_090, Some(4))), Congestion::Lowered);
         assert_eq!(w.fleet(8), 2);
         assert_eq!(w.on_congestion(congestion(1_110, 1_095, Some(4))), Congestion::SameEvent);
+        // Right after the live replicas changed, a 429 is the shares moving: kept.
+        succeed(&mut w, &mut 2_000, 4);
+        let level = w.fleet(8);
+        let moving = RateLimited { shares_moving: true, ..congestion(3_000, 2_990, Some(level)) };
+        assert_eq!(w.on_congestion(moving), Congestion::Race);
+        assert_eq!(w.fleet(8), level);
     }
 
     #[test]
