@@ -151,6 +151,7 @@ pub fn reason_to_proto(r: TerminalReason) -> proto::TerminalReason {
         TerminalReason::StoreBudgetExhausted => P::StoreBudgetExhausted,
         TerminalReason::Lost => P::Lost,
         TerminalReason::TooLarge => P::TooLarge,
+        TerminalReason::BatchTokenLimit => P::BatchTokenLimit,
     }
 }
 

@@ -346,6 +346,77 @@ pub fn estimate(done: u64, total: u64, started_ms: u64, now_ms: u64, turnaround_
     turnaround_ms.map(|t| started_ms.saturating_add(t).max(now_ms))
 }
 
+/// Batches of one item refused for the enqueued-token limit, one after another, before
+/// the item ends `batch_token_limit`; between them the poll backoff doubles (with the
+/// default 30 s to 5 min, about 17 minutes in all).
+pub const ALONE_REFUSALS_MAX: u32 = 6;
+
+/// What the coordinator has learned of a sweep's batches refused for the model's
+/// enqueued-token limit (`token_limit_exceeded`, which OpenAI answers on a batch it
+/// accepted, later): the next batch is cut from the refused one's size, not from the
+/// configured limit, and a batch of one refused again and again ends its item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Refusals {
+    /// The next batch holds at most this many requests (`None`: the limits as set).
+    pub max_requests: Option<usize>,
+    /// Batches of one item refused in a row.
+    pub alone: u32,
+    /// No batch of the sweep is sent before this time.
+    pub not_before_ms: u64,
+}
+
+/// What a refused batch comes to for its items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// They go again, in a smaller batch (a refusal is not an attempt of theirs).
+    Again,
+    /// A batch of one was refused more than `ALONE_REFUSALS_MAX` times: the item ends
+    /// `batch_token_limit`.
+    End,
+}
+
+impl Refusals {
+    /// A batch of `requests` items refused at `now_ms`: the next holds half as many
+    /// (down to one); a batch of one refused waits `poll`'s backoff, doubling, before the
+    /// next is sent, and ends its item after `ALONE_REFUSALS_MAX` of them.
+    pub fn refused(&mut self, requests: usize, now_ms: u64, poll: PollBackoff) -> Refused {
+        if requests > 1 {
+            self.max_requests = Some((requests / 2).max(1));
+            self.alone = 0;
+            self.not_before_ms = now_ms;
+            return Refused::Again;
+        }
+        self.max_requests = Some(1);
+        self.alone += 1;
+        if self.alone > ALONE_REFUSALS_MAX {
+            return Refused::End;
+        }
+        self.not_before_ms = now_ms + poll.delay(self.alone - 1, None).as_millis() as u64;
+        Refused::Again
+    }
+
+    /// A batch of the sweep ran: the next may be twice as large again.
+    pub fn ran(&mut self) {
+        self.alone = 0;
+        self.max_requests = self.max_requests.and_then(|m| m.checked_mul(2));
+    }
+
+    /// The limits the next batch is cut within.
+    pub fn limits(&self, limits: BatchLimits) -> BatchLimits {
+        let max_requests = self.max_requests.map_or(limits.max_requests, |m| m.min(limits.max_requests));
+        BatchLimits { max_requests, ..limits }
+    }
+}
+
+/// The enqueued-token budget to believe after a batch of `refused` tokens was refused
+/// while the region's batches held `held` (the refused one's included): the provider's
+/// limit is below what was held, so the budget becomes what was held less half the
+/// refused batch — never above what was believed before (`budget`, `None`: none set).
+pub fn believed_budget(budget: Option<u64>, held: u64, refused: u64) -> Option<u64> {
+    let below = held.saturating_sub(refused.div_ceil(2)).max(1);
+    Some(budget.map_or(below, |b| b.min(below)))
+}
+
 /// The owner an item's job names while it is in a provider batch: its chunk's id
 /// (`chunk_id`), so the item counts as submitted to the provider, not as being called.
 pub const OWNER_PREFIX: &str = "batch-";
@@ -646,6 +717,43 @@ mod tests {
             fate(line_error("request_timeout"), 2, 2, false),
             ItemFate::Ended(TerminalReason::TransientBudgetExhausted)
         );
+    }
+
+    #[test]
+    fn a_refused_batch_is_cut_again_from_its_own_size_and_a_lone_item_ends_after_a_bounded_wait() {
+        let poll = PollBackoff { first: Duration::from_secs(30), cap: Duration::from_secs(300) };
+        let limits = BatchLimits::OPENAI;
+        let mut r = Refusals::default();
+        assert_eq!(r.limits(limits), limits);
+        // 40 refused: 20, 10, 5, 2, 1 — from the refused batch's size, not the limit's.
+        let mut sizes = Vec::new();
+        let mut size = 40;
+        while size > 1 {
+            assert_eq!(r.refused(size, 0, poll), Refused::Again);
+            size = r.limits(limits).max_requests;
+            sizes.push(size);
+        }
+        assert_eq!(sizes, vec![20, 10, 5, 2, 1]);
+        assert_eq!(r.not_before_ms, 0, "a smaller batch goes at once");
+        // Alone and refused: it waits 30 s, 60 s, ... 5 min, then ends.
+        let mut now = 0;
+        let mut waited = 0;
+        for _ in 0..ALONE_REFUSALS_MAX {
+            assert_eq!(r.refused(1, now, poll), Refused::Again);
+            waited += r.not_before_ms - now;
+            now = r.not_before_ms;
+        }
+        assert_eq!(waited, (30 + 60 + 120 + 240 + 300 + 300) * 1_000);
+        assert_eq!(r.refused(1, now, poll), Refused::End);
+        // A batch that ran lets the next grow again.
+        let mut r = Refusals::default();
+        r.refused(40, 0, poll);
+        r.ran();
+        assert_eq!(r.limits(limits).max_requests, 40);
+        // The budget believed comes down below what was held.
+        assert_eq!(believed_budget(None, 90_000, 40_000), Some(70_000));
+        assert_eq!(believed_budget(Some(60_000), 90_000, 40_000), Some(60_000));
+        assert_eq!(believed_budget(Some(100_000), 20_000, 20_000), Some(10_000));
     }
 
     #[test]

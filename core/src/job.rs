@@ -63,10 +63,13 @@ pub enum TerminalReason {
     Lost,
     /// The review needs more parts than the extractor's limit (`REVIEWLANE_MAX_PARTS`).
     TooLarge,
+    /// A sweep item's provider batch kept being refused for the model's enqueued-token
+    /// limit (`token_limit_exceeded`), even alone, for longer than the coordinator waits.
+    BatchTokenLimit,
 }
 
 impl TerminalReason {
-    pub const ALL: [TerminalReason; 13] = [
+    pub const ALL: [TerminalReason; 14] = [
         TerminalReason::RateLimitBudgetExhausted,
         TerminalReason::TransientBudgetExhausted,
         TerminalReason::InvalidOutput,
@@ -80,6 +83,7 @@ impl TerminalReason {
         TerminalReason::StoreBudgetExhausted,
         TerminalReason::Lost,
         TerminalReason::TooLarge,
+        TerminalReason::BatchTokenLimit,
     ];
 
     /// The reason named `s` (as `as_str` writes it).
@@ -102,6 +106,7 @@ impl TerminalReason {
             TerminalReason::StoreBudgetExhausted => "store_budget_exhausted",
             TerminalReason::Lost => "lost",
             TerminalReason::TooLarge => "too_large",
+            TerminalReason::BatchTokenLimit => "batch_token_limit",
         }
     }
 }

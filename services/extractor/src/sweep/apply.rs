@@ -62,6 +62,38 @@ impl Coordinator {
         Ok(())
     }
 
+    /// A batch refused whole for the model's enqueued tokens: each item goes back to wait
+    /// for a later batch without spending a resubmission (the refusal is counted on the
+    /// congestion budget, which batch items do not otherwise use), or — a batch of one
+    /// refused too often — ends `batch_token_limit`.
+    pub(super) async fn refused_whole(
+        &self,
+        sweep: &SweepRecord,
+        chunk: &ChunkRecord,
+        refused: batch::Refused,
+    ) -> Result<(), RoundError> {
+        for job_id in &chunk.job_ids {
+            let Some((rec, revision)) = self.jobs.get(job_id).await? else { continue };
+            if rec.state != JobState::Running || rec.owner.as_deref() != Some(chunk.chunk_id.as_str()) {
+                continue;
+            }
+            let read = (rec, revision);
+            if refused == batch::Refused::End {
+                self.end(sweep, read, TerminalReason::BatchTokenLimit, None).await?;
+                continue;
+            }
+            let event = Event::RetryScheduled {
+                generation: read.0.generation(),
+                budget: Budget::Congestion,
+                next_eligible_at_ms: self.clock.now_ms(),
+                upstream_status: Some("batch".into()),
+                invalid_output: None,
+            };
+            self.record(job_id, read, &event, None).await?;
+        }
+        Ok(())
+    }
+
     /// One item's line, once: nothing when its job is no longer leased to the chunk.
     async fn apply_line(
         &self,
@@ -75,7 +107,8 @@ impl Coordinator {
             return Ok(());
         }
         let generation = rec.generation();
-        let resubmitted = rec.attempts.leases.saturating_sub(1);
+        // Its batches so far, less those refused whole (not attempts of its own).
+        let resubmitted = rec.attempts.leases.saturating_sub(1).saturating_sub(rec.attempts.congestion);
         let cancelled = sweep.state == SweepState::Cancelled;
         let read = (rec, revision);
         match batch::fate(line, resubmitted, self.settings.resubmissions, cancelled) {
@@ -149,7 +182,8 @@ impl Coordinator {
             Err(invalid) => {
                 tracing::warn!(reason = invalid.as_str(), "invalid provider output in a batch line");
                 let schema_left = read.0.attempts.schema + 1 < self.budgets.schema;
-                let batches_left = read.0.attempts.leases.saturating_sub(1) < self.settings.resubmissions;
+                let batches = read.0.attempts.leases.saturating_sub(1).saturating_sub(read.0.attempts.congestion);
+                let batches_left = batches < self.settings.resubmissions;
                 if schema_left && batches_left {
                     let event = Event::RetryScheduled {
                         generation,

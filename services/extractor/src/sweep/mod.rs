@@ -87,9 +87,14 @@ struct Memory {
     fresh: HashSet<String>,
     /// Per chunk: polls so far and when the next is due.
     polls: HashMap<String, (u32, tokio::time::Instant)>,
-    /// Sweeps whose batches were refused for the enqueued tokens: cut smaller (halved
-    /// each time).
-    shrink: HashMap<String, u32>,
+    /// Per sweep: its batches refused for the model's enqueued tokens (cut smaller, a
+    /// batch of one waiting longer each time).
+    refusals: HashMap<String, batch::Refusals>,
+    /// The enqueued-token budget believed since a refusal (the provider knows better
+    /// than the configured one); `None`: the configured one.
+    believed: Option<u64>,
+    /// Enqueued tokens the region's live chunks held at the round's start.
+    held: u64,
     seen: HashSet<String>,
     /// Per sweep with no batch left: the items still open, which run on the lanes.
     /// Only they are read each round; once they are final the sweep is cut again (and
@@ -172,6 +177,7 @@ impl Coordinator {
             chunks.insert(s.sweep_id.clone(), self.sweeps.chunks(&s.sweep_id).await?);
         }
         let known: HashSet<String> = chunks.values().flatten().filter_map(|(c, _)| c.batch_id.clone()).collect();
+        memory.held = chunks.values().flatten().filter(|(c, _)| c.holds_tokens()).map(|(c, _)| c.tokens).sum();
         for s in &sweeps {
             if stop.is_cancelled() {
                 break;
@@ -283,13 +289,14 @@ impl Coordinator {
             }
             return Ok(Vec::new());
         }
-        let limits = {
-            let mut l = self.settings.limits(self.client.limits());
-            let halvings = memory.shrink.get(&sweep.sweep_id).copied().unwrap_or(0);
-            l.max_requests = (l.max_requests >> halvings.min(16)).max(1);
-            l
-        };
-        let room = batch::enqueued_room(held, self.settings.enqueued_tokens);
+        let refusals = memory.refusals.get(&sweep.sweep_id).copied().unwrap_or_default();
+        if self.clock.now_ms() < refusals.not_before_ms {
+            // A batch of one was refused: the next waits.
+            memory.to_cut.insert(sweep.sweep_id.clone());
+            return Ok(Vec::new());
+        }
+        let limits = refusals.limits(self.settings.limits(self.client.limits()));
+        let room = batch::enqueued_room(held, memory.believed.or(self.settings.enqueued_tokens));
         let mut seq = chunks.iter().map(|(c, _)| c.seq).max().unwrap_or(0);
         let mut out = Vec::new();
         let mut rest = waiting.into_iter().peekable();
@@ -540,16 +547,25 @@ impl Coordinator {
                 let lines = self.client.lines(&polled).await?;
                 self.apply_lines(sweep, chunk, lines).await?;
                 self.ended(chunk, revision).await?;
+                memory.refusals.entry(sweep.sweep_id.clone()).or_default().ran();
                 Ok(true)
             }
-            BatchStep::Resubmit { smaller } => {
-                if smaller {
-                    *memory.shrink.entry(sweep.sweep_id.clone()).or_default() += 1;
-                    tracing::warn!(
-                        "provider batch refused for the model's enqueued tokens; its items go again, in smaller batches"
-                    );
-                }
-                self.resubmit_all(sweep, chunk, &[]).await?;
+            BatchStep::Resubmit { .. } => {
+                // Refused whole for the model's enqueued tokens: not an attempt of its items.
+                let now = self.clock.now_ms();
+                let refused = memory.refusals.entry(sweep.sweep_id.clone()).or_default().refused(
+                    chunk.job_ids.len(),
+                    now,
+                    self.settings.poll,
+                );
+                let before = memory.believed.or(self.settings.enqueued_tokens);
+                memory.believed = batch::believed_budget(before, memory.held, chunk.tokens);
+                tracing::warn!(
+                    items = chunk.job_ids.len(),
+                    believed_budget = memory.believed,
+                    "provider batch refused for the model's enqueued tokens; its items go again, in a smaller batch"
+                );
+                self.refused_whole(sweep, chunk, refused).await?;
                 self.ended(chunk, revision).await?;
                 Ok(true)
             }
