@@ -425,3 +425,34 @@ async fn an_item_over_one_calls_budget_runs_on_the_batch_lane_in_parts_and_the_r
     assert!(settled(&stack, &id).await, "settled once the item on the lane is final");
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_refused_for_enqueued_tokens_are_cut_from_their_own_size_and_end_saying_so() {
+    // The account refuses every batch for its enqueued tokens (`token_limit_exceeded`,
+    // after a 200 to the create). Each refused batch is followed by one half its size,
+    // down to one item; no refusal spends an item's resubmissions; a batch of one refused
+    // again and again waits longer each time and its item ends `batch_token_limit`.
+    let stack = Stack::start().await;
+    stack
+        .us
+        .provider
+        .script_batches(BatchScript { fail_with: Some("token_limit_exceeded".into()), ..Default::default() });
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "token-limit", SweepMode::ProviderBatch, 4).await;
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(90)).await;
+    assert_eq!(count(&done, SweepItemState::Failed), 4, "{done:?}");
+    assert_eq!(failed(&done).get(&(proto::TerminalReason::BatchTokenLimit as i32)), Some(&4), "{:?}", failed(&done));
+    let stats = stack.us.provider.batch_stats();
+    // 4, then 2 + 2, then each alone until it ends: 1 + 2 + 4 × (ALONE_REFUSALS_MAX
+    // + 1) batches at most, fewer when alone refusals of the sweep run together.
+    assert!(stats.batches_created >= 3 + 7, "{stats:?}");
+    assert!(stats.paid_lines.is_empty(), "nothing ran");
+    let mut items = Vec::new();
+    let jobs = item_jobs(&mut client, US_KEY, &sweep.sweep_id).await;
+    for (job, _, _) in jobs.values() {
+        items.push(review_of(&mut client, US_KEY, job.clone()).await);
+    }
+    for r in &items {
+        assert_eq!(r.terminal_reason, "batch_token_limit", "{r:?}");
+    }
+}

@@ -230,6 +230,10 @@ impl Coordinator {
             let cut = self.cut(sweep, &chunks, &held, memory).await?;
             for (mut chunk, mut revision) in cut {
                 self.advance(sweep, &mut chunk, &mut revision, known, memory).await?;
+                if chunk.step == ChunkStep::Applied {
+                    // Ended as soon as it was sent (refused at once): what it held is cut again.
+                    memory.to_cut.insert(sweep.sweep_id.clone());
+                }
                 chunks.push((chunk, revision));
             }
         }
@@ -559,7 +563,8 @@ impl Coordinator {
                     self.settings.poll,
                 );
                 let before = memory.believed.or(self.settings.enqueued_tokens);
-                memory.believed = batch::believed_budget(before, memory.held, chunk.tokens);
+                // What the round started with, or at least this batch (cut in this round).
+                memory.believed = batch::believed_budget(before, memory.held.max(chunk.tokens), chunk.tokens);
                 tracing::warn!(
                     items = chunk.job_ids.len(),
                     believed_budget = memory.believed,
