@@ -106,6 +106,22 @@ pub enum Command {
     Completions { shell: clap_complete::Shell },
 }
 
+impl Command {
+    /// How long the whole command may wait, when it waits (`--wait` with `--wait-timeout`,
+    /// `watch`, `batch watch`): every request it makes ends by then.
+    pub fn wait_timeout(&self) -> Option<std::time::Duration> {
+        let secs = match self {
+            Command::Submit(a) if a.wait => a.waiting.wait_timeout,
+            Command::Sweep(a) if a.wait => a.waiting.wait_timeout,
+            Command::Watch { wait, .. } => wait.wait_timeout,
+            Command::Dlq(DlqCommand::Replay { wait: true, waiting, .. }) => waiting.wait_timeout,
+            Command::Batch(BatchCommand::Watch { wait_timeout, .. }) => *wait_timeout,
+            _ => return None,
+        };
+        Some(std::time::Duration::from_secs(secs))
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct SweepArgs {
     /// The revision whose files are reviewed (each as a diff adding the whole file)

@@ -24,6 +24,11 @@ pub const USAGE: u8 = 64;
 #[error("no answer within {} s (--request-timeout)", .0.as_secs_f64())]
 pub struct NoAnswer(pub std::time::Duration);
 
+/// The command's wait (`--wait-timeout`) ran out before a request was answered.
+#[derive(Debug, thiserror::Error)]
+#[error("no answer within the {} s the command waits (--wait-timeout)", .0.as_secs_f64())]
+pub struct WaitRanOut(pub std::time::Duration);
+
 /// The code for a review as it stands after waiting (`fail_on`: the lowest severity
 /// that fails).
 pub fn for_review(review: &proto::Review, fail_on: Option<&str>) -> u8 {

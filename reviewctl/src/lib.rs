@@ -69,7 +69,7 @@ where
             eprintln!("reviewctl: {}", describe(&s));
             exit::for_status(&s)
         }
-        Err(Failure::Other(e)) if e.is::<exit::NoAnswer>() => {
+        Err(Failure::Other(e)) if e.is::<exit::NoAnswer>() || e.is::<exit::WaitRanOut>() => {
             eprintln!("reviewctl: {e:#}");
             exit::DEADLINE
         }
@@ -108,8 +108,31 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
         None => Default::default(),
     };
     let settings = settings::resolve(&cli.conn, &file)?;
-    let mut client = connect(&settings).await?;
-    let key = &Auth { key: settings.api_key.clone(), timeout: settings.request_timeout };
+    // A command that waits ends when its wait does, whatever it is doing then.
+    let wait = cli.command.wait_timeout();
+    let key = &Auth {
+        key: settings.api_key.clone(),
+        timeout: settings.request_timeout,
+        wait: wait.map(|w| (tokio::time::Instant::now() + w, w)),
+    };
+    let outcome = commands(cli, &settings, key).await;
+    match (outcome, key.wait) {
+        // A request the wait's end cut short: the wait ran out.
+        (Err(Failure::Status(s)), Some((end, w)))
+            if matches!(s.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded)
+                && tokio::time::Instant::now() >= end =>
+        {
+            Err(Failure::Other(exit::WaitRanOut(w).into()))
+        }
+        (Err(Failure::Other(e)), Some((end, w))) if e.is::<exit::NoAnswer>() && tokio::time::Instant::now() >= end => {
+            Err(Failure::Other(exit::WaitRanOut(w).into()))
+        }
+        (outcome, _) => outcome,
+    }
+}
+
+async fn commands(cli: Cli, settings: &Settings, key: &Auth) -> Result<u8, Failure> {
+    let mut client = connect(settings, key).await?;
     match cli.command {
         Command::Submit(args) => submit(&mut client, key, args).await,
         Command::Get { job_id, format } => {
@@ -147,7 +170,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
     }
 }
 
-async fn connect(s: &Settings) -> anyhow::Result<Client> {
+async fn connect(s: &Settings, auth: &Auth) -> anyhow::Result<Client> {
     let mut endpoint = Channel::from_shared(s.endpoint.clone()).context("the endpoint is not a URI")?;
     if s.endpoint.starts_with("https://") {
         let mut tls = ClientTlsConfig::new().with_webpki_roots();
@@ -159,25 +182,50 @@ async fn connect(s: &Settings) -> anyhow::Result<Client> {
     }
     // The connection's handshake is bounded too: an endpoint that takes the TCP
     // connection and never answers ends the command.
-    let endpoint = endpoint.connect_timeout(s.request_timeout.min(Duration::from_secs(10)));
-    let channel = tokio::time::timeout(s.request_timeout, endpoint.connect())
+    let limit = auth.request_timeout();
+    let endpoint = endpoint.connect_timeout(limit.min(Duration::from_secs(10)));
+    let channel = tokio::time::timeout(limit, endpoint.connect())
         .await
         .map_err(|_| exit::NoAnswer(s.request_timeout))?
         .with_context(|| format!("connecting to {s}"))?;
     Ok(ReviewServiceClient::new(channel).max_decoding_message_size(64 * 1024 * 1024))
 }
 
-/// Who calls, and how long one answer may take.
+/// Who calls, how long one answer may take, and when a waiting command's wait ends
+/// (and how long it was).
 struct Auth {
     key: String,
     timeout: Duration,
+    wait: Option<(tokio::time::Instant, Duration)>,
+}
+
+impl Auth {
+    /// How long the next request may take: its own timeout, or what is left of the
+    /// command's wait when that is less.
+    fn request_timeout(&self) -> Duration {
+        bounded(self.timeout, self.wait.map(|(end, _)| end), tokio::time::Instant::now())
+    }
+
+    /// When a wait that lasts `secs` from `now` ends: the command's end when it comes
+    /// first.
+    fn wait_end(&self, secs: u64) -> tokio::time::Instant {
+        let own = tokio::time::Instant::now() + Duration::from_secs(secs);
+        self.wait.map_or(own, |(end, _)| end.min(own))
+    }
+}
+
+/// A request's timeout: `request`, or the time left until `end` when that is less (at
+/// least a millisecond, so that a request made at the end fails at once, not never).
+fn bounded(request: Duration, end: Option<tokio::time::Instant>, now: tokio::time::Instant) -> Duration {
+    let left = end.map_or(request, |end| end.saturating_duration_since(now));
+    request.min(left).max(Duration::from_millis(1))
 }
 
 /// A unary request: with the key, and a deadline the client keeps and the service is
 /// told of (`grpc-timeout`), so no call waits for ever on a service that never answers.
 fn authed<T>(auth: &Auth, msg: T) -> tonic::Request<T> {
     let mut req = watching(auth, msg);
-    req.set_timeout(auth.timeout);
+    req.set_timeout(auth.request_timeout());
     req
 }
 
@@ -426,7 +474,7 @@ async fn wait_and_report(client: &mut Client, key: &Auth, job_id: &str, wait: &W
         }
         last_line = line;
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(wait.wait_timeout);
+    let deadline = key.wait_end(wait.wait_timeout);
     let mut last = get(client, key, job_id).await?;
     show(&last);
     let open = |mut c: Client| -> Opening<proto::WatchReviewResponse> {
@@ -498,6 +546,16 @@ async fn follow_stream<M, T>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_under_a_wait_gets_the_smaller_of_its_timeout_and_what_is_left() {
+        let now = tokio::time::Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(bounded(s(30), None, now), s(30), "no wait: the request's own");
+        assert_eq!(bounded(s(30), Some(now + s(5)), now), s(5), "5 s left of the wait");
+        assert_eq!(bounded(s(2), Some(now + s(5)), now), s(2), "the request's own is less");
+        assert_eq!(bounded(s(30), Some(now), now + s(1)), Duration::from_millis(1), "the wait is over");
+    }
 
     #[test]
     fn the_derived_key_follows_the_diff_and_the_options() {

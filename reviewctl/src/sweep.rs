@@ -6,7 +6,6 @@
 //! findings written as one report (one SARIF run for the whole sweep).
 
 use std::io::IsTerminal;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use reviewlane_api::proto::{self, SweepItemState};
@@ -232,7 +231,7 @@ pub(crate) async fn sweep(client: &mut Client, key: &Auth, args: SweepArgs) -> R
 /// opened again when the server ends it), showing its progress on stderr: a bar on a
 /// terminal, a line per change otherwise.
 async fn follow(client: &mut Client, key: &Auth, id: &str, wait_timeout: u64) -> Result<proto::Sweep, Failure> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(wait_timeout);
+    let deadline = key.wait_end(wait_timeout);
     let mut last = get_sweep(client, key, id).await?;
     let bar = std::io::stderr().is_terminal().then(|| {
         let bar = indicatif::ProgressBar::new(last.items_total);

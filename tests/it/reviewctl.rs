@@ -282,6 +282,21 @@ async fn every_request_has_a_deadline_against_a_service_that_never_answers() {
         assert!(out.stderr.contains("--request-timeout"), "{args:?}: {}", out.stderr);
         assert!(started.elapsed() < Duration::from_secs(20), "{args:?} took {:?}", started.elapsed());
     }
+    // A command that waits ends when its wait does: every request it makes gets the
+    // smaller of the request timeout (30 s by default) and what is left of the wait.
+    for args in [
+        &["submit", "--wait", "--wait-timeout", "2"][..],
+        &["watch", "us_00000000000000000000000000000000", "--wait-timeout", "2"][..],
+        &["batch", "watch", "us_00000000000000000000000000000000", "--wait-timeout", "2"][..],
+    ] {
+        let started = std::time::Instant::now();
+        let out = run_at(&endpoint, US_KEY, args, Some(&diff), None).await;
+        let took = started.elapsed();
+        assert_eq!(out.code, 4, "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains("--wait-timeout"), "{args:?}: {}", out.stderr);
+        assert!(took >= Duration::from_secs(2), "{args:?} ended after {took:?}, before its wait");
+        assert!(took < Duration::from_secs(10), "{args:?} took {took:?}: past its 2 s wait");
+    }
     silent.abort();
 }
 
