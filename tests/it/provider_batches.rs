@@ -456,3 +456,27 @@ async fn batches_refused_for_enqueued_tokens_are_cut_from_their_own_size_and_end
         assert_eq!(r.terminal_reason, "batch_token_limit", "{r:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_on_a_batch_endpoint_pauses_the_keys_batch_calls_for_its_hint() {
+    // The upload is answered 429 with `retry-after: 1`: the next batch request waits the
+    // hint out (the key's pause, shared by the fleet), not the next coordinator round.
+    let stack = Stack::start().await;
+    stack.us.provider.script_batches(BatchScript { throttle_requests: 1, ..Default::default() });
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "throttled-upload", SweepMode::ProviderBatch, 2).await;
+    let throttled = poll_until(Duration::from_secs(20), || async {
+        (stack.us.provider.batch_stats().throttled == 1).then(std::time::Instant::now)
+    })
+    .await
+    .expect("the upload was answered 429");
+    let uploaded = poll_until(Duration::from_secs(20), || async {
+        (stack.us.provider.batch_stats().files_uploaded == 1).then(std::time::Instant::now)
+    })
+    .await
+    .expect("uploaded after the pause");
+    let waited = uploaded - throttled;
+    assert!(waited >= Duration::from_millis(900), "uploaded again {waited:?} after a 429 saying 1 s");
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(60)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 2, "{done:?}");
+}

@@ -137,6 +137,7 @@ pub async fn build_with_provider(
         js: conn.layout.js.clone(),
         faults: config.faults.clone(),
         metrics: metrics.clone(),
+        quota: quota.clone(),
     });
     let worker = Arc::new(Worker {
         region: config.region,

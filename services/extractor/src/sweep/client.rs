@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use reviewlane_core::batch::{BatchLimits, BatchStatus, ChunkRecord, LineResult};
+use reviewlane_core::batch::{self, BatchLimits, BatchStatus, ChunkRecord, LineResult};
 
 use crate::batch::BatchApiError;
 use crate::batch::anthropic::{AnthropicBatches, MessageBatch};
@@ -23,6 +23,17 @@ const FIND_PAGES: u32 = 5;
 pub enum BatchClient {
     OpenAi { batches: OpenAiBatches, adapter: Arc<OpenAiProvider> },
     Anthropic { batches: AnthropicBatches, adapter: Arc<AnthropicProvider> },
+}
+
+/// What looking for a batch a crash may have left unrecorded found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    /// This batch is the chunk's.
+    Ours(String),
+    /// A batch that may be the chunk's is still running: it cannot be told yet.
+    Unproven,
+    /// None: the chunk's batch was never created.
+    None,
 }
 
 /// A batch as polled, in both providers' terms.
@@ -104,34 +115,52 @@ impl BatchClient {
         }
     }
 
-    /// A batch the chunk may have created before a crash kept its id. OpenAI: the one
-    /// whose metadata names the chunk. Anthropic (no metadata): one listed before the
-    /// newest at the intent, with as many requests as the chunk, that no known chunk
-    /// names (creates are one at a time, so at most one is unrecorded).
-    pub async fn find(&self, chunk: &ChunkRecord, known: &HashSet<String>) -> Result<Option<String>, BatchApiError> {
+    /// A batch the chunk may have created before a crash kept its id, adopted only on
+    /// proof that it is the chunk's. OpenAI: the one whose metadata names the chunk.
+    /// Anthropic (no metadata): among the batches listed before the newest at the intent,
+    /// with as many requests as the chunk, that no known chunk names, the one whose
+    /// results — once it has ended — carry exactly the chunk's custom ids (its items' job
+    /// ids, which no other application uses). A candidate still running cannot be told
+    /// yet: `Found::Unproven`, and the chunk waits (no second create) until it ends. A
+    /// batch not proven the chunk's is never applied or cancelled.
+    pub async fn find(&self, chunk: &ChunkRecord, known: &HashSet<String>) -> Result<Found, BatchApiError> {
         match self {
-            BatchClient::OpenAi { batches, .. } => {
-                Ok(batches.find(CHUNK_KEY, &chunk.chunk_id, FIND_PAGES).await?.map(|b| b.id))
-            }
+            BatchClient::OpenAi { batches, .. } => Ok(batches
+                .find(CHUNK_KEY, &chunk.chunk_id, FIND_PAGES)
+                .await?
+                .map_or(Found::None, |b| Found::Ours(b.id))),
             BatchClient::Anthropic { batches, .. } => {
+                let mut candidates = Vec::new();
                 let mut after: Option<String> = None;
-                for _ in 0..FIND_PAGES {
+                'pages: for _ in 0..FIND_PAGES {
                     let (page, more) = batches.list(after.as_deref(), 100).await?;
                     for b in &page {
                         if Some(&b.id) == chunk.newest_before.as_ref() {
-                            return Ok(None);
+                            break 'pages;
                         }
                         let requests = b.processing + b.succeeded + b.errored + b.canceled + b.expired;
                         if !known.contains(&b.id) && requests == chunk.job_ids.len() as u64 {
-                            return Ok(Some(b.id.clone()));
+                            candidates.push(b.clone());
                         }
                     }
                     match page.last() {
                         Some(last) if more => after = Some(last.id.clone()),
-                        _ => return Ok(None),
+                        _ => break,
                     }
                 }
-                Ok(None)
+                let mine: HashSet<&str> = chunk.job_ids.iter().map(String::as_str).collect();
+                let mut unproven = false;
+                for b in candidates {
+                    if batch::step(&b.status) == batch::BatchStep::Poll {
+                        unproven = true;
+                        continue;
+                    }
+                    let ids: HashSet<String> = batches.lines(&b).await?.into_iter().map(|(id, _)| id).collect();
+                    if ids.len() == mine.len() && ids.iter().all(|id| mine.contains(id.as_str())) {
+                        return Ok(Found::Ours(b.id));
+                    }
+                }
+                Ok(if unproven { Found::Unproven } else { Found::None })
             }
         }
     }

@@ -75,6 +75,10 @@ pub struct Coordinator {
     pub js: async_nats::jetstream::Context,
     pub faults: reviewlane_shared::faults::Faults,
     pub metrics: crate::metrics::Metrics,
+    /// The provider key's shared quota: a 429 on any batch endpoint pauses the key's
+    /// calls for its hint, for the fleet, as a lane call's does; no batch call is made
+    /// while it is paused.
+    pub quota: crate::quota::Quota,
 }
 
 /// What the leader remembers between rounds (all of it can be rebuilt from the store).
@@ -154,8 +158,18 @@ impl Coordinator {
                     }
                 }
             }
-            if let Err(e) = self.round(&mut memory, &stop).await {
-                tracing::warn!(error = %e, "a coordinator round stopped; the next one goes on from the store");
+            if self.quota.paused_for().is_some() {
+                // A 429 (here or on a lane) paused the key: no batch call until it ends.
+                continue;
+            }
+            match self.round(&mut memory, &stop).await {
+                Err(RoundError::Api(BatchApiError::RateLimited { retry_after })) => {
+                    self.rate_limited(retry_after).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "a coordinator round stopped; the next one goes on from the store")
+                }
+                Ok(()) => {}
             }
         }
         let _ = self.sweeps.resign(&self.owner).await;
@@ -405,6 +419,16 @@ impl Coordinator {
         }
     }
 
+    /// A batch endpoint answered 429: the key pauses for its hint (the poll backoff's
+    /// first step without one), for every replica.
+    async fn rate_limited(&self, retry_after: Option<Duration>) {
+        let pause = retry_after.unwrap_or(self.settings.poll.first);
+        tracing::info!(pause_ms = pause.as_millis() as u64, "a batch endpoint answered 429: the key pauses");
+        if let Err(e) = self.quota.pause(pause).await {
+            tracing::warn!(error = %e, "recording the key's pause failed");
+        }
+    }
+
     /// Renews the lead before a step that must happen under it (anything sent to create
     /// a batch): a round that outlived its lead stops.
     async fn still_leading(&self) -> Result<(), RoundError> {
@@ -444,12 +468,32 @@ impl Coordinator {
                         memory.fresh.insert(chunk.chunk_id.clone());
                     }
                     ChunkStep::Intent | ChunkStep::Uploaded if !fresh => {
-                        // A batch may exist for it: look before creating one.
-                        memory.fresh.insert(chunk.chunk_id.clone());
-                        if let Some(found) = self.client.find(chunk, known).await? {
-                            tracing::info!("found the batch created before its id was recorded");
-                            self.created(chunk, found);
-                            self.write(chunk, revision).await?;
+                        // A batch may exist for it: look before creating one (while one
+                        // that may be its own runs, at the poll backoff's pace).
+                        let now = tokio::time::Instant::now();
+                        let (looks, due) = memory.polls.get(&chunk.chunk_id).copied().unwrap_or((0, now));
+                        if now < due {
+                            return Ok(());
+                        }
+                        match self.client.find(chunk, known).await? {
+                            client::Found::Ours(found) => {
+                                memory.fresh.insert(chunk.chunk_id.clone());
+                                memory.polls.remove(&chunk.chunk_id);
+                                tracing::info!("found the batch created before its id was recorded");
+                                self.created(chunk, found);
+                                self.write(chunk, revision).await?;
+                            }
+                            client::Found::Unproven => {
+                                // Looked at again later; never created a second time meanwhile.
+                                tracing::info!("a batch that may be this chunk's is still running: waiting for proof");
+                                let wait = self.settings.poll.delay(looks, None);
+                                memory.polls.insert(chunk.chunk_id.clone(), (looks + 1, now + wait));
+                                return Ok(());
+                            }
+                            client::Found::None => {
+                                memory.fresh.insert(chunk.chunk_id.clone());
+                                memory.polls.remove(&chunk.chunk_id);
+                            }
                         }
                     }
                     ChunkStep::Intent => {
@@ -533,6 +577,7 @@ impl Coordinator {
             Err(BatchApiError::RateLimited { retry_after }) => {
                 let wait = self.settings.poll.delay(polls, retry_after);
                 memory.polls.insert(chunk.chunk_id.clone(), (polls + 1, now + wait));
+                self.rate_limited(retry_after).await;
                 return Ok(false);
             }
             Err(e) => return Err(e.into()),
