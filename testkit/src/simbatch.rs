@@ -78,6 +78,10 @@ impl Default for BatchScript {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LineFault {
     Status(u16),
+    /// An error that is no HTTP answer (OpenAI: a line of the error file with
+    /// `"response": null` and `error.code`, such as `request_timeout`; Anthropic: an
+    /// `errored` result whose error has this type).
+    Error(&'static str),
     Expired,
     /// Its line is not JSON: it names no item.
     Malformed,
@@ -361,6 +365,10 @@ impl Batches {
                 continue;
             }
             match fault {
+                Some(LineFault::Error(code)) => errors.push(json!({
+                    "id": req_id, "custom_id": custom_id, "response": null,
+                    "error": {"code": code, "message": "simulated"},
+                })),
                 Some(LineFault::Malformed) => output.push(Value::String("{\"custom_id\": \"cut off".into())),
                 Some(LineFault::Status(status)) => errors.push(json!({
                     "id": req_id, "custom_id": custom_id, "error": null,
@@ -521,6 +529,9 @@ impl Batches {
                     Some(LineFault::Malformed) => {
                         results.push(Value::String("{\"custom_id\": \"cut off".into()));
                         continue;
+                    }
+                    Some(LineFault::Error(kind)) => {
+                        json!({"type": "errored", "error": {"type": "error", "error": {"type": kind, "message": "simulated"}}})
                     }
                     Some(LineFault::Status(status)) => {
                         let kind = if status < 500 { "invalid_request_error" } else { "api_error" };

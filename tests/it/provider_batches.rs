@@ -480,3 +480,48 @@ async fn a_429_on_a_batch_endpoint_pauses_the_keys_batch_calls_for_its_hint() {
     let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(60)).await;
     assert_eq!(count(&done, SweepItemState::Published), 2, "{done:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_line_that_did_not_run_is_sent_again_and_a_refused_one_ends_by_its_error_kind() {
+    // OpenAI's error file: item 0's line timed out (`request_timeout`, no HTTP answer)
+    // in the first batch only; item 1's was refused (`invalid_request_error`); item 2's
+    // carries a code not known here, taken as not run (and counted), every time.
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "line-errors", SweepMode::ProviderBatch, 4).await;
+    let jobs = item_jobs(&mut client, US_KEY, &sweep.sweep_id).await;
+    let job = |i: usize| jobs[&format!("src/batch_{i}.rs")].0.clone();
+    let script = |first: bool| {
+        let mut lines = std::collections::HashMap::new();
+        if first {
+            lines.insert(job(0), LineFault::Error("request_timeout"));
+        }
+        lines.insert(job(1), LineFault::Error("invalid_request_error"));
+        lines.insert(job(2), LineFault::Error("quantum_flux"));
+        BatchScript { lines, ..Default::default() }
+    };
+    stack.us.provider.script_batches(script(true));
+    let first = poll_until(Duration::from_secs(30), || async {
+        (stack.us.provider.batch_stats().batches_created >= 1).then_some(())
+    })
+    .await;
+    assert!(first.is_some(), "a first batch");
+    // From the second batch on, item 0's line runs.
+    poll_until(Duration::from_secs(30), || async {
+        let s = stack.us.provider.batch_stats();
+        (!s.paid_lines.is_empty()).then_some(())
+    })
+    .await
+    .expect("the first batch ended");
+    stack.us.provider.script_batches(script(false));
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(60)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 2, "items 0 and 3: {done:?}");
+    let reasons = failed(&done);
+    assert_eq!(reasons.get(&(proto::TerminalReason::UpstreamRejected as i32)), Some(&1), "{reasons:?}");
+    assert_eq!(reasons.get(&(proto::TerminalReason::TransientBudgetExhausted as i32)), Some(&1), "{reasons:?}");
+    let stats = stack.us.provider.batch_stats();
+    assert_eq!(stats.paid_lines.get(&job(0)), Some(&1), "the timed-out line ran when sent again: {stats:?}");
+    let us = stack.extractor_admin.iter().find(|(r, _)| *r == reviewlane_core::region::Region::Us).unwrap().1;
+    let metrics = http_get(us, "/metrics").await;
+    assert!(metric_sum(&metrics, "reviewlane_batch_lines_unrecognised_total") >= 1.0, "the unknown code is counted");
+}
