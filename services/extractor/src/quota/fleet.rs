@@ -238,9 +238,17 @@ impl Quota {
         if !live.contains(&self.me) {
             live.push(self.me.clone());
         }
-        live.sort();
-        let others = live.len() - 1;
         let mut l = self.ledger();
+        // A replica drops out only when two reads in a row miss it: one read alone (its
+        // heartbeat written late, or a listing that missed its key while it was being
+        // written) would hand its share to the others while its calls still run.
+        let missing: std::collections::BTreeSet<String> =
+            l.live.iter().filter(|id| !live.contains(*id) && !l.missing.contains(*id)).cloned().collect();
+        live.extend(missing.iter().cloned());
+        live.sort();
+        live.dedup();
+        l.missing = missing;
+        let others = live.len() - 1;
         l.others_in_flight = others_in_flight;
         if l.live != live {
             tracing::info!(replicas = live.len(), was = l.live.len(), "live replicas on the key changed");

@@ -28,6 +28,8 @@ pub(super) struct Ledger {
     pub others_in_flight: u32,
     /// When the live replicas last changed.
     pub live_changed_ms: u64,
+    /// Replicas the last read of the heartbeats missed (kept live until a second miss).
+    pub missing: std::collections::BTreeSet<String>,
     /// Until this time the replica only heartbeats: the others must see it before it
     /// takes a share.
     pub warm_until_ms: u64,
@@ -61,6 +63,7 @@ impl Ledger {
             window,
             others_in_flight: 0,
             live_changed_ms: 0,
+            missing: Default::default(),
             warm_until_ms: 0,
             in_flight: HashMap::new(),
             waiting: HashMap::new(),
