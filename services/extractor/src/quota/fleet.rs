@@ -212,7 +212,7 @@ impl Quota {
         // again on top of it; a dead one's lease outlasts this anyway.
         let stale_after = 6 * self.heartbeat.as_millis() as u64;
         let now = self.now_ms();
-        let mut live = Vec::new();
+        let mut live: Vec<String> = Vec::new();
         let mut others_in_flight = 0;
         // A partial read would shrink the ranks and inflate this replica's share: any
         // error keeps the previous view instead.
@@ -239,14 +239,7 @@ impl Quota {
             live.push(self.me.clone());
         }
         let mut l = self.ledger();
-        // A replica drops out only when two reads in a row miss it: one read alone (its
-        // heartbeat written late, or a listing that missed its key while it was being
-        // written) would hand its share to the others while its calls still run.
-        let missing: std::collections::BTreeSet<String> =
-            l.live.iter().filter(|id| !live.contains(*id) && !l.missing.contains(*id)).cloned().collect();
-        live.extend(missing.iter().cloned());
-        live.sort();
-        live.dedup();
+        let (live, missing) = super::share::ranks(&l.live, &l.missing, live);
         l.missing = missing;
         let others = live.len() - 1;
         l.others_in_flight = others_in_flight;

@@ -22,6 +22,25 @@ pub fn fair_share(allowance: u32, weight: u32, active_weight: u32, cap: Option<u
     cap.map_or(fair, |c| fair.min(c))
 }
 
+/// The live replicas after a read of the heartbeats that found `fresh` live, given the
+/// ranks before (`live`) and those the read before missed (`missing`): sorted ranks, and
+/// the replicas this read missed for the first time. A replica drops out only when two
+/// reads in a row miss it: one read alone (its heartbeat written late, or a listing that
+/// missed its key while it was written) would hand its share to the others while its
+/// calls still run.
+pub fn ranks(
+    live: &[String],
+    missing: &std::collections::BTreeSet<String>,
+    mut fresh: Vec<String>,
+) -> (Vec<String>, std::collections::BTreeSet<String>) {
+    let first_miss: std::collections::BTreeSet<String> =
+        live.iter().filter(|id| !fresh.contains(*id) && !missing.contains(*id)).cloned().collect();
+    fresh.extend(first_miss.iter().cloned());
+    fresh.sort();
+    fresh.dedup();
+    (fresh, first_miss)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,6 +63,25 @@ mod tests {
         assert_eq!(share(8, &ids(1), "r0"), 8);
         // Not (yet) among the live: no share.
         assert_eq!(share(8, &live, "zz"), 0);
+    }
+
+    #[test]
+    fn a_replica_drops_out_of_the_ranks_only_when_two_reads_in_a_row_miss_it() {
+        let live = ids(3);
+        // Missed once: still ranked, and remembered as missed.
+        let (ranks_1, missing_1) = ranks(&live, &Default::default(), vec!["r0".into(), "r2".into()]);
+        assert_eq!(ranks_1, ids(3));
+        assert_eq!(missing_1.iter().collect::<Vec<_>>(), ["r1"]);
+        // Back in the next read: nothing changes.
+        let (ranks_2, missing_2) = ranks(&ranks_1, &missing_1, ids(3));
+        assert_eq!((ranks_2, missing_2.len()), (ids(3), 0));
+        // Missed twice in a row (killed): it drops out.
+        let (ranks_3, missing_3) = ranks(&ranks_1, &missing_1, vec!["r2".into(), "r0".into()]);
+        assert_eq!(ranks_3, vec!["r0".to_string(), "r2".to_string()]);
+        assert!(missing_3.is_empty());
+        // A new replica joins at once.
+        let (ranks_4, _) = ranks(&ranks_3, &missing_3, vec!["r0".into(), "r2".into(), "r3".into()]);
+        assert_eq!(ranks_4, ["r0", "r2", "r3"]);
     }
 
     #[test]
