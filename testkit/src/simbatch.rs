@@ -11,6 +11,13 @@
 //! made by another application (`BatchScript::foreign_batches`) moves one step on every
 //! request to the batch endpoints instead, since nobody of ours polls it.
 //!
+//! What a test can script (`BatchScript`): a line's HTTP status, non-HTTP error, expiry
+//! or cut-off; a whole batch failed, expired or over the enqueued-token limit; 429s per
+//! kind of endpoint with their hints; a create held in its crash window; another
+//! application's batch. `BatchStats` says what the client did: uploads, creates, paid
+//! lines, each 429 and how long the client waited after it, each batch's tokens, and
+//! which batches it read, read results of and cancelled.
+//!
 //! OpenAI, and where each rule comes from (API reference "Batch" and "Files", the "Batch
 //! API" guide and FAQ, and the OpenAPI types as generated into openai-python):
 //! - `POST /v1/files` (multipart, purpose `batch`), `GET /v1/files/{id}/content`;
@@ -69,15 +76,16 @@
 //! - How OpenAI counts a request's enqueued tokens. Here: its `body`'s bytes / 4
 //!   (`request_tokens`; OpenAI's rule of thumb is about four characters a token, and
 //!   `simmeter` counts a synchronous call alike), prompt only, no `max_tokens`. A batch
-//!   is measured at the end of its validation against the batches of the account
-//!   already admitted (`in_progress`, `finalizing`); the limit is the organisation's,
-//!   for every model at once.
+//!   is measured at the end of its validation against the account's batches of the
+//!   same model already admitted (`in_progress`, `finalizing`): one limit, applied to
+//!   each model apart, its first line's `model` naming a batch's.
 //! - The message of a 429 from the batch endpoints, and whether they send
 //!   `retry-after-ms` (tests script either hint, or none).
 //! - Whether `request_counts.total` is known while validating (here it is), and whether
 //!   a line answered an HTTP error sits in the error file (here it does).
 //! - OpenAI's `cancelling` lasts "up to 10 minutes"; here a cancel ends the batch at once
 //!   (`cancelled`), keeping what ran.
+//! - The `message` of a non-HTTP line error: here the reference's words for its code.
 //!
 //! Not simulated: Anthropic's limit on requests waiting in the queue, results kept 29
 //! days, file expiry, the `/v1/responses` endpoint.
@@ -110,9 +118,9 @@ pub struct BatchScript {
     /// its caller there): before the batch exists (it is then never created), or after
     /// it is created and before the answer.
     pub hold_create: Option<HoldCreate>,
-    /// OpenAI: the organisation's limit on enqueued prompt tokens. A batch whose tokens
-    /// and those of the account's batches in progress exceed it is accepted, then fails
-    /// its validation with `token_limit_exceeded`.
+    /// OpenAI: the organisation's limit on enqueued prompt tokens per model. A batch
+    /// whose tokens and those of the account's batches of its model in progress exceed
+    /// it is accepted, then fails its validation with `token_limit_exceeded`.
     pub enqueued_token_limit: Option<u64>,
     /// 429s on given kinds of endpoint, with their hints (after `throttle_requests`).
     pub throttles: Vec<Throttle>,
@@ -299,6 +307,13 @@ struct Batch {
     output_file_id: Option<String>,
     error_file_id: String,
     errors: Option<Value>,
+}
+
+impl Batch {
+    /// The model its requests name (its first line's); the limit is per model.
+    fn model(&self) -> &str {
+        self.lines.first().and_then(|l| l["body"]["model"].as_str()).unwrap_or("unknown")
+    }
 }
 
 /// OpenAI statuses whose batch holds its enqueued tokens (admitted, not ended).
@@ -679,8 +694,13 @@ impl Batches {
     fn advance(&mut self, id: &str, answer: &dyn Fn(&Value) -> String) {
         let script = self.script.clone();
         let polls = script.progress_polls.max(1);
-        let admitted: u64 =
-            self.batches.values().filter(|o| o.id != id && ADMITTED.contains(&o.status)).map(|o| o.tokens).sum();
+        let model = self.batches[id].model().to_string();
+        let admitted: u64 = self
+            .batches
+            .values()
+            .filter(|o| o.id != id && ADMITTED.contains(&o.status) && o.model() == model)
+            .map(|o| o.tokens)
+            .sum();
         let b = self.batches.get_mut(id).expect("checked");
         b.reads += 1;
         let end = match b.status {
@@ -688,8 +708,7 @@ impl Batches {
                 let refused = match (&script.fail_with, script.enqueued_token_limit) {
                     (Some(code), _) => Some((code.clone(), "simulated".to_string())),
                     (None, Some(limit)) if admitted + b.tokens > limit => {
-                        let model = b.lines.first().and_then(|l| l["body"]["model"].as_str()).unwrap_or("unknown");
-                        Some(("token_limit_exceeded".into(), token_limit_message(model, limit)))
+                        Some(("token_limit_exceeded".into(), token_limit_message(&model, limit)))
                     }
                     _ => None,
                 };
@@ -1192,8 +1211,17 @@ mod tests {
         let d_id = d.body["id"].as_str().unwrap().to_string();
         assert_eq!(api.get(&format!("/v1/batches/{d_id}")).await.body["status"], "in_progress");
 
+        // The limit holds for each model apart: three lines of another fit beside them.
+        let mut other = chat_lines("e", 3);
+        other.iter_mut().for_each(|l| l["body"]["model"] = json!("sim-other"));
+        assert_eq!(request_tokens(&other[0]["body"]), line, "a name as long");
+        let e = api.openai_batch(&other).await;
+        let e_id = e.body["id"].as_str().unwrap().to_string();
+        assert_eq!(api.get(&format!("/v1/batches/{e_id}")).await.body["status"], "in_progress");
+
         let enqueued = sim.batch_stats().enqueued_tokens;
-        let want: BTreeMap<String, u64> = [(a_id, 2 * line), (b_id, 2 * line), (c_id, line), (d_id, 2 * line)].into();
+        let want: BTreeMap<String, u64> =
+            [(a_id, 2 * line), (b_id, 2 * line), (c_id, line), (d_id, 2 * line), (e_id, 3 * line)].into();
         assert_eq!(enqueued, want);
         // Prompt bytes / 4: the 512 `max_tokens` are not counted.
         assert!(line < 100, "{line}");
