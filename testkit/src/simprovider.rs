@@ -210,6 +210,11 @@ impl SimProvider {
         self.state.batches.lock().expect("batches lock").script = script;
     }
 
+    /// The clock the batch stats' 429 times are read from (the system's by default).
+    pub fn set_batch_clock(&self, clock: reviewlane_core::clock::SharedClock) {
+        self.state.batches.lock().expect("batches lock").clock = Some(clock);
+    }
+
     /// Lets a held batch create go on (`BatchScript::hold_create`).
     pub fn release_batches(&self) {
         self.state.batch_gate.notify_waiters();
@@ -508,7 +513,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
 
 /// The batch endpoints (`simbatch`): OpenAI's Batch API (an upload is read before the
 /// files are locked) and Anthropic's Message Batches; each line is answered as the
-/// provider's synchronous endpoint would.
+/// provider's synchronous endpoint would. A scripted 429 comes before anything else.
 async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
@@ -516,6 +521,9 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
     let (content_type, host) = (header("content-type"), header("host"));
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    if let Some(throttled) = st.batches.lock().expect("batches lock").gate(method.as_str(), &path) {
+        return throttled;
+    }
     if method == hyper::Method::POST && path == "/v1/files" {
         let upload = crate::simbatch::parse_upload(&content_type, body).await;
         return st.batches.lock().expect("batches lock").upload(upload);
@@ -530,12 +538,23 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
         model_output(st, request, anthropic, prompt)
     };
     let create = method == hyper::Method::POST && (path == "/v1/batches" || path == "/v1/messages/batches");
-    let hold = if create { st.batches.lock().expect("batches lock").script.hold_create.take() } else { None };
-    if hold.is_some() {
-        st.batches.lock().expect("batches lock").stats.creates_held += 1;
-    }
+    let released = st.batch_gate.notified();
+    tokio::pin!(released);
+    let hold = match create {
+        true => {
+            let mut batches = st.batches.lock().expect("batches lock");
+            let hold = batches.script.hold_create.take();
+            if hold.is_some() {
+                // Waiting before the hold shows: a release cannot come too early.
+                released.as_mut().enable();
+                batches.stats.creates_held += 1;
+            }
+            hold
+        }
+        false => None,
+    };
     if hold == Some(crate::simbatch::HoldCreate::Before) {
-        st.batch_gate.notified().await;
+        released.await;
         let mut r = Response::new(Full::new(Bytes::from_static(b"{}")));
         *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
         return r;
@@ -550,7 +569,7 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
         }
     };
     if hold == Some(crate::simbatch::HoldCreate::After) {
-        st.batch_gate.notified().await;
+        released.await;
     }
     answered
 }

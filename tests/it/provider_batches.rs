@@ -494,10 +494,10 @@ async fn a_line_that_did_not_run_is_sent_again_and_a_refused_one_ends_by_its_err
     let script = |first: bool| {
         let mut lines = std::collections::HashMap::new();
         if first {
-            lines.insert(job(0), LineFault::Error("request_timeout"));
+            lines.insert(job(0), LineFault::Error { code: "request_timeout" });
         }
-        lines.insert(job(1), LineFault::Error("invalid_request_error"));
-        lines.insert(job(2), LineFault::Error("quantum_flux"));
+        lines.insert(job(1), LineFault::Error { code: "invalid_request_error" });
+        lines.insert(job(2), LineFault::Error { code: "quantum_flux" });
         BatchScript { lines, ..Default::default() }
     };
     stack.us.provider.script_batches(script(true));
