@@ -146,9 +146,9 @@ pub enum BatchStep {
     /// Done, wholly or partly: apply every result line, once each. An item with no line
     /// in the results is `LineResult::Missing`.
     Collect,
-    /// Nothing ran: every item goes back; `smaller`: the enqueued tokens were over the
-    /// limit, so later and in smaller batches.
-    Resubmit { smaller: bool },
+    /// Nothing ran: the model's enqueued tokens were over the limit (`token_limit_exceeded`);
+    /// every item goes back, for a smaller batch (`Refusals`).
+    TokenLimit,
     /// Nothing ran, and these input lines (1-based) were refused: their items end
     /// `upstream_rejected`, the others go back. No line named: every item ends so
     /// (the input as a whole was refused; sending it again would fail again).
@@ -162,7 +162,7 @@ pub fn step(status: &BatchStatus) -> BatchStep {
             BatchStep::Poll
         }
         BatchStatus::Ended | BatchStatus::Expired | BatchStatus::Cancelled => BatchStep::Collect,
-        BatchStatus::Failed(BatchFailure::TokenLimitExceeded) => BatchStep::Resubmit { smaller: true },
+        BatchStatus::Failed(BatchFailure::TokenLimitExceeded) => BatchStep::TokenLimit,
         BatchStatus::Failed(BatchFailure::InvalidInput { lines }) => BatchStep::Reject { lines: lines.clone() },
     }
 }
@@ -622,10 +622,7 @@ mod tests {
             assert_eq!(BatchStatus::openai(s, &[]).map(|s| step(&s)), Some(BatchStep::Collect), "{s}");
         }
         let token_limit = [("token_limit_exceeded".to_string(), None)];
-        assert_eq!(
-            BatchStatus::openai("failed", &token_limit).map(|s| step(&s)),
-            Some(BatchStep::Resubmit { smaller: true })
-        );
+        assert_eq!(BatchStatus::openai("failed", &token_limit).map(|s| step(&s)), Some(BatchStep::TokenLimit));
         let invalid = [("invalid_request".to_string(), Some(7)), ("invalid_request".to_string(), Some(2))];
         assert_eq!(
             BatchStatus::openai("failed", &invalid).map(|s| step(&s)),

@@ -4,7 +4,6 @@
 //! gateway's window starting with the run, so one window and a call is the floor.
 //! Reported: published, calls, 429s and their share, the last result against the floor.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use reviewlane_api::proto::JobState;
@@ -54,21 +53,11 @@ impl GatewayReport {
     }
 }
 
-/// The system's clock, shifted back so that a gateway window starts at the run's start.
-struct ShiftedBack(u64);
-
-impl reviewlane_core::clock::Clock for ShiftedBack {
-    fn now_ms(&self) -> u64 {
-        reviewlane_core::clock::now_ms() - self.0
-    }
-}
-
 pub async fn run(cfg: &GatewayRun) -> anyhow::Result<GatewayReport> {
-    let shift = reviewlane_core::clock::now_ms() % cfg.window.as_millis() as u64;
     let gateway = SimGateway::start(GatewayConfig {
         rpm: cfg.rpm,
         window: cfg.window,
-        clock: Arc::new(ShiftedBack(shift)),
+        clock: reviewlane_testkit::simgateway::clock_starting_a_window_now(cfg.window),
         deployment: SimConfig { latency: cfg.latency, ..Default::default() },
         ..Default::default()
     })

@@ -312,6 +312,18 @@ impl State {
     }
 }
 
+/// The system's clock shifted back so that a fixed window of `window` starts now (the
+/// gateway's windows start at multiples of it): one window and a call is then the floor.
+pub fn clock_starting_a_window_now(window: Duration) -> SharedClock {
+    struct Shifted(u64);
+    impl clock::Clock for Shifted {
+        fn now_ms(&self) -> u64 {
+            clock::now_ms() - self.0
+        }
+    }
+    Arc::new(Shifted(clock::now_ms() % window.as_millis().max(1) as u64))
+}
+
 /// A running simulated gateway and the deployment behind it; stops when dropped.
 pub struct SimGateway {
     addr: SocketAddr,

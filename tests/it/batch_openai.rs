@@ -178,7 +178,7 @@ async fn cancelled_expired_and_refused_batches_keep_what_ran_and_resubmit_the_re
     let (_, jsonl) = input(&sim, 2);
     let created = client.create(&client.upload("t.jsonl", jsonl).await.unwrap(), &none).await.unwrap();
     let (failed, _) = until_done(&client, &created.id).await;
-    assert_eq!(batch::step(&failed.status), BatchStep::Resubmit { smaller: true });
+    assert_eq!(batch::step(&failed.status), BatchStep::TokenLimit);
     assert!(client.lines(&failed).await.unwrap().is_empty());
 
     // A 429 on the batch endpoints comes with its hint.

@@ -554,15 +554,6 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
     assert_eq!(configured.budgets(), vec![(Dimension::Requests, 20)]);
 }
 
-/// The system's clock, shifted back so that a fixed window of `window` starts now.
-struct WindowStartsNow(u64);
-
-impl reviewlane_core::clock::Clock for WindowStartsNow {
-    fn now_ms(&self) -> u64 {
-        reviewlane_core::clock::now_ms() - self.0
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_a_gateway_with_fixed_windows_reviews_wait_for_the_next_window_not_for_429s() {
     use reviewlane_testkit::simgateway::{GatewayConfig, SimGateway};
@@ -571,11 +562,10 @@ async fn behind_a_gateway_with_fixed_windows_reviews_wait_for_the_next_window_no
     // ("No deployments available for selected model"). The window starts as the test
     // does, so one window and a call is the floor for 10 reviews.
     let window = Duration::from_secs(60);
-    let shift = reviewlane_core::clock::now_ms() % window.as_millis() as u64;
     let gateway = SimGateway::start(GatewayConfig {
         rpm: 6,
         window,
-        clock: std::sync::Arc::new(WindowStartsNow(shift)),
+        clock: reviewlane_testkit::simgateway::clock_starting_a_window_now(window),
         deployment: SimConfig { latency: Duration::from_millis(200), ..Default::default() },
         ..Default::default()
     })

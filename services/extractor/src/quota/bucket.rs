@@ -146,6 +146,8 @@ impl Bucket {
     ///
     /// A reading that gives the limit and what remains but no reset is a fixed window
     /// (see the module's header): from then on the bucket refills at the window's end.
+    /// The one reading that raises the level is one of a fixed window showing far more
+    /// left than the bucket holds: the window started again earlier than assumed.
     pub fn follow(&mut self, reading: &Reading, now_ms: u64) {
         self.settle_at(now_ms);
         let latest_end = now_ms + self.period_ms;

@@ -599,7 +599,7 @@ impl Coordinator {
                 memory.refusals.entry(sweep.sweep_id.clone()).or_default().ran();
                 Ok(true)
             }
-            BatchStep::Resubmit { .. } => {
+            BatchStep::TokenLimit => {
                 // Refused whole for the model's enqueued tokens: not an attempt of its items.
                 let now = self.clock.now_ms();
                 let refused = memory.refusals.entry(sweep.sweep_id.clone()).or_default().refused(
