@@ -9,7 +9,9 @@
 //! `ended`). Each line is answered as the synchronous endpoint would answer its body (the
 //! same findings), unless `BatchScript::lines` says otherwise for its custom id. A batch
 //! made by another application (`BatchScript::foreign_batches`) moves one step on every
-//! request to the batch endpoints instead, since nobody of ours polls it.
+//! request to the batch endpoints instead, since nobody of ours polls it; so does ours
+//! whose create was held after it was made (`HoldCreate::After`: its caller may have
+//! died without its id) until it is first read by id.
 //!
 //! What a test can script (`BatchScript`): a line's HTTP status, non-HTTP error, expiry
 //! or cut-off; a whole batch failed, expired or over the enqueued-token limit; 429s per
@@ -243,6 +245,8 @@ pub struct BatchStats {
     pub throttle_log: Vec<Throttled>,
     /// Batches made by another application (`BatchScript::foreign_batches`).
     pub foreign_batches: Vec<String>,
+    /// Request lines of each of our batches, in the order they were created.
+    pub batch_sizes: Vec<u64>,
     /// Per batch id: reads of the batch, reads of its results (OpenAI's output or error
     /// file, Anthropic's `results_url`), and cancels, by the client.
     pub reads_by_batch: BTreeMap<String, u64>,
@@ -273,6 +277,9 @@ pub(crate) struct Batches {
     pub(crate) stats: BatchStats,
     /// What `Throttled` times are read from; the system clock when unset.
     pub(crate) clock: Option<SharedClock>,
+    /// The next create's answer is held (`HoldCreate::After`): its batch moves on by
+    /// itself until it is first read by id.
+    pub(crate) unread_next: bool,
 }
 
 /// An Anthropic message batch: its requests inline, and its results once ended.
@@ -285,6 +292,8 @@ struct MessageBatch {
     cancel_initiated_at: Option<u64>,
     ended_at: Option<u64>,
     foreign: bool,
+    /// Ours, its create's answer held, not read by id since: nobody may poll it.
+    unread: bool,
     results: Option<Vec<Value>>,
 }
 
@@ -300,6 +309,8 @@ struct Batch {
     /// Enqueued prompt tokens (`request_tokens`).
     tokens: u64,
     foreign: bool,
+    /// Ours, its create's answer held, not read by id since: nobody may poll it.
+    unread: bool,
     /// Lines run so far.
     processed: usize,
     completed: usize,
@@ -578,6 +589,7 @@ impl Batches {
             ("GET", ["batches"]) => self.list(query),
             ("GET", ["batches", id]) if self.batches.contains_key(*id) => {
                 *self.stats.reads_by_batch.entry(id.to_string()).or_default() += 1;
+                self.batches.get_mut(*id).expect("checked").unread = false;
                 self.advance(id, answer);
                 respond(StatusCode::OK, self.object(id))
             }
@@ -619,7 +631,9 @@ impl Batches {
         self.stats.batches_created += 1;
         self.stats.lines_received += lines.len() as u64;
         self.note_running(1);
+        self.stats.batch_sizes.push(lines.len() as u64);
         let id = self.insert_batch(input, req["metadata"].clone(), lines.clone(), false);
+        self.batches.get_mut(&id).expect("inserted").unread = std::mem::take(&mut self.unread_next);
         if self.script.foreign_batches > 0 {
             self.script.foreign_batches -= 1;
             let theirs = foreign_requests(&lines, self.next);
@@ -645,6 +659,7 @@ impl Batches {
             lines,
             tokens,
             foreign,
+            unread: false,
             processed: 0,
             completed: 0,
             failed: 0,
@@ -681,9 +696,10 @@ impl Batches {
         respond(StatusCode::OK, self.object(id))
     }
 
-    /// Moves another application's running batches one step each.
+    /// Moves the running batches nobody of ours polls (another application's, ours
+    /// unread since a held create) one step each.
     fn advance_foreign(&mut self, answer: &dyn Fn(&Value) -> String) {
-        let running = |b: &&Batch| b.foreign && matches!(b.status, "validating" | "in_progress" | "finalizing");
+        let running = |b: &&Batch| (b.foreign || b.unread) && matches!(b.status, "validating" | "in_progress" | "finalizing");
         let ids: Vec<String> = self.batches.values().filter(running).map(|b| b.id.clone()).collect();
         for id in ids {
             self.advance(&id, answer);
@@ -833,6 +849,7 @@ impl Batches {
             ("GET", []) => self.list_messages(query, base),
             ("GET", [id]) if self.messages.contains_key(*id) => {
                 *self.stats.reads_by_batch.entry(id.to_string()).or_default() += 1;
+                self.messages.get_mut(*id).expect("checked").unread = false;
                 self.advance_messages(id, answer);
                 respond(StatusCode::OK, self.message_object(id, base))
             }
@@ -869,7 +886,9 @@ impl Batches {
         self.stats.batches_created += 1;
         self.stats.lines_received += requests.len() as u64;
         self.note_running(1);
+        self.stats.batch_sizes.push(requests.len() as u64);
         let id = self.insert_message_batch(requests.clone(), false);
+        self.messages.get_mut(&id).expect("inserted").unread = std::mem::take(&mut self.unread_next);
         if self.script.foreign_batches > 0 {
             self.script.foreign_batches -= 1;
             let theirs = foreign_requests(&requests, self.next);
@@ -890,6 +909,7 @@ impl Batches {
             cancel_initiated_at: None,
             ended_at: None,
             foreign,
+            unread: false,
             results: None,
         };
         self.messages.insert(id.clone(), batch);
@@ -909,10 +929,11 @@ impl Batches {
         respond(StatusCode::OK, json!({"data": data, "has_more": has_more, "first_id": first, "last_id": last}))
     }
 
-    /// Moves another application's message batches one step each.
+    /// Moves the message batches nobody of ours polls (another application's, ours
+    /// unread since a held create) one step each.
     fn advance_foreign_messages(&mut self, answer: &dyn Fn(&Value) -> String) {
         let ids: Vec<String> =
-            self.messages.values().filter(|b| b.foreign && b.status != "ended").map(|b| b.id.clone()).collect();
+            self.messages.values().filter(|b| (b.foreign || b.unread) && b.status != "ended").map(|b| b.id.clone()).collect();
         for id in ids {
             self.advance_messages(&id, answer);
         }

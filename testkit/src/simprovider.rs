@@ -548,6 +548,7 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
                 // Waiting before the hold shows: a release cannot come too early.
                 released.as_mut().enable();
                 batches.stats.creates_held += 1;
+                batches.unread_next = hold == Some(crate::simbatch::HoldCreate::After);
             }
             hold
         }

@@ -525,3 +525,175 @@ async fn a_line_that_did_not_run_is_sent_again_and_a_refused_one_ends_by_its_err
     let metrics = http_get(us, "/metrics").await;
     assert!(metric_sum(&metrics, "reviewlane_batch_lines_unrecognised_total") >= 1.0, "the unknown code is counted");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_over_the_accounts_enqueued_tokens_is_cut_in_halves_until_one_fits_and_every_item_runs_once() {
+    // The account admits about 3.5 items' worth of enqueued tokens, which nobody told
+    // reviewlane: 8 items are refused (`token_limit_exceeded`), then 4, then batches of
+    // 2 run. No refusal spends an item's resubmissions: all 8 run, each paid once.
+    use reviewlane_testkit::simbatch::HoldCreate;
+    let stack = Stack::start().await;
+    let provider = &stack.us.provider;
+    // The first create is held after its batch is made, to read its tokens before it is
+    // validated, and set the limit from them.
+    provider.script_batches(BatchScript { hold_create: Some(HoldCreate::After), ..Default::default() });
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "enqueued-limit", SweepMode::ProviderBatch, 8).await;
+    let first = poll_until(Duration::from_secs(30), || async {
+        let s = provider.batch_stats();
+        (s.creates_held == 1 && s.batches_created == 1).then(|| s.enqueued_tokens.values().copied().sum::<u64>())
+    })
+    .await
+    .expect("the first batch is made");
+    let limit = first * 7 / 16;
+    provider.script_batches(BatchScript { enqueued_token_limit: Some(limit), ..Default::default() });
+    provider.release_batches();
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(90)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 8, "{done:?}");
+    let stats = provider.batch_stats();
+    assert_eq!(stats.batch_sizes[..3], [8, 4, 2], "cut from the refused batch's own size: {stats:?}");
+    assert!(stats.batch_sizes[3..].iter().all(|n| *n <= 2), "the believed budget holds 2: {stats:?}");
+    assert_eq!(stats.paid_lines.len(), 8, "{stats:?}");
+    assert!(stats.paid_lines.values().all(|p| *p == 1), "each item paid once: {stats:?}");
+    let t = done.tokens.unwrap();
+    assert_eq!((t.input, t.output), (100 * 8, 50 * 8), "tokens charged once per item");
+    stack.shutdown().await;
+}
+
+/// The sweep's provider batches as their records stand.
+async fn chunk_records(stack: &Stack, sweep_id: &str) -> Vec<reviewlane_core::batch::ChunkRecord> {
+    use reviewlane_shared::Region;
+    let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
+    let layout = reviewlane_shared::layout::ensure(&js, Region::Us, &Default::default()).await.unwrap();
+    let sweeps = reviewlane_shared::sweeps::Sweeps::new(js, layout.sweeps, Region::Us);
+    sweeps.chunks(sweep_id).await.unwrap().into_iter().map(|(c, _)| c).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_enqueued_token_budget_is_never_exceeded_by_the_batches_running_at_once() {
+    // One item's enqueued tokens, as the coordinator counts them, from a batch of one.
+    let stack = Stack::start().await;
+    let mut client = stack.client().await;
+    let one = sealed_sweep(&mut client, US_KEY, "one", SweepMode::ProviderBatch, 1).await;
+    finished(&client, US_KEY, &one.sweep_id, Duration::from_secs(60)).await;
+    let item_tokens = chunk_records(&stack, &one.sweep_id).await[0].tokens;
+    assert!(item_tokens > 0);
+    stack.shutdown().await;
+
+    // A budget of two and a half items: two at a time, never a third over the ceiling.
+    let budget = item_tokens * 5 / 2;
+    let stack = Stack::start_with(StackOptions {
+        provider_batch: format!("poll=50ms..200ms,enqueued_tokens={budget}"),
+        ..Default::default()
+    })
+    .await;
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "budget", SweepMode::ProviderBatch, 5).await;
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(60)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 5, "{done:?}");
+    let stats = stack.us.provider.batch_stats();
+    assert_eq!(stats.batch_sizes, [2, 2, 1], "{stats:?}");
+    assert_eq!(stats.max_running, 1, "the next batch waits for the one before to end: {stats:?}");
+    let chunks = chunk_records(&stack, &sweep.sweep_id).await;
+    for c in &chunks {
+        assert!(c.tokens <= budget, "a batch of {} tokens under a budget of {budget}", c.tokens);
+    }
+    stack.shutdown().await;
+}
+
+/// A sweep through `anthropic` or OpenAI whose batch endpoints each answer their first
+/// request 429 with a hint (`retry-after` in seconds, or the SDKs' `retry-after-ms`):
+/// no batch request follows a 429 before its hint has passed, and the sweep ends.
+async fn every_batch_endpoint_waits_out_its_429_hint(anthropic: bool) {
+    use reviewlane_testkit::simbatch::{Endpoint, Throttle};
+    let endpoints: &[(Endpoint, Option<u64>, Option<u64>)] = if anthropic {
+        &[
+            (Endpoint::List, Some(2), None),
+            (Endpoint::Create, None, Some(1500)),
+            (Endpoint::Get, Some(2), None),
+            (Endpoint::Results, Some(2), Some(1200)),
+        ]
+    } else {
+        &[
+            (Endpoint::Upload, Some(2), None),
+            (Endpoint::Create, None, Some(1500)),
+            (Endpoint::Get, Some(2), None),
+            (Endpoint::FileContent, Some(2), Some(1200)),
+        ]
+    };
+    let throttles = endpoints
+        .iter()
+        .map(|&(endpoint, retry_after_secs, retry_after_ms)| Throttle {
+            endpoint,
+            times: 1,
+            retry_after_secs,
+            retry_after_ms,
+        })
+        .collect();
+    let stack = Stack::start_with(StackOptions { anthropic, ..Default::default() }).await;
+    stack.us.provider.script_batches(BatchScript { throttles, ..Default::default() });
+    let mut client = stack.client().await;
+    let sweep = sealed_sweep(&mut client, US_KEY, "throttled", SweepMode::ProviderBatch, 2).await;
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(90)).await;
+    assert_eq!(count(&done, SweepItemState::Published), 2, "{done:?}");
+    let stats = stack.us.provider.batch_stats();
+    let log = &stats.throttle_log;
+    assert_eq!(log.len(), endpoints.len(), "each endpoint answered 429 once: {log:?}");
+    for t in log {
+        let (hint, waited) = (t.hint_ms().unwrap(), t.waited_ms().expect("asked again"));
+        assert!(waited >= hint, "{:?} asked again {waited} ms after a 429 saying {hint} ms", t.endpoint);
+    }
+    assert_eq!(stats.batches_created, 1, "a 429 on the create made no second batch: {stats:?}");
+    assert!(stats.paid_lines.values().all(|p| *p == 1), "{stats:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_openai_batch_endpoint_waits_out_a_429s_hint() {
+    every_batch_endpoint_waits_out_its_429_hint(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_anthropic_batch_endpoint_waits_out_a_429s_hint() {
+    every_batch_endpoint_waits_out_its_429_hint(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_crash_in_the_create_window_anthropic_recovery_adopts_its_own_batch_never_another_applications() {
+    // kill -9 between Anthropic's create and recording the batch id; meanwhile another
+    // application on the same workspace creates a batch of the same size. The restarted
+    // coordinator waits (no second create) until the candidates end, proves its own by
+    // its results' custom ids, and never polls, applies or cancels the other one.
+    use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+    use reviewlane_testkit::simbatch::HoldCreate;
+    let n = 4;
+    ensure_nats_server().expect("nats-server");
+    ensure_built().expect("service binaries build");
+    let opts = StackOptions { extractors: 1, anthropic: true, ..Default::default() };
+    let mut stack = ProcStack::start(opts).await.expect("stack starts");
+    let script = BatchScript { hold_create: Some(HoldCreate::After), foreign_batches: 1, ..Default::default() };
+    stack.us.provider.script_batches(script);
+    let mut client = Client::connect(format!("http://{}", stack.ingress)).await.unwrap();
+    let sweep = sealed_sweep(&mut client, US_KEY, "foreign", SweepMode::ProviderBatch, n).await;
+    let provider = &stack.us.provider;
+    let held =
+        poll_until(Duration::from_secs(30), || async { (provider.batch_stats().creates_held == 1).then_some(()) });
+    assert!(held.await.is_some(), "the create reached the provider");
+    stack.service_mut("extractor-us").unwrap().kill_and_restart().unwrap();
+    stack.us.provider.release_batches();
+
+    let done = finished(&client, US_KEY, &sweep.sweep_id, Duration::from_secs(90)).await;
+    assert_eq!(count(&done, SweepItemState::Published), n as u64, "{done:?}");
+    let stats = stack.us.provider.batch_stats();
+    let theirs = stats.foreign_batches.first().cloned().expect("another application's batch");
+    assert_eq!(stats.batches_created, 1, "no second create: {stats:?}");
+    assert_eq!(stats.paid_lines.len(), n, "{stats:?}");
+    assert!(stats.paid_lines.values().all(|p| *p == 1), "each item paid once: {stats:?}");
+    assert_eq!(stats.reads_by_batch.get(&theirs), None, "theirs never polled: {stats:?}");
+    assert_eq!(stats.cancels_by_batch.get(&theirs), None, "theirs never cancelled: {stats:?}");
+    assert!(stats.results_by_batch.get(&theirs).is_none_or(|r| *r <= 1), "their results read once, for proof");
+    let t = done.tokens.unwrap();
+    assert_eq!((t.input, t.output), (100 * n as u64, 50 * n as u64), "the cost is what was billed");
+    let codes = stack.shutdown();
+    assert!(codes.values().all(|c| *c == Some(0)), "{codes:?}");
+}

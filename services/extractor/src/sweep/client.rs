@@ -121,9 +121,16 @@ impl BatchClient {
     /// with as many requests as the chunk, that no known chunk names, the one whose
     /// results — once it has ended — carry exactly the chunk's custom ids (its items' job
     /// ids, which no other application uses). A candidate still running cannot be told
-    /// yet: `Found::Unproven`, and the chunk waits (no second create) until it ends. A
-    /// batch not proven the chunk's is never applied or cancelled.
-    pub async fn find(&self, chunk: &ChunkRecord, known: &HashSet<String>) -> Result<Found, BatchApiError> {
+    /// yet: `Found::Unproven`, and the chunk waits (no second create) until it ends. An
+    /// ended candidate's results are read once, for their custom ids; one shown not the
+    /// chunk's joins `not_ours` and is looked at no more. A batch not proven the chunk's
+    /// is never polled, applied or cancelled.
+    pub async fn find(
+        &self,
+        chunk: &ChunkRecord,
+        known: &HashSet<String>,
+        not_ours: &mut HashSet<String>,
+    ) -> Result<Found, BatchApiError> {
         match self {
             BatchClient::OpenAi { batches, .. } => Ok(batches
                 .find(CHUNK_KEY, &chunk.chunk_id, FIND_PAGES)
@@ -139,7 +146,8 @@ impl BatchClient {
                             break 'pages;
                         }
                         let requests = b.processing + b.succeeded + b.errored + b.canceled + b.expired;
-                        if !known.contains(&b.id) && requests == chunk.job_ids.len() as u64 {
+                        let unknown = !known.contains(&b.id) && !not_ours.contains(&b.id);
+                        if unknown && requests == chunk.job_ids.len() as u64 {
                             candidates.push(b.clone());
                         }
                     }
@@ -159,6 +167,7 @@ impl BatchClient {
                     if ids.len() == mine.len() && ids.iter().all(|id| mine.contains(id.as_str())) {
                         return Ok(Found::Ours(b.id));
                     }
+                    not_ours.insert(b.id);
                 }
                 Ok(if unproven { Found::Unproven } else { Found::None })
             }

@@ -100,6 +100,9 @@ struct Memory {
     /// Enqueued tokens the region's live chunks held at the round's start.
     held: u64,
     seen: HashSet<String>,
+    /// Batches that looked like a chunk's after a crash and whose results showed them
+    /// another's: never looked at again.
+    not_ours: HashSet<String>,
     /// Per sweep with no batch left: the items still open, which run on the lanes.
     /// Only they are read each round; once they are final the sweep is cut again (and
     /// settled).
@@ -475,7 +478,7 @@ impl Coordinator {
                         if now < due {
                             return Ok(());
                         }
-                        match self.client.find(chunk, known).await? {
+                        match self.client.find(chunk, known, &mut memory.not_ours).await? {
                             client::Found::Ours(found) => {
                                 memory.fresh.insert(chunk.chunk_id.clone());
                                 memory.polls.remove(&chunk.chunk_id);
