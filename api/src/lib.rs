@@ -322,6 +322,7 @@ pub fn reason_from_proto(v: i32) -> Option<TerminalReason> {
 pub fn sweep(
     rec: &reviewlane_core::sweep::SweepRecord,
     counts: &reviewlane_core::sweep::SweepCounts,
+    running: &reviewlane_core::sweep::RunningBatches,
     estimated_completion_ms: Option<u64>,
 ) -> proto::Sweep {
     use reviewlane_core::sweep::{ItemState, SweepState};
@@ -356,6 +357,14 @@ pub fn sweep(
         tokens: Some(proto::Tokens { input: counts.tokens.input, output: counts.tokens.output }),
         estimated_cost_usd: counts.cost_micro_usd as f64 / 1e6,
         estimated_completion: estimated_completion_ms.map(timestamp),
+        provider_batches: (rec.runs_on == reviewlane_core::sweep::SweepMode::ProviderBatch).then(|| {
+            proto::ProviderBatchProgress {
+                batches_running: running.batches,
+                lines: running.lines,
+                lines_succeeded: running.lines_succeeded,
+                lines_failed: running.lines_failed,
+            }
+        }),
     }
 }
 

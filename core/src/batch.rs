@@ -485,9 +485,12 @@ pub struct ChunkRecord {
     pub submitted_at_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at_ms: Option<u64>,
-    /// The provider's live counts (OpenAI reports them as lines finish): lines done.
+    /// The provider's live counts while it runs (OpenAI reports them as lines finish;
+    /// Anthropic only once the batch has ended): lines that succeeded, lines that failed.
     #[serde(default)]
-    pub done: u64,
+    pub lines_succeeded: u64,
+    #[serde(default)]
+    pub lines_failed: u64,
     /// A cancel was sent to the provider for it.
     #[serde(default)]
     pub cancel_sent: bool,
@@ -510,7 +513,8 @@ impl ChunkRecord {
             created_at_ms: now_ms,
             submitted_at_ms: None,
             ended_at_ms: None,
-            done: 0,
+            lines_succeeded: 0,
+            lines_failed: 0,
             cancel_sent: false,
         }
     }

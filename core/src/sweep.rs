@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::batch::{self, ChunkRecord, ChunkStep};
 use crate::job::{JobState, TerminalReason};
 use crate::messages::ReviewMessage;
 use crate::region::Region;
@@ -304,6 +305,56 @@ impl SweepCounts {
     }
 }
 
+/// What the provider reports of a sweep's batches still running: OpenAI counts lines
+/// as they finish, Anthropic reports nothing per line before a batch has ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunningBatches {
+    pub batches: u64,
+    /// Request lines in them.
+    pub lines: u64,
+    pub lines_succeeded: u64,
+    pub lines_failed: u64,
+}
+
+impl RunningBatches {
+    pub fn of(chunks: &[ChunkRecord]) -> RunningBatches {
+        chunks.iter().filter(|c| c.step == ChunkStep::Created).fold(RunningBatches::default(), |mut r, c| {
+            r.batches += 1;
+            r.lines += c.job_ids.len() as u64;
+            r.lines_succeeded += c.lines_succeeded;
+            r.lines_failed += c.lines_failed;
+            r
+        })
+    }
+
+    /// Lines the provider has run, either way.
+    pub fn lines_done(&self) -> u64 {
+        self.lines_succeeded + self.lines_failed
+    }
+}
+
+/// When the rest of a sealed sweep is likely done, at `now_ms`; `None` before anything
+/// can be told, or when nothing is left. The one estimate of every read of a sweep.
+///
+/// On the lanes: at the pace of the items final since the seal. Through provider
+/// batches (`chunks`, the sweep's): at the pace of the items final and the lines its
+/// running batches report done, since the seal; when they report none, the mean
+/// turnaround of its batches that ended after the last was sent.
+pub fn estimate(rec: &SweepRecord, counts: &SweepCounts, chunks: &[ChunkRecord], now_ms: u64) -> Option<u64> {
+    let sealed = rec.sealed_at_ms.filter(|_| rec.state == SweepState::Sealed && counts.done() < counts.total)?;
+    if rec.runs_on != SweepMode::ProviderBatch {
+        return batch::estimate(counts.done(), counts.total, sealed, now_ms, None);
+    }
+    let running = RunningBatches::of(chunks);
+    if running.lines_done() > 0 {
+        return batch::estimate(counts.done() + running.lines_done(), counts.total, sealed, now_ms, None);
+    }
+    let turnarounds: Vec<u64> = chunks.iter().filter_map(ChunkRecord::turnaround_ms).collect();
+    let turnaround = (!turnarounds.is_empty()).then(|| turnarounds.iter().sum::<u64>() / turnarounds.len() as u64);
+    let since = chunks.iter().filter_map(|c| c.submitted_at_ms).max().unwrap_or(sealed);
+    batch::estimate(0, counts.total, since, now_ms, turnaround)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -392,5 +443,57 @@ mod tests {
         assert_eq!(batched(JobState::Running), ItemState::Submitted);
         assert_eq!(batched(JobState::RetryScheduled), ItemState::Queued);
         assert_eq!(batched(JobState::Published), ItemState::Published);
+    }
+
+    fn items(total: u64, done: u64) -> SweepCounts {
+        let mut c = SweepCounts::default();
+        let job = |state| ItemJob { state, reason: None, tokens: Tokens::default(), cost_micro_usd: 0, in_batch: true };
+        for i in 0..total {
+            let state = if i < done { JobState::Published } else { JobState::Running };
+            c.add(Some(&job(state)), false);
+        }
+        c
+    }
+
+    fn chunk(seq: u32, items: usize, step: ChunkStep, succeeded: u64, failed: u64) -> ChunkRecord {
+        let ids = (0..items).map(|i| format!("us_{seq}_{i}")).collect();
+        let mut c = ChunkRecord::new("us_0", "acme", seq, ids, 0);
+        (c.step, c.lines_succeeded, c.lines_failed) = (step, succeeded, failed);
+        c
+    }
+
+    #[test]
+    fn running_batches_count_the_providers_live_lines_of_batches_not_yet_applied() {
+        let chunks = [
+            chunk(1, 10, ChunkStep::Created, 4, 1),
+            chunk(2, 6, ChunkStep::Created, 0, 0),
+            chunk(3, 8, ChunkStep::Applied, 8, 0),
+            chunk(4, 5, ChunkStep::Intent, 0, 0),
+        ];
+        let running = RunningBatches::of(&chunks);
+        assert_eq!(running, RunningBatches { batches: 2, lines: 16, lines_succeeded: 4, lines_failed: 1 });
+        assert_eq!(running.lines_done(), 5);
+    }
+
+    #[test]
+    fn one_estimate_reads_the_lanes_pace_or_the_providers_live_lines_or_the_batches_turnaround() {
+        let sealed = |runs_on| SweepRecord { runs_on, state: SweepState::Sealed, sealed_at_ms: Some(1_000), ..sweep() };
+        // Lanes: 2 of 10 final in 1 s: 4 s more.
+        let lanes = sealed(SweepMode::Lanes);
+        assert_eq!(estimate(&lanes, &items(10, 2), &[], 2_000), Some(6_000));
+        assert_eq!(estimate(&lanes, &items(10, 0), &[], 2_000), None, "nothing to tell from yet");
+        assert_eq!(estimate(&lanes, &items(10, 10), &[], 2_000), None, "nothing left");
+        assert_eq!(estimate(&sweep(), &items(10, 2), &[], 2_000), None, "open: not yet");
+        // Provider batches: the live lines count with the final items (1 + 4 of 10 in 1 s).
+        let batched = sealed(SweepMode::ProviderBatch);
+        let live = [chunk(1, 9, ChunkStep::Created, 3, 1)];
+        assert_eq!(estimate(&batched, &items(10, 1), &live, 2_000), Some(3_000));
+        // None reported (Anthropic): the turnaround of those that ended, from the last sent.
+        let mut ended = chunk(1, 5, ChunkStep::Applied, 5, 0);
+        (ended.submitted_at_ms, ended.ended_at_ms) = (Some(1_000), Some(4_000));
+        let mut sent = chunk(2, 5, ChunkStep::Created, 0, 0);
+        sent.submitted_at_ms = Some(4_500);
+        assert_eq!(estimate(&batched, &items(10, 5), &[ended, sent.clone()], 5_000), Some(7_500));
+        assert_eq!(estimate(&batched, &items(10, 0), &[sent], 5_000), None, "no batch has ended yet");
     }
 }

@@ -149,6 +149,15 @@ pub fn progress_line(s: &proto::Sweep) -> String {
         count(s, SweepItemState::Running),
         count(s, SweepItemState::Submitted) + count(s, SweepItemState::Queued),
     );
+    if let Some(b) = s.provider_batches.filter(|b| b.batches_running > 0) {
+        line.push_str(&format!(
+            "; provider batches: {} running, {}/{} lines done ({} failed)",
+            b.batches_running,
+            b.lines_succeeded + b.lines_failed,
+            b.lines,
+            b.lines_failed
+        ));
+    }
     if let Some(eta) = &s.estimated_completion {
         let now =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs() as i64;
@@ -416,6 +425,12 @@ fn sweep_json(s: &proto::Sweep) -> serde_json::Value {
         "tokens": {"input": tokens.input, "output": tokens.output},
         "estimated_cost_usd": s.estimated_cost_usd,
         "estimated_completion": s.estimated_completion.map(|t| t.seconds),
+        "provider_batches": s.provider_batches.map(|b| serde_json::json!({
+            "batches_running": b.batches_running,
+            "lines": b.lines,
+            "lines_succeeded": b.lines_succeeded,
+            "lines_failed": b.lines_failed,
+        })),
     })
 }
 
@@ -453,5 +468,22 @@ mod tests {
         assert_eq!(pages(&[200 * 1024, 100 * 1024, 10]), vec![0..1, 1..3]);
         assert_eq!(pages(&[1024 * 1024, 10]), vec![0..1, 1..2], "a large item goes alone");
         assert!(pages(&[]).is_empty());
+    }
+
+    #[test]
+    fn the_progress_line_shows_the_providers_live_lines_while_batches_run() {
+        let mut s = proto::Sweep {
+            sweep_id: "us_1".into(),
+            state: proto::SweepState::Sealed as i32,
+            items_total: 120,
+            items: vec![proto::SweepItemCount { state: SweepItemState::Submitted as i32, count: 120 }],
+            ..Default::default()
+        };
+        assert!(!progress_line(&s).contains("provider batches"), "a sweep on the lanes");
+        s.provider_batches =
+            Some(proto::ProviderBatchProgress { batches_running: 1, lines: 120, lines_succeeded: 35, lines_failed: 2 });
+        let line = progress_line(&s);
+        assert!(line.starts_with("us_1 sealed: 0/120 done (0 %)"), "{line}");
+        assert!(line.ends_with("; provider batches: 1 running, 37/120 lines done (2 failed)"), "{line}");
     }
 }

@@ -171,6 +171,12 @@ impl Sweeps {
         self.js.client().subscribe(subject).await.map_err(StoreError::other)
     }
 
+    /// Signals that one of the sweep's provider batches may have changed.
+    pub async fn chunk_signals(&self, sweep_id: &str) -> Result<async_nats::Subscriber, StoreError> {
+        let subject = format!("{}batch.{sweep_id}.*", self.kv.prefix);
+        self.js.client().subscribe(subject).await.map_err(StoreError::other)
+    }
+
     /// One item of the manifest, if the sweep has it.
     pub async fn item(&self, sweep_id: &str, job_id: &str) -> Result<Option<ItemEntry>, StoreError> {
         Ok(read(&self.kv, &item_key(sweep_id, job_id)).await?.map(|(item, _)| item))

@@ -699,7 +699,8 @@ impl Batches {
     /// Moves the running batches nobody of ours polls (another application's, ours
     /// unread since a held create) one step each.
     fn advance_foreign(&mut self, answer: &dyn Fn(&Value) -> String) {
-        let running = |b: &&Batch| (b.foreign || b.unread) && matches!(b.status, "validating" | "in_progress" | "finalizing");
+        let running =
+            |b: &&Batch| (b.foreign || b.unread) && matches!(b.status, "validating" | "in_progress" | "finalizing");
         let ids: Vec<String> = self.batches.values().filter(running).map(|b| b.id.clone()).collect();
         for id in ids {
             self.advance(&id, answer);
@@ -932,8 +933,12 @@ impl Batches {
     /// Moves the message batches nobody of ours polls (another application's, ours
     /// unread since a held create) one step each.
     fn advance_foreign_messages(&mut self, answer: &dyn Fn(&Value) -> String) {
-        let ids: Vec<String> =
-            self.messages.values().filter(|b| (b.foreign || b.unread) && b.status != "ended").map(|b| b.id.clone()).collect();
+        let ids: Vec<String> = self
+            .messages
+            .values()
+            .filter(|b| (b.foreign || b.unread) && b.status != "ended")
+            .map(|b| b.id.clone())
+            .collect();
         for id in ids {
             self.advance_messages(&id, answer);
         }

@@ -697,3 +697,55 @@ async fn after_a_crash_in_the_create_window_anthropic_recovery_adopts_its_own_ba
     let codes = stack.shutdown();
     assert!(codes.values().all(|c| *c == Some(0)), "{codes:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_an_openai_batch_runs_get_list_and_watch_show_its_live_lines_and_an_estimate() {
+    // OpenAI reports `request_counts` as lines finish: every read of the sweep shows them
+    // (its items still `submitted`) and estimates from them.
+    let stack = Stack::start().await;
+    stack.us.provider.script_batches(BatchScript { progress_polls: 20, ..Default::default() });
+    let mut client = stack.client().await;
+    let n = 10;
+    let sweep = sealed_sweep(&mut client, US_KEY, "live", SweepMode::ProviderBatch, n).await;
+    let id = sweep.sweep_id.clone();
+    let watch = proto::WatchSweepRequest { sweep_id: id.clone() };
+    let mut stream = client.watch_sweep(authed(US_KEY, watch)).await.unwrap().into_inner();
+    let running = |s: &proto::Sweep| {
+        let b = s.provider_batches.unwrap_or_default();
+        let done = b.lines_succeeded + b.lines_failed;
+        (b.batches_running == 1 && b.lines == n as u64 && done > 0 && done < b.lines).then_some(b)
+    };
+    let got = poll_until(Duration::from_secs(30), || {
+        let mut client = client.clone();
+        let id = id.clone();
+        async move {
+            let s = sweep_of(&mut client, US_KEY, &id).await;
+            running(&s).map(|_| s)
+        }
+    })
+    .await
+    .expect("GetSweep shows the batch's lines as they finish");
+    assert_eq!(count(&got, SweepItemState::Submitted), n as u64, "lines done are not yet results: {got:?}");
+    assert!(got.estimated_completion.is_some(), "GetSweep estimates from the live lines: {got:?}");
+    let listed =
+        client.list_sweeps(authed(US_KEY, proto::ListSweepsRequest::default())).await.unwrap().into_inner().sweeps;
+    let listed = listed.iter().find(|s| s.sweep_id == id).expect("listed");
+    assert_eq!(listed.provider_batches.map(|b| b.lines), Some(n as u64));
+    let watched = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(event) = stream.message().await.unwrap() {
+            let s = event.sweep.unwrap();
+            if running(&s).is_some() {
+                return Some(s);
+            }
+        }
+        None
+    })
+    .await
+    .expect("a watched view while the batch runs")
+    .expect("the watch shows the live lines");
+    assert!(watched.estimated_completion.is_some(), "WatchSweep estimates as GetSweep does: {watched:?}");
+    let done = finished(&client, US_KEY, &id, Duration::from_secs(60)).await;
+    assert_eq!(count(&done, SweepItemState::Published), n as u64);
+    assert_eq!(done.provider_batches.map(|b| b.batches_running), Some(0), "{done:?}");
+    stack.shutdown().await;
+}

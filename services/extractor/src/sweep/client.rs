@@ -40,8 +40,10 @@ pub enum Found {
 #[derive(Debug, Clone)]
 pub struct Polled {
     pub status: BatchStatus,
-    /// Lines done so far, when the provider reports it while the batch runs.
-    pub done: u64,
+    /// Lines that succeeded and lines that failed so far (OpenAI reports them while the
+    /// batch runs; Anthropic once it has ended).
+    pub succeeded: u64,
+    pub failed: u64,
     raw: Raw,
 }
 
@@ -199,10 +201,10 @@ impl BatchClient {
 }
 
 fn polled_openai(info: BatchInfo) -> Polled {
-    Polled { status: info.status.clone(), done: info.completed + info.failed, raw: Raw::OpenAi(info) }
+    Polled { status: info.status.clone(), succeeded: info.completed, failed: info.failed, raw: Raw::OpenAi(info) }
 }
 
 fn polled_anthropic(batch: MessageBatch) -> Polled {
-    let done = batch.succeeded + batch.errored + batch.canceled + batch.expired;
-    Polled { status: batch.status.clone(), done, raw: Raw::Anthropic(batch) }
+    let failed = batch.errored + batch.canceled + batch.expired;
+    Polled { status: batch.status.clone(), succeeded: batch.succeeded, failed, raw: Raw::Anthropic(batch) }
 }

@@ -587,8 +587,8 @@ impl Coordinator {
         };
         match batch::step(&polled.status) {
             BatchStep::Poll => {
-                if polled.done != chunk.done {
-                    chunk.done = polled.done;
+                if (polled.succeeded, polled.failed) != (chunk.lines_succeeded, chunk.lines_failed) {
+                    (chunk.lines_succeeded, chunk.lines_failed) = (polled.succeeded, polled.failed);
                     self.write(chunk, revision).await?;
                 }
                 let wait = self.settings.poll.delay(polls, None);
@@ -635,7 +635,6 @@ impl Coordinator {
     async fn ended(&self, chunk: &mut ChunkRecord, revision: &mut u64) -> Result<(), StoreError> {
         chunk.step = ChunkStep::Applied;
         chunk.ended_at_ms = Some(self.clock.now_ms());
-        chunk.done = chunk.job_ids.len() as u64;
         self.write(chunk, revision).await?;
         tracing::info!(turnaround_ms = chunk.turnaround_ms(), "provider batch applied");
         Ok(())

@@ -10,8 +10,9 @@ use reviewlane_api::proto::{
     AddSweepItemsRequest, AddSweepItemsResponse, CreateSweepRequest, ListSweepItemsRequest, ListSweepItemsResponse,
     SubmitReviewRequest, SweepItemStatus,
 };
+use reviewlane_core::batch::ChunkRecord;
 use reviewlane_core::sweep::{
-    ItemEntry, ItemJob, ItemState, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState,
+    ItemEntry, ItemJob, ItemState, RunningBatches, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState,
 };
 use reviewlane_shared::sweeps::{ApplyError, Made, Sweeps};
 
@@ -35,14 +36,30 @@ const WATCH_EVERY: Duration = Duration::from_secs(1);
 
 pub(super) type SweepStream = Pin<Box<dyn Stream<Item = Result<proto::WatchSweepResponse, Status>> + Send>>;
 
-/// A watched sweep: its record and each item's job as last read.
+/// A watched sweep: its record, each item's job and its provider batches as last read.
 struct Progress {
     rec: SweepRecord,
     jobs: std::collections::HashMap<String, Option<ItemJob>>,
+    chunks: Vec<ChunkRecord>,
 }
 
 async fn item_job(handle: &RegionHandle, job: &str) -> Result<Option<ItemJob>, ApiError> {
     Ok(handle.jobs.get(job).await?.map(|(r, _)| ItemJob::of(&r)))
+}
+
+/// The sweep's provider batches (none for a sweep on the lanes).
+async fn chunks(store: &Sweeps, rec: &SweepRecord) -> Result<Vec<ChunkRecord>, ApiError> {
+    if rec.runs_on != SweepMode::ProviderBatch {
+        return Ok(Vec::new());
+    }
+    Ok(store.chunks(&rec.sweep_id).await?.into_iter().map(|(c, _)| c).collect())
+}
+
+/// The API view of a sweep: its items' counts, its running batches as the provider
+/// reports them, and the one estimate (`sweep::estimate`) every read shows.
+fn view(rec: &SweepRecord, counts: &SweepCounts, chunks: &[ChunkRecord], now_ms: u64) -> proto::Sweep {
+    let running = RunningBatches::of(chunks);
+    api::sweep(rec, counts, &running, reviewlane_core::sweep::estimate(rec, counts, chunks, now_ms))
 }
 
 impl Progress {
@@ -56,24 +73,30 @@ impl Progress {
         while let Some((state, job)) = read.next().await {
             jobs.insert(job, state?);
         }
-        Ok(Progress { rec, jobs })
+        let chunks = chunks(&store, &rec).await?;
+        Ok(Progress { rec, jobs, chunks })
     }
 
     fn follows(&self, job: &str) -> bool {
         self.jobs.contains_key(job)
     }
 
-    /// Reads again the sweep's record (`own`) and the jobs that changed (or were added).
+    /// Reads again the sweep's record (`own`), its provider batches (`batches`) and the
+    /// jobs that changed (or were added).
     async fn refresh(
         &mut self,
         handle: &RegionHandle,
         tenant: &str,
         id: &str,
-        own: bool,
+        (own, batches): (bool, bool),
         changed: impl Iterator<Item = String>,
     ) -> Result<(), ApiError> {
+        let store = sweeps(handle);
         if own {
-            self.rec = sweeps(handle).get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?.0;
+            self.rec = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?.0;
+        }
+        if batches {
+            self.chunks = chunks(&store, &self.rec).await?;
         }
         let changed: Vec<String> = changed.collect();
         let mut read = futures::stream::iter(changed)
@@ -90,37 +113,8 @@ impl Progress {
         for job in self.jobs.values() {
             counts.add(job.as_ref(), self.rec.state == SweepState::Cancelled);
         }
-        api::sweep(&self.rec, &counts, estimate(&self.rec, &counts, now_ms))
+        view(&self.rec, &counts, &self.chunks, now_ms)
     }
-}
-
-/// When the rest of a sealed sweep is likely done, from the pace since its seal.
-fn estimate(rec: &SweepRecord, counts: &SweepCounts, now_ms: u64) -> Option<u64> {
-    rec.sealed_at_ms
-        .filter(|_| rec.state == SweepState::Sealed && counts.done() < counts.total)
-        .and_then(|sealed| reviewlane_core::batch::estimate(counts.done(), counts.total, sealed, now_ms, None))
-}
-
-/// When the rest of a provider-batch sweep is likely done: from the lines its running
-/// batches report done (OpenAI counts them as they finish) beside the items already
-/// final, else from the turnaround of its batches that ended (Anthropic reports nothing
-/// per line before a batch ends).
-fn batch_estimate(
-    rec: &SweepRecord,
-    counts: &SweepCounts,
-    chunks: &[(reviewlane_core::batch::ChunkRecord, u64)],
-    now_ms: u64,
-) -> Option<u64> {
-    use reviewlane_core::batch::ChunkStep;
-    let sealed = rec.sealed_at_ms.filter(|_| rec.state == SweepState::Sealed && counts.done() < counts.total)?;
-    let running: u64 = chunks.iter().filter(|(c, _)| c.step == ChunkStep::Created).map(|(c, _)| c.done).sum();
-    let turnarounds: Vec<u64> = chunks.iter().filter_map(|(c, _)| c.turnaround_ms()).collect();
-    let turnaround = (!turnarounds.is_empty()).then(|| turnarounds.iter().sum::<u64>() / turnarounds.len() as u64);
-    let since = chunks.iter().filter_map(|(c, _)| c.submitted_at_ms).max().unwrap_or(sealed);
-    if running > 0 {
-        return reviewlane_core::batch::estimate(counts.done() + running, counts.total, sealed, now_ms, None);
-    }
-    reviewlane_core::batch::estimate(0, counts.total, since, now_ms, turnaround)
 }
 
 /// The id of the tenant's sweep of idempotency key `key`.
@@ -196,7 +190,7 @@ impl ReviewApi {
         };
         let handle = self.region(tenant.region)?;
         let rec = self.open_sweep(tenant, handle, &req.idempotency_key, mode, window).await?;
-        Ok(api::sweep(&rec, &SweepCounts::default(), None))
+        Ok(api::sweep(&rec, &SweepCounts::default(), &RunningBatches::default(), None))
     }
 
     /// Opens the tenant's sweep of key `key` (or finds it, when the same sweep was
@@ -537,6 +531,7 @@ impl ReviewApi {
         let mut jobs = handle.jobs.all_signals().await?;
         let mut own = store.signals(&tenant.id, &id).await?;
         let mut added = store.item_signals(&id).await?;
+        let mut batches = store.chunk_signals(&id).await?;
         let (tx, rx) = mpsc::channel(8);
         let (api, handle, shutdown) = (self.clone(), handle.clone(), self.shutdown.clone());
         tokio::spawn(
@@ -553,14 +548,15 @@ impl ReviewApi {
                     Err(e) => return stop(e).await,
                 };
                 let mut dirty: std::collections::HashSet<String> = Default::default();
-                let mut own_changed = false;
+                let (mut own_changed, mut batches_changed) = (false, false);
                 let mut tick = tokio::time::interval(WATCH_EVERY);
                 loop {
-                    if own_changed || !dirty.is_empty() {
-                        if let Err(e) = progress.refresh(&handle, &tenant.id, &id, own_changed, dirty.drain()).await {
+                    if own_changed || batches_changed || !dirty.is_empty() {
+                        let what = (own_changed, batches_changed);
+                        if let Err(e) = progress.refresh(&handle, &tenant.id, &id, what, dirty.drain()).await {
                             return stop(e).await;
                         }
-                        own_changed = false;
+                        (own_changed, batches_changed) = (false, false);
                     }
                     let view = progress.view(api.clock.now_ms());
                     let done = view.percent_done >= 100.0 && progress.rec.state != SweepState::Open;
@@ -581,7 +577,8 @@ impl ReviewApi {
                                 }
                             }
                             Some(_) = own.next() => own_changed = true,
-                            _ = tick.tick() => if own_changed || !dirty.is_empty() { break },
+                            Some(_) = batches.next() => batches_changed = true,
+                            _ = tick.tick() => if own_changed || batches_changed || !dirty.is_empty() { break },
                             _ = shutdown.cancelled() => {
                                 let down = ApiError::StreamInterrupted { reason: Reason::ShuttingDown, what: "server shutting down; watch again" };
                                 return stop(down).await;
@@ -613,12 +610,8 @@ impl ReviewApi {
             let job = job?.map(|(r, _)| ItemJob::of(&r));
             counts.add(job.as_ref(), rec.state == SweepState::Cancelled);
         }
-        let now = self.clock.now_ms();
-        let estimate = match rec.runs_on {
-            SweepMode::ProviderBatch => batch_estimate(&rec, &counts, &store.chunks(id).await?, now),
-            _ => estimate(&rec, &counts, now),
-        };
-        Ok(api::sweep(&rec, &counts, estimate))
+        let chunks = chunks(&store, &rec).await?;
+        Ok(view(&rec, &counts, &chunks, self.clock.now_ms()))
     }
 
     pub(super) async fn list_sweep_items(
