@@ -305,6 +305,38 @@ impl SweepCounts {
     }
 }
 
+/// The id of a tenant's sweep of idempotency key `key`: a create repeated finds the
+/// same sweep.
+pub fn sweep_id(region: Region, tenant: &str, key: &str) -> String {
+    crate::job_id::derive(region, tenant, &format!("sweep\0{key}"))
+}
+
+/// The job id of a sweep's item of key `item_key`: an item added twice, or a seal
+/// racing an add, names one job.
+pub fn item_job_id(region: Region, tenant: &str, sweep_id: &str, item_key: &str) -> String {
+    crate::job_id::derive(region, tenant, &format!("sweep\0{sweep_id}\0{item_key}"))
+}
+
+/// The ids of the deeper pass of a degraded review, derived from its id alone: the
+/// submit that admits it names the deeper review before it exists, and a retry finds
+/// the same one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeeperIds {
+    /// The sweep's idempotency key.
+    pub key: String,
+    pub sweep_id: String,
+    pub job_id: String,
+}
+
+impl DeeperIds {
+    pub fn of(region: Region, tenant: &str, first: &str) -> DeeperIds {
+        let key = format!("deeper\0{first}");
+        let sweep_id = sweep_id(region, tenant, &key);
+        let job_id = item_job_id(region, tenant, &sweep_id, first);
+        DeeperIds { key, sweep_id, job_id }
+    }
+}
+
 /// What the provider reports of a sweep's batches still running: OpenAI counts lines
 /// as they finish, Anthropic reports nothing per line before a batch has ended.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -495,5 +527,22 @@ mod tests {
         sent.submitted_at_ms = Some(4_500);
         assert_eq!(estimate(&batched, &items(10, 5), &[ended, sent.clone()], 5_000), Some(7_500));
         assert_eq!(estimate(&batched, &items(10, 0), &[sent], 5_000), None, "no batch has ended yet");
+    }
+
+    #[test]
+    fn sweep_and_item_ids_are_derived_from_the_tenant_key_and_item_and_name_the_region() {
+        let a = sweep_id(Region::Us, "acme", "nightly");
+        assert_eq!(a, sweep_id(Region::Us, "acme", "nightly"), "a create repeated finds it");
+        assert!(a.starts_with("us_"));
+        assert_ne!(a, sweep_id(Region::Us, "globex", "nightly"));
+        assert_ne!(a, sweep_id(Region::Eu, "acme", "nightly"));
+        let item = item_job_id(Region::Us, "acme", &a, "src/a.rs");
+        assert_eq!(item, item_job_id(Region::Us, "acme", &a, "src/a.rs"));
+        assert_ne!(item, item_job_id(Region::Us, "acme", &a, "src/b.rs"));
+        let deeper = DeeperIds::of(Region::Eu, "acme", "eu_first");
+        assert_eq!(deeper, DeeperIds::of(Region::Eu, "acme", "eu_first"), "a retry finds the same pass");
+        assert_eq!(deeper.sweep_id, sweep_id(Region::Eu, "acme", &deeper.key));
+        assert_eq!(deeper.job_id, item_job_id(Region::Eu, "acme", &deeper.sweep_id, "eu_first"));
+        assert!(deeper.job_id.starts_with("eu_"));
     }
 }

@@ -10,11 +10,7 @@ impl ReviewApi {
         caller: &Tenant,
         req: ListDeadLettersRequest,
     ) -> Result<ListDeadLettersResponse, ApiError> {
-        let limit = match req.page_size {
-            n if n < 0 => return Err(ApiError::invalid("page_size", "must not be negative")),
-            0 => 20,
-            n => (n as usize).min(100),
-        };
+        let limit = page_size(req.page_size, 20, 100)?;
         let start = reviewlane_shared::dead_letters::from_token(&req.page_token)
             .ok_or_else(|| ApiError::invalid("page_token", "not a token this service issued"))?;
         let handle = self.region(caller.region)?;

@@ -6,13 +6,7 @@ use super::*;
 impl ReviewApi {
     /// A page of the tenant's reviews from the region's job index.
     pub(super) async fn list(&self, tenant: &Tenant, req: ListReviewsRequest) -> Result<ListReviewsResponse, ApiError> {
-        const DEFAULT_PAGE: usize = 20;
-        const MAX_PAGE: usize = 100;
-        let limit = match req.page_size {
-            n if n < 0 => return Err(ApiError::invalid("page_size", "must not be negative")),
-            0 => DEFAULT_PAGE,
-            n => (n as usize).min(MAX_PAGE),
-        };
+        let limit = page_size(req.page_size, 20, 100)?;
         let mut states = Vec::new();
         for s in &req.states {
             let state = proto::JobState::try_from(*s)

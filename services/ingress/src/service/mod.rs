@@ -253,6 +253,16 @@ async fn read_findings(handle: &RegionHandle, rec: &JobRecord) -> Result<Vec<Fin
     Ok(kept.map(|m| m.findings).unwrap_or_default())
 }
 
+/// The items of a listing's page: `default` for 0, at most `max`, and a negative size
+/// refused. Every listing reads its `page_size` here.
+fn page_size(requested: i32, default: usize, max: usize) -> Result<usize, ApiError> {
+    match requested {
+        n if n < 0 => Err(ApiError::invalid("page_size", "must not be negative")),
+        0 => Ok(default),
+        n => Ok((n as usize).min(max)),
+    }
+}
+
 /// A client-supplied id goes into a span only when it has the shape of a job id.
 fn span_id(id: &str) -> &str {
     if job_id::region_of(id).is_ok() { id } else { "malformed" }
@@ -413,5 +423,18 @@ impl ReviewService for ReviewApi {
             Ok(CancelSweepResponse { sweep: Some(self.cancel_sweep(&tenant, &req.sweep_id).await?) })
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_size_of_zero_is_the_default_a_large_one_the_maximum_and_a_negative_one_refused() {
+        assert_eq!(page_size(0, 20, 100).unwrap(), 20);
+        assert_eq!(page_size(7, 20, 100).unwrap(), 7);
+        assert_eq!(page_size(5_000, 20, 100).unwrap(), 100);
+        assert!(matches!(page_size(-1, 20, 100), Err(ApiError::InvalidArgument { .. })));
     }
 }

@@ -70,7 +70,7 @@ impl ReviewApi {
             deeper_of: None,
             // Named before it exists: a retry of this submit finds the same one.
             deeper_review: (depth == ReviewDepth::ChangedHunks && tenant.deeper_pass)
-                .then(|| super::sweeps::DeeperIds::of(tenant, &id).job_id),
+                .then(|| reviewlane_core::sweep::DeeperIds::of(tenant.region, &tenant.id, &id).job_id),
         };
         if late >= deadline_ms {
             // It ends here: no deeper pass follows it.

@@ -12,7 +12,7 @@ use reviewlane_api::proto::{
 };
 use reviewlane_core::batch::ChunkRecord;
 use reviewlane_core::sweep::{
-    ItemEntry, ItemJob, ItemState, RunningBatches, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState,
+    self, DeeperIds, ItemEntry, ItemJob, ItemState, RunningBatches, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState,
 };
 use reviewlane_shared::sweeps::{ApplyError, Made, Sweeps};
 
@@ -117,33 +117,12 @@ impl Progress {
     }
 }
 
-/// The id of the tenant's sweep of idempotency key `key`.
-fn sweep_id_of(tenant: &Tenant, key: &str) -> String {
-    job_id::derive(tenant.region, &tenant.id, &format!("sweep\0{key}"))
-}
-
-/// The job id of a sweep's item of key `item_key`.
-fn item_job_id(tenant: &Tenant, sweep_id: &str, item_key: &str) -> String {
-    job_id::derive(tenant.region, &tenant.id, &format!("sweep\0{sweep_id}\0{item_key}"))
-}
-
-/// The ids of the deeper pass of a degraded review, derived from its id alone: the
-/// submit that admits it names the deeper review before it exists, and a retry finds
-/// the same one.
-pub(super) struct DeeperIds {
-    /// The sweep's idempotency key.
-    key: String,
-    pub sweep_id: String,
-    pub job_id: String,
-}
-
-impl DeeperIds {
-    pub fn of(tenant: &Tenant, first: &str) -> DeeperIds {
-        let key = format!("deeper\0{first}");
-        let sweep_id = sweep_id_of(tenant, &key);
-        let job_id = item_job_id(tenant, &sweep_id, first);
-        DeeperIds { key, sweep_id, job_id }
+/// Where a page of a sweep listing starts: its `page_token` (empty: the first).
+fn offset(page_token: &str) -> Result<usize, ApiError> {
+    if page_token.is_empty() {
+        return Ok(0);
     }
+    page_token.parse().map_err(|_| ApiError::invalid("page_token", "not a token of this listing"))
 }
 
 fn sweeps(handle: &RegionHandle) -> Sweeps {
@@ -221,7 +200,7 @@ impl ReviewApi {
                 });
             }
         };
-        let sweep_id = sweep_id_of(tenant, key);
+        let sweep_id = sweep::sweep_id(tenant.region, &tenant.id, key);
         tracing::Span::current().record("job_id", sweep_id.as_str());
         let window_ms = window.as_millis() as u64;
         let rec = SweepRecord {
@@ -261,7 +240,7 @@ impl ReviewApi {
         handle: &RegionHandle,
         first: &ReviewMessage,
     ) -> Result<(), ApiError> {
-        let ids = DeeperIds::of(tenant, &first.job_id);
+        let ids = DeeperIds::of(tenant.region, &tenant.id, &first.job_id);
         let store = sweeps(handle);
         if let Some((rec, _)) = store.get(&tenant.id, &ids.sweep_id).await?
             && rec.started
@@ -415,7 +394,7 @@ impl ReviewApi {
         };
         let SubmitPlan { lane, schema_version, diff, submitted_at_ms, metadata, request_digest, .. } =
             plan(req, limits, now)?;
-        let job_id = item_job_id(tenant, &rec.sweep_id, &item.item_key);
+        let job_id = sweep::item_job_id(tenant.region, &tenant.id, &rec.sweep_id, &item.item_key);
         let review = ReviewMessage {
             job_id: job_id.clone(),
             tenant: tenant.id.clone(),
@@ -500,15 +479,8 @@ impl ReviewApi {
         req: proto::ListSweepsRequest,
     ) -> Result<proto::ListSweepsResponse, ApiError> {
         let handle = self.region(tenant.region)?;
-        let page_size = match req.page_size {
-            n if n <= 0 => 20,
-            n => (n as usize).min(100),
-        };
-        let start: usize = if req.page_token.is_empty() {
-            0
-        } else {
-            req.page_token.parse().map_err(|_| ApiError::invalid("page_token", "not a token of this listing"))?
-        };
+        let page_size = page_size(req.page_size, 20, 100)?;
+        let start = offset(&req.page_token)?;
         let all = sweeps(handle).list(&tenant.id).await?;
         let mut out = Vec::new();
         for rec in all.iter().skip(start).take(page_size) {
@@ -621,15 +593,8 @@ impl ReviewApi {
     ) -> Result<ListSweepItemsResponse, ApiError> {
         let (handle, rec) = self.owned_sweep(tenant, &req.sweep_id).await?;
         let cancelled = rec.state == SweepState::Cancelled;
-        let page_size = match req.page_size {
-            n if n <= 0 => 100,
-            n => (n as usize).min(1000),
-        };
-        let start: usize = if req.page_token.is_empty() {
-            0
-        } else {
-            req.page_token.parse().map_err(|_| ApiError::invalid("page_token", "not a token of this listing"))?
-        };
+        let page_size = page_size(req.page_size, 100, 1000)?;
+        let start = offset(&req.page_token)?;
         let states: Vec<ItemState> = req.states.iter().filter_map(|s| api::item_state_from_proto(*s)).collect();
         let reasons: Vec<_> = req.reasons.iter().filter_map(|r| api::reason_from_proto(*r)).collect();
         let items = sweeps(handle).items(&req.sweep_id).await?;
