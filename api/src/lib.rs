@@ -357,14 +357,14 @@ pub fn sweep(
         tokens: Some(proto::Tokens { input: counts.tokens.input, output: counts.tokens.output }),
         estimated_cost_usd: counts.cost_micro_usd as f64 / 1e6,
         estimated_completion: estimated_completion_ms.map(timestamp),
-        provider_batches: (rec.runs_on == reviewlane_core::sweep::SweepMode::ProviderBatch).then(|| {
+        provider_batches: (rec.runs_on == reviewlane_core::sweep::SweepMode::ProviderBatch).then_some(
             proto::ProviderBatchProgress {
                 batches_running: running.batches,
                 lines: running.lines,
                 lines_succeeded: running.lines_succeeded,
                 lines_failed: running.lines_failed,
-            }
-        }),
+            },
+        ),
     }
 }
 

@@ -417,6 +417,34 @@ pub fn believed_budget(budget: Option<u64>, held: u64, refused: u64) -> Option<u
     Some(budget.map_or(below, |b| b.min(below)))
 }
 
+/// What the coordinator does with an item of a provider-batch sweep when it cuts the
+/// sweep's items again (`triage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Triage {
+    /// Final, or validated (the publisher's from there): nothing.
+    Done,
+    /// Not final, and running where it is (a batch, the lanes): the sweep is not over.
+    Open,
+    /// Waiting for a batch (no job yet, or sent again): cut into the next one.
+    Waits,
+    /// Waiting, of a cancelled sweep: never sent again, it ends `cancelled` (one with no
+    /// job never runs).
+    Cancel,
+}
+
+/// An item's triage from its job (`None`: not made yet), whether a chunk being leased
+/// names it already, and whether its sweep is cancelled.
+pub fn triage(job: Option<&crate::job::JobRecord>, in_chunk: bool, sweep_cancelled: bool) -> Triage {
+    use crate::job::JobState;
+    let waits = job.is_none_or(|r| r.state == JobState::RetryScheduled && in_provider_batch(r.owner.as_deref()));
+    match job {
+        _ if waits && !in_chunk && sweep_cancelled => Triage::Cancel,
+        _ if waits && !in_chunk => Triage::Waits,
+        Some(r) if r.state.is_final() || r.state == JobState::Validated => Triage::Done,
+        _ => Triage::Open,
+    }
+}
+
 /// The owner an item's job names while it is in a provider batch: its chunk's id
 /// (`chunk_id`), so the item counts as submitted to the provider, not as being called.
 pub const OWNER_PREFIX: &str = "batch-";
@@ -451,6 +479,32 @@ pub enum ChunkStep {
     Created,
     /// Every item's line (or its absence) is applied: the chunk is over.
     Applied,
+}
+
+/// What happens to a chunk (`ChunkRecord::after`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChunkEvent {
+    /// Its items are leased to it (the ones still its own), its request lines digested
+    /// and what finding its batch after a crash needs to know noted (`BatchApi::mark`):
+    /// the intent. None leased: it is over.
+    Leased { job_ids: Vec<String>, input_digest: String, newest_before: Option<String> },
+    /// Its input file is uploaded.
+    Uploaded { file_id: String },
+    /// Its batch is created.
+    Created { batch_id: String },
+    /// The provider's live counts of its lines.
+    Counted { succeeded: u64, failed: u64 },
+    /// Its sweep was cancelled and a cancel sent to the provider.
+    CancelSent,
+    /// Its batch ended and every line is applied (or its items sent again).
+    Ended,
+}
+
+/// An event a chunk's step does not take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ChunkError {
+    #[error("a chunk at step {0:?} does not take this event")]
+    Step(ChunkStep),
 }
 
 /// One provider batch of a sweep (KV `SWEEPS_<R>`, key `batch.<sweep id>.<seq>`),
@@ -517,6 +571,43 @@ impl ChunkRecord {
             lines_failed: 0,
             cancel_sent: false,
         }
+    }
+
+    /// The chunk after `event` at `now_ms`: the one place its step moves. An event its
+    /// step does not take is refused, naming the step.
+    pub fn after(&self, event: ChunkEvent, now_ms: u64) -> Result<ChunkRecord, ChunkError> {
+        use ChunkStep::*;
+        let mut next = self.clone();
+        match (self.step, event) {
+            (Leasing, ChunkEvent::Leased { job_ids, .. }) if job_ids.is_empty() => {
+                next.job_ids = job_ids;
+                next.step = Applied;
+                next.ended_at_ms = Some(now_ms);
+            }
+            (Leasing, ChunkEvent::Leased { job_ids, input_digest, newest_before }) => {
+                (next.job_ids, next.input_digest, next.newest_before) = (job_ids, Some(input_digest), newest_before);
+                next.step = Intent;
+            }
+            (Intent, ChunkEvent::Uploaded { file_id }) => {
+                next.file_id = Some(file_id);
+                next.step = Uploaded;
+            }
+            (Intent | Uploaded, ChunkEvent::Created { batch_id }) => {
+                next.batch_id = Some(batch_id);
+                next.step = Created;
+                next.submitted_at_ms = Some(now_ms);
+            }
+            (Created, ChunkEvent::Counted { succeeded, failed }) => {
+                (next.lines_succeeded, next.lines_failed) = (succeeded, failed);
+            }
+            (Created, ChunkEvent::CancelSent) => next.cancel_sent = true,
+            (Created, ChunkEvent::Ended) => {
+                next.step = Applied;
+                next.ended_at_ms = Some(now_ms);
+            }
+            (step, _) => return Err(ChunkError::Step(step)),
+        }
+        Ok(next)
     }
 
     /// It holds enqueued tokens: from its cut until it is applied.
@@ -827,5 +918,80 @@ mod tests {
         assert!(
             in_provider_batch(Some(&a.chunk_id)) && !in_provider_batch(Some("replica-1")) && !in_provider_batch(None)
         );
+    }
+
+    #[test]
+    fn a_chunk_moves_from_its_lease_through_its_send_to_its_end_and_refuses_any_other_step() {
+        let cut = ChunkRecord::new("us_s", "acme", 1, vec!["us_a".into(), "us_b".into()], 10);
+        let leased = |ids: &[&str]| ChunkEvent::Leased {
+            job_ids: ids.iter().map(|s| s.to_string()).collect(),
+            input_digest: "d".into(),
+            newest_before: Some("b0".into()),
+        };
+        // Nothing leased: over at once.
+        let none = cut.after(leased(&[]), 20).unwrap();
+        assert_eq!((none.step, none.ended_at_ms, none.job_ids.len()), (ChunkStep::Applied, Some(20), 0));
+        // Uploaded, then created (OpenAI).
+        let intent = cut.after(leased(&["us_b"]), 20).unwrap();
+        assert_eq!((intent.step, intent.job_ids.clone()), (ChunkStep::Intent, vec!["us_b".to_string()]));
+        assert_eq!((intent.input_digest.as_deref(), intent.newest_before.as_deref()), (Some("d"), Some("b0")));
+        let uploaded = intent.after(ChunkEvent::Uploaded { file_id: "f".into() }, 22).unwrap();
+        assert_eq!((uploaded.step, uploaded.file_id.as_deref()), (ChunkStep::Uploaded, Some("f")));
+        let created = uploaded.after(ChunkEvent::Created { batch_id: "b1".into() }, 30).unwrap();
+        assert_eq!((created.step, created.submitted_at_ms), (ChunkStep::Created, Some(30)));
+        // Created from the intent (Anthropic: the requests inline).
+        assert_eq!(intent.after(ChunkEvent::Created { batch_id: "b2".into() }, 30).unwrap().step, ChunkStep::Created);
+        let counted = created.after(ChunkEvent::Counted { succeeded: 1, failed: 0 }, 40).unwrap();
+        assert_eq!((counted.lines_succeeded, counted.lines_failed), (1, 0));
+        let cancelled = counted.after(ChunkEvent::CancelSent, 41).unwrap();
+        assert!(cancelled.cancel_sent);
+        let ended = cancelled.after(ChunkEvent::Ended, 50).unwrap();
+        assert_eq!((ended.step, ended.turnaround_ms()), (ChunkStep::Applied, Some(20)));
+        // Out of order.
+        assert_eq!(cut.after(ChunkEvent::Ended, 1), Err(ChunkError::Step(ChunkStep::Leasing)));
+        assert_eq!(
+            uploaded.after(ChunkEvent::Uploaded { file_id: "g".into() }, 1),
+            Err(ChunkError::Step(ChunkStep::Uploaded))
+        );
+        assert_eq!(created.after(leased(&["us_a"]), 1), Err(ChunkError::Step(ChunkStep::Created)));
+        assert_eq!(
+            ended.after(ChunkEvent::Created { batch_id: "b3".into() }, 1),
+            Err(ChunkError::Step(ChunkStep::Applied))
+        );
+        assert_eq!(
+            intent.after(ChunkEvent::Counted { succeeded: 1, failed: 1 }, 1),
+            Err(ChunkError::Step(ChunkStep::Intent))
+        );
+    }
+
+    #[test]
+    fn an_item_waits_for_a_batch_until_one_names_it_and_a_cancelled_sweeps_waiting_items_end() {
+        use crate::job::{JobRecord, JobState, ReviewDepth};
+        use crate::region::Lane;
+        let job = |state, owner: Option<&str>| {
+            let (id, tenant, region) = ("us_a".to_string(), "acme".to_string(), crate::region::Region::Us);
+            let d = || "d".to_string();
+            let mut r = JobRecord::waiting(id, tenant, region, Lane::Batch, d(), d(), d(), ReviewDepth::Full, 1);
+            (r.state, r.owner) = (state, owner.map(str::to_string));
+            r
+        };
+        let again = job(JobState::RetryScheduled, Some("batch-us_s-000001"));
+        let lanes = job(JobState::RetryScheduled, Some(LANES_OWNER));
+        let running = job(JobState::Running, Some("batch-us_s-000001"));
+        let validated = job(JobState::Validated, None);
+        let published = job(JobState::Published, None);
+        assert_eq!(triage(None, false, false), Triage::Waits, "no job yet");
+        assert_eq!(triage(Some(&again), false, false), Triage::Waits, "sent again");
+        assert_eq!(triage(Some(&again), true, false), Triage::Open, "a chunk being leased names it");
+        assert_eq!(triage(Some(&lanes), false, false), Triage::Open, "handed to the lanes");
+        assert_eq!(triage(Some(&running), false, false), Triage::Open, "in a batch");
+        assert_eq!(
+            (triage(Some(&validated), false, false), triage(Some(&published), false, false)),
+            (Triage::Done, Triage::Done)
+        );
+        assert_eq!(triage(None, false, true), Triage::Cancel);
+        assert_eq!(triage(Some(&again), false, true), Triage::Cancel);
+        assert_eq!(triage(Some(&again), true, true), Triage::Open, "its chunk ends it");
+        assert_eq!(triage(Some(&running), false, true), Triage::Open, "what runs finishes");
     }
 }

@@ -20,10 +20,7 @@ use crate::harness::sample_diff;
 
 /// Items `0..n`: their custom ids and their batch requests.
 fn requests(sim: &SimProvider, n: usize) -> (Vec<String>, Vec<serde_json::Value>) {
-    let base = format!("http://{}", sim.addr());
-    let endpoint =
-        AnthropicEndpoint { base_url: base, model: "sim".into(), api_key: None, region: Region::Eu, max_tokens: 2048 };
-    let provider = AnthropicProvider::new(endpoint, Duration::from_secs(5), Duration::from_secs(60), 1 << 20);
+    let provider = adapter(sim);
     let (mut ids, mut out) = (Vec::new(), Vec::new());
     for i in 0..n {
         let id = format!("eu_{i:032x}");
@@ -44,15 +41,23 @@ fn requests(sim: &SimProvider, n: usize) -> (Vec<String>, Vec<serde_json::Value>
     (ids, out)
 }
 
+fn adapter(sim: &SimProvider) -> AnthropicProvider {
+    let base = format!("http://{}", sim.addr());
+    let endpoint =
+        AnthropicEndpoint { base_url: base, model: "sim".into(), api_key: None, region: Region::Eu, max_tokens: 2048 };
+    AnthropicProvider::new(endpoint, Duration::from_secs(5), Duration::from_secs(60), 1 << 20)
+}
+
 fn client(sim: &SimProvider) -> AnthropicBatches {
     let base = format!("http://{}", sim.addr());
-    AnthropicBatches::new(&base, None, Region::Eu, Duration::from_secs(5), Duration::from_secs(60))
+    let limits = (Duration::from_secs(5), Duration::from_secs(60));
+    AnthropicBatches::new(&base, None, Region::Eu, limits, std::sync::Arc::new(adapter(sim)))
 }
 
 /// Polls until the batch's step is not `Poll` (bounded: each read moves it one step).
 async fn until_ended(client: &AnthropicBatches, id: &str) -> MessageBatch {
     for _ in 0..50 {
-        let b = client.get(id).await.unwrap();
+        let b = client.retrieve(id).await.unwrap();
         if batch::step(&b.status) != BatchStep::Poll {
             return b;
         }
@@ -121,7 +126,7 @@ async fn a_cancelled_message_batch_keeps_what_ran_and_429s_carry_their_hint() {
     let (ids, reqs) = requests(&sim, 4);
     let client = client(&sim);
     let created = client.create(&reqs).await.unwrap();
-    let canceling = client.cancel(&created.id).await.unwrap();
+    let canceling = client.cancel_batch(&created.id).await.unwrap();
     assert_eq!(canceling.status, BatchStatus::Cancelling);
     assert_eq!(batch::step(&canceling.status), BatchStep::Poll);
     let ended = until_ended(&client, &created.id).await;
@@ -137,8 +142,8 @@ async fn a_cancelled_message_batch_keeps_what_ran_and_429s_carry_their_hint() {
 
     sim.script_batches(BatchScript { throttle_requests: 1, ..Default::default() });
     assert_eq!(
-        client.get(&created.id).await.unwrap_err(),
+        client.retrieve(&created.id).await.unwrap_err(),
         BatchApiError::RateLimited { retry_after: Some(Duration::from_secs(1)) }
     );
-    assert!(client.get(&created.id).await.is_ok());
+    assert!(client.retrieve(&created.id).await.is_ok());
 }

@@ -22,15 +22,7 @@ use crate::harness::sample_diff;
 
 /// Items `0..n`: their custom ids (job-id shaped) and the batch input file.
 fn input(sim: &SimProvider, n: usize) -> (Vec<String>, Vec<u8>) {
-    let provider = OpenAiProvider::new(
-        &sim.base_url(),
-        "sim".into(),
-        None,
-        Region::Us,
-        Duration::from_secs(5),
-        Duration::from_secs(60),
-        1 << 20,
-    );
+    let provider = adapter(sim);
     let mut ids = Vec::new();
     let mut jsonl = Vec::new();
     for i in 0..n {
@@ -59,7 +51,7 @@ fn input(sim: &SimProvider, n: usize) -> (Vec<String>, Vec<u8>) {
 async fn until_done(client: &OpenAiBatches, id: &str) -> (BatchInfo, Vec<String>) {
     let mut seen = Vec::new();
     for _ in 0..50 {
-        let info = client.get(id).await.unwrap();
+        let info = client.retrieve(id).await.unwrap();
         seen.push(format!("{:?}", info.status));
         if batch::step(&info.status) != BatchStep::Poll {
             return (info, seen);
@@ -69,7 +61,20 @@ async fn until_done(client: &OpenAiBatches, id: &str) -> (BatchInfo, Vec<String>
 }
 
 fn client(sim: &SimProvider) -> OpenAiBatches {
-    OpenAiBatches::new(&sim.base_url(), None, Region::Us, Duration::from_secs(5), Duration::from_secs(60))
+    let limits = (Duration::from_secs(5), Duration::from_secs(60));
+    OpenAiBatches::new(&sim.base_url(), None, Region::Us, limits, std::sync::Arc::new(adapter(sim)))
+}
+
+fn adapter(sim: &SimProvider) -> OpenAiProvider {
+    OpenAiProvider::new(
+        &sim.base_url(),
+        "sim".into(),
+        None,
+        Region::Us,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+        1 << 20,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,9 +100,9 @@ async fn a_batch_runs_through_every_status_and_each_line_comes_to_its_items_fate
     assert_eq!(created.status, batch::BatchStatus::Validating);
     // Found again by its metadata, as a coordinator that crashed before recording the id
     // would look for it.
-    let found = client.find("reviewlane_chunk", "s1-0", 3).await.unwrap().expect("found by metadata");
+    let found = client.find_by_metadata("reviewlane_chunk", "s1-0", 3).await.unwrap().expect("found by metadata");
     assert_eq!(found.id, created.id);
-    assert!(client.find("reviewlane_chunk", "other", 3).await.unwrap().is_none());
+    assert!(client.find_by_metadata("reviewlane_chunk", "other", 3).await.unwrap().is_none());
 
     let (done, seen) = until_done(&client, &created.id).await;
     for status in ["Validating", "InProgress", "Finalizing", "Ended"] {
@@ -145,8 +150,8 @@ async fn cancelled_expired_and_refused_batches_keep_what_ran_and_resubmit_the_re
     sim.script_batches(BatchScript { progress_polls: 4, ..Default::default() });
     let (ids, jsonl) = input(&sim, 4);
     let created = client.create(&client.upload("c.jsonl", jsonl).await.unwrap(), &none).await.unwrap();
-    client.get(&created.id).await.unwrap();
-    let cancelled = client.cancel(&created.id).await.unwrap();
+    client.retrieve(&created.id).await.unwrap();
+    let cancelled = client.cancel_batch(&created.id).await.unwrap();
     assert_eq!(cancelled.status, batch::BatchStatus::Cancelled);
     assert_eq!(batch::step(&cancelled.status), BatchStep::Collect);
     let matched = batch::reconcile(&ids, client.lines(&cancelled).await.unwrap());
@@ -184,8 +189,8 @@ async fn cancelled_expired_and_refused_batches_keep_what_ran_and_resubmit_the_re
     // A 429 on the batch endpoints comes with its hint.
     sim.script_batches(BatchScript { throttle_requests: 1, ..Default::default() });
     assert_eq!(
-        client.get(&created.id).await.unwrap_err(),
+        client.retrieve(&created.id).await.unwrap_err(),
         BatchApiError::RateLimited { retry_after: Some(Duration::from_secs(1)) }
     );
-    assert!(client.get(&created.id).await.is_ok());
+    assert!(client.retrieve(&created.id).await.is_ok());
 }

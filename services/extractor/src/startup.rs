@@ -69,8 +69,8 @@ pub async fn build_with_provider(
             config.region
         )));
     }
-    let batch_client = batch_client_of(&config);
-    if let Some(client) = &batch_client
+    let batch_api = batch_api_of(&config);
+    if let Some(client) = &batch_api
         && client.region() != config.region
     {
         return Err(StartError::Other(anyhow::anyhow!(
@@ -114,7 +114,7 @@ pub async fn build_with_provider(
         why_not: why_not.clone(),
     };
     sweeps.announce(&capability).await.map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
-    let coordinator = batch_client.filter(|_| why_not.is_none()).map(|client| crate::sweep::Coordinator {
+    let coordinator = batch_api.filter(|_| why_not.is_none()).map(|client| crate::sweep::Coordinator {
         region: config.region,
         sweeps: sweeps.clone(),
         jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
@@ -178,35 +178,38 @@ fn anthropic_adapter(config: &ExtractorConfig) -> Option<crate::provider::anthro
     ))
 }
 
-/// The batch client of the configured provider, if it has a batch API.
-fn batch_client_of(config: &ExtractorConfig) -> Option<crate::sweep::client::BatchClient> {
+/// The batch API of the configured provider, if it has one.
+fn batch_api_of(config: &ExtractorConfig) -> Option<Arc<dyn crate::batch::BatchApi>> {
     use crate::batch::{anthropic::AnthropicBatches, openai::OpenAiBatches};
-    use crate::sweep::client::BatchClient;
     let (timeout, ceiling, max_body) =
         (config.scheduling.provider_timeout, config.quota.hint_ceiling, config.results.max_response_bytes);
     match &config.provider {
         ProviderConfig::Builtin => None,
         ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect } => {
-            Some(BatchClient::OpenAi {
-                batches: OpenAiBatches::new(base_url, api_key.clone(), *endpoint_region, timeout, ceiling),
-                adapter: Arc::new(
-                    OpenAiProvider::new(
-                        base_url,
-                        model.clone(),
-                        api_key.clone(),
-                        *endpoint_region,
-                        timeout,
-                        ceiling,
-                        max_body,
-                    )
-                    .with_schema_dialect(*schema_dialect),
-                ),
-            })
+            let adapter = OpenAiProvider::new(
+                base_url,
+                model.clone(),
+                api_key.clone(),
+                *endpoint_region,
+                timeout,
+                ceiling,
+                max_body,
+            )
+            .with_schema_dialect(*schema_dialect);
+            let api =
+                OpenAiBatches::new(base_url, api_key.clone(), *endpoint_region, (timeout, ceiling), Arc::new(adapter));
+            Some(Arc::new(api))
         }
-        ProviderConfig::Anthropic { base_url, api_key, endpoint_region, .. } => Some(BatchClient::Anthropic {
-            batches: AnthropicBatches::new(base_url, api_key.clone(), *endpoint_region, timeout, ceiling),
-            adapter: Arc::new(anthropic_adapter(config)?),
-        }),
+        ProviderConfig::Anthropic { base_url, api_key, endpoint_region, .. } => {
+            let adapter = Arc::new(anthropic_adapter(config)?);
+            Some(Arc::new(AnthropicBatches::new(
+                base_url,
+                api_key.clone(),
+                *endpoint_region,
+                (timeout, ceiling),
+                adapter,
+            )))
+        }
     }
 }
 

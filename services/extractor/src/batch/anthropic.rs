@@ -6,14 +6,17 @@
 //! line (`lines::anthropic`). Only `succeeded` lines are billed. Answers are classified
 //! as the OpenAI client's are (`BatchApiError`).
 
+use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
-use reviewlane_core::batch::{BatchStatus, LineResult};
+use reviewlane_core::batch::{self, BatchLimits, BatchStatus, ChunkRecord, LineResult};
 use reviewlane_shared::Region;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::BatchApiError;
-use crate::provider::anthropic::ANTHROPIC_VERSION;
+use super::{BatchApi, BatchApiError, FIND_PAGES, Found, Polled, Sent};
+use crate::provider::ProviderRequest;
+use crate::provider::anthropic::{ANTHROPIC_VERSION, AnthropicProvider};
 
 /// A message batch as the API reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,17 +61,19 @@ pub struct AnthropicBatches {
     api_key: Option<SecretString>,
     region: Region,
     hint_ceiling: Duration,
+    /// Builds the requests.
+    adapter: Arc<AnthropicProvider>,
 }
 
 impl AnthropicBatches {
     /// The Message Batches API under `base_url` (the Messages API's, e.g.
-    /// `https://api.anthropic.com`), in `region`.
+    /// `https://api.anthropic.com`), in `region`, its requests built by `adapter`.
     pub fn new(
         base_url: &str,
         api_key: Option<SecretString>,
         region: Region,
-        timeout: Duration,
-        hint_ceiling: Duration,
+        (timeout, hint_ceiling): (Duration, Duration),
+        adapter: Arc<AnthropicProvider>,
     ) -> Self {
         AnthropicBatches {
             http: crate::provider::http_client(timeout),
@@ -76,12 +81,8 @@ impl AnthropicBatches {
             api_key,
             region,
             hint_ceiling,
+            adapter,
         }
-    }
-
-    /// The region whose data this endpoint may carry.
-    pub fn region(&self) -> Region {
-        self.region
     }
 
     /// Sends with the version and the key, and classifies; the body of a 2xx.
@@ -104,12 +105,8 @@ impl AnthropicBatches {
         self.batch(self.http.post(&self.base).json(&serde_json::json!({ "requests": requests }))).await
     }
 
-    pub async fn get(&self, batch_id: &str) -> Result<MessageBatch, BatchApiError> {
+    pub async fn retrieve(&self, batch_id: &str) -> Result<MessageBatch, BatchApiError> {
         self.batch(self.http.get(format!("{}/{batch_id}", self.base))).await
-    }
-
-    pub async fn cancel(&self, batch_id: &str) -> Result<MessageBatch, BatchApiError> {
-        self.batch(self.http.post(format!("{}/{batch_id}/cancel", self.base))).await
     }
 
     /// A page of batches, newest first, after `after_id`; and whether more follow.
@@ -124,12 +121,140 @@ impl AnthropicBatches {
         Ok((page, v["has_more"].as_bool().unwrap_or(false)))
     }
 
+    pub async fn cancel_batch(&self, batch_id: &str) -> Result<MessageBatch, BatchApiError> {
+        self.batch(self.http.post(format!("{}/{batch_id}/cancel", self.base))).await
+    }
+
     /// Every result line of an ended batch (none before it has a `results_url`), in
-    /// the order read. Unreadable lines name no item and are left out.
+    /// the order read.
     pub async fn lines(&self, batch: &MessageBatch) -> Result<Vec<(String, LineResult)>, BatchApiError> {
-        let Some(url) = &batch.results_url else { return Ok(Vec::new()) };
+        match &batch.results_url {
+            Some(url) => self.read_results(url).await,
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The result lines at `url`, in the order read. Unreadable lines name no item and
+    /// are left out.
+    async fn read_results(&self, url: &str) -> Result<Vec<(String, LineResult)>, BatchApiError> {
         let body = self.send(self.http.get(url)).await?;
         Ok(body.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(super::lines::anthropic).collect())
+    }
+
+    /// The batches listed before `newest_before` (newer than it), as many pages as are
+    /// looked through, with `requests` requests, that neither a chunk names (`known`)
+    /// nor were shown another's (`not_ours`).
+    async fn candidates(
+        &self,
+        newest_before: Option<&String>,
+        requests: u64,
+        skip: impl Fn(&str) -> bool,
+    ) -> Result<Vec<MessageBatch>, BatchApiError> {
+        let mut candidates = Vec::new();
+        let mut after: Option<String> = None;
+        for _ in 0..FIND_PAGES {
+            let (page, more) = self.list(after.as_deref(), 100).await?;
+            for b in &page {
+                if Some(&b.id) == newest_before {
+                    return Ok(candidates);
+                }
+                let size = b.processing + b.succeeded + b.errored + b.canceled + b.expired;
+                if size == requests && !skip(&b.id) {
+                    candidates.push(b.clone());
+                }
+            }
+            match page.last() {
+                Some(last) if more => after = Some(last.id.clone()),
+                _ => break,
+            }
+        }
+        Ok(candidates)
+    }
+}
+
+#[async_trait::async_trait]
+impl BatchApi for AnthropicBatches {
+    fn provider(&self) -> &'static str {
+        "anthropic"
+    }
+
+    fn region(&self) -> Region {
+        self.region
+    }
+
+    fn limits(&self) -> BatchLimits {
+        BatchLimits::ANTHROPIC
+    }
+
+    fn line(&self, custom_id: &str, req: &ProviderRequest<'_>) -> serde_json::Value {
+        self.adapter.batch_request(custom_id, req)
+    }
+
+    /// The newest batch of the workspace now: a batch newer than it may be the chunk's
+    /// after a crash.
+    async fn mark(&self) -> Result<Option<String>, BatchApiError> {
+        Ok(self.list(None, 1).await?.0.first().map(|b| b.id.clone()))
+    }
+
+    /// Creates the batch with the requests inline.
+    async fn send(&self, _chunk: &ChunkRecord, lines: &[serde_json::Value]) -> Result<Sent, BatchApiError> {
+        Ok(Sent::Created { batch_id: self.create(lines).await?.id })
+    }
+
+    /// No metadata names a message batch. Among the batches newer than the mark with as
+    /// many requests as the chunk, the one whose results — once it has ended — carry
+    /// exactly the chunk's custom ids (its items' job ids, which no other application
+    /// uses). A candidate still running cannot be told yet: `Found::Unproven`, and the
+    /// chunk waits (no second create) until it ends. An ended candidate's results are
+    /// read once, for their custom ids.
+    async fn find(
+        &self,
+        chunk: &ChunkRecord,
+        known: &HashSet<String>,
+        not_ours: &mut HashSet<String>,
+    ) -> Result<Found, BatchApiError> {
+        let requests = chunk.job_ids.len() as u64;
+        let skip = |id: &str| known.contains(id) || not_ours.contains(id);
+        let candidates = self.candidates(chunk.newest_before.as_ref(), requests, skip).await?;
+        let mine: HashSet<&str> = chunk.job_ids.iter().map(String::as_str).collect();
+        let mut unproven = false;
+        for b in candidates {
+            if batch::step(&b.status) == batch::BatchStep::Poll {
+                unproven = true;
+                continue;
+            }
+            let mut ids = HashSet::new();
+            if let Some(url) = &b.results_url {
+                ids.extend(self.read_results(url).await?.into_iter().map(|(id, _)| id));
+            }
+            if ids.len() == mine.len() && ids.iter().all(|id| mine.contains(id.as_str())) {
+                return Ok(Found::Ours(b.id));
+            }
+            not_ours.insert(b.id);
+        }
+        Ok(if unproven { Found::Unproven } else { Found::None })
+    }
+
+    async fn get(&self, batch_id: &str) -> Result<Polled, BatchApiError> {
+        let b = self.retrieve(batch_id).await?;
+        Ok(Polled {
+            status: b.status,
+            succeeded: b.succeeded,
+            failed: b.errored + b.canceled + b.expired,
+            results: b.results_url.into_iter().collect(),
+        })
+    }
+
+    async fn cancel(&self, batch_id: &str) -> Result<(), BatchApiError> {
+        self.cancel_batch(batch_id).await.map(drop)
+    }
+
+    async fn results(&self, polled: &Polled) -> Result<Vec<(String, LineResult)>, BatchApiError> {
+        let mut out = Vec::new();
+        for url in &polled.results {
+            out.extend(self.read_results(url).await?);
+        }
+        Ok(out)
     }
 }
 

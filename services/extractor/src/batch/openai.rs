@@ -1,16 +1,25 @@
 //! OpenAI's Batch API: the input file uploaded to `/v1/files` (purpose `batch`, one
 //! request line each: `OpenAiProvider::batch_line`), the batch created on
-//! `/v1/batches` with our metadata, polled, cancelled, listed (to find a batch a crash
-//! may have created), and its output and error files read back line by line
-//! (`lines::openai`). An answer of these endpoints is classified as any provider
-//! answer is: a 429 with its hint, a 5xx or timeout transient, any other 4xx refused.
+//! `/v1/batches` with the chunk's id in its metadata, polled, cancelled, listed (to find
+//! a batch a crash may have created: the one whose metadata names the chunk), and its
+//! output and error files read back line by line (`lines::openai`). An answer of these
+//! endpoints is classified as any provider answer is: a 429 with its hint, a 5xx or
+//! timeout transient, any other 4xx refused.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
-use reviewlane_core::batch::{BatchStatus, LineResult};
+use reviewlane_core::batch::{BatchLimits, BatchStatus, ChunkRecord, LineResult};
 use reviewlane_shared::Region;
 use secrecy::{ExposeSecret, SecretString};
+
+use super::{BatchApi, FIND_PAGES, Found, Polled, Sent};
+use crate::provider::ProviderRequest;
+use crate::provider::openai::OpenAiProvider;
+
+/// The metadata key naming a chunk on the OpenAI batch it created.
+pub const CHUNK_KEY: &str = "reviewlane_chunk";
 
 /// A batch as the API reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,17 +80,19 @@ pub struct OpenAiBatches {
     api_key: Option<SecretString>,
     region: Region,
     hint_ceiling: Duration,
+    /// Builds the request lines.
+    adapter: Arc<OpenAiProvider>,
 }
 
 impl OpenAiBatches {
     /// The Batch API under `base_url` (the same as the chat completions', e.g.
-    /// `https://api.openai.com/v1`), in `region`.
+    /// `https://api.openai.com/v1`), in `region`, its lines built by `adapter`.
     pub fn new(
         base_url: &str,
         api_key: Option<SecretString>,
         region: Region,
-        timeout: Duration,
-        hint_ceiling: Duration,
+        (timeout, hint_ceiling): (Duration, Duration),
+        adapter: Arc<OpenAiProvider>,
     ) -> Self {
         OpenAiBatches {
             http: crate::provider::http_client(timeout),
@@ -89,12 +100,8 @@ impl OpenAiBatches {
             api_key,
             region,
             hint_ceiling,
+            adapter,
         }
-    }
-
-    /// The region whose data this endpoint may carry.
-    pub fn region(&self) -> Region {
-        self.region
     }
 
     fn authed(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
@@ -145,12 +152,8 @@ impl OpenAiBatches {
         self.batch(self.http.post(format!("{}/batches", self.base)).json(&body)).await
     }
 
-    pub async fn get(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
+    pub async fn retrieve(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
         self.batch(self.http.get(format!("{}/batches/{batch_id}", self.base))).await
-    }
-
-    pub async fn cancel(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
-        self.batch(self.http.post(format!("{}/batches/{batch_id}/cancel", self.base))).await
     }
 
     /// A page of batches, newest first, after `after` (a batch id); and whether more
@@ -168,7 +171,12 @@ impl OpenAiBatches {
     /// The first batch, newest first within the last `pages` pages, whose metadata has
     /// `key` = `value`: a batch a coordinator may have created before it could record
     /// the id.
-    pub async fn find(&self, key: &str, value: &str, pages: u32) -> Result<Option<BatchInfo>, BatchApiError> {
+    pub async fn find_by_metadata(
+        &self,
+        key: &str,
+        value: &str,
+        pages: u32,
+    ) -> Result<Option<BatchInfo>, BatchApiError> {
         let mut after: Option<String> = None;
         for _ in 0..pages {
             let (page, more) = self.list(after.as_deref(), 100).await?;
@@ -183,16 +191,94 @@ impl OpenAiBatches {
         Ok(None)
     }
 
+    pub async fn cancel_batch(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
+        self.batch(self.http.post(format!("{}/batches/{batch_id}/cancel", self.base))).await
+    }
+
     /// Every result line of an ended batch, from its output and error files (either
-    /// may be absent), in the order read: (custom id, what it says). Unreadable lines
-    /// name no item and are left out (their items count as missing).
+    /// may be absent), in the order read.
     pub async fn lines(&self, info: &BatchInfo) -> Result<Vec<(String, LineResult)>, BatchApiError> {
+        let files: Vec<String> = [&info.output_file_id, &info.error_file_id].into_iter().flatten().cloned().collect();
+        self.read_results(&files).await
+    }
+
+    /// The lines of result files (output and error files), in the order read.
+    /// Unreadable lines name no item and are left out (their items count as missing).
+    async fn read_results(&self, files: &[String]) -> Result<Vec<(String, LineResult)>, BatchApiError> {
         let mut out = Vec::new();
-        for file in [&info.output_file_id, &info.error_file_id].into_iter().flatten() {
+        for file in files {
             let body = self.send(self.http.get(format!("{}/files/{file}/content", self.base))).await?;
             out.extend(body.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(super::lines::openai));
         }
         Ok(out)
+    }
+}
+
+#[async_trait::async_trait]
+impl BatchApi for OpenAiBatches {
+    fn provider(&self) -> &'static str {
+        "openai"
+    }
+
+    fn region(&self) -> Region {
+        self.region
+    }
+
+    fn limits(&self) -> BatchLimits {
+        BatchLimits::OPENAI
+    }
+
+    fn line(&self, custom_id: &str, req: &ProviderRequest<'_>) -> serde_json::Value {
+        self.adapter.batch_line(custom_id, req)
+    }
+
+    /// Uploads the chunk's input file under its id, then (once the file id is recorded)
+    /// creates the batch from it with the chunk's id in the metadata.
+    async fn send(&self, chunk: &ChunkRecord, lines: &[serde_json::Value]) -> Result<Sent, BatchApiError> {
+        match &chunk.file_id {
+            None => {
+                let mut jsonl = Vec::new();
+                for line in lines {
+                    jsonl.extend(line.to_string().into_bytes());
+                    jsonl.push(b'\n');
+                }
+                let file_id = self.upload(&format!("{}.jsonl", chunk.chunk_id), jsonl).await?;
+                Ok(Sent::Uploaded { file_id })
+            }
+            Some(file) => {
+                let metadata = BTreeMap::from([(CHUNK_KEY.to_string(), chunk.chunk_id.clone())]);
+                Ok(Sent::Created { batch_id: self.create(file, &metadata).await?.id })
+            }
+        }
+    }
+
+    /// The batch whose metadata names the chunk: no other application's can.
+    async fn find(
+        &self,
+        chunk: &ChunkRecord,
+        _known: &HashSet<String>,
+        _not_ours: &mut HashSet<String>,
+    ) -> Result<Found, BatchApiError> {
+        let found = self.find_by_metadata(CHUNK_KEY, &chunk.chunk_id, FIND_PAGES).await?;
+        Ok(found.map_or(Found::None, |b| Found::Ours(b.id)))
+    }
+
+    async fn get(&self, batch_id: &str) -> Result<Polled, BatchApiError> {
+        let info = self.retrieve(batch_id).await?;
+        Ok(Polled {
+            status: info.status,
+            succeeded: info.completed,
+            failed: info.failed,
+            results: [info.output_file_id, info.error_file_id].into_iter().flatten().collect(),
+        })
+    }
+
+    async fn cancel(&self, batch_id: &str) -> Result<(), BatchApiError> {
+        self.cancel_batch(batch_id).await.map(drop)
+    }
+
+    async fn results(&self, polled: &Polled) -> Result<Vec<(String, LineResult)>, BatchApiError> {
+        self.read_results(&polled.results).await
     }
 }
 

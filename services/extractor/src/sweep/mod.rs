@@ -12,10 +12,11 @@
 //!    before anything is sent to the provider.
 //! 4. **Send.** OpenAI: the input file is uploaded (its file id recorded), then the batch
 //!    created with the chunk's id in its metadata; Anthropic: the batch created with the
-//!    requests inline. The batch id is recorded right after. Neither provider makes a
-//!    create idempotent, so a chunk this replica did not itself just take to that step
-//!    (a crash, another leader) first looks for a batch it may have created
-//!    (`BatchClient::find`) and creates one only when there is none.
+//!    requests inline (`BatchApi::send`, a step at a time). The batch id is recorded
+//!    right after. Neither provider makes a create idempotent, so a chunk this replica
+//!    did not itself just take to that step (a crash, another leader) first looks for a
+//!    batch it may have created (`BatchApi::find`) and creates one only when there is
+//!    none.
 //! 5. **Poll** with the backoff (`core::batch::PollBackoff`), keeping the live counts;
 //!    a cancelled sweep's batches are cancelled at the provider.
 //! 6. **Apply** each line to its item once (`apply`): the compare-and-set on the item's
@@ -24,14 +25,13 @@
 //! A sweep whose items are all final is marked settled and looked at no more.
 
 mod apply;
-pub mod client;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use reviewlane_core::batch::{self, BatchStep, ChunkRecord, ChunkStep, Cut};
+use reviewlane_core::batch::{self, BatchStep, ChunkError, ChunkEvent, ChunkRecord, ChunkStep, Cut, Triage};
 use reviewlane_core::clock::SharedClock;
 use reviewlane_core::job::{Event, JobRecord, JobState};
 use reviewlane_core::messages::ReviewMessage;
@@ -41,9 +41,8 @@ use reviewlane_shared::sweeps::{ApplyError, Sweeps};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::batch::BatchApiError;
+use crate::batch::{BatchApi, BatchApiError, Found, Sent};
 use crate::config::BatchSettings;
-use client::BatchClient;
 
 /// Records read at once.
 const AT_ONCE: usize = 32;
@@ -55,7 +54,7 @@ pub struct Coordinator {
     pub results: reviewlane_shared::results::Results,
     pub index: reviewlane_shared::job_index::JobIndex,
     pub dead_letters: reviewlane_shared::dead_letters::DeadLetters,
-    pub client: BatchClient,
+    pub client: Arc<dyn BatchApi>,
     pub settings: BatchSettings,
     pub clock: SharedClock,
     /// This replica, as the lead names it.
@@ -117,6 +116,8 @@ enum RoundError {
     Api(#[from] BatchApiError),
     #[error("another replica leads the provider batches now")]
     LeadLost,
+    #[error(transparent)]
+    Chunk(#[from] ChunkError),
 }
 
 impl From<ApplyError> for RoundError {
@@ -279,23 +280,18 @@ impl Coordinator {
             if let Some((r, _)) = &job {
                 self.keep_on_lane(sweep, r).await?;
             }
-            let waits = match &job {
-                None => true,
-                Some((r, _)) => r.state == JobState::RetryScheduled && batch::in_provider_batch(r.owner.as_deref()),
-            };
-            if waits && !in_chunks.contains(&id) && cancelled {
-                // Never sent again: it ends `cancelled` (one with no job never runs).
-                if let Some(read) = job {
-                    self.end_cancelled(&id, read).await?;
+            match batch::triage(job.as_ref().map(|(r, _)| r), in_chunks.contains(&id), cancelled) {
+                Triage::Done => {}
+                Triage::Open => open.push(id),
+                Triage::Waits => {
+                    open.push(id.clone());
+                    waiting.push(id);
                 }
-                continue;
-            }
-            // Left for the coordinator: not final, nor validated (the publisher's).
-            if !job.as_ref().is_some_and(|(r, _)| r.state.is_final() || r.state == JobState::Validated) {
-                open.push(id.clone());
-            }
-            if waits && !in_chunks.contains(&id) {
-                waiting.push(id);
+                Triage::Cancel => {
+                    if let Some(read) = job {
+                        self.end_cancelled(&id, read).await?;
+                    }
+                }
             }
         }
         let live = chunks.iter().any(|(c, _)| c.step != ChunkStep::Applied);
@@ -456,18 +452,13 @@ impl Coordinator {
                 let fresh = memory.fresh.contains(&chunk.chunk_id);
                 match chunk.step {
                     ChunkStep::Leasing => {
-                        let leased = self.lease(sweep, chunk).await?;
-                        chunk.job_ids = leased;
-                        if chunk.job_ids.is_empty() {
-                            chunk.step = ChunkStep::Applied;
-                            chunk.ended_at_ms = Some(self.clock.now_ms());
-                        } else {
-                            let lines = self.lines(sweep, chunk).await?;
-                            chunk.input_digest = Some(digest(&lines));
-                            chunk.newest_before = self.client.newest().await?;
-                            chunk.step = ChunkStep::Intent;
+                        let job_ids = self.lease(sweep, chunk).await?;
+                        let (mut input_digest, mut newest_before) = (String::new(), None);
+                        if !job_ids.is_empty() {
+                            input_digest = digest(&self.lines(sweep, &job_ids).await?);
+                            newest_before = self.client.mark().await?;
                         }
-                        self.write(chunk, revision).await?;
+                        self.step(chunk, revision, ChunkEvent::Leased { job_ids, input_digest, newest_before }).await?;
                         memory.fresh.insert(chunk.chunk_id.clone());
                     }
                     ChunkStep::Intent | ChunkStep::Uploaded if !fresh => {
@@ -479,21 +470,20 @@ impl Coordinator {
                             return Ok(());
                         }
                         match self.client.find(chunk, known, &mut memory.not_ours).await? {
-                            client::Found::Ours(found) => {
+                            Found::Ours(found) => {
                                 memory.fresh.insert(chunk.chunk_id.clone());
                                 memory.polls.remove(&chunk.chunk_id);
                                 tracing::info!("found the batch created before its id was recorded");
-                                self.created(chunk, found);
-                                self.write(chunk, revision).await?;
+                                self.sent(chunk, revision, Sent::Created { batch_id: found }).await?;
                             }
-                            client::Found::Unproven => {
+                            Found::Unproven => {
                                 // Looked at again later; never created a second time meanwhile.
                                 tracing::info!("a batch that may be this chunk's is still running: waiting for proof");
                                 let wait = self.settings.poll.delay(looks, None);
                                 memory.polls.insert(chunk.chunk_id.clone(), (looks + 1, now + wait));
                                 return Ok(());
                             }
-                            client::Found::None => {
+                            Found::None => {
                                 memory.fresh.insert(chunk.chunk_id.clone());
                                 memory.polls.remove(&chunk.chunk_id);
                             }
@@ -501,24 +491,17 @@ impl Coordinator {
                     }
                     ChunkStep::Intent => {
                         self.still_leading().await?;
-                        let lines = self.lines(sweep, chunk).await?;
+                        let lines = self.lines(sweep, &chunk.job_ids).await?;
                         if chunk.input_digest.as_deref() != Some(digest(&lines).as_str()) {
                             tracing::warn!("a chunk's request lines differ from its intent; sent as they now are");
                         }
-                        if self.client.provider() == "openai" {
-                            chunk.file_id = Some(self.client.upload(chunk, &lines).await?);
-                            chunk.step = ChunkStep::Uploaded;
-                        } else {
-                            let id = self.client.create(chunk, &lines).await?;
-                            self.created(chunk, id);
-                        }
-                        self.write(chunk, revision).await?;
+                        let sent = self.client.send(chunk, &lines).await?;
+                        self.sent(chunk, revision, sent).await?;
                     }
                     ChunkStep::Uploaded => {
                         self.still_leading().await?;
-                        let id = self.client.create(chunk, &[]).await?;
-                        self.created(chunk, id);
-                        self.write(chunk, revision).await?;
+                        let sent = self.client.send(chunk, &[]).await?;
+                        self.sent(chunk, revision, sent).await?;
                     }
                     ChunkStep::Created => {
                         if !self.poll(sweep, chunk, revision, memory).await? {
@@ -537,11 +520,25 @@ impl Coordinator {
         .await
     }
 
-    fn created(&self, chunk: &mut ChunkRecord, batch_id: String) {
-        chunk.batch_id = Some(batch_id);
-        chunk.step = ChunkStep::Created;
-        chunk.submitted_at_ms = Some(self.clock.now_ms());
-        tracing::info!(items = chunk.job_ids.len(), "provider batch created");
+    /// Records what a step of sending did: the uploaded input, or the created batch.
+    async fn sent(&self, chunk: &mut ChunkRecord, revision: &mut u64, sent: Sent) -> Result<(), RoundError> {
+        let event = match sent {
+            Sent::Uploaded { file_id } => ChunkEvent::Uploaded { file_id },
+            Sent::Created { batch_id } => ChunkEvent::Created { batch_id },
+        };
+        self.step(chunk, revision, event).await?;
+        if chunk.step == ChunkStep::Created {
+            tracing::info!(items = chunk.job_ids.len(), "provider batch created");
+        }
+        Ok(())
+    }
+
+    /// Moves the chunk on by `event` (`ChunkRecord::after`, where its step moves) and
+    /// writes it.
+    async fn step(&self, chunk: &mut ChunkRecord, revision: &mut u64, event: ChunkEvent) -> Result<(), RoundError> {
+        *chunk = chunk.after(event, self.clock.now_ms())?;
+        self.write(chunk, revision).await?;
+        Ok(())
     }
 
     /// Writes the chunk's record from its revision.
@@ -568,8 +565,7 @@ impl Coordinator {
         if sweep.state == SweepState::Cancelled && !chunk.cancel_sent {
             match self.client.cancel(&batch_id).await {
                 Ok(()) | Err(BatchApiError::Refused { .. }) => {
-                    chunk.cancel_sent = true;
-                    self.write(chunk, revision).await?;
+                    self.step(chunk, revision, ChunkEvent::CancelSent).await?;
                     tracing::info!("provider batch cancelled with its sweep");
                 }
                 Err(e) => return Err(e.into()),
@@ -588,15 +584,15 @@ impl Coordinator {
         match batch::step(&polled.status) {
             BatchStep::Poll => {
                 if (polled.succeeded, polled.failed) != (chunk.lines_succeeded, chunk.lines_failed) {
-                    (chunk.lines_succeeded, chunk.lines_failed) = (polled.succeeded, polled.failed);
-                    self.write(chunk, revision).await?;
+                    let counted = ChunkEvent::Counted { succeeded: polled.succeeded, failed: polled.failed };
+                    self.step(chunk, revision, counted).await?;
                 }
                 let wait = self.settings.poll.delay(polls, None);
                 memory.polls.insert(chunk.chunk_id.clone(), (polls + 1, now + wait));
                 Ok(false)
             }
             BatchStep::Collect => {
-                let lines = self.client.lines(&polled).await?;
+                let lines = self.client.results(&polled).await?;
                 self.apply_lines(sweep, chunk, lines).await?;
                 self.ended(chunk, revision).await?;
                 memory.refusals.entry(sweep.sweep_id.clone()).or_default().ran();
@@ -632,10 +628,8 @@ impl Coordinator {
         }
     }
 
-    async fn ended(&self, chunk: &mut ChunkRecord, revision: &mut u64) -> Result<(), StoreError> {
-        chunk.step = ChunkStep::Applied;
-        chunk.ended_at_ms = Some(self.clock.now_ms());
-        self.write(chunk, revision).await?;
+    async fn ended(&self, chunk: &mut ChunkRecord, revision: &mut u64) -> Result<(), RoundError> {
+        self.step(chunk, revision, ChunkEvent::Ended).await?;
         tracing::info!(turnaround_ms = chunk.turnaround_ms(), "provider batch applied");
         Ok(())
     }
@@ -691,10 +685,10 @@ impl Coordinator {
         Ok(leased)
     }
 
-    /// The chunk's request lines, in its items' order, built from the manifest.
-    async fn lines(&self, sweep: &SweepRecord, chunk: &ChunkRecord) -> Result<Vec<serde_json::Value>, RoundError> {
-        let mut out = Vec::with_capacity(chunk.job_ids.len());
-        for id in &chunk.job_ids {
+    /// The request lines of the items `job_ids`, in order, built from the manifest.
+    async fn lines(&self, sweep: &SweepRecord, job_ids: &[String]) -> Result<Vec<serde_json::Value>, RoundError> {
+        let mut out = Vec::with_capacity(job_ids.len());
+        for id in job_ids {
             let review = self.review(&sweep.sweep_id, id).await?.ok_or(StoreError::NotFound)?;
             let text = review.diff_text();
             let diff = review.parse_diff().unwrap_or(reviewlane_core::diff::Diff { files: Vec::new() });

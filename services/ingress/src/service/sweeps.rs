@@ -12,7 +12,8 @@ use reviewlane_api::proto::{
 };
 use reviewlane_core::batch::ChunkRecord;
 use reviewlane_core::sweep::{
-    self, DeeperIds, ItemEntry, ItemJob, ItemState, RunningBatches, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState,
+    self, DeeperIds, ItemEntry, ItemJob, ItemState, RunningBatches, SweepCounts, SweepEvent, SweepMode, SweepRecord,
+    SweepState,
 };
 use reviewlane_shared::sweeps::{ApplyError, Made, Sweeps};
 
