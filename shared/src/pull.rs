@@ -39,6 +39,14 @@ impl Ack {
     }
 }
 
+/// Sends `kind` for a pulled message. A failure is only logged: the message comes back
+/// after its ack wait, as if it had not been answered.
+pub async fn ack(msg: &jetstream::Message, kind: AckKind) {
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(error = %e, "answering a message failed; it returns after its ack wait");
+    }
+}
+
 /// Longest a pull request waits on the server for a message.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// Longest wait for the next message of a pull: its expiry and a margin. A pull request

@@ -31,7 +31,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use reviewlane_shared::pull::pull;
+use reviewlane_shared::pull::{ack, pull};
 
 use crate::quota::{Quota, Reservation, Scope, ScopeGuard};
 
@@ -367,7 +367,7 @@ pub async fn serve<F, Fut>(
                 WhilePaused::Late => {
                     tasks.spawn(run(Work::Late { msg: Box::new(msg), scope: l.scope.clone() }));
                 }
-                WhilePaused::HandBack(delay) => settle(&msg, AckKind::Nak(Some(delay))).await,
+                WhilePaused::HandBack(delay) => ack(&msg, AckKind::Nak(Some(delay))).await,
             }
             continue;
         }
@@ -411,13 +411,13 @@ async fn admit(
                 WhilePaused::Late => Duration::ZERO,
                 WhilePaused::HandBack(d) => d,
             };
-            settle(&msg, AckKind::Nak(Some(delay))).await;
+            ack(&msg, AckKind::Nak(Some(delay))).await;
             return None;
         }
         // This replica lost its share (another replica joined): let others take it.
         if quota.allowance(&l.scope) == 0 {
             hand_back(ticket);
-            settle(&msg, AckKind::Nak(None)).await;
+            ack(&msg, AckKind::Nak(None)).await;
             return None;
         }
         let notified = quota.changed.notified();
@@ -452,9 +452,9 @@ async fn admit(
                             tokio::select! {
                                 _ = given_back => {}
                                 _ = tokio::time::sleep(wait.min(BUDGET_RECHECK)) => {}
-                                _ = heartbeat.tick() => settle(&msg, AckKind::Progress).await,
+                                _ = heartbeat.tick() => ack(&msg, AckKind::Progress).await,
                                 _ = stop.cancelled() => {
-                                    settle(&msg, AckKind::Nak(None)).await;
+                                    ack(&msg, AckKind::Nak(None)).await;
                                     return None;
                                 }
                             }
@@ -466,7 +466,7 @@ async fn admit(
                                 WhilePaused::Late => Duration::ZERO,
                                 WhilePaused::HandBack(d) => d,
                             };
-                            settle(&msg, AckKind::Nak(Some(delay))).await;
+                            ack(&msg, AckKind::Nak(Some(delay))).await;
                             return None;
                         }
                     },
@@ -480,12 +480,12 @@ async fn admit(
         }
         tokio::select! {
             _ = notified => {}
-            _ = heartbeat.tick() => settle(&msg, AckKind::Progress).await,
+            _ = heartbeat.tick() => ack(&msg, AckKind::Progress).await,
             // A pause may end without a notification.
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
             _ = stop.cancelled() => {
                 hand_back(ticket);
-                settle(&msg, AckKind::Nak(None)).await;
+                ack(&msg, AckKind::Nak(None)).await;
                 return None;
             }
         }
@@ -511,12 +511,6 @@ async fn reserve(quota: &Quota, cost: reviewlane_core::meter::Cost) -> Result<Op
             tracing::error!(capacity, "a call larger than the key's whole budget; sent unreserved");
             Ok(None)
         }
-    }
-}
-
-async fn settle(msg: &jetstream::Message, kind: AckKind) {
-    if let Err(e) = msg.ack_with(kind).await {
-        tracing::warn!(error = %e, "settling a message failed; it returns after its lease");
     }
 }
 

@@ -177,7 +177,7 @@ impl Worker {
             generation: lease.generation(),
             lease_expires_at_ms: self.clock.now_ms() + self.policy.lease.as_millis() as u64,
         };
-        match self.apply_leased(job, lease, &event, None).await {
+        match lease.apply(&self.stores.jobs, &event, None).await {
             Ok(_) => None,
             Err(StoreError::Transition(TransitionError::Fenced { .. }, _)) => {
                 tracing::warn!(generation = lease.generation(), "lease taken over by another holder");

@@ -12,12 +12,13 @@ use async_nats::jetstream::AckKind;
 use reviewlane_core::job::{Event, JobState, TerminalReason, TransitionError};
 use reviewlane_shared::job_store::{Created, StoreError};
 
-use super::settle::{self, Decision, Outcome};
-use reviewlane_core::job::JobRecord;
-
 use reviewlane_core::findings::Validated;
+use reviewlane_core::job::JobRecord;
+use reviewlane_shared::job_store::JobStore;
 
 use super::parts::Planned;
+use super::plan::{Decision, Outcome};
+use super::settle::End;
 use super::{Job, Target, Worker};
 
 /// A lease this worker holds: the record as leased (its generation is the one every
@@ -25,11 +26,8 @@ use super::{Job, Target, Worker};
 pub struct Lease {
     pub rec: JobRecord,
     /// Whether this lease made a provider call (a cache hit, an open circuit or a
-    /// resumed answer do not).
+    /// resumed answer do not): for the calls a finished job counts.
     pub called: std::sync::atomic::AtomicBool,
-    /// The tokens of a paid call of this lease, charged to the record with its next
-    /// write (`charge`).
-    pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
     /// The record and revision this lease last wrote: its next write is a
     /// compare-and-set on that revision without reading first (a read follows only when
     /// someone else wrote meanwhile).
@@ -38,7 +36,7 @@ pub struct Lease {
 
 impl Lease {
     pub fn new(rec: JobRecord) -> Self {
-        Lease { rec, called: Default::default(), tokens: Default::default(), known: Default::default() }
+        Lease { rec, called: Default::default(), known: Default::default() }
     }
 
     /// A lease whose record was written at `revision`.
@@ -51,10 +49,19 @@ impl Lease {
         self.rec.generation()
     }
 
-    /// The tokens of a paid call, to be charged to the job with the next decision's
-    /// write.
-    pub fn charge(&self, tokens: Option<reviewlane_core::job::Tokens>) {
-        *self.tokens.lock().expect("tokens lock") = tokens;
+    /// Applies `event` to the job's record from the revision this lease last wrote
+    /// (fenced by its generation), charging `charge`, and remembers the revision it
+    /// writes.
+    pub async fn apply(
+        &self,
+        jobs: &JobStore,
+        event: &Event,
+        charge: Option<(reviewlane_core::job::Tokens, u64)>,
+    ) -> Result<JobRecord, StoreError> {
+        let known = self.known.lock().expect("known lock").take();
+        let (rec, revision) = jobs.apply_tracked(&self.rec.job_id, known, event, charge).await?;
+        *self.known.lock().expect("known lock") = Some((rec.clone(), revision));
+        Ok(rec)
     }
 
     /// Provider calls the job has made, this lease's included: one per retry spent, and
@@ -65,16 +72,17 @@ impl Lease {
     }
 }
 
-pub enum Leased {
+/// What taking the lease came to.
+pub(super) enum Leased {
     Held(Box<Lease>),
-    /// Nothing to call: the message is settled (or deliberately left alone).
-    Settled(Outcome),
+    /// The trip is over before a call: how it ends.
+    Over(End),
 }
 
-/// Step 1 as the trip sees it: a lease and what the job needs next, or nothing to do.
+/// Step 1 as the trip sees it: a lease and what the job needs next, or the trip's end.
 pub(super) enum Taken<'j> {
     Held(Box<Lease>, Next<'j>),
-    Settled(Outcome),
+    Over(End),
 }
 
 /// What a held lease is for.
@@ -85,8 +93,6 @@ pub(super) enum Next<'j> {
     Cached(Target<'j>, Validated),
     /// A review larger than the model's context, finished part by part.
     Split(std::sync::Arc<Vec<reviewlane_core::chunk::Part>>, reviewlane_core::job::Parts),
-    /// Decided without a call: the diff cannot be read back, or it splits too large.
-    Settle(Decision),
 }
 
 /// Margin added when handing a message back until another holder's lease ends.
@@ -94,16 +100,17 @@ const LEASE_MARGIN: Duration = Duration::from_millis(250);
 
 impl Worker {
     /// Takes the lease (with the result cache read beside it, not after it), then finds
-    /// what the job needs: one call, the cached result, its parts, or a decision.
+    /// what the job needs: one call, the cached result, its parts — or a decision
+    /// without a call (the diff cannot be read back, or it splits too large).
     pub(super) async fn take<'j>(&self, job: &'j Job<'_>) -> Result<Taken<'j>, StoreError> {
         let (leased, lookup) = tokio::join!(self.lease(job), self.cache_lookup(job));
         let lease = match leased? {
             Leased::Held(lease) => lease,
-            Leased::Settled(outcome) => return Ok(Taken::Settled(outcome)),
+            Leased::Over(end) => return Ok(Taken::Over(end)),
         };
         let Some(diff) = job.diff.as_ref() else {
             let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
-            return Ok(Taken::Held(lease, Next::Settle(decision)));
+            return Ok(Taken::Over(End::decided(lease, decision)));
         };
         let whole = Target { diff, text: crate::provider::prompt_diff(job.review, diff), part: None };
         // A split review under way is finished part by part, never from the cache.
@@ -112,10 +119,15 @@ impl Worker {
         {
             return Ok(Taken::Held(lease, Next::Cached(whole, hit)));
         }
-        let next = match self.plan(job, &lease).await? {
+        // A token is at least one byte: a prompt no longer than the budget in bytes fits
+        // one call without counting (and never enters `parts`).
+        if lease.rec.parts.is_none() && whole.text.len() <= self.policy.parts.plan.limits.budget() {
+            return Ok(Taken::Held(lease, Next::Call(whole)));
+        }
+        let next = match self.plan_parts(job, &lease).await? {
             Planned::Whole => Next::Call(whole),
             Planned::Split(parts, progress) => Next::Split(parts, progress),
-            Planned::Decided(decision) => Next::Settle(decision),
+            Planned::Decided(decision) => return Ok(Taken::Over(End::decided(lease, decision))),
         };
         Ok(Taken::Held(lease, next))
     }
@@ -139,13 +151,12 @@ impl Worker {
             // A concurrent submit with the same key but other content lost the race for
             // the record: its message is not this job's.
             tracing::warn!("lane message does not match its job record; dropping the message");
-            settle::ack(job.msg, AckKind::Term).await;
-            return Ok(Leased::Settled(Outcome::Skipped));
+            return Ok(Leased::Over(End::answered(Outcome::Skipped, AckKind::Term)));
         }
         let now = self.clock.now_ms();
         match rec.state {
             JobState::Terminal | JobState::Published | JobState::Validated => {
-                return self.settled(job, rec.state, rec.reason).await;
+                return Ok(Leased::Over(needs_nothing(rec.state, rec.reason)));
             }
             // The holder's lease is over: it may have kept its answer before it died.
             JobState::Running if rec.lease_expires_at_ms.is_none_or(|until| now >= until) => {
@@ -157,8 +168,7 @@ impl Worker {
                         quarantined: kept.quarantined.len(),
                         dropped: kept.findings_dropped,
                     };
-                    let lease = Lease::new(rec);
-                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
+                    return Ok(Leased::Over(End::decided(Box::new(Lease::new(rec)), decision)));
                 }
             }
             _ => {}
@@ -169,52 +179,53 @@ impl Worker {
         };
         match self.stores.jobs.apply_tracked(id, Some((rec, revision)), &event, None).await {
             Ok((rec, revision)) => {
-                let lease = Lease::written(rec, revision);
-                // The provider account is out of money: end the job without paying for a
-                // call (under the lease, so no other holder's job is ended).
-                if self.quota.circuit_open() {
-                    let decision = Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: None };
-                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
+                let lease = Box::new(Lease::written(rec, revision));
+                match self.ends_uncalled(&lease.rec).await? {
+                    Some(reason) => Ok(Leased::Over(End::decided(lease, Decision::Terminal { reason, status: None }))),
+                    None => Ok(Leased::Held(lease)),
                 }
-                // Its deadline passed while it waited (queued or between retries): it ends
-                // without a call.
-                if lease.rec.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) {
-                    let decision = Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None };
-                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
-                }
-                // An item of a cancelled sweep whose call failed (or whose holder died
-                // without keeping an answer) is not called again: it ends `cancelled`.
-                if lease.rec.attempts.leases > 1
-                    && let Some(sweep) = lease.rec.sweep_id.as_deref()
-                    && self.sweep_cancelled(&lease.rec.tenant, sweep).await?
-                {
-                    let decision = Decision::Terminal { reason: TerminalReason::Cancelled, status: None };
-                    return Ok(Leased::Settled(self.settle(job, &lease, decision).await?));
-                }
-                Ok(Leased::Held(Box::new(lease)))
             }
             Err(StoreError::Transition(TransitionError::LeaseHeld { until_ms: at }, _))
             | Err(StoreError::Transition(TransitionError::NotEligible { at_ms: at }, _)) => {
                 let wait = Duration::from_millis(at.saturating_sub(self.clock.now_ms())) + LEASE_MARGIN;
                 tracing::debug!(wait_ms = wait.as_millis() as u64, "job held or not yet eligible; handed back");
-                settle::ack(job.msg, AckKind::Nak(Some(wait))).await;
-                Ok(Leased::Settled(Outcome::Deferred(wait)))
+                Ok(Leased::Over(End::answered(Outcome::Deferred(wait), AckKind::Nak(Some(wait)))))
             }
             Err(StoreError::Transition(_, current)) => {
                 tracing::info!(state = current.state.as_str(), "job moved on before lease");
-                self.settled(job, current.state, current.reason).await
+                Ok(Leased::Over(needs_nothing(current.state, current.reason)))
             }
             Err(e) => Err(e),
         }
     }
 
+    /// Why a job just leased ends without a call, if it does: the provider account is
+    /// out of money (ended under the lease, so no other holder's job is ended); its
+    /// deadline passed while it waited; or it is an item of a cancelled sweep whose call
+    /// failed (or whose holder died without keeping an answer).
+    async fn ends_uncalled(&self, rec: &JobRecord) -> Result<Option<TerminalReason>, StoreError> {
+        if self.quota.circuit_open() {
+            return Ok(Some(TerminalReason::InsufficientQuota));
+        }
+        if rec.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) {
+            return Ok(Some(TerminalReason::DeadlineExceeded));
+        }
+        if rec.attempts.leases > 1
+            && let Some(sweep) = rec.sweep_id.as_deref()
+            && self.sweep_cancelled(&rec.tenant, sweep).await?
+        {
+            return Ok(Some(TerminalReason::Cancelled));
+        }
+        Ok(None)
+    }
+
     /// A review whose deadline passed while its scope was paused: leased only to be
     /// ended `deadline_exceeded` (or settled as its record says), never called. Should
     /// this worker's clock not find it late, it goes back until the scope may be called.
-    pub(super) async fn late_trip(&self, job: &Job<'_>) -> Result<Outcome, StoreError> {
+    pub(super) async fn late_trip(&self, job: &Job<'_>) -> Result<End, StoreError> {
         match self.lease(job).await? {
-            Leased::Settled(outcome) => Ok(outcome),
-            Leased::Held(lease) => self.settle(job, &lease, Decision::Release(Some(LEASE_MARGIN))).await,
+            Leased::Over(end) => Ok(end),
+            Leased::Held(lease) => Ok(End::decided(lease, Decision::Release(Some(LEASE_MARGIN)))),
         }
     }
 
@@ -225,33 +236,11 @@ impl Worker {
         let state = sweeps.get(tenant, sweep_id).await?.map(|(s, _)| s.state);
         Ok(state == Some(reviewlane_core::sweep::SweepState::Cancelled))
     }
+}
 
-    /// The job needs nothing more from this message.
-    async fn settled(
-        &self,
-        job: &Job<'_>,
-        state: JobState,
-        reason: Option<TerminalReason>,
-    ) -> Result<Leased, StoreError> {
-        if state == JobState::Terminal {
-            self.dead_letter(job, reason.unwrap_or(TerminalReason::Cancelled)).await?;
-        }
-        settle::ack(job.msg, AckKind::Ack).await;
-        Ok(Leased::Settled(Outcome::Skipped))
-    }
-
-    /// Applies `event` to the job's record from the revision this lease last wrote,
-    /// remembering the revision it writes.
-    pub(super) async fn apply_leased(
-        &self,
-        job: &Job<'_>,
-        lease: &Lease,
-        event: &reviewlane_core::job::Event,
-        charge: Option<(reviewlane_core::job::Tokens, u64)>,
-    ) -> Result<JobRecord, StoreError> {
-        let known = lease.known.lock().expect("known lock").take();
-        let (rec, revision) = self.stores.jobs.apply_tracked(job.id(), known, event, charge).await?;
-        *lease.known.lock().expect("known lock") = Some((rec.clone(), revision));
-        Ok(rec)
-    }
+/// The job needs nothing more from this message: answered as done, after a dead letter
+/// when it ended failed.
+fn needs_nothing(state: JobState, reason: Option<TerminalReason>) -> End {
+    let dead_letter = (state == JobState::Terminal).then(|| reason.unwrap_or(TerminalReason::Cancelled));
+    End::Answered { outcome: Outcome::Skipped, ack: Some(AckKind::Ack), dead_letter }
 }

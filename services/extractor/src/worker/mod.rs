@@ -4,15 +4,17 @@
 //! provider: a retry is a nak with a delay.
 //!
 //! A job's trip (`Worker::trip`, here) reads top to bottom as named steps, each in its
-//! own file with the helpers it needs: `lease` (take the job, or find it needs nothing;
-//! the lease type and its fenced writes), `call` (the provider, with the lease kept
-//! alive and watched), `keep` (what the answer means — the pure `plan::verdict` —
-//! then validate and store it before any other write, and let the key's quota learn),
-//! `settle` (the one place that records a decision and settles the message, through
-//! the pure `plan::plan`). `cache` is read beside the lease and written by `keep`. A
-//! review larger than the model's context goes through `parts`: its parts called
-//! concurrently, as far as admission allows, each recorded as it is kept; then the
-//! merge. This file holds the worker's parts, the job and the trip.
+//! own file with the helpers it needs, each returning to the trip: `lease` (take the
+//! job, or find it needs nothing; the lease type and its fenced write), `call` (the
+//! provider, with the lease kept alive and watched), `keep` (what the answer means —
+//! the pure `plan::verdict` — then validate and store it before any other write, and
+//! let the key's quota learn). The trip comes to an `End`, and `settle::conclude`, the
+//! one place a message is answered, records the decision (through the pure
+//! `plan::plan`) and answers the message. `cache` is read beside the lease and written
+//! by `keep`; `store` retries the store writes. A review larger than the model's
+//! context goes through `parts`: its parts called concurrently, as far as admission
+//! allows, each recorded as it is kept; then the merge. This file holds the worker's
+//! parts, the job and the trip.
 
 mod cache;
 mod call;
@@ -21,6 +23,7 @@ mod lease;
 pub mod parts;
 pub mod plan;
 mod settle;
+mod store;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +37,7 @@ use reviewlane_shared::faults::Faults;
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::layout::RegionLayout;
 use reviewlane_shared::results::Results;
+use settle::End;
 use tokio_util::sync::CancellationToken;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
@@ -48,7 +52,7 @@ use reviewlane_shared::store::StoreRetry;
 
 pub use call::Answer;
 pub use lease::Lease;
-pub use settle::{Decision, Outcome};
+pub use plan::{Decision, Outcome};
 
 /// A worker of the region: a few named parts.
 pub struct Worker {
@@ -171,9 +175,6 @@ impl Job<'_> {
     }
 }
 
-/// Retry after our own infrastructure failed (NATS), not the provider.
-const INFRA_RETRY: Duration = Duration::from_secs(1);
-
 impl Worker {
     /// Processes one admitted message (it holds a call slot and its scope's allowance
     /// until this returns). `abort` fires when the shutdown grace is over: a call still
@@ -223,12 +224,12 @@ impl Worker {
             }
             Work::Late { msg, scope } => (*msg, scope, None, None, None),
         };
+        let unread = || Ok(End::answered(Outcome::Skipped, AckKind::Term));
         let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
             Ok(r) => r,
             Err(_) => {
                 tracing::error!("undecodable review message; terminating it");
-                settle::ack(&msg, AckKind::Term).await;
-                return Outcome::Skipped;
+                return self.conclude(&msg, None, unread()).await;
             }
         };
         Span::current()
@@ -239,8 +240,7 @@ impl Worker {
         if review.region != self.region {
             // Cannot happen through our subjects; refuse rather than process.
             tracing::error!(message_region = %review.region, "message of another region on this lane");
-            settle::ack(&msg, AckKind::Term).await;
-            return Outcome::Skipped;
+            return self.conclude(&msg, None, unread()).await;
         }
         let late = place.is_none();
         let job = Job {
@@ -252,17 +252,9 @@ impl Worker {
             place: std::sync::Mutex::new(place),
             more,
         };
-        let trip = if late { self.late_trip(&job).await } else { self.trip(&job, abort).await };
+        let end = if late { self.late_trip(&job).await } else { self.trip(&job, abort).await };
         self.release_unused(&job.metering).await;
-        match trip {
-            Ok(outcome) => outcome,
-            Err(e) => {
-                self.health.refused(self.region, &e);
-                tracing::warn!(error = %e, kind = e.kind(), "store error; handing the message back");
-                settle::ack(&msg, AckKind::Nak(Some(INFRA_RETRY))).await;
-                Outcome::Released
-            }
-        }
+        self.conclude(&msg, Some(&job), end).await
     }
 
     /// Gives a reservation back to the key's budgets when no call was made for it
@@ -276,26 +268,24 @@ impl Worker {
         }
     }
 
-    /// lease -> call -> keep -> settle. The lease step also finds what the job needs:
-    /// its cached result (keep -> settle), its parts (one part, then the merge, in
-    /// `parts`), or a decision without a call (settle).
-    async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<Outcome, StoreError> {
+    /// lease -> call -> keep, to the trip's end (`conclude` carries it out). The lease
+    /// step also finds what the job needs: its cached result (keep), its parts (one
+    /// part, then the merge, in `parts`), or nothing more (the end).
+    async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<End, StoreError> {
         let (lease, next) = match self.take(job).await? {
             lease::Taken::Held(lease, next) => (lease, next),
-            lease::Taken::Settled(outcome) => return Ok(outcome),
+            lease::Taken::Over(end) => return Ok(end),
         };
         let whole = match next {
             lease::Next::Call(whole) => whole,
             lease::Next::Cached(whole, hit) => {
                 let decision = self.decide(job, &lease, &whole, &job.metering, Answer::Cached(hit)).await;
-                return self.settle(job, &lease, decision).await;
+                return Ok(End::decided(lease, decision));
             }
-            lease::Next::Split(parts, progress) => return self.split_trip(job, &lease, parts, progress, abort).await,
-            lease::Next::Settle(decision) => return self.settle(job, &lease, decision).await,
+            lease::Next::Split(parts, progress) => return self.split_trip(job, lease, parts, progress, abort).await,
         };
         let answer = self.call(job, &lease, &whole, &job.metering, abort).await?;
         let decision = self.decide(job, &lease, &whole, &job.metering, answer).await;
-        lease.charge(job.metering.tokens());
-        self.settle(job, &lease, decision).await
+        Ok(End::Decided { lease, decision, charge: job.metering.tokens() })
     }
 }

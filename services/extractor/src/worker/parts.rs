@@ -31,7 +31,8 @@ use reviewlane_shared::faults::point;
 use reviewlane_shared::job_store::StoreError;
 use tokio_util::sync::CancellationToken;
 
-use super::settle::{Decision, Outcome};
+use super::plan::{Decision, Outcome};
+use super::settle::End;
 use super::{Job, Lease, Metering, Target, Worker, plan};
 
 /// Split reviews whose parts a worker keeps (each about the size of its diff).
@@ -53,8 +54,8 @@ enum Ran {
     /// decision this is (charged with it).
     Decided(Decision, Option<Tokens>),
     /// Recording a part came to this (the lease taken over, the job ended, the store):
-    /// the trip ends with it.
-    Ended(Outcome),
+    /// the trip ends with it, the message answered with `ack` (`None`: left alone).
+    Ended(Outcome, Option<async_nats::jetstream::AckKind>),
 }
 
 /// Of two parts' decisions, the one the job comes to: an end before a retry, a retry
@@ -88,20 +89,13 @@ pub(super) enum Planned {
 }
 
 impl Worker {
-    /// Splits the review when it does not fit the model's context in one call, and
-    /// records the plan (once).
-    pub(super) async fn plan(&self, job: &Job<'_>, lease: &Lease) -> Result<Planned, StoreError> {
+    /// Splits a review that may not fit the model's context in one call (`take` found
+    /// its prompt longer than the budget in bytes, or a split under way), and records
+    /// the plan (once).
+    pub(super) async fn plan_parts(&self, job: &Job<'_>, lease: &Lease) -> Result<Planned, StoreError> {
         let diff = job.diff.as_ref().expect("trip checked the diff");
         let recorded = lease.rec.parts.clone();
         let plan = recorded.as_ref().map_or(self.policy.parts.plan, |p| p.plan);
-        if recorded.is_none() {
-            // A token is at least one byte: a prompt no longer than the budget in bytes
-            // fits without counting.
-            let prompt = crate::provider::prompt_diff(job.review, diff);
-            if prompt.len() <= plan.limits.budget() {
-                return Ok(Planned::Whole);
-            }
-        }
         let parts = self.split(job, diff, plan);
         let progress = match recorded {
             Some(p) if p.total as usize == parts.len() => p,
@@ -119,7 +113,7 @@ impl Worker {
             }
             None => {
                 let event = Event::Planned { generation: lease.generation(), total: parts.len() as u32, plan };
-                match self.apply_leased(job, lease, &event, None).await {
+                match lease.apply(&self.stores.jobs, &event, None).await {
                     Ok(rec) => {
                         tracing::info!(
                             parts = parts.len(),
@@ -175,29 +169,26 @@ impl Worker {
     pub(super) async fn split_trip(
         &self,
         job: &Job<'_>,
-        lease: &Lease,
+        lease: Box<Lease>,
         parts: std::sync::Arc<Vec<Part>>,
         progress: Parts,
         abort: &CancellationToken,
-    ) -> Result<Outcome, StoreError> {
+    ) -> Result<End, StoreError> {
         let started = std::sync::Mutex::new(Vec::new());
-        let ran = self.watched(job, lease, self.run_parts(job, lease, &parts, progress, &started), abort).await;
+        let ran = self.watched(job, &lease, self.run_parts(job, &lease, &parts, progress, &started), abort).await;
         // Parts abandoned before their call give their reservations back.
         let started = std::mem::take(&mut *started.lock().expect("parts lock"));
         for metering in started {
             self.release_unused(&metering).await;
         }
-        let decision = match ran? {
-            Ok(Ok(Ran::Complete(progress))) => self.merge_parts(job, lease, &progress).await,
-            Ok(Ok(Ran::Decided(decision, tokens))) => {
-                lease.charge(tokens);
-                decision
-            }
-            Ok(Ok(Ran::Ended(outcome))) => return Ok(outcome),
+        let (decision, charge) = match ran? {
+            Ok(Ok(Ran::Complete(progress))) => (self.merge_parts(job, &lease, &progress).await, None),
+            Ok(Ok(Ran::Decided(decision, tokens))) => (decision, tokens),
+            Ok(Ok(Ran::Ended(outcome, ack))) => return Ok(End::Answered { outcome, ack, dead_letter: None }),
             Ok(Err(e)) => return Err(e),
-            Err(end) => plan::abandoned(&end).unwrap_or(Decision::Release(None)),
+            Err(end) => (plan::abandoned(&end).unwrap_or(Decision::Release(None)), None),
         };
-        self.settle(job, lease, decision).await
+        Ok(End::Decided { lease, decision, charge })
     }
 
     /// Runs the parts not recorded yet: the first where the delivery was admitted, each
@@ -261,13 +252,10 @@ impl Worker {
                     tracing::warn!(part = index, kind = e.kind(), "a part's store read failed; no new parts");
                     failed.get_or_insert(e);
                 }
-                Ok(done @ Decision::PartDone { .. }) => {
-                    lease.charge(tokens);
-                    match self.settle(job, lease, done).await? {
-                        Outcome::PartDone { parts } => progress = parts,
-                        other => return Ok(Ran::Ended(other)),
-                    }
-                }
+                Ok(done @ Decision::PartDone { .. }) => match self.record(job, lease, done, tokens).await? {
+                    (Outcome::PartDone { parts }, _) => progress = parts,
+                    (other, ack) => return Ok(Ran::Ended(other, ack)),
+                },
                 Ok(decision) => {
                     tracing::info!(
                         part = index,
@@ -368,10 +356,5 @@ impl Worker {
             t
         });
         self.keep(job, lease, merged.validated, merged.dropped, Some(Some(total))).await
-    }
-
-    /// The result message of this lease's generation (no part), for `keep` and parts.
-    pub(super) fn result_message(&self, job: &Job<'_>, lease: &Lease, v: &Validated) -> FindingsMessage {
-        FindingsMessage::of(job.review, lease.generation(), v, self.policy.quarantine_raw_max)
     }
 }

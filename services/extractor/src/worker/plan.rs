@@ -12,10 +12,90 @@ use reviewlane_core::job::{Attempts, Budget, Event, PartDone, TerminalReason, To
 pub use reviewlane_shared::pull::Ack;
 
 use super::call::Answer;
-use super::settle::{Decision, Outcome};
 use crate::config::Budgets;
 use crate::upstream::{Backoff, UpstreamOutcome};
 use reviewlane_core::findings::Validated;
+
+/// What the trip decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// The result of the lease's generation is kept: record `validated`.
+    Validated {
+        findings: usize,
+        quarantined: usize,
+        /// Findings the merge of a split review left out (over the cap).
+        dropped: u32,
+    },
+    /// One part of a split review is kept on `PARTS_<R>` at `seq`: record it done (the
+    /// lease and the message stay held for the other parts).
+    PartDone {
+        index: u32,
+        seq: u64,
+        findings: usize,
+        quarantined: usize,
+    },
+    /// Spend one unit of `budget` and try again after the hint (else backoff).
+    Retry {
+        budget: Budget,
+        hint: Option<Duration>,
+        status: Option<String>,
+        /// Why an output was invalid (schema budget): a class, never content.
+        invalid: Option<&'static str>,
+    },
+    Terminal {
+        reason: TerminalReason,
+        status: Option<String>,
+    },
+    /// Hand the message back (`None`: at once, for shutdown), recording nothing.
+    Release(Option<Duration>),
+    /// The lease was taken over: record nothing, settle nothing.
+    Stale,
+    /// The job ended while the call ran: move the message to the dead letters.
+    Ended(TerminalReason),
+}
+
+/// How the worker settled one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Validated {
+        findings: usize,
+        quarantined: usize,
+    },
+    RetryScheduled {
+        budget: Budget,
+        delay: Duration,
+    },
+    Terminal(TerminalReason),
+    /// Nothing to do: the job is final or its result is already recorded.
+    Skipped,
+    /// Handed back until another holder's lease or a retry delay is over.
+    Deferred(Duration),
+    /// The answer came after the lease was taken over: discarded.
+    Stale,
+    /// Handed back without delay (shutdown) or after an infrastructure error.
+    Released,
+    /// A part of a split review is recorded done; `parts` as recorded. The message is
+    /// still held.
+    PartDone {
+        parts: reviewlane_core::job::Parts,
+    },
+}
+
+impl Outcome {
+    /// The outcome's class, for the `process` span.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Validated { .. } => "validated",
+            Outcome::RetryScheduled { .. } => "retry_scheduled",
+            Outcome::Terminal(_) => "terminal",
+            Outcome::Skipped => "skipped",
+            Outcome::Deferred(_) => "deferred",
+            Outcome::Stale => "stale",
+            Outcome::Released => "released",
+            Outcome::PartDone { .. } => "part_done",
+        }
+    }
+}
 
 /// What an answer comes to before anything is written.
 #[derive(Debug)]
