@@ -3,8 +3,8 @@
 # two regional nats-servers and the five services, submits the sample diffs (one US and
 # one EU tenant) with the built-in analyzer, prints the findings, runs the US review
 # again through reviewctl as SARIF, sweeps the ingress's own sources at HEAD through
-# `reviewctl sweep` and shows the sweep's progress and items (`reviewctl batch get`,
-# `batch items`), stops everything. `--keep` keeps the working directory (logs, sink
+# `reviewctl sweep` and shows the sweep's progress and items (`reviewctl sweeps get`,
+# `sweeps items`), stops everything. `--keep` keeps the working directory (logs, sink
 # files, the SARIF files).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -436,7 +436,7 @@ pub enum Triage {
 /// names it already, and whether its sweep is cancelled.
 pub fn triage(job: Option<&crate::job::JobRecord>, in_chunk: bool, sweep_cancelled: bool) -> Triage {
     use crate::job::JobState;
-    let waits = job.is_none_or(|r| r.state == JobState::RetryScheduled && in_provider_batch(r.owner.as_deref()));
+    let waits = job.is_none_or(|r| r.state == JobState::RetryScheduled && r.in_provider_batch());
     match job {
         _ if waits && !in_chunk && sweep_cancelled => Triage::Cancel,
         _ if waits && !in_chunk => Triage::Waits,
@@ -445,22 +445,12 @@ pub fn triage(job: Option<&crate::job::JobRecord>, in_chunk: bool, sweep_cancell
     }
 }
 
-/// The owner an item's job names while it is in a provider batch: its chunk's id
-/// (`chunk_id`), so the item counts as submitted to the provider, not as being called.
-pub const OWNER_PREFIX: &str = "batch-";
-/// The owner of an item of a provider-batch sweep handed to the batch lane, until a
-/// lane worker leases it (see `Event::ToLanes`).
-pub const LANES_OWNER: &str = "lanes";
-
-/// The id of a sweep's `seq`-th provider batch: the owner of its items' jobs, the
-/// metadata a created OpenAI batch carries, the name of its input file.
+/// The id of a sweep's `seq`-th provider batch: the owner of its items' jobs
+/// (`job::Owner::ProviderBatch`, so an item counts as submitted to the provider, not as
+/// being called), the metadata a created OpenAI batch carries, the name of its input
+/// file.
 pub fn chunk_id(sweep_id: &str, seq: u32) -> String {
-    format!("{OWNER_PREFIX}{sweep_id}-{seq:06}")
-}
-
-/// Whether a job's owner is a provider batch.
-pub fn in_provider_batch(owner: Option<&str>) -> bool {
-    owner.is_some_and(|o| o.starts_with(OWNER_PREFIX))
+    format!("{}{sweep_id}-{seq:06}", crate::job::PROVIDER_BATCH_PREFIX)
 }
 
 /// Where a chunk is between the intent and its results.
@@ -915,9 +905,15 @@ mod tests {
         assert_eq!(a.jobs_of_lines(&[3, 1, 9, 0]), vec!["c".to_string(), "a".to_string()]);
         assert_eq!(a.chunk_id, "batch-us_s-000001");
         assert!(custom_id(&a.chunk_id).is_some(), "fits the providers' id alphabet");
-        assert!(
-            in_provider_batch(Some(&a.chunk_id)) && !in_provider_batch(Some("replica-1")) && !in_provider_batch(None)
-        );
+        use crate::job::Owner;
+        assert_eq!(Owner::from(a.chunk_id.clone()), Owner::ProviderBatch(a.chunk_id.clone()));
+        assert_eq!(Owner::from("replica-1".to_string()), Owner::Replica("replica-1".into()));
+        assert_eq!(Owner::from("lanes".to_string()), Owner::Lanes);
+        for o in [Owner::ProviderBatch(a.chunk_id.clone()), Owner::Replica("replica-1".into()), Owner::Lanes] {
+            let json = serde_json::to_string(&o).unwrap();
+            assert_eq!(serde_json::from_str::<Owner>(&json).unwrap(), o, "stored as one string: {json}");
+        }
+        assert_eq!(serde_json::to_string(&Owner::Lanes).unwrap(), "\"lanes\"");
     }
 
     #[test]
@@ -972,11 +968,11 @@ mod tests {
             let (id, tenant, region) = ("us_a".to_string(), "acme".to_string(), crate::region::Region::Us);
             let d = || "d".to_string();
             let mut r = JobRecord::waiting(id, tenant, region, Lane::Batch, d(), d(), d(), ReviewDepth::Full, 1);
-            (r.state, r.owner) = (state, owner.map(str::to_string));
+            (r.state, r.owner) = (state, owner.map(|o| crate::job::Owner::from(o.to_string())));
             r
         };
         let again = job(JobState::RetryScheduled, Some("batch-us_s-000001"));
-        let lanes = job(JobState::RetryScheduled, Some(LANES_OWNER));
+        let lanes = job(JobState::RetryScheduled, Some("lanes"));
         let running = job(JobState::Running, Some("batch-us_s-000001"));
         let validated = job(JobState::Validated, None);
         let published = job(JobState::Published, None);

@@ -176,6 +176,56 @@ impl Attempts {
     }
 }
 
+/// Who holds a job. Stored as one string, as it always was: a provider batch's id
+/// starts with `batch-` (`batch::chunk_id`), the lanes are `lanes`, anything else is a
+/// replica.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum Owner {
+    /// A replica's lease (its id).
+    Replica(String),
+    /// A provider batch (its chunk id): the item counts as submitted to the provider.
+    ProviderBatch(String),
+    /// An item of a provider-batch sweep handed to the batch lane, until a lane worker
+    /// leases it (`Event::ToLanes`).
+    Lanes,
+}
+
+/// How a provider batch's id starts.
+pub const PROVIDER_BATCH_PREFIX: &str = "batch-";
+const LANES: &str = "lanes";
+
+impl From<String> for Owner {
+    fn from(s: String) -> Owner {
+        match s.as_str() {
+            LANES => Owner::Lanes,
+            _ if s.starts_with(PROVIDER_BATCH_PREFIX) => Owner::ProviderBatch(s),
+            _ => Owner::Replica(s),
+        }
+    }
+}
+
+impl From<&str> for Owner {
+    fn from(s: &str) -> Owner {
+        Owner::from(s.to_string())
+    }
+}
+
+impl From<Owner> for String {
+    fn from(o: Owner) -> String {
+        match o {
+            Owner::Replica(s) | Owner::ProviderBatch(s) => s,
+            Owner::Lanes => LANES.to_string(),
+        }
+    }
+}
+
+impl Owner {
+    pub fn is_provider_batch(&self) -> bool {
+        matches!(self, Owner::ProviderBatch(_))
+    }
+}
+
 /// One job, as stored in KV `JOBS_<R>` under its job id. Metadata only.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobRecord {
@@ -192,9 +242,10 @@ pub struct JobRecord {
     pub next_eligible_at_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_expires_at_ms: Option<u64>,
-    /// The replica that holds (or last held) the lease.
+    /// Who holds (or last held) the job: a replica's lease, a provider batch, or the
+    /// lanes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub owner: Option<String>,
+    pub owner: Option<Owner>,
     /// Why the last output was invalid (`not_json`, `shape`, `all_findings_invalid`):
     /// the schema budget's summary, without content.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -228,7 +279,7 @@ pub struct JobRecord {
     /// price of the model (0 when no price is configured).
     #[serde(default)]
     pub cost_micro_usd: u64,
-    /// A review larger than the model's context is split into parts (see `chunk`): the
+    /// A review larger than the model's context is split into parts (see `parts`): the
     /// plan and the parts done. `None` for a review of one part.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parts: Option<Parts>,
@@ -255,7 +306,7 @@ pub struct JobRecord {
 pub struct Parts {
     pub total: u32,
     /// What the review was split with: every later holder splits it alike.
-    pub plan: crate::chunk::Plan,
+    pub plan: crate::parts::Plan,
     /// Done parts, by index.
     #[serde(default)]
     pub done: Vec<PartDone>,
@@ -294,6 +345,16 @@ pub struct Tokens {
 }
 
 impl JobRecord {
+    /// Whether a provider batch holds it.
+    pub fn in_provider_batch(&self) -> bool {
+        self.owner.as_ref().is_some_and(Owner::is_provider_batch)
+    }
+
+    /// Whether `owner` holds it (or last held it).
+    pub fn owned_by(&self, owner: &Owner) -> bool {
+        self.owner.as_ref() == Some(owner)
+    }
+
     /// Adds one call's tokens and their estimated cost.
     pub fn charge(&mut self, tokens: Tokens, cost_micro_usd: u64) {
         self.tokens.input = self.tokens.input.saturating_add(tokens.input);
@@ -308,7 +369,7 @@ impl JobRecord {
 pub enum Event {
     /// A worker took the message; its lease (generation = leases + 1) ends at the given
     /// time unless extended.
-    Leased { owner: String, lease_expires_at_ms: u64 },
+    Leased { owner: Owner, lease_expires_at_ms: u64 },
     /// The holder is alive: its lease ends later.
     Extended { generation: u32, lease_expires_at_ms: u64 },
     /// The attempt failed in a retryable way; the message was handed back with a delay.
@@ -321,7 +382,7 @@ pub enum Event {
         invalid_output: Option<String>,
     },
     /// The review is split into parts (once; the plan every later holder follows).
-    Planned { generation: u32, total: u32, plan: crate::chunk::Plan },
+    Planned { generation: u32, total: u32, plan: crate::parts::Plan },
     /// One part's answer is validated and kept (the holder goes on with the others).
     PartDone { generation: u32, part: PartDone },
     /// The output passed validation (for a split review: every part's, merged) and the
@@ -338,7 +399,7 @@ pub enum Event {
     /// An item of a provider batch whose line did not run goes to the batch lane (its
     /// sweep's coordinator has put its review there): the chunk's lease ends, one unit of
     /// the transient budget is spent, and a lane worker may lease it at once. Owned by
-    /// `batch::LANES_OWNER` until then, so no later provider batch takes it.
+    /// `Owner::Lanes` until then, so no later provider batch takes it.
     ToLanes { generation: u32 },
     /// The job ends without a result. `generation: Some(g)` when the lease holder ends
     /// it (fenced like its other writes); `None` for cancel, reconciler, publisher.
@@ -491,7 +552,7 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             next.attempts.bump(Budget::Transient);
             next.next_eligible_at_ms = Some(now_ms);
             next.lease_expires_at_ms = None;
-            next.owner = Some(crate::batch::LANES_OWNER.to_string());
+            next.owner = Some(Owner::Lanes);
             next.last_upstream_status = Some("batch".into());
         }
         (_, Event::Planned { total, plan, .. }) => {
@@ -579,7 +640,7 @@ mod tests {
     }
 
     fn lease(owner: &str, until: u64) -> Event {
-        Event::Leased { owner: owner.into(), lease_expires_at_ms: until }
+        Event::Leased { owner: Owner::from(owner.to_string()), lease_expires_at_ms: until }
     }
 
     fn retry(generation: u32, budget: Budget, at: u64) -> Event {
@@ -602,8 +663,8 @@ mod tests {
         let r = apply(&rec(), lease(&chunk, 1_000_000));
         let handed = apply(&r, Event::ToLanes { generation: 1 });
         assert_eq!(handed.state, JobState::RetryScheduled);
-        assert_eq!(handed.owner.as_deref(), Some(crate::batch::LANES_OWNER));
-        assert!(!crate::batch::in_provider_batch(handed.owner.as_deref()), "no later provider batch takes it");
+        assert_eq!(handed.owner, Some(Owner::Lanes));
+        assert!(!handed.in_provider_batch(), "no later provider batch takes it");
         assert_eq!(
             (handed.attempts.transient, handed.next_eligible_at_ms, handed.lease_expires_at_ms),
             (1, Some(100), None)
@@ -628,7 +689,10 @@ mod tests {
         assert_eq!(r.state, JobState::Waiting);
         let r = apply(&r, lease("a", 30_100));
         assert_eq!(r.state, JobState::Running);
-        assert_eq!((r.lease_expires_at_ms, r.owner.as_deref(), r.generation()), (Some(30_100), Some("a"), 1));
+        assert_eq!(
+            (r.lease_expires_at_ms, r.owner.clone(), r.generation()),
+            (Some(30_100), Some(Owner::Replica("a".into())), 1)
+        );
         let r = apply(&r, Event::Validated { generation: 1, findings: 3, quarantined: 2, dropped: 0 });
         assert_eq!((r.state, r.findings_count, r.quarantined_count), (JobState::Validated, 3, 2));
         assert_eq!(r.lease_expires_at_ms, None);
@@ -659,7 +723,10 @@ mod tests {
         let r = apply(&rec(), lease("a", 500));
         assert_eq!(transition(&r, &lease("b", 900), 499), Err(TransitionError::LeaseHeld { until_ms: 500 }));
         let r = transition(&r, &lease("b", 900), 500).unwrap();
-        assert_eq!((r.state, r.owner.as_deref(), r.generation()), (JobState::Running, Some("b"), 2));
+        assert_eq!(
+            (r.state, r.owner.clone(), r.generation()),
+            (JobState::Running, Some(Owner::Replica("b".into())), 2)
+        );
     }
 
     #[test]
@@ -739,9 +806,9 @@ mod tests {
 
     #[test]
     fn a_split_review_is_validated_only_once_every_part_is_done() {
-        let plan = crate::chunk::Plan {
-            limits: crate::chunk::PartLimits::default(),
-            tokenizer: crate::chunk::Tokenizer::Estimate { milli_bytes_per_token: 3500 },
+        let plan = crate::parts::Plan {
+            limits: crate::parts::PartLimits::default(),
+            tokenizer: crate::parts::Tokenizer::Estimate { milli_bytes_per_token: 3500 },
         };
         let r = apply(&rec(), lease("a", 500));
         let r = apply(&r, Event::Planned { generation: 1, total: 2, plan });

@@ -1,6 +1,6 @@
 //! reviewlane's pure core: what the services decide, with no NATS, no async runtime and
 //! no network. The diff parser, findings validation against the versioned schemas, the
-//! job state machine, chunking and aggregation, regions and tenants, the schema dialects
+//! job state machine, splitting a review into parts and merging them, regions and tenants, the schema dialects
 //! the providers accept, the messages on the lanes, the SARIF and rdjson surfaces, the
 //! typed environment reader, the providers' retry hints and the rules of provider batch
 //! processing (`batch`).
@@ -10,7 +10,6 @@
 
 pub mod aggregate;
 pub mod batch;
-pub mod chunk;
 pub mod clock;
 pub mod config;
 pub mod diff;
@@ -20,6 +19,7 @@ pub mod job;
 pub mod job_id;
 pub mod messages;
 pub mod meter;
+pub mod parts;
 pub mod region;
 pub mod retry_hint;
 pub mod schema_dialect;

@@ -86,9 +86,9 @@ pub struct SweepRecord {
     #[serde(default)]
     pub items_added: u64,
     /// Provider batch: every item is final and no batch of it is left (its coordinator
-    /// looks at it no more).
-    #[serde(default)]
-    pub settled: bool,
+    /// looks at it no more). Read from records that name it `settled` too.
+    #[serde(default, alias = "settled")]
+    pub finished: bool,
 }
 
 /// What happens to a sweep.
@@ -101,7 +101,7 @@ pub enum SweepEvent {
     Started,
     Cancel,
     /// Every item is final (a provider-batch sweep's coordinator is done with it).
-    Settled,
+    Finished,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -140,9 +140,9 @@ impl SweepRecord {
             (SweepState::Open, SweepEvent::Started) => return Err(SweepError::NotOpen(SweepState::Open)),
             (SweepState::Cancelled, SweepEvent::Started) => return Err(SweepError::Cancelled),
             (SweepState::Cancelled, SweepEvent::Cancel) => return Ok(None),
-            (_, SweepEvent::Settled) if self.settled => return Ok(None),
-            (SweepState::Open, SweepEvent::Settled) => return Err(SweepError::NotOpen(SweepState::Open)),
-            (_, SweepEvent::Settled) => next.settled = true,
+            (_, SweepEvent::Finished) if self.finished => return Ok(None),
+            (SweepState::Open, SweepEvent::Finished) => return Err(SweepError::NotOpen(SweepState::Open)),
+            (_, SweepEvent::Finished) => next.finished = true,
             (_, SweepEvent::Cancel) => {
                 next.state = SweepState::Cancelled;
                 next.cancelled_at_ms = Some(now_ms);
@@ -246,7 +246,7 @@ pub struct ItemJob {
     pub reason: Option<TerminalReason>,
     pub tokens: crate::job::Tokens,
     pub cost_micro_usd: u64,
-    /// Owned by a provider batch of the sweep (`batch::OWNER_PREFIX`).
+    /// Owned by a provider batch of the sweep (`job::Owner::ProviderBatch`).
     pub in_batch: bool,
 }
 
@@ -257,7 +257,7 @@ impl ItemJob {
             reason: rec.reason,
             tokens: rec.tokens,
             cost_micro_usd: rec.cost_micro_usd,
-            in_batch: crate::batch::in_provider_batch(rec.owner.as_deref()),
+            in_batch: rec.in_provider_batch(),
         }
     }
 }
@@ -407,7 +407,7 @@ mod tests {
             cancelled_at_ms: None,
             started: false,
             items_added: 0,
-            settled: false,
+            finished: false,
         }
     }
 
@@ -437,10 +437,10 @@ mod tests {
         assert_eq!(sealed.after(SweepEvent::Added(1), 60), Err(SweepError::NotOpen(SweepState::Sealed)));
         // An open sweep may be cancelled too: nothing of it runs.
         assert_eq!(open.after(SweepEvent::Cancel, 70).unwrap().unwrap().state, SweepState::Cancelled);
-        assert_eq!(open.after(SweepEvent::Settled, 70), Err(SweepError::NotOpen(SweepState::Open)));
-        let settled = cancelled.after(SweepEvent::Settled, 80).unwrap().unwrap();
-        assert!(settled.settled);
-        assert_eq!(settled.after(SweepEvent::Settled, 90), Ok(None));
+        assert_eq!(open.after(SweepEvent::Finished, 70), Err(SweepError::NotOpen(SweepState::Open)));
+        let finished = cancelled.after(SweepEvent::Finished, 80).unwrap().unwrap();
+        assert!(finished.finished);
+        assert_eq!(finished.after(SweepEvent::Finished, 90), Ok(None));
     }
 
     #[test]

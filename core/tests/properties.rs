@@ -177,7 +177,7 @@ proptest! {
     /// parses; a part over the budget holds a single line that cannot be cut.
     #[test]
     fn parts_cover_every_added_line_once((text, added) in generated_diff(), max_tokens in 20usize..400) {
-        use reviewlane_core::chunk::{Estimate, PartLimits, split};
+        use reviewlane_core::parts::{Estimate, PartLimits, split};
         let limits = PartLimits { max_tokens, fill_percent: 100, overlap: 2 };
         let parts = split(&diff::parse(&text).unwrap(), &limits, &Estimate { bytes_per_token: 1.0 });
         let mut found = Vec::new();

@@ -19,9 +19,9 @@ Examples:
 
   # Review a whole repository at a revision as one sweep; one SARIF run for all of it
   reviewctl sweep --git HEAD --paths 'src/**' --repository acme/app --wait --format sarif > sweep.sarif
-  reviewctl batch get us_9c1d...
+  reviewctl sweeps get us_9c1d...
 
-Exit codes (submit --wait, watch, sweep --wait, batch watch):
+Exit codes (submit --wait, watch, sweep --wait, sweeps watch):
   0  published, nothing at or above --fail-on
   1  published with findings at or above --fail-on
   2  the review (or an item of the sweep) ended without findings (the reason is printed)
@@ -99,23 +99,23 @@ pub enum Command {
     },
     /// Review a repository at a revision as one sweep: each text file one item
     Sweep(SweepArgs),
-    /// Follow, read and cancel sweeps
-    #[command(subcommand)]
-    Batch(BatchCommand),
+    /// Follow, read and cancel sweeps (`batch` is an old name for it)
+    #[command(subcommand, alias = "batch")]
+    Sweeps(SweepsCommand),
     /// Print shell completions
     Completions { shell: clap_complete::Shell },
 }
 
 impl Command {
     /// How long the whole command may wait, when it waits (`--wait` with `--wait-timeout`,
-    /// `watch`, `batch watch`): every request it makes ends by then.
+    /// `watch`, `sweeps watch`): every request it makes ends by then.
     pub fn wait_timeout(&self) -> Option<std::time::Duration> {
         let secs = match self {
             Command::Submit(a) if a.wait => a.waiting.wait_timeout,
             Command::Sweep(a) if a.wait => a.waiting.wait_timeout,
             Command::Watch { wait, .. } => wait.wait_timeout,
             Command::Dlq(DlqCommand::Replay { wait: true, waiting, .. }) => waiting.wait_timeout,
-            Command::Batch(BatchCommand::Watch { wait_timeout, .. }) => *wait_timeout,
+            Command::Sweeps(SweepsCommand::Watch { wait_timeout, .. }) => *wait_timeout,
             _ => return None,
         };
         Some(std::time::Duration::from_secs(secs))
@@ -161,7 +161,7 @@ pub enum SweepModeArg {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum BatchCommand {
+pub enum SweepsCommand {
     /// A sweep's progress: items by state, failed by reason, tokens, cost, estimate
     Get { sweep_id: String },
     /// A sweep's items: job id, state, key (a line each)

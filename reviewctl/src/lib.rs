@@ -165,7 +165,7 @@ async fn commands(cli: Cli, settings: &Settings, key: &Auth) -> Result<u8, Failu
             Ok(exit::CLEAN)
         }
         Command::Sweep(args) => sweep::sweep(&mut client, key, args).await,
-        Command::Batch(cmd) => sweep::batch(&mut client, key, cmd).await,
+        Command::Sweeps(cmd) => sweep::sweeps(&mut client, key, cmd).await,
         Command::Completions { .. } => unreachable!("handled before connecting"),
     }
 }

@@ -1,4 +1,4 @@
-//! `reviewctl sweep` and `reviewctl batch`: a repository reviewed as one sweep. The
+//! `reviewctl sweep` and `reviewctl sweeps`: a repository reviewed as one sweep. The
 //! manifest is built from a revision: each text file under the size bound is one item
 //! whose diff adds the whole file — what `git diff <empty tree> <rev> -- <path>` prints
 //! — so findings validate against the file's real lines. Pages go up (a page sent
@@ -10,7 +10,7 @@ use std::io::IsTerminal;
 use anyhow::{Context, bail};
 use reviewlane_api::proto::{self, SweepItemState};
 
-use crate::cli::{BatchCommand, SweepArgs};
+use crate::cli::{SweepArgs, SweepsCommand};
 use crate::{Auth, CANONICAL_DIFF, Client, Failure, authed, exit, output};
 
 /// Diff bytes of one `AddSweepItems` page at most (an item larger goes alone), well
@@ -336,16 +336,16 @@ async fn report(
     Ok(code)
 }
 
-/// `reviewctl batch …`.
-pub(crate) async fn batch(client: &mut Client, key: &Auth, cmd: BatchCommand) -> Result<u8, Failure> {
+/// `reviewctl sweeps …`.
+pub(crate) async fn sweeps(client: &mut Client, key: &Auth, cmd: SweepsCommand) -> Result<u8, Failure> {
     match cmd {
-        BatchCommand::Get { sweep_id } => {
+        SweepsCommand::Get { sweep_id } => {
             let s = get_sweep(client, key, &sweep_id).await?;
             eprintln!("{}", progress_line(&s));
             println!("{:#}", sweep_json(&s));
             Ok(exit::CLEAN)
         }
-        BatchCommand::Items { sweep_id, states } => {
+        SweepsCommand::Items { sweep_id, states } => {
             let states = states.iter().map(|s| s.to_proto() as i32).collect();
             for i in all_items(client, key, &sweep_id, states).await? {
                 let state = SweepItemState::try_from(i.state).map_or("unknown", |s| s.as_str_name());
@@ -358,7 +358,7 @@ pub(crate) async fn batch(client: &mut Client, key: &Auth, cmd: BatchCommand) ->
             }
             Ok(exit::CLEAN)
         }
-        BatchCommand::Watch { sweep_id, wait_timeout } => {
+        SweepsCommand::Watch { sweep_id, wait_timeout } => {
             let s = follow(client, key, &sweep_id, wait_timeout).await?;
             Ok(if s.percent_done < 100.0 {
                 exit::DEADLINE
@@ -368,7 +368,7 @@ pub(crate) async fn batch(client: &mut Client, key: &Auth, cmd: BatchCommand) ->
                 exit::CLEAN
             })
         }
-        BatchCommand::List { all } => {
+        SweepsCommand::List { all } => {
             let mut req = proto::ListSweepsRequest { page_size: 20, page_token: String::new() };
             loop {
                 let page = client.list_sweeps(authed(key, req.clone())).await?.into_inner();
@@ -385,7 +385,7 @@ pub(crate) async fn batch(client: &mut Client, key: &Auth, cmd: BatchCommand) ->
                 req.page_token = page.next_page_token;
             }
         }
-        BatchCommand::Cancel { sweep_id } => {
+        SweepsCommand::Cancel { sweep_id } => {
             let req = proto::CancelSweepRequest { sweep_id };
             let s = client.cancel_sweep(authed(key, req)).await?.into_inner().sweep.context("no sweep")?;
             eprintln!("{}", progress_line(&s));

@@ -10,8 +10,8 @@ use std::time::Duration;
 use loadtest::large::large_diff;
 use reviewlane_api::proto::review_service_client::ReviewServiceClient;
 use reviewlane_api::proto::{JobState, WatchReviewRequest};
-use reviewlane_core::chunk::{self, PartLimits, Tokenizer};
 use reviewlane_core::job::JobRecord;
+use reviewlane_core::parts::{self, PartLimits, Tokenizer};
 use reviewlane_core::region::Region;
 use reviewlane_shared::layout;
 use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
@@ -23,7 +23,7 @@ use crate::harness::*;
 fn expected_parts(diff: &str, context_tokens: usize) -> usize {
     let limits = PartLimits { max_tokens: context_tokens, ..Default::default() };
     let count = reviewlane_extractor::tokenizer::counter(Tokenizer::default());
-    chunk::split(&reviewlane_core::diff::parse(diff).unwrap(), &limits, count.as_ref()).len()
+    parts::split(&reviewlane_core::diff::parse(diff).unwrap(), &limits, count.as_ref()).len()
 }
 
 async fn record(nats_url: &str, job_id: &str) -> JobRecord {

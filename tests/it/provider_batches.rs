@@ -335,7 +335,7 @@ async fn settled(stack: &Stack, id: &str) -> bool {
     let sweeps = reviewlane_shared::sweeps::Sweeps::new(js, layout.sweeps, Region::Us);
     let sweeps = &sweeps;
     poll_until(Duration::from_secs(20), || async move {
-        sweeps.get("acme", id).await.unwrap().filter(|(r, _)| r.settled).map(|_| ())
+        sweeps.get("acme", id).await.unwrap().filter(|(r, _)| r.finished).map(|_| ())
     })
     .await
     .is_some()

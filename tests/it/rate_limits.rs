@@ -512,7 +512,7 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
     q.follow_readings(&Meter::from([(Dimension::Requests, reading(40, 20, 1_500))])).await;
     assert_eq!(q.budgets(), vec![(Dimension::Requests, 40)]);
     let r = q.reserve_call(call).await.expect("the raised limit has room at once");
-    q.settle_call(&r, Cost::default()).await;
+    q.correct_call(&r, Cost::default()).await;
 
     // The provider stops reporting the limit. For ten minutes the learned one still
     // paces: drained, a call waits for the refill.
@@ -523,7 +523,7 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
     }
     assert_eq!(q.budgets(), vec![(Dimension::Requests, 40)]);
     while let Ok(r) = q.reserve_call(call).await {
-        q.settle_call(&r, Cost::default()).await;
+        q.correct_call(&r, Cost::default()).await;
     }
     // Ten minutes of answers without it: it lapses. Calls are no longer paced by it, its
     // bucket is gone from the fleet (a replica starting now adopts nothing), and a 429

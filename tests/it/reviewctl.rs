@@ -287,7 +287,7 @@ async fn every_request_has_a_deadline_against_a_service_that_never_answers() {
     for args in [
         &["submit", "--wait", "--wait-timeout", "2"][..],
         &["watch", "us_00000000000000000000000000000000", "--wait-timeout", "2"][..],
-        &["batch", "watch", "us_00000000000000000000000000000000", "--wait-timeout", "2"][..],
+        &["sweeps", "watch", "us_00000000000000000000000000000000", "--wait-timeout", "2"][..],
     ] {
         let started = std::time::Instant::now();
         let out = run_at(&endpoint, US_KEY, args, Some(&diff), None).await;
@@ -372,26 +372,27 @@ async fn sweep_reviews_each_text_file_of_a_revision_once_and_writes_one_sarif_ru
     assert!(repeat.stderr.contains("3 items (0 new, 3 already in the sweep)"), "{}", repeat.stderr);
     assert_eq!(paid(), 3);
 
-    // `batch`: the sweep's progress and items.
+    // `sweeps`: the sweep's progress and items.
     let id = repeat.stderr.split(':').next().unwrap().trim().to_string();
-    let got = run(&stack, US_KEY, &["batch", "get", &id], None, None).await;
+    let got = run(&stack, US_KEY, &["sweeps", "get", &id], None, None).await;
     assert_eq!(got.code, 0, "{}", got.stderr);
     let sweep: serde_json::Value = serde_json::from_str(&got.stdout).unwrap();
     assert_eq!((sweep["items_total"].as_u64(), sweep["items"]["published"].as_u64()), (Some(3), Some(3)), "{sweep}");
     assert_eq!(sweep["percent_done"], 100.0);
     assert_eq!(sweep["runs_on"], "provider_batch", "{sweep}");
-    let items = run(&stack, US_KEY, &["batch", "items", &id, "--state", "published"], None, None).await;
+    let items = run(&stack, US_KEY, &["sweeps", "items", &id, "--state", "published"], None, None).await;
     let keys: Vec<&str> = items.stdout.lines().map(|l| l.rsplit('\t').next().unwrap()).collect();
     assert_eq!(keys.len(), 3, "{}", items.stdout);
     assert!(keys.contains(&"src/a.rs") && keys.contains(&"docs/guide.md"), "{keys:?}");
     // What the commands show (printed with `--nocapture`).
     eprintln!(
-        "$ reviewctl sweep ... --wait\n{}\n$ reviewctl batch get {id}\n{}\n$ reviewctl batch items {id} --state published\n{}",
+        "$ reviewctl sweep ... --wait\n{}\n$ reviewctl sweeps get {id}\n{}\n$ reviewctl sweeps items {id} --state published\n{}",
         swept.stderr, got.stdout, items.stdout
     );
+    // `batch` is an old name of `sweeps`, kept as a hidden alias.
     let watched = run(&stack, US_KEY, &["batch", "watch", &id], None, None).await;
     assert_eq!(watched.code, 0, "{}", watched.stderr);
-    let listed = run(&stack, US_KEY, &["batch", "list"], None, None).await;
+    let listed = run(&stack, US_KEY, &["sweeps", "list"], None, None).await;
     assert!(listed.stdout.starts_with(&id) && listed.stdout.contains("3/3 done"), "{}", listed.stdout);
     stack.shutdown().await;
 }

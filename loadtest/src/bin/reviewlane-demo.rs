@@ -214,7 +214,7 @@ async fn main() -> anyhow::Result<()> {
 
 /// The ingress's own sources at this checkout's `HEAD`, reviewed as one sweep through
 /// `reviewctl` (through the lanes here: the built-in analyzer has no batch API), then its
-/// progress and reconciliation as `reviewctl batch get` and `batch items` show them.
+/// progress and reconciliation as `reviewctl sweeps get` and `sweeps items` show them.
 /// Skipped outside a git checkout.
 fn sweep(bin_dir: &Path, root: &Path, port: u16, key: &str, work: &Path) -> anyhow::Result<bool> {
     let reviewctl = |args: &[&str]| {
@@ -253,7 +253,7 @@ fn sweep(bin_dir: &Path, root: &Path, port: u16, key: &str, work: &Path) -> anyh
     let Some(id) = stderr.lines().find_map(|l| l.split_once(':').map(|(id, _)| id.trim().to_string())) else {
         return Ok(false);
     };
-    for args in [["batch", "get", id.as_str()], ["batch", "items", id.as_str()]] {
+    for args in [["sweeps", "get", id.as_str()], ["sweeps", "items", id.as_str()]] {
         let out = reviewctl(&args)?;
         println!("  reviewctl {}:", args.join(" "));
         for line in String::from_utf8_lossy(&out.stdout).lines() {

@@ -364,11 +364,11 @@ impl ResultSettings {
 }
 
 /// How reviews larger than the model's context are split (see
-/// `reviewlane_core::chunk`) and merged.
+/// `reviewlane_core::parts`) and merged.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PartConfig {
     /// Limits and tokenizer of new splits (a split job keeps the plan it started with).
-    pub plan: reviewlane_core::chunk::Plan,
+    pub plan: reviewlane_core::parts::Plan,
     pub max_parts: u32,
     pub findings_cap: u32,
 }
@@ -377,7 +377,7 @@ impl PartConfig {
     /// Defaults for a model: its tokenizer when tiktoken knows it, else the estimate.
     pub fn for_model(model: &str) -> Self {
         PartConfig {
-            plan: reviewlane_core::chunk::Plan {
+            plan: reviewlane_core::parts::Plan {
                 limits: Default::default(),
                 tokenizer: crate::tokenizer::for_model(model).unwrap_or_default(),
             },
@@ -712,7 +712,7 @@ pub fn fit_parts_to_budget(
 
 /// `REVIEWLANE_CONTEXT_TOKENS` and the rest of the split settings.
 fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConfig {
-    use reviewlane_core::chunk::{PartLimits, Plan, Tokenizer};
+    use reviewlane_core::parts::{PartLimits, Plan, Tokenizer};
     let model = match provider {
         Some(ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. }) => model.as_str(),
         _ => "builtin",
@@ -890,7 +890,7 @@ mod tests {
 
     #[test]
     fn split_settings_default_by_model_and_are_checked() {
-        use reviewlane_core::chunk::Tokenizer;
+        use reviewlane_core::parts::Tokenizer;
         let base = [
             (reviewlane_core::env::REGION, "eu"),
             (reviewlane_core::env::NATS_URL, "nats://x"),

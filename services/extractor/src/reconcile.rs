@@ -27,7 +27,7 @@ pub fn overdue(rec: &JobRecord, now_ms: u64, grace: Duration) -> bool {
     let grace = grace.as_millis() as u64;
     // Its sweep's coordinator drives a job of a provider batch (and ends it at the
     // sweep's window); it has no lane message to look for.
-    if reviewlane_core::batch::in_provider_batch(rec.owner.as_deref()) {
+    if rec.in_provider_batch() {
         return false;
     }
     let since = match rec.state {
@@ -205,7 +205,7 @@ mod tests {
         }
         // A provider batch's item has no lane message: its coordinator drives it.
         let mut batched = running.clone();
-        batched.owner = Some(reviewlane_core::batch::chunk_id("us_s", 1));
+        batched.owner = Some(reviewlane_core::job::Owner::ProviderBatch(reviewlane_core::batch::chunk_id("us_s", 1)));
         assert!(!overdue(&batched, 60_000, grace));
         retry.owner = batched.owner.clone();
         assert!(!overdue(&retry, 110_000, grace));

@@ -227,7 +227,7 @@ fn item_tokens(
     })
 }
 
-/// Whether a review would be split into parts on the lanes (`chunk::split` under the
+/// Whether a review would be split into parts on the lanes (`parts::split` under the
 /// configured plan gives more than one).
 fn over_one_call(
     config: &ExtractorConfig,
@@ -236,7 +236,7 @@ fn over_one_call(
     Arc::new(move |review| {
         let Ok(diff) = review.parse_diff() else { return false };
         let counter = crate::tokenizer::counter(plan.tokenizer);
-        reviewlane_core::chunk::split(&diff, &plan.limits, counter.as_ref()).len() > 1
+        reviewlane_core::parts::split(&diff, &plan.limits, counter.as_ref()).len() > 1
     })
 }
 

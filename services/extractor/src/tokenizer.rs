@@ -1,8 +1,8 @@
 //! Token counts for splitting large reviews: OpenAI's own tokenizers (tiktoken's
 //! `o200k_base`, `cl100k_base`) for the models that use them, else the documented
-//! bytes-per-token estimate (`reviewlane_core::chunk::Estimate`).
+//! bytes-per-token estimate (`reviewlane_core::parts::Estimate`).
 
-use reviewlane_core::chunk::{Estimate, TokenCount, Tokenizer};
+use reviewlane_core::parts::{Estimate, TokenCount, Tokenizer};
 
 /// The tokenizer of a model family, when tiktoken knows the model; else `None`.
 pub fn for_model(model: &str) -> Option<Tokenizer> {

@@ -143,7 +143,7 @@ impl Claims {
 
     /// Ends or releases a claim: `Published`/`Failed` for good, or `Publishing` expiring
     /// now (a failed attempt: whoever gets the message next may try at once).
-    pub async fn settle(&self, job_id: &str, claim: &Claim, state: PublicationState) -> Result<(), StoreError> {
+    pub async fn close(&self, job_id: &str, claim: &Claim, state: PublicationState) -> Result<(), StoreError> {
         self.write(job_id, claim, state, claim.attempt).await
     }
 

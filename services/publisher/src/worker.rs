@@ -170,11 +170,11 @@ impl Worker {
         let known = match self.jobs.apply_tracked(id, Some((rec, revision)), &Event::Delivering, None).await {
             Ok(written) => Some(written),
             Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
-                self.claims.settle(id, &claim, PublicationState::Failed).await?;
+                self.claims.close(id, &claim, PublicationState::Failed).await?;
                 return Ok(self.noted(Done::new(Ack::Ack, Outcome::Dropped)));
             }
             Err(StoreError::Transition(TransitionError::AlreadyFinal(JobState::Published), _)) => {
-                self.claims.settle(id, &claim, PublicationState::Published).await?;
+                self.claims.close(id, &claim, PublicationState::Published).await?;
                 return Ok(self.noted(Done::new(Ack::Ack, Outcome::Duplicate)));
             }
             Err(e) => return Err(e),
@@ -238,7 +238,7 @@ impl Worker {
         };
         let record = || async {
             self.faults.check(reviewlane_shared::faults::point::PUBLISHER_RECORD_DELIVERED)?;
-            self.claims.settle(id, claim, PublicationState::Published).await
+            self.claims.close(id, claim, PublicationState::Published).await
         };
         self.store_retry.run_until(until, record, retry).await?;
         self.store_retry.run_until(until, || self.mark_job_from(id, known.take(), &Event::Published), retry).await?;
@@ -302,14 +302,14 @@ impl Worker {
             return self.fail(f, claim, TerminalReason::DeliveryBudgetExhausted).await;
         }
         tracing::warn!(attempt = claim.attempt, delay_ms = delay.as_millis() as u64, "delivery retry scheduled");
-        self.claims.settle(&f.job_id, claim, PublicationState::Publishing).await?;
+        self.claims.close(&f.job_id, claim, PublicationState::Publishing).await?;
         self.metrics.retry(delay);
         Ok(Done::new(Ack::Nak(Some(delay)), Outcome::RetryScheduled(delay)))
     }
 
     async fn fail(&self, f: &FindingsMessage, claim: &Claim, reason: TerminalReason) -> Result<Done, StoreError> {
         let id = f.job_id.as_str();
-        self.claims.settle(id, claim, PublicationState::Failed).await?;
+        self.claims.close(id, claim, PublicationState::Failed).await?;
         self.mark_job(id, &Event::Terminate { reason, upstream_status: None, generation: None }).await?;
         self.metrics.failed(f.lane, reason);
         tracing::warn!(outcome = "failed", reason = reason.as_str(), "delivery failed for good");

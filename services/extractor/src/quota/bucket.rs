@@ -98,7 +98,7 @@ impl Bucket {
         self.refills_at_ms.is_some()
     }
 
-    fn settle_at(&mut self, now_ms: u64) {
+    fn catch_up(&mut self, now_ms: u64) {
         self.level = self.level_at(now_ms);
         self.at_ms = self.at_ms.max(now_ms);
         if let Some(end) = self.refills_at_ms.filter(|end| now_ms >= *end) {
@@ -128,7 +128,7 @@ impl Bucket {
         if short > 0.0 {
             return Err(Refused::Wait(self.wait_for(short, now_ms)));
         }
-        self.settle_at(now_ms);
+        self.catch_up(now_ms);
         self.level -= cost as f64;
         Ok(())
     }
@@ -136,7 +136,7 @@ impl Bucket {
     /// Corrects a reservation of `reserved` to what the answer `used`: the difference
     /// is given back, or taken (the level may go below zero: later calls wait it out).
     pub fn correct(&mut self, reserved: u64, used: u64, now_ms: u64) {
-        self.settle_at(now_ms);
+        self.catch_up(now_ms);
         self.level = (self.level + reserved as f64 - used as f64).min(self.capacity as f64);
     }
 
@@ -149,7 +149,7 @@ impl Bucket {
     /// The one reading that raises the level is one of a fixed window showing far more
     /// left than the bucket holds: the window started again earlier than assumed.
     pub fn follow(&mut self, reading: &Reading, now_ms: u64) {
-        self.settle_at(now_ms);
+        self.catch_up(now_ms);
         let latest_end = now_ms + self.period_ms;
         match (reading.reset, reading.limit, reading.remaining) {
             (Some(_), _, _) => self.refills_at_ms = None,

@@ -412,16 +412,17 @@ impl Quota {
     /// A reserved call that was answered: each budget is corrected to what it `used`
     /// (its request stays spent, and so does the output limit tokens per minute count
     /// at start; output tokens per minute are counted as produced).
-    pub async fn settle_call(&self, reserved: &Reservation, used: Cost) {
-        self.correct_call(reserved, used, false).await
+    pub async fn correct_call(&self, reserved: &Reservation, used: Cost) {
+        self.give_back(reserved, used, false).await
     }
 
     /// A reserved call that was never made: all of it is given back.
     pub async fn release_call(&self, reserved: &Reservation) {
-        self.correct_call(reserved, Cost::default(), true).await
+        self.give_back(reserved, Cost::default(), true).await
     }
 
-    async fn correct_call(&self, reserved: &Reservation, used: Cost, release: bool) {
+    /// Gives back to each budget what the call did not use (all of it when `release`).
+    async fn give_back(&self, reserved: &Reservation, used: Cost, release: bool) {
         for &(dim, capacity) in &reserved.budgets {
             let used = match dim {
                 _ if release => 0,

@@ -7,7 +7,7 @@
 //! the cost of the line at the batch price.
 
 use reviewlane_core::batch::{self, ChunkRecord, ItemFate, LineResult};
-use reviewlane_core::job::{Budget, Event, JobRecord, JobState, TerminalReason, Tokens};
+use reviewlane_core::job::{Budget, Event, JobRecord, JobState, Owner, TerminalReason, Tokens};
 use reviewlane_core::messages::FindingsMessage;
 use reviewlane_core::sweep::{SweepRecord, SweepState};
 use reviewlane_shared::job_store::StoreError;
@@ -74,7 +74,7 @@ impl Coordinator {
     ) -> Result<(), RoundError> {
         for job_id in &chunk.job_ids {
             let Some((rec, revision)) = self.jobs.get(job_id).await? else { continue };
-            if rec.state != JobState::Running || rec.owner.as_deref() != Some(chunk.chunk_id.as_str()) {
+            if rec.state != JobState::Running || !rec.owned_by(&Owner::ProviderBatch(chunk.chunk_id.clone())) {
                 continue;
             }
             let read = (rec, revision);
@@ -103,7 +103,7 @@ impl Coordinator {
         line: LineResult,
     ) -> Result<(), RoundError> {
         let Some((rec, revision)) = self.jobs.get(job_id).await? else { return Ok(()) };
-        if rec.state != JobState::Running || rec.owner.as_deref() != Some(chunk.chunk_id.as_str()) {
+        if rec.state != JobState::Running || !rec.owned_by(&Owner::ProviderBatch(chunk.chunk_id.clone())) {
             return Ok(());
         }
         let generation = rec.generation();

@@ -22,7 +22,7 @@
 //! 6. **Apply** each line to its item once (`apply`): the compare-and-set on the item's
 //!    job, fenced by the chunk's lease, lets one apply through.
 //!
-//! A sweep whose items are all final is marked settled and looked at no more.
+//! A sweep whose items are all final is marked finished and looked at no more.
 
 mod apply;
 
@@ -33,7 +33,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use reviewlane_core::batch::{self, BatchStep, ChunkError, ChunkEvent, ChunkRecord, ChunkStep, Cut, Triage};
 use reviewlane_core::clock::SharedClock;
-use reviewlane_core::job::{Event, JobRecord, JobState};
+use reviewlane_core::job::{Event, JobRecord, JobState, Owner};
 use reviewlane_core::messages::ReviewMessage;
 use reviewlane_core::sweep::{SweepEvent, SweepMode, SweepRecord, SweepState};
 use reviewlane_shared::job_store::{Created, JobStore, StoreError};
@@ -104,7 +104,7 @@ struct Memory {
     not_ours: HashSet<String>,
     /// Per sweep with no batch left: the items still open, which run on the lanes.
     /// Only they are read each round; once they are final the sweep is cut again (and
-    /// settled).
+    /// finished).
     on_lanes: HashMap<String, Vec<String>>,
 }
 
@@ -185,7 +185,7 @@ impl Coordinator {
             .all()
             .await?
             .into_iter()
-            .filter(|s| s.runs_on == SweepMode::ProviderBatch && s.state != SweepState::Open && !s.settled)
+            .filter(|s| s.runs_on == SweepMode::ProviderBatch && s.state != SweepState::Open && !s.finished)
             .collect();
         let mut chunks = HashMap::new();
         for s in &sweeps {
@@ -210,7 +210,7 @@ impl Coordinator {
     }
 
     /// One sweep's round: its live chunks moved on, its items cut again when something
-    /// changed, and settled once all are final. Its chunks as they then stand.
+    /// changed, and finished once all are final. Its chunks as they then stand.
     async fn drive(
         &self,
         sweep: &SweepRecord,
@@ -296,7 +296,7 @@ impl Coordinator {
         }
         let live = chunks.iter().any(|(c, _)| c.step != ChunkStep::Applied);
         if !live && open.is_empty() {
-            self.settle(sweep).await?;
+            self.finish(sweep).await?;
             return Ok(Vec::new());
         }
         if waiting.is_empty() {
@@ -360,7 +360,7 @@ impl Coordinator {
     /// died between the hand-over and the put) is put there now.
     async fn keep_on_lane(&self, sweep: &SweepRecord, rec: &JobRecord) -> Result<(), RoundError> {
         if rec.state == JobState::RetryScheduled
-            && rec.owner.as_deref() == Some(batch::LANES_OWNER)
+            && rec.owned_by(&Owner::Lanes)
             && !reviewlane_shared::lanes::holds(&self.js, rec).await?
             && let Some(review) = self.review(&sweep.sweep_id, &rec.job_id).await?
         {
@@ -397,10 +397,10 @@ impl Coordinator {
         Ok(self.sweeps.item(sweep_id, job_id).await?.and_then(|i| i.review))
     }
 
-    /// Marks a sweep settled: every item final, no batch of it left.
-    async fn settle(&self, sweep: &SweepRecord) -> Result<(), RoundError> {
-        self.sweeps.apply(&sweep.tenant, &sweep.sweep_id, SweepEvent::Settled, self.clock.now_ms()).await?;
-        tracing::info!("sweep settled: every item is final");
+    /// Marks a sweep finished: every item final, no batch of it left.
+    async fn finish(&self, sweep: &SweepRecord) -> Result<(), RoundError> {
+        self.sweeps.apply(&sweep.tenant, &sweep.sweep_id, SweepEvent::Finished, self.clock.now_ms()).await?;
+        tracing::info!("sweep finished: every item is final");
         Ok(())
     }
 
@@ -643,11 +643,10 @@ impl Coordinator {
         for id in &chunk.job_ids {
             let Some(review) = self.review(&sweep.sweep_id, id).await? else { continue };
             let now = self.clock.now_ms();
-            let event = Event::Leased {
-                owner: chunk.chunk_id.clone(),
-                lease_expires_at_ms: review.deadline_ms.unwrap_or(now).max(now),
-            };
-            let mine = |r: &JobRecord| r.state == JobState::Running && r.owner.as_deref() == Some(&chunk.chunk_id);
+            let owner = Owner::ProviderBatch(chunk.chunk_id.clone());
+            let event =
+                Event::Leased { owner: owner.clone(), lease_expires_at_ms: review.deadline_ms.unwrap_or(now).max(now) };
+            let mine = |r: &JobRecord| r.state == JobState::Running && r.owned_by(&owner);
             let existing = match self.jobs.get(id).await? {
                 Some(read) => read,
                 None => {
@@ -670,8 +669,7 @@ impl Coordinator {
                 continue;
             }
             if sweep.state == SweepState::Cancelled
-                || !(existing.0.state == JobState::RetryScheduled
-                    && batch::in_provider_batch(existing.0.owner.as_deref()))
+                || !(existing.0.state == JobState::RetryScheduled && existing.0.in_provider_batch())
             {
                 continue;
             }

@@ -147,10 +147,10 @@ impl Worker {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
                     *metering.tokens.lock().expect("tokens lock") = Some(u);
                     if let Some(reserved) = &metering.reserved
-                        && !metering.settled.swap(true, std::sync::atomic::Ordering::Relaxed)
+                        && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
                     {
                         let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
-                        self.quota.settle_call(reserved, used).await;
+                        self.quota.correct_call(reserved, used).await;
                     }
                 }
                 match (self.validate(job, lease, target.diff, &output), target.part) {

@@ -92,7 +92,7 @@ pub(super) enum Next<'j> {
     /// The same review's validated result is cached: kept without a call.
     Cached(Target<'j>, Validated),
     /// A review larger than the model's context, finished part by part.
-    Split(std::sync::Arc<Vec<reviewlane_core::chunk::Part>>, reviewlane_core::job::Parts),
+    Split(std::sync::Arc<Vec<reviewlane_core::parts::Part>>, reviewlane_core::job::Parts),
 }
 
 /// Margin added when handing a message back until another holder's lease ends.
@@ -174,7 +174,7 @@ impl Worker {
             _ => {}
         }
         let event = Event::Leased {
-            owner: self.quota.replica_id().to_string(),
+            owner: reviewlane_core::job::Owner::Replica(self.quota.replica_id().to_string()),
             lease_expires_at_ms: now + self.policy.lease.as_millis() as u64,
         };
         match self.stores.jobs.apply_tracked(id, Some((rec, revision)), &event, None).await {

@@ -107,7 +107,7 @@ pub struct WorkPolicy {
 
 impl WorkPolicy {
     /// What a call for one part of a split review is metered for.
-    pub fn part_cost(&self, part: &reviewlane_core::chunk::Part) -> reviewlane_core::meter::Cost {
+    pub fn part_cost(&self, part: &reviewlane_core::parts::Part) -> reviewlane_core::meter::Cost {
         let overhead = self.call_overhead;
         reviewlane_core::meter::Cost { input: overhead.input + part.tokens as u64, output: overhead.output }
     }
@@ -154,7 +154,7 @@ pub struct Metering {
     /// A provider call was made for it.
     pub called: std::sync::atomic::AtomicBool,
     /// Its answer's usage corrected it, or it was given back unused.
-    pub settled: std::sync::atomic::AtomicBool,
+    pub corrected: std::sync::atomic::AtomicBool,
     /// The usage its answer reported.
     pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
 }
@@ -262,7 +262,7 @@ impl Worker {
     async fn release_unused(&self, metering: &Metering) {
         if let Some(reserved) = &metering.reserved
             && !metering.called.load(std::sync::atomic::Ordering::Relaxed)
-            && !metering.settled.swap(true, std::sync::atomic::Ordering::Relaxed)
+            && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
         {
             self.quota.release_call(reserved).await;
         }

@@ -1,6 +1,6 @@
 //! Reviews larger than the model's context: one job, many parts.
 //!
-//! The first holder splits the diff (`reviewlane_core::chunk`) and records the plan
+//! The first holder splits the diff (`reviewlane_core::parts`) and records the plan
 //! in the job record; every later holder splits it alike from the recorded plan. A
 //! holder runs the parts not yet recorded concurrently: the first where its delivery
 //! was admitted, each other as soon as admission has a place for it at once (a call
@@ -21,11 +21,11 @@ use std::collections::VecDeque;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use reviewlane_core::chunk::{self, Part};
 use reviewlane_core::diff;
 use reviewlane_core::findings::Validated;
 use reviewlane_core::job::{Event, JobState, Parts, TerminalReason, Tokens, TransitionError};
 use reviewlane_core::messages::FindingsMessage;
+use reviewlane_core::parts::{self as diff_parts, Part};
 use reviewlane_core::{aggregate, job::ReviewDepth};
 use reviewlane_shared::faults::point;
 use reviewlane_shared::job_store::StoreError;
@@ -39,7 +39,8 @@ use super::{Job, Lease, Metering, Target, Worker, plan};
 pub(super) const SPLIT_CACHE: usize = 4;
 
 /// Recently split reviews: (job id, plan) and their parts.
-pub type SplitCache = std::sync::Mutex<std::collections::VecDeque<((String, chunk::Plan), std::sync::Arc<Vec<Part>>)>>;
+pub type SplitCache =
+    std::sync::Mutex<std::collections::VecDeque<((String, diff_parts::Plan), std::sync::Arc<Vec<Part>>)>>;
 
 /// How often a split review with parts waiting looks for a place for the next one
 /// while others are in flight (it also looks whenever a part ends).
@@ -139,7 +140,7 @@ impl Worker {
 
     /// The review's parts under `plan`. Each part's delivery needs them, so the last few
     /// reviews' are kept: a split costs a pass of the tokenizer over the whole diff.
-    fn split(&self, job: &Job<'_>, diff: &diff::Diff, plan: chunk::Plan) -> std::sync::Arc<Vec<Part>> {
+    fn split(&self, job: &Job<'_>, diff: &diff::Diff, plan: diff_parts::Plan) -> std::sync::Arc<Vec<Part>> {
         let key = (job.id().to_string(), plan);
         if let Some((_, parts)) = self.split_cache.lock().expect("split cache lock").iter().find(|(k, _)| *k == key) {
             return parts.clone();
@@ -151,7 +152,7 @@ impl Worker {
         };
         let source = degraded.as_ref().unwrap_or(diff);
         let counter = crate::tokenizer::counter(plan.tokenizer);
-        let parts = std::sync::Arc::new(chunk::split(source, &plan.limits, counter.as_ref()));
+        let parts = std::sync::Arc::new(diff_parts::split(source, &plan.limits, counter.as_ref()));
         if parts.len() > 1 {
             let mut cache = self.split_cache.lock().expect("split cache lock");
             if cache.len() == SPLIT_CACHE {

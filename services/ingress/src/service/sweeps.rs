@@ -218,7 +218,7 @@ impl ReviewApi {
             cancelled_at_ms: None,
             started: false,
             items_added: 0,
-            settled: false,
+            finished: false,
         };
         match sweeps(handle).create(&rec).await? {
             Made::New(rec) => {
