@@ -234,6 +234,11 @@ pub struct More {
 }
 
 impl More {
+    fn new(slots: &Arc<Slots>, l: &LaneLoop, quota: &Quota, stop: &CancellationToken) -> More {
+        let (slots, scope, quota, stop) = (slots.clone(), l.scope.clone(), quota.clone(), stop.clone());
+        More { slots, lane: l.lane, scope, quota, stop }
+    }
+
     /// A place and a reservation for one more call costing `cost`, if it may start now:
     /// the key is not paused, a slot is free that no waiting message is in line for, the
     /// scope has room (its share of the window, its tenant's fair share and cap), and
@@ -398,26 +403,17 @@ async fn admit(
     // While here, the tenant counts as wanting calls (its weighted share is kept for it).
     let _waiting = quota.waiting(&l.scope);
     let mut ticket: Option<u64> = None;
-    let hand_back = |ticket: Option<u64>| {
-        if let Some(t) = ticket {
-            slots.leave(t);
-        }
-    };
+    let hand_back = |ticket: Option<u64>| ticket.map(|t| slots.leave(t));
     loop {
-        if let Some(remaining) = quota.paused_for() {
+        // Until a pause ends, or just past the deadline (then ended as late); at once when
+        // this replica lost its share (another replica joined): let others take it.
+        let back = match quota.paused_for() {
+            Some(remaining) => Some(Some(back_for(&msg, quota, remaining))),
+            None => (quota.allowance(&l.scope) == 0).then_some(None),
+        };
+        if let Some(delay) = back {
             hand_back(ticket);
-            // Until the pause ends, or just past the deadline (then ended as late).
-            let delay = match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
-                WhilePaused::Late => Duration::ZERO,
-                WhilePaused::HandBack(d) => d,
-            };
-            ack(&msg, AckKind::Nak(Some(delay))).await;
-            return None;
-        }
-        // This replica lost its share (another replica joined): let others take it.
-        if quota.allowance(&l.scope) == 0 {
-            hand_back(ticket);
-            ack(&msg, AckKind::Nak(None)).await;
+            ack(&msg, AckKind::Nak(delay)).await;
             return None;
         }
         let notified = quota.changed.notified();
@@ -430,44 +426,26 @@ async fn admit(
                 match quota.try_start(&l.scope) {
                     Some(running) => match reserve(quota, (l.cost)(&msg.payload)).await {
                         Ok(reserved) => {
-                            let more = More {
-                                slots: slots.clone(),
-                                lane: l.lane,
-                                scope: l.scope.clone(),
-                                quota: quota.clone(),
-                                stop: stop.clone(),
-                            };
+                            let more = More::new(slots, l, quota, stop);
                             let place = Place { slot, running };
                             return Some(Admitted { msg, scope: l.scope.clone(), place, reserved, more });
                         }
-                        // The key's budgets have no room for this call yet: back to the
-                        // lane until they do (or just past its deadline), no lease taken,
-                        // no retry spent.
-                        // Calls in flight may give part of their reservation back when
-                        // they are answered: wait here (no lease, no slot) until one does,
-                        // or for at most the wait, and look again.
-                        Err(wait) if quota.fleet_in_flight() > 0 => {
-                            drop((running, slot));
-                            let given_back = quota.given_back.notified();
-                            tokio::select! {
-                                _ = given_back => {}
-                                _ = tokio::time::sleep(wait.min(BUDGET_RECHECK)) => {}
-                                _ = heartbeat.tick() => ack(&msg, AckKind::Progress).await,
-                                _ = stop.cancelled() => {
-                                    ack(&msg, AckKind::Nak(None)).await;
-                                    return None;
-                                }
-                            }
-                            continue;
-                        }
+                        // The key's budgets have no room for this call yet. Calls in
+                        // flight may give part of their reservation back when they are
+                        // answered: wait here (no lease, no slot) until one does, or for
+                        // at most the wait, and look again. With none in flight, back to
+                        // the lane until they have room (or just past its deadline): no
+                        // lease taken, no retry spent.
                         Err(wait) => {
                             drop((running, slot));
-                            let delay = match while_paused(deadline_of(&msg), quota.now_ms(), wait) {
-                                WhilePaused::Late => Duration::ZERO,
-                                WhilePaused::HandBack(d) => d,
-                            };
-                            ack(&msg, AckKind::Nak(Some(delay))).await;
-                            return None;
+                            if quota.fleet_in_flight() == 0 {
+                                ack(&msg, AckKind::Nak(Some(back_for(&msg, quota, wait)))).await;
+                                return None;
+                            }
+                            if !wait_for_give_back(quota, wait, &mut heartbeat, &msg, stop).await {
+                                return None;
+                            }
+                            continue;
                         }
                     },
                     // Lost a race for the scope's last place: the slot goes to the next.
@@ -490,6 +468,37 @@ async fn admit(
             }
         }
     }
+}
+
+/// How long a message goes back to its lane for: until `wait` is over, or just past its
+/// deadline when that comes first (then it ends as late).
+fn back_for(msg: &jetstream::Message, quota: &Quota, wait: Duration) -> Duration {
+    match while_paused(deadline_of(msg), quota.now_ms(), wait) {
+        WhilePaused::Late => Duration::ZERO,
+        WhilePaused::HandBack(d) => d,
+    }
+}
+
+/// Waits, holding no lease and no slot, until a call in flight gives back part of its
+/// reservation, or `wait` (at most `BUDGET_RECHECK`) is over; keeps the message's ack
+/// wait alive meanwhile. `false` when stopping (the message is handed back).
+async fn wait_for_give_back(
+    quota: &Quota,
+    wait: Duration,
+    heartbeat: &mut tokio::time::Interval,
+    msg: &jetstream::Message,
+    stop: &CancellationToken,
+) -> bool {
+    tokio::select! {
+        _ = quota.given_back.notified() => {}
+        _ = tokio::time::sleep(wait.min(BUDGET_RECHECK)) => {}
+        _ = heartbeat.tick() => ack(msg, AckKind::Progress).await,
+        _ = stop.cancelled() => {
+            ack(msg, AckKind::Nak(None)).await;
+            return false;
+        }
+    }
+    true
 }
 
 /// Longest a review refused by the key's budgets waits before it looks again while calls

@@ -259,7 +259,7 @@ impl Coordinator {
     }
 
     /// Cuts the sweep's items that wait for a batch into new chunks (each record created
-    /// once); ends those of a cancelled sweep; settles a sweep with nothing left.
+    /// once); ends those of a cancelled sweep; finishes a sweep with nothing left.
     async fn cut(
         &self,
         sweep: &SweepRecord,
@@ -267,6 +267,45 @@ impl Coordinator {
         held: &[ChunkRecord],
         memory: &mut Memory,
     ) -> Result<Vec<(ChunkRecord, u64)>, RoundError> {
+        let (waiting, open) = self.triage(sweep, chunks).await?;
+        let live = chunks.iter().any(|(c, _)| c.step != ChunkStep::Applied);
+        if !live && open.is_empty() {
+            self.finish(sweep).await?;
+            return Ok(Vec::new());
+        }
+        if waiting.is_empty() {
+            if !live {
+                // What is left runs on the lanes: followed round by round, to finish it.
+                memory.on_lanes.insert(sweep.sweep_id.clone(), open);
+            }
+            return Ok(Vec::new());
+        }
+        let refusals = memory.refusals.get(&sweep.sweep_id).copied().unwrap_or_default();
+        if self.clock.now_ms() < refusals.not_before_ms {
+            // A batch of one was refused: the next waits.
+            memory.to_cut.insert(sweep.sweep_id.clone());
+            return Ok(Vec::new());
+        }
+        let limits = refusals.limits(self.settings.limits(self.client.limits()));
+        let room = batch::enqueued_room(held, memory.believed.or(self.settings.enqueued_tokens));
+        let seq = chunks.iter().map(|(c, _)| c.seq).max().unwrap_or(0);
+        let alone = !held.iter().any(ChunkRecord::holds_tokens);
+        let (out, left) = self.cut_waiting(sweep, waiting, (limits, room, alone), seq).await?;
+        if left {
+            // The rest waits for a batch to end and give its tokens back.
+            memory.to_cut.insert(sweep.sweep_id.clone());
+        }
+        Ok(out)
+    }
+
+    /// Reads every item's job and sorts the items (`batch::triage`): those waiting for a
+    /// batch, and those not final (waiting included). Ends the waiting items of a
+    /// cancelled sweep, and puts again on the lane an item handed there but not on it.
+    async fn triage(
+        &self,
+        sweep: &SweepRecord,
+        chunks: &[(ChunkRecord, u64)],
+    ) -> Result<(Vec<String>, Vec<String>), RoundError> {
         let cancelled = sweep.state == SweepState::Cancelled;
         let mut ids = self.sweeps.item_ids(&sweep.sweep_id).await?;
         ids.sort();
@@ -294,33 +333,24 @@ impl Coordinator {
                 }
             }
         }
-        let live = chunks.iter().any(|(c, _)| c.step != ChunkStep::Applied);
-        if !live && open.is_empty() {
-            self.finish(sweep).await?;
-            return Ok(Vec::new());
-        }
-        if waiting.is_empty() {
-            if !live {
-                // What is left runs on the lanes: followed round by round, to settle it.
-                memory.on_lanes.insert(sweep.sweep_id.clone(), open);
-            }
-            return Ok(Vec::new());
-        }
-        let refusals = memory.refusals.get(&sweep.sweep_id).copied().unwrap_or_default();
-        if self.clock.now_ms() < refusals.not_before_ms {
-            // A batch of one was refused: the next waits.
-            memory.to_cut.insert(sweep.sweep_id.clone());
-            return Ok(Vec::new());
-        }
-        let limits = refusals.limits(self.settings.limits(self.client.limits()));
-        let room = batch::enqueued_room(held, memory.believed.or(self.settings.enqueued_tokens));
-        let mut seq = chunks.iter().map(|(c, _)| c.seq).max().unwrap_or(0);
+        Ok((waiting, open))
+    }
+
+    /// Cuts `waiting` into chunks after `seq`, within the limits and the enqueued-token
+    /// `room` (`alone`: no chunk holds any), each record created once; an item over one
+    /// call's budget goes to the batch lane instead. The chunks, and whether items are
+    /// left for a later cut (no room now).
+    async fn cut_waiting(
+        &self,
+        sweep: &SweepRecord,
+        waiting: Vec<String>,
+        (limits, mut room, alone): (batch::BatchLimits, Option<u64>, bool),
+        mut seq: u32,
+    ) -> Result<(Vec<(ChunkRecord, u64)>, bool), RoundError> {
         let mut out = Vec::new();
         let mut rest = waiting.into_iter().peekable();
-        let mut room_left = room;
         while rest.peek().is_some() {
-            let alone = out.is_empty() && !held.iter().any(ChunkRecord::holds_tokens);
-            let mut cut = Cut::new(limits, room_left, alone);
+            let mut cut = Cut::new(limits, room, alone && out.is_empty());
             let mut ids = Vec::new();
             while let Some(id) = rest.peek() {
                 let Some(review) = self.review(&sweep.sweep_id, id).await? else {
@@ -339,21 +369,17 @@ impl Coordinator {
                 ids.push(rest.next().expect("peeked"));
             }
             if ids.is_empty() {
-                if rest.peek().is_some() {
-                    // The rest waits for a batch to end and give its tokens back.
-                    memory.to_cut.insert(sweep.sweep_id.clone());
-                }
-                break;
+                return Ok((out, rest.peek().is_some()));
             }
             seq += 1;
             let mut chunk = ChunkRecord::new(&sweep.sweep_id, &sweep.tenant, seq, ids, self.clock.now_ms());
             chunk.tokens = cut.tokens;
-            room_left = room_left.map(|r| r.saturating_sub(cut.tokens));
+            room = room.map(|r| r.saturating_sub(cut.tokens));
             let made = self.sweeps.create_chunk(&chunk).await?;
             tracing::info!(chunk = seq, items = made.0.job_ids.len(), tokens = made.0.tokens, "provider batch cut");
             out.push(made);
         }
-        Ok(out)
+        Ok((out, false))
     }
 
     /// An item handed to the lanes but not on the lane (the put failed, or a leader
@@ -462,31 +488,8 @@ impl Coordinator {
                         memory.fresh.insert(chunk.chunk_id.clone());
                     }
                     ChunkStep::Intent | ChunkStep::Uploaded if !fresh => {
-                        // A batch may exist for it: look before creating one (while one
-                        // that may be its own runs, at the poll backoff's pace).
-                        let now = tokio::time::Instant::now();
-                        let (looks, due) = memory.polls.get(&chunk.chunk_id).copied().unwrap_or((0, now));
-                        if now < due {
+                        if !self.look_for_batch(chunk, revision, known, memory).await? {
                             return Ok(());
-                        }
-                        match self.client.find(chunk, known, &mut memory.not_ours).await? {
-                            Found::Ours(found) => {
-                                memory.fresh.insert(chunk.chunk_id.clone());
-                                memory.polls.remove(&chunk.chunk_id);
-                                tracing::info!("found the batch created before its id was recorded");
-                                self.sent(chunk, revision, Sent::Created { batch_id: found }).await?;
-                            }
-                            Found::Unproven => {
-                                // Looked at again later; never created a second time meanwhile.
-                                tracing::info!("a batch that may be this chunk's is still running: waiting for proof");
-                                let wait = self.settings.poll.delay(looks, None);
-                                memory.polls.insert(chunk.chunk_id.clone(), (looks + 1, now + wait));
-                                return Ok(());
-                            }
-                            Found::None => {
-                                memory.fresh.insert(chunk.chunk_id.clone());
-                                memory.polls.remove(&chunk.chunk_id);
-                            }
                         }
                     }
                     ChunkStep::Intent => {
@@ -518,6 +521,41 @@ impl Coordinator {
         }
         .instrument(span)
         .await
+    }
+
+    /// A chunk this leader did not itself take to its step (a crash, another leader): a
+    /// batch may exist for it, so it is looked for before one is created — at the poll
+    /// backoff's pace while one that may be its own still runs. Whether the chunk may
+    /// move on now (its batch found and recorded, or none: it is sent).
+    async fn look_for_batch(
+        &self,
+        chunk: &mut ChunkRecord,
+        revision: &mut u64,
+        known: &HashSet<String>,
+        memory: &mut Memory,
+    ) -> Result<bool, RoundError> {
+        let now = tokio::time::Instant::now();
+        let (looks, due) = memory.polls.get(&chunk.chunk_id).copied().unwrap_or((0, now));
+        if now < due {
+            return Ok(false);
+        }
+        match self.client.find(chunk, known, &mut memory.not_ours).await? {
+            Found::Ours(found) => {
+                tracing::info!("found the batch created before its id was recorded");
+                self.sent(chunk, revision, Sent::Created { batch_id: found }).await?;
+            }
+            Found::Unproven => {
+                // Looked at again later; never created a second time meanwhile.
+                tracing::info!("a batch that may be this chunk's is still running: waiting for proof");
+                let wait = self.settings.poll.delay(looks, None);
+                memory.polls.insert(chunk.chunk_id.clone(), (looks + 1, now + wait));
+                return Ok(false);
+            }
+            Found::None => {}
+        }
+        memory.fresh.insert(chunk.chunk_id.clone());
+        memory.polls.remove(&chunk.chunk_id);
+        Ok(true)
     }
 
     /// Records what a step of sending did: the uploaded input, or the created batch.

@@ -10,69 +10,26 @@ impl ReviewApi {
             max_diff_bytes: tenant.max_diff_bytes.unwrap_or(self.max_diff_bytes),
             deadlines: [self.policies[0].deadline, self.policies[1].deadline],
         };
-        let SubmitPlan {
-            lane,
-            schema_version,
-            diff,
-            submitted_at_ms,
-            deadline_ms,
-            idempotency_key,
-            metadata,
-            request_digest,
-        } = plan(req, &limits, self.clock.now_ms())?;
-        let idempotency_key = idempotency_key.unwrap_or_else(|| hex::encode(rand::random::<[u8; 16]>()));
-
-        let region = tenant.region;
-        let handle = self.region(region)?;
-        let id = job_id::derive(region, &tenant.id, &idempotency_key);
+        let mut p = plan(req, &limits, self.clock.now_ms())?;
+        let idempotency_key = p.idempotency_key.take().unwrap_or_else(|| hex::encode(rand::random::<[u8; 16]>()));
+        let handle = self.region(tenant.region)?;
+        let id = job_id::derive(tenant.region, &tenant.id, &idempotency_key);
         let span = tracing::Span::current();
         span.record("job_id", id.as_str())
-            .record("lane", lane.as_str())
-            .record("schema_version", schema_version.as_str());
+            .record("lane", p.lane.as_str())
+            .record("schema_version", p.schema_version.as_str());
         // Admission on predicted queue age; a retry of a job we hold is answered anyway.
-        let (decision, predicted_wait) = self.admission(tenant, lane);
+        let (decision, predicted_wait) = self.admission(tenant, p.lane);
         let depth = match decision {
             Decision::Accept => ReviewDepth::Full,
             Decision::Degrade => ReviewDepth::ChangedHunks,
-            Decision::Refuse { retry_after } => match handle.jobs.get(&id).await? {
-                Some((existing, _)) if existing.request_digest == request_digest => {
-                    return self.view(handle, &existing).await;
-                }
-                _ => {
-                    tracing::info!(retry_after_ms = retry_after.as_millis() as u64, "refused: lane over its window");
-                    return Err(ApiError::ResourceExhausted {
-                        reason: Reason::LaneOverWindow,
-                        what: "the tenant's share of the lane is over its service window",
-                        retry_after,
-                    });
-                }
-            },
+            Decision::Refuse { retry_after } => return self.refused(handle, &id, &p.request_digest, retry_after).await,
         };
         span.record("review_depth", depth.as_str());
         let wait_ms = predicted_wait.map_or(0, |w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX));
-        let late = submitted_at_ms.saturating_add(wait_ms);
-        let msg = ReviewMessage {
-            job_id: id.clone(),
-            tenant: tenant.id.clone(),
-            region,
-            lane,
-            schema_version,
-            review_depth: depth,
-            metadata,
-            input_digest: job_id::sha256_hex(&[diff.bytes()]),
-            diff: diff.utf8,
-            diff_bytes: diff.raw,
-            submitted_at_ms,
-            request_digest,
-            deadline_ms: Some(deadline_ms),
-            replay_of: None,
-            sweep_id: None,
-            deeper_of: None,
-            // Named before it exists: a retry of this submit finds the same one.
-            deeper_review: (depth == ReviewDepth::ChangedHunks && tenant.deeper_pass)
-                .then(|| reviewlane_core::sweep::DeeperIds::of(tenant.region, &tenant.id, &id).job_id),
-        };
-        if late >= deadline_ms {
+        let late = p.submitted_at_ms.saturating_add(wait_ms) >= p.deadline_ms;
+        let msg = review_message(tenant, id, p, depth);
+        if late {
             // It ends here: no deeper pass follows it.
             return self.too_late(handle, &ReviewMessage { deeper_review: None, ..msg }).await;
         }
@@ -96,6 +53,28 @@ impl ReviewApi {
         }
         tracing::info!(state = rec.state.as_str(), "review accepted");
         Ok(api::review(&rec, &[]))
+    }
+
+    /// A submit refused by admission: a retry of a job we hold is answered with it, any
+    /// other refused with the delay to come back after.
+    async fn refused(
+        &self,
+        handle: &RegionHandle,
+        id: &str,
+        request_digest: &str,
+        retry_after: Duration,
+    ) -> Result<proto::Review, ApiError> {
+        match handle.jobs.get(id).await? {
+            Some((existing, _)) if existing.request_digest == request_digest => self.view(handle, &existing).await,
+            _ => {
+                tracing::info!(retry_after_ms = retry_after.as_millis() as u64, "refused: lane over its window");
+                Err(ApiError::ResourceExhausted {
+                    reason: Reason::LaneOverWindow,
+                    what: "the tenant's share of the lane is over its service window",
+                    retry_after,
+                })
+            }
+        }
     }
 
     /// Makes a job durable: its lane message, its record and its index entry, written
@@ -208,6 +187,32 @@ pub(super) struct SubmitPlan {
     pub metadata: ReviewMetadata,
     /// Of lane, schema, diff and metadata: what makes a same-key request the same one.
     pub request_digest: String,
+}
+
+/// The lane message of a submit planned as `p`, reviewed at `depth`, as job `id`.
+fn review_message(tenant: &Tenant, id: String, p: SubmitPlan, depth: ReviewDepth) -> ReviewMessage {
+    // Named before it exists: a retry of this submit finds the same one.
+    let deeper_review = (depth == ReviewDepth::ChangedHunks && tenant.deeper_pass)
+        .then(|| reviewlane_core::sweep::DeeperIds::of(tenant.region, &tenant.id, &id).job_id);
+    ReviewMessage {
+        job_id: id,
+        tenant: tenant.id.clone(),
+        region: tenant.region,
+        lane: p.lane,
+        schema_version: p.schema_version,
+        review_depth: depth,
+        metadata: p.metadata,
+        input_digest: job_id::sha256_hex(&[p.diff.bytes()]),
+        diff: p.diff.utf8,
+        diff_bytes: p.diff.raw,
+        submitted_at_ms: p.submitted_at_ms,
+        request_digest: p.request_digest,
+        deadline_ms: Some(p.deadline_ms),
+        replay_of: None,
+        sweep_id: None,
+        deeper_of: None,
+        deeper_review,
+    }
 }
 
 /// The pure check of a submit: each `INVALID_ARGUMENT` a caller can meet, from the
