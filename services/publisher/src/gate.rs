@@ -9,7 +9,26 @@ use reviewlane_core::job::{JobRecord, JobState, TerminalReason};
 pub use reviewlane_shared::pull::Ack;
 
 use crate::claim::Claimed;
-use crate::worker::Outcome;
+
+/// How the publisher settled one findings message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Published,
+    /// Already published: nothing delivered.
+    Duplicate,
+    /// The job ended (cancelled) before delivery: nothing delivered.
+    Dropped,
+    /// A result of a lease generation the job record did not validate (its holder lost
+    /// the lease): never delivered.
+    Stale,
+    /// Another publisher's claim is live: handed back until it expires.
+    Deferred(Duration),
+    /// Delivery failed for now; the message comes back after the delay.
+    RetryScheduled(Duration),
+    Failed(TerminalReason),
+    /// Handed back after an infrastructure error or because the job is not validated yet.
+    Released,
+}
 
 /// How long a message whose job is not validated yet comes back after.
 pub const NOT_READY_RETRY: Duration = Duration::from_secs(2);

@@ -24,28 +24,10 @@ use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
 use crate::claim::{Claim, Claimed, Claims, PublicationState};
+pub use crate::gate::Outcome;
 use crate::gate::{self, Ack, Done, Gate, NOT_READY_RETRY};
 use crate::metrics::Metrics;
 use crate::sink::{SinkOutcome, Sinks};
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    Published,
-    /// Already published: nothing delivered.
-    Duplicate,
-    /// The job ended (cancelled) before delivery: nothing delivered.
-    Dropped,
-    /// A result of a lease generation the job record did not validate (its holder lost
-    /// the lease): never delivered.
-    Stale,
-    /// Another publisher's claim is live: handed back until it expires.
-    Deferred(Duration),
-    /// Delivery failed for now; the message comes back after the delay.
-    RetryScheduled(Duration),
-    Failed(TerminalReason),
-    /// Handed back after an infrastructure error or because the job is not validated yet.
-    Released,
-}
 
 pub struct Worker {
     pub region: Region,
