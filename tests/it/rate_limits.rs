@@ -260,7 +260,7 @@ async fn two_replicas_on_one_key_never_take_more_than_its_token_bucket_holds() {
     }
     // 48,000 tokens a minute; each replica tries 40 calls of 1,000 tokens at once.
     const TPM: u64 = 48_000;
-    let tries = replicas.iter().flat_map(|q| (0..40).map(move |_| q.reserve(Dimension::Tokens, TPM, 1_000)));
+    let tries = replicas.iter().flat_map(|q| (0..40).map(move |_| q.budgets().reserve(Dimension::Tokens, TPM, 1_000)));
     let results = futures::future::join_all(tries).await;
     let taken = results.iter().filter(|r| matches!(r, Ok(Ok(())))).count();
     let waits: Vec<Duration> = results
@@ -275,34 +275,38 @@ async fn two_replicas_on_one_key_never_take_more_than_its_token_bucket_holds() {
     assert!(failed.is_empty(), "{failed:?}");
     assert_eq!(taken, 48, "the fleet took {taken} calls of 1,000 from a bucket of 48,000");
     assert_eq!(waits.len(), 32);
-    assert_eq!(taken as f64 * 1_000.0, TPM as f64 - replicas[0].bucket_level(Dimension::Tokens, TPM).await.unwrap());
+    assert_eq!(
+        taken as f64 * 1_000.0,
+        TPM as f64 - replicas[0].budgets().bucket_level(Dimension::Tokens, TPM).await.unwrap()
+    );
     // Each refused one was told how long until its 1,000 tokens are back: 1,000 at 800 a
     // second.
     assert!(waits.iter().all(|w| *w <= Duration::from_millis(1_250)), "{waits:?}");
 
     // Drain the rest, then the refill brings exactly what the wait said.
-    while let Ok(Ok(())) = replicas[1].reserve(Dimension::Tokens, TPM, 1_000).await {}
-    let Ok(Err(Refused::Wait(wait))) = replicas[0].reserve(Dimension::Tokens, TPM, 1_000).await else {
+    while let Ok(Ok(())) = replicas[1].budgets().reserve(Dimension::Tokens, TPM, 1_000).await {}
+    let Ok(Err(Refused::Wait(wait))) = replicas[0].budgets().reserve(Dimension::Tokens, TPM, 1_000).await else {
         panic!("an empty bucket refuses")
     };
     clock.advance(wait);
-    assert!(matches!(replicas[0].reserve(Dimension::Tokens, TPM, 1_000).await, Ok(Ok(()))));
+    assert!(matches!(replicas[0].budgets().reserve(Dimension::Tokens, TPM, 1_000).await, Ok(Ok(()))));
 
     // Usage below the reservation is given back to every replica.
-    replicas[0].correct(Dimension::Tokens, TPM, 1_000, 200).await.unwrap();
-    assert!(matches!(replicas[1].reserve(Dimension::Tokens, TPM, 800).await, Ok(Ok(()))));
+    replicas[0].budgets().correct(Dimension::Tokens, TPM, 1_000, 200).await.unwrap();
+    assert!(matches!(replicas[1].budgets().reserve(Dimension::Tokens, TPM, 800).await, Ok(Ok(()))));
     // A call larger than the whole bucket never runs.
     assert_eq!(
-        replicas[1].reserve(Dimension::Tokens, TPM, TPM + 1).await.unwrap(),
+        replicas[1].budgets().reserve(Dimension::Tokens, TPM, TPM + 1).await.unwrap(),
         Err(Refused::TooLarge { capacity: TPM })
     );
     // The provider reporting less than the bucket holds wins, for both replicas.
     clock.advance(Duration::from_secs(60));
     replicas[0]
+        .budgets()
         .follow(Dimension::Tokens, TPM, &Reading { remaining: Some(2_000), ..Default::default() })
         .await
         .unwrap();
-    assert_eq!(replicas[1].bucket_level(Dimension::Tokens, TPM).await.unwrap(), 2_000.0);
+    assert_eq!(replicas[1].budgets().bucket_level(Dimension::Tokens, TPM).await.unwrap(), 2_000.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -466,7 +470,7 @@ async fn a_bucket_429_empties_its_bucket_and_a_racing_429_keeps_the_window() {
     let limited = |bucket, in_flight| Limited { pause, started_ms: q.now_ms(), in_flight: Some(in_flight), bucket };
     q.rate_limited(limited(Some(Dimension::Tokens), 8)).await.unwrap();
     assert_eq!(q.fleet_window(), 8);
-    assert!(q.bucket_level(Dimension::Tokens, 48_000).await.unwrap() <= 0.0);
+    assert!(q.budgets().bucket_level(Dimension::Tokens, 48_000).await.unwrap() <= 0.0);
     // A 429 naming requests, which the key has no limit for: no bucket to lower, so it
     // is congestion (below, after the race).
     // Twelve calls were running when the refused one started: replicas racing.
@@ -504,38 +508,38 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
         reset: Some(Duration::from_millis(reset_ms)),
     };
     // The answers teach 20 requests a minute, none left (one back in 3 s).
-    q.follow_readings(&Meter::from([(Dimension::Requests, reading(20, 0, 3_000))])).await;
-    assert_eq!(q.budgets(), vec![(Dimension::Requests, 20)]);
-    assert!(q.reserve_call(call).await.is_err(), "an empty learned bucket paces the next call");
+    q.budgets().follow_readings(&Meter::from([(Dimension::Requests, reading(20, 0, 3_000))])).await;
+    assert_eq!(q.budgets().limits(), vec![(Dimension::Requests, 20)]);
+    assert!(q.budgets().reserve_call(call).await.is_err(), "an empty learned bucket paces the next call");
     // A larger tier: the higher limit holds from the answer that reports it, and what it
     // adds is there at once.
-    q.follow_readings(&Meter::from([(Dimension::Requests, reading(40, 20, 1_500))])).await;
-    assert_eq!(q.budgets(), vec![(Dimension::Requests, 40)]);
-    let r = q.reserve_call(call).await.expect("the raised limit has room at once");
-    q.correct_call(&r, Cost::default()).await;
+    q.budgets().follow_readings(&Meter::from([(Dimension::Requests, reading(40, 20, 1_500))])).await;
+    assert_eq!(q.budgets().limits(), vec![(Dimension::Requests, 40)]);
+    let r = q.budgets().reserve_call(call).await.expect("the raised limit has room at once");
+    q.budgets().correct_call(&r, Cost::default()).await;
 
     // The provider stops reporting the limit. For ten minutes the learned one still
     // paces: drained, a call waits for the refill.
     let silent = Meter::new();
     for _ in 0..9 {
         clock.advance(Duration::from_secs(60));
-        q.follow_readings(&silent).await;
+        q.budgets().follow_readings(&silent).await;
     }
-    assert_eq!(q.budgets(), vec![(Dimension::Requests, 40)]);
-    while let Ok(r) = q.reserve_call(call).await {
-        q.correct_call(&r, Cost::default()).await;
+    assert_eq!(q.budgets().limits(), vec![(Dimension::Requests, 40)]);
+    while let Ok(r) = q.budgets().reserve_call(call).await {
+        q.budgets().correct_call(&r, Cost::default()).await;
     }
     // Ten minutes of answers without it: it lapses. Calls are no longer paced by it, its
     // bucket is gone from the fleet (a replica starting now adopts nothing), and a 429
     // with `retry-after: 2` holds the key for the hint, not for a refill.
     clock.advance(Duration::from_secs(61));
-    q.follow_readings(&silent).await;
-    assert_eq!(q.budgets(), vec![], "the learned limit lapsed");
-    assert!(q.reserve_call(call).await.is_ok(), "nothing paces the call any more");
+    q.budgets().follow_readings(&silent).await;
+    assert_eq!(q.budgets().limits(), vec![], "the learned limit lapsed");
+    assert!(q.budgets().reserve_call(call).await.is_ok(), "nothing paces the call any more");
     assert!(s.layout.quota.get("bucket.openai.learned.requests").await.unwrap().is_none());
     let fresh = quota("openai.learned").await;
     fresh.start(tokio_util::sync::CancellationToken::new()).await.unwrap();
-    assert_eq!(fresh.budgets(), vec![], "a replica starting later adopts no lapsed limit");
+    assert_eq!(fresh.budgets().limits(), vec![], "a replica starting later adopts no lapsed limit");
     let hint = Duration::from_secs(2);
     let limited =
         Limited { pause: hint, started_ms: q.now_ms(), in_flight: Some(1), bucket: Some(Dimension::Requests) };
@@ -543,15 +547,15 @@ async fn a_learned_limit_is_raised_at_once_and_lapses_after_ten_minutes_of_answe
     assert!(q.paused_for().is_some_and(|p| p <= hint), "{:?}", q.paused_for());
     clock.advance(hint);
     assert_eq!(q.paused_for(), None);
-    assert!(q.reserve_call(call).await.is_ok(), "the retry after the hint is not held back");
+    assert!(q.budgets().reserve_call(call).await.is_ok(), "the retry after the hint is not held back");
 
     // A configured limit never lapses.
     let configured = quota("openai.configured").await.with_budgets(vec![(Dimension::Requests, 20)]);
     for _ in 0..30 {
         clock.advance(Duration::from_secs(60));
-        configured.follow_readings(&silent).await;
+        configured.budgets().follow_readings(&silent).await;
     }
-    assert_eq!(configured.budgets(), vec![(Dimension::Requests, 20)]);
+    assert_eq!(configured.budgets().limits(), vec![(Dimension::Requests, 20)]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -490,7 +490,7 @@ async fn wait_for_give_back(
     stop: &CancellationToken,
 ) -> bool {
     tokio::select! {
-        _ = quota.given_back.notified() => {}
+        _ = quota.budgets().given_back.notified() => {}
         _ = tokio::time::sleep(wait.min(BUDGET_RECHECK)) => {}
         _ = heartbeat.tick() => ack(msg, AckKind::Progress).await,
         _ = stop.cancelled() => {
@@ -510,10 +510,10 @@ const BUDGET_RECHECK: Duration = Duration::from_secs(1);
 /// room. A call larger than a whole budget goes ahead unreserved (logged): the part
 /// budget is capped so that it cannot happen, and the provider still answers 429.
 async fn reserve(quota: &Quota, cost: reviewlane_core::meter::Cost) -> Result<Option<Reservation>, Duration> {
-    if !quota.has_budgets() {
+    if !quota.budgets().has_budgets() {
         return Ok(None);
     }
-    match quota.reserve_call(cost).await {
+    match quota.budgets().reserve_call(cost).await {
         Ok(reserved) => Ok(Some(reserved)),
         Err(crate::quota::bucket::Refused::Wait(wait)) => Err(wait),
         Err(crate::quota::bucket::Refused::TooLarge { capacity }) => {

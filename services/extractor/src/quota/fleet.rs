@@ -8,16 +8,12 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::bucket::{Bucket, Refused};
 use super::{Quota, Window};
-use reviewlane_core::meter::{Cost, Dimension, Reading};
 
 pub(super) const PAUSE_PREFIX: &str = "pause.";
 pub(super) const CIRCUIT_PREFIX: &str = "circuit.";
 pub(super) const WINDOW_PREFIX: &str = "window.";
 pub(super) const REPLICA_PREFIX: &str = "replica.";
-/// `bucket.<key>.<dimension>`: one metered dimension of the key, for the whole fleet.
-pub(super) const BUCKET_PREFIX: &str = "bucket.";
 
 /// Compare-and-set tries before giving up on a contended entry.
 const CAS_TRIES: usize = 8;
@@ -34,7 +30,7 @@ pub enum FleetError {
 }
 
 impl FleetError {
-    fn store(e: impl Into<async_nats::Error>) -> Self {
+    pub(super) fn store(e: impl Into<async_nats::Error>) -> Self {
         FleetError::Store(e.into())
     }
 }
@@ -90,7 +86,7 @@ pub(super) async fn cas<T: Serialize + DeserializeOwned>(
 /// [`cas`] for an entry every replica draws from at once (a bucket): after a round of
 /// lost races, a short random pause spreads the contenders out before the next round.
 /// At most `ROUNDS` rounds; the pause is a few milliseconds and no lease is held.
-async fn cas_spread<T: Serialize + DeserializeOwned>(
+pub(super) async fn cas_spread<T: Serialize + DeserializeOwned>(
     kv: &kv::Store,
     key: &str,
     mut next: impl FnMut(Option<T>) -> Option<T>,
@@ -120,7 +116,7 @@ impl Quota {
         let mut windows = subscribe(WINDOW_PREFIX).await.map_err(FleetError::store)?;
         self.beat().await?;
         self.refresh_live().await?;
-        self.adopt_learned().await?;
+        self.budgets.adopt_learned().await?;
         // Others that start now must see this replica before it takes a share.
         self.ledger().warm_until_ms = self.now_ms() + 2 * self.heartbeat.as_millis() as u64;
         for (what, note) in [
@@ -290,231 +286,104 @@ impl Quota {
     }
 }
 
-/// The key's buckets, one per metered dimension, shared by every replica and tenant on
-/// the key through `QUOTA_<R>`: each change is one compare-and-set, so two replicas
-/// never both take what only one of them could have.
-impl Quota {
-    fn bucket_key(&self, dim: Dimension) -> String {
-        format!("{BUCKET_PREFIX}{}.{}", self.key, dim.as_str())
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use reviewlane_core::clock::{ManualClock, SharedClock};
+    use reviewlane_shared::Region;
+    use reviewlane_shared::testing::NatsServer;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::quota::KeyConfig;
+
+    async fn quota_store(nats: &NatsServer) -> (kv::Store, async_nats::Client) {
+        let client = async_nats::connect(nats.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client.clone());
+        let layout = reviewlane_shared::layout::ensure(&js, Region::Us, &Default::default()).await.unwrap();
+        (layout.quota, client)
     }
 
-    /// The bucket as stored, at `capacity`; a full one when there is none yet. A lower
-    /// limit keeps what is left, up to it; a higher one adds the difference at once
-    /// (what the provider's own bucket gained).
-    fn at_capacity(stored: Option<Bucket>, dim: Dimension, capacity: u64, now_ms: u64) -> Bucket {
-        let period_ms = dim.period().as_millis() as u64;
-        match stored {
-            Some(b) if b.capacity == capacity && b.period_ms == period_ms => b,
-            Some(b) => Bucket {
-                capacity,
-                period_ms,
-                level: (b.level_at(now_ms) + capacity.saturating_sub(b.capacity) as f64).min(capacity as f64),
-                at_ms: now_ms.max(b.at_ms),
-                refills_at_ms: b.refills_at_ms,
-            },
-            None => Bucket::full_over(capacity, period_ms, now_ms),
-        }
-    }
-
-    /// Reserves `cost` of `dim` (a bucket of `capacity` per period) for the whole fleet.
-    /// `Ok(Err(refused))`: it does not fit yet (nothing taken: wait that long), or never.
-    pub async fn reserve(&self, dim: Dimension, capacity: u64, cost: u64) -> Result<Result<(), Refused>, FleetError> {
-        let now = self.now_ms();
-        let mut refused = None;
-        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
-            let mut b = Quota::at_capacity(stored, dim, capacity, now);
-            match b.reserve(cost, now) {
-                Ok(()) => {
-                    refused = None;
-                    Some(b)
-                }
-                Err(r) => {
-                    refused = Some(r);
-                    None
-                }
-            }
-        })
-        .await?;
-        Ok(refused.map_or(Ok(()), Err))
-    }
-
-    /// Corrects a reservation of `reserved` to what the answer `used`.
-    pub async fn correct(&self, dim: Dimension, capacity: u64, reserved: u64, used: u64) -> Result<(), FleetError> {
-        let now = self.now_ms();
-        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
-            let mut b = Quota::at_capacity(stored, dim, capacity, now);
-            b.correct(reserved, used, now);
-            Some(b)
-        })
-        .await
-        .map(|_| ())
-    }
-
-    /// Follows what the provider reported (it only ever lowers the level).
-    pub async fn follow(&self, dim: Dimension, capacity: u64, reading: &Reading) -> Result<(), FleetError> {
-        let now = self.now_ms();
-        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
-            let mut b = Quota::at_capacity(stored, dim, capacity, now);
-            let before = b;
-            b.follow(reading, now);
-            (b != before).then_some(b)
-        })
-        .await
-        .map(|_| ())
-    }
-
-    /// What the fleet's bucket of `dim` holds now (full when nothing was drawn yet).
-    pub async fn bucket_level(&self, dim: Dimension, capacity: u64) -> Result<f64, FleetError> {
-        let now = self.now_ms();
-        let stored = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)?;
-        let stored = stored.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok());
-        Ok(Quota::at_capacity(stored, dim, capacity, now).level_at(now))
-    }
-
-    /// Adopts the limits other replicas learned: the capacity of each bucket the fleet
-    /// keeps for a dimension this replica has no configured limit for.
-    pub(super) async fn adopt_learned(&self) -> Result<(), FleetError> {
-        for dim in Dimension::ALL {
-            let Some(v) = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)? else { continue };
-            if let Ok(b) = serde_json::from_slice::<Bucket>(&v) {
-                let now = self.now_ms();
-                self.limits().adopt(dim, b.capacity, now);
-            }
-        }
-        Ok(())
-    }
-
-    /// Reserves one call of `cost` in every budget the key has now (configured or
-    /// learned), or in none: when one refuses, what the others took is given back, and
-    /// the longest wait is returned (nothing spent). A store error lets the call go
-    /// unreserved in that budget (logged): the provider's own 429 still paces it.
-    pub async fn reserve_call(&self, cost: Cost) -> Result<Reservation, Refused> {
-        let mut taken = Reservation { cost, budgets: Vec::new() };
-        let mut refused: Option<Refused> = None;
-        for (dim, capacity) in self.budgets() {
-            match self.reserve(dim, capacity, dim.of(cost)).await {
-                Ok(Ok(())) => taken.budgets.push((dim, capacity)),
-                Ok(Err(r)) => {
-                    refused = Some(match (refused, r) {
-                        (Some(Refused::Wait(a)), Refused::Wait(b)) => Refused::Wait(a.max(b)),
-                        (Some(too @ Refused::TooLarge { .. }), _) | (_, too @ Refused::TooLarge { .. }) => too,
-                        (None, r) => r,
-                    })
-                }
-                Err(e) => tracing::warn!(error = %e, dimension = dim.as_str(), "reserving a call's budget failed"),
-            }
-        }
-        let Some(refused) = refused else { return Ok(taken) };
-        self.release_call(&taken).await;
-        Err(refused)
-    }
-
-    /// A reserved call that was answered: each budget is corrected to what it `used`
-    /// (its request stays spent, and so does the output limit tokens per minute count
-    /// at start; output tokens per minute are counted as produced).
-    pub async fn correct_call(&self, reserved: &Reservation, used: Cost) {
-        self.give_back(reserved, used, false).await
-    }
-
-    /// A reserved call that was never made: all of it is given back.
-    pub async fn release_call(&self, reserved: &Reservation) {
-        self.give_back(reserved, Cost::default(), true).await
-    }
-
-    /// Gives back to each budget what the call did not use (all of it when `release`).
-    async fn give_back(&self, reserved: &Reservation, used: Cost, release: bool) {
-        for &(dim, capacity) in &reserved.budgets {
-            let used = match dim {
-                _ if release => 0,
-                Dimension::Requests => 1,
-                // Tokens per minute count the output limit when the call starts (OpenAI):
-                // only the prompt's estimate is corrected.
-                Dimension::Tokens => used.input + used.output.max(reserved.cost.output),
-                _ => dim.of(used),
-            };
-            if let Err(e) = self.correct(dim, capacity, dim.of(reserved.cost), used).await {
-                tracing::warn!(error = %e, dimension = dim.as_str(), "correcting a reservation failed");
-            }
-        }
-        self.given_back.notify_waiters();
-    }
-
-    /// Learns the limits an answer's headers reported, then follows what they said of
-    /// each budget: a provider that reports less than the fleet's bucket holds wins
-    /// (another deployment on the account, or traffic outside reviewlane, is absorbed
-    /// within one answer).
-    ///
-    /// A learned limit the answers stopped reporting lapses (`Limits::learn`): its bucket
-    /// is removed, so that a replica starting later does not adopt it.
-    pub async fn follow_readings(&self, meter: &crate::upstream::Meter) {
-        let learnt = self.limits().learn(meter, self.now_ms());
-        if learnt.changed {
-            tracing::info!(budgets = ?self.budgets(), "the key's limits, as the provider reports them");
-        }
-        for dim in learnt.lapsed {
-            tracing::info!(dimension = dim.as_str(), "a learned limit lapsed: no answer reported it for a while");
-            if let Err(e) = self.kv.delete(self.bucket_key(dim)).await {
-                tracing::warn!(error = %e, dimension = dim.as_str(), "removing a lapsed bucket failed");
-            }
-        }
-        for (dim, capacity) in self.budgets() {
-            let Some(reading) = meter.get(&dim) else { continue };
-            if let Err(e) = self.follow(dim, capacity, reading).await {
-                tracing::warn!(error = %e, dimension = dim.as_str(), "following the provider's reading failed");
-            }
-        }
-    }
-
-    /// A 429 without a hint that the answers predicted (`Limits::predicted`: the last
-    /// reading of a limited dimension said none remained): that dimension, and how long
-    /// until its bucket, emptied, has room again — for a fixed window, the window's end.
-    /// Such a 429 is the bucket's, not congestion; each reading predicts one.
-    pub async fn predicted(&self) -> Option<(Dimension, std::time::Duration)> {
-        let dim = self.limits().predicted()?;
-        let capacity = self.limits().of(dim)?;
-        let now = self.now_ms();
-        let stored = match self.kv.get(self.bucket_key(dim)).await {
-            Ok(v) => v.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok()),
-            Err(e) => {
-                tracing::warn!(error = %e, dimension = dim.as_str(), "reading a bucket failed");
-                None
-            }
+    fn replica(kv: &kv::Store, client: &async_nats::Client, clock: SharedClock) -> Quota {
+        let key = KeyConfig {
+            key: "openai.k".into(),
+            limit: 8,
+            tenant_limits: Default::default(),
+            weights: Default::default(),
         };
-        let mut b = Quota::at_capacity(stored, dim, capacity, now);
-        b.follow(&Reading { remaining: Some(0), ..Default::default() }, now);
-        let wait = match b.reserve(1, now) {
-            Err(Refused::Wait(d)) => d,
-            _ => std::time::Duration::from_millis(1),
-        };
-        Some((dim, wait))
+        Quota::new(kv.clone(), client.clone(), key, Duration::from_millis(100), Duration::from_secs(60), clock)
     }
 
-    /// A 429 that names `dim` (or whose headers say it is empty): its bucket, when the
-    /// key has one, is empty now.
-    pub(super) async fn drain(&self, dim: Dimension) {
-        let Some(capacity) = self.limits().of(dim) else { return };
-        let empty = Reading { remaining: Some(0), ..Default::default() };
-        if let Err(e) = self.follow(dim, capacity, &empty).await {
-            tracing::warn!(error = %e, dimension = dim.as_str(), "draining a bucket failed");
+    /// Polls `cond` every 20 ms for up to 10 s.
+    async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+        for _ in 0..500 {
+            if cond() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        false
     }
 
-    /// Whether every dimension the answer reports empty has a bucket: then the buckets
-    /// pace the next calls exactly, and no headroom pause (until the dimension is full
-    /// again) is needed.
-    pub fn paces_every_empty(&self, meter: &crate::upstream::Meter) -> bool {
-        let limits = self.limits();
-        meter.iter().filter(|(_, r)| r.remaining == Some(0)).all(|(d, _)| limits.of(*d).is_some())
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_compare_and_sets_on_one_entry_lose_no_update() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let (kv, _client) = quota_store(&nats).await;
+        let writers = (0..16).map(|_| {
+            let kv = kv.clone();
+            async move { cas_spread::<u64>(&kv, "window.counter", |n| Some(n.unwrap_or(0) + 1)).await }
+        });
+        let written = futures::future::join_all(writers).await;
+        assert!(written.iter().all(Result::is_ok), "{written:?}");
+        let stored: u64 = serde_json::from_slice(&kv.get("window.counter").await.unwrap().unwrap()).unwrap();
+        assert_eq!(stored, 16, "every increment kept");
+        // A step that leaves the entry as it is writes nothing.
+        assert_eq!(cas::<u64>(&kv, "window.counter", |_| None).await.unwrap(), None);
     }
 
-    pub fn has_budgets(&self) -> bool {
-        !self.limits().is_empty()
-    }
-}
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pause_and_an_open_circuit_reach_every_replica_and_end_on_the_clock() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let (kv, client) = quota_store(&nats).await;
+        let clock = ManualClock::at(1_000_000);
+        let (a, b) = (replica(&kv, &client, clock.clone()), replica(&kv, &client, clock.clone()));
+        let stop = CancellationToken::new();
+        a.start(stop.clone()).await.unwrap();
+        b.start(stop.clone()).await.unwrap();
 
-/// What a call reserved: its cost, in each budget the key had when it started.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Reservation {
-    pub cost: Cost,
-    budgets: Vec<(Dimension, u64)>,
+        a.pause(Duration::from_secs(3)).await.unwrap();
+        assert!(eventually(|| b.paused_for() == Some(Duration::from_secs(3))).await, "b follows a's pause");
+        // A shorter pause does not shorten the longer one.
+        b.pause(Duration::from_secs(1)).await.unwrap();
+        assert_eq!(a.paused_for(), Some(Duration::from_secs(3)));
+        clock.advance(Duration::from_secs(3));
+        assert_eq!((a.paused_for(), b.paused_for()), (None, None), "over on the clock, with no message");
+
+        b.open_circuit(Duration::from_secs(60)).await.unwrap();
+        assert!(eventually(|| a.circuit_open()).await, "a follows b's open circuit");
+        // A replica starting later reads what is there.
+        let late = replica(&kv, &client, clock.clone());
+        late.start(stop.clone()).await.unwrap();
+        assert!(late.circuit_open());
+        clock.advance(Duration::from_secs(60));
+        assert!(!a.circuit_open() && !late.circuit_open());
+        stop.cancel();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replicas_see_each_others_heartbeats_and_a_stopped_one_leaves() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let (kv, client) = quota_store(&nats).await;
+        let clock: SharedClock = reviewlane_core::clock::system();
+        let (a, b) = (replica(&kv, &client, clock.clone()), replica(&kv, &client, clock.clone()));
+        let (stop_a, stop_b) = (CancellationToken::new(), CancellationToken::new());
+        a.start(stop_a.clone()).await.unwrap();
+        b.start(stop_b.clone()).await.unwrap();
+        let live = |q: &Quota| q.ledger().live.len();
+        assert!(eventually(|| live(&a) == 2 && live(&b) == 2).await, "each sees two replicas");
+        stop_b.cancel();
+        assert!(eventually(|| live(&a) == 1).await, "a stopped replica's heartbeat is removed");
+        stop_a.cancel();
+    }
 }

@@ -37,6 +37,7 @@
 //! scope.
 
 pub mod bucket;
+mod budgets;
 mod fleet;
 mod ledger;
 mod limits;
@@ -51,9 +52,9 @@ use async_nats::jetstream::kv;
 use reviewlane_core::clock::SharedClock;
 use tokio::sync::Notify;
 
-pub use fleet::{FleetError, Reservation};
+pub use budgets::{Budgets, Reservation};
+pub use fleet::FleetError;
 use ledger::Ledger;
-use limits::Limits;
 pub use scope::{KeyConfig, Scope};
 pub use share::{fair_share, share};
 pub use window::{Congestion, RateLimited, Window};
@@ -70,13 +71,11 @@ pub struct Quota {
     ledger: Arc<Mutex<Ledger>>,
     /// Woken whenever a pause, a share, the window or an in-flight count changes.
     pub changed: Arc<Notify>,
-    /// Woken when this replica gives budget back (a reservation corrected or released).
-    pub given_back: Arc<Notify>,
     /// Pause times, heartbeats and windows are judged on this clock.
     clock: SharedClock,
-    /// The key's metered limits, configured and learned: every call reserves its cost
-    /// in each before it starts (`reserve_call`).
-    limits: Arc<Mutex<Limits>>,
+    /// The key's metered budgets: every call reserves its cost in each before it
+    /// starts (`Budgets::reserve_call`).
+    budgets: Budgets,
 }
 
 /// A 429, as the key's quota learns it.
@@ -127,6 +126,7 @@ impl Quota {
     ) -> Quota {
         let me = format!("{:016x}", rand::random::<u64>());
         let ledger = Ledger::new(me.clone(), key.limit, key.tenant_limits, key.weights, Window::new(probe_every));
+        let budgets = Budgets::new(kv.clone(), key.key.clone(), clock.clone());
         Quota {
             kv,
             client,
@@ -135,16 +135,15 @@ impl Quota {
             heartbeat,
             ledger: Arc::new(Mutex::new(ledger)),
             changed: Arc::new(Notify::new()),
-            given_back: Arc::new(Notify::new()),
             clock,
-            limits: Arc::default(),
+            budgets,
         }
     }
 
     /// The key's configured limits (requests, tokens, ...) that calls reserve from;
     /// the others are learned from the answers' headers.
     pub fn with_budgets(self, budgets: Vec<(reviewlane_core::meter::Dimension, u64)>) -> Quota {
-        *self.limits() = Limits::configured(budgets);
+        self.budgets.configure(budgets);
         self
     }
 
@@ -152,13 +151,9 @@ impl Quota {
         self.ledger.lock().expect("quota lock")
     }
 
-    fn limits(&self) -> MutexGuard<'_, Limits> {
-        self.limits.lock().expect("limits lock")
-    }
-
-    /// The key's budgets now: each limited dimension and its limit.
-    pub fn budgets(&self) -> Vec<(reviewlane_core::meter::Dimension, u64)> {
-        self.limits().active()
+    /// The key's metered budgets (requests, tokens, ...), shared by the fleet.
+    pub fn budgets(&self) -> &Budgets {
+        &self.budgets
     }
 
     /// The fleet's calls in flight on the key, as this replica knows them: its own, and
@@ -255,9 +250,9 @@ impl Quota {
         let Limited { pause, started_ms, in_flight, bucket } = limited;
         // A dimension the key has no limit for has no bucket to lower: the window takes
         // it (a provider that says `requests` for calls in flight, as some do).
-        let bucket = bucket.filter(|d| self.limits().of(*d).is_some());
+        let bucket = bucket.filter(|d| self.budgets.limits_dimension(*d));
         match bucket {
-            Some(dim) => self.drain(dim).await,
+            Some(dim) => self.budgets.drain(dim).await,
             None => {
                 let now = self.now_ms();
                 let (limit, changed_ms) = {

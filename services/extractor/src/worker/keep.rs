@@ -134,7 +134,7 @@ impl Worker {
         let used = lease.rec.attempts.congestion;
         let predicted = match &answer {
             Answer::Upstream { outcome: UpstreamOutcome::RateLimited { retry_after: None, .. }, .. } => {
-                self.quota.predicted().await
+                self.quota.budgets().predicted().await
             }
             _ => None,
         };
@@ -150,7 +150,7 @@ impl Worker {
                         && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
                     {
                         let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
-                        self.quota.correct_call(reserved, used).await;
+                        self.quota.budgets().correct_call(reserved, used).await;
                     }
                 }
                 match (self.validate(job, lease, target.diff, &output), target.part) {
@@ -166,7 +166,7 @@ impl Worker {
         // The readings first: the limits they teach decide whether a headroom pause is
         // needed (a bucket paces an empty dimension exactly; a pause would wait for it
         // to be full).
-        self.quota.follow_readings(&meter).await;
+        self.quota.budgets().follow_readings(&meter).await;
         self.learn(effect, &meter).await;
         decision
     }
@@ -198,7 +198,7 @@ impl Worker {
             plan::QuotaEffect::Succeeded { started_ms, pause } => {
                 self.quota.succeeded(started_ms).await;
                 match pause {
-                    Some(d) if !self.quota.paces_every_empty(meter) => {
+                    Some(d) if !self.quota.budgets().paces_every_empty(meter) => {
                         self.quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e))
                     }
                     _ => Ok(()),

@@ -264,7 +264,7 @@ impl Worker {
             && !metering.called.load(std::sync::atomic::Ordering::Relaxed)
             && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
         {
-            self.quota.release_call(reserved).await;
+            self.quota.budgets().release_call(reserved).await;
         }
     }
 
