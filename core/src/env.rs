@@ -1,7 +1,7 @@
 //! The environment variable names more than one service reads, in one place; each
 //! service's own are in its `env.rs`. Also what the services' tests need to hold the
-//! README's tables to those lists: the table reader and an `Env` that records what a
-//! config asked for.
+//! tables of `docs/configuration.md` to those lists: the table reader and an `Env` that
+//! records what a config asked for.
 
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -99,14 +99,14 @@ pub fn region_service(own: &[&str]) -> BTreeSet<String> {
     own.iter().chain(shared).map(|n| n.to_string()).chain(nats_names(&[NATS])).collect()
 }
 
-/// Where the README's tables for `headings` and the names a service reads disagree: the
-/// names read but not listed, and those listed but not read (`None`: they agree).
-pub fn readme_mismatch(readme: &str, headings: &[&str], read: &BTreeSet<String>) -> Option<String> {
-    let listed = documented(readme, headings);
+/// Where the tables under `headings` in `doc` and the names a service reads disagree:
+/// the names read but not listed, and those listed but not read (`None`: they agree).
+pub fn doc_mismatch(doc: &str, headings: &[&str], read: &BTreeSet<String>) -> Option<String> {
+    let listed = documented(doc, headings);
     let unlisted: Vec<_> = read.difference(&listed).collect();
     let unread: Vec<_> = listed.difference(read).collect();
     (!unlisted.is_empty() || !unread.is_empty())
-        .then(|| format!("the README lacks {unlisted:?}; it lists {unread:?}, which are not read"))
+        .then(|| format!("the docs lack {unlisted:?}; they list {unread:?}, which are not read"))
 }
 
 /// The names a config asked `asked` for that are neither in `read` nor retired.
@@ -115,18 +115,19 @@ pub fn stray(asked: &Recording, read: BTreeSet<String>, retired: Retired) -> Vec
     asked.names().difference(&known).cloned().collect()
 }
 
-/// The names in the README's `### Configuration: <heading>` tables' first column, for
-/// each heading given. `REVIEWLANE_NATS_US_*` stands for every credential name under
-/// that prefix.
-pub fn documented(readme: &str, headings: &[&str]) -> BTreeSet<String> {
+/// The names in the first column of the table under each `## <heading>` of `doc` (the
+/// table must come before the next heading). `REVIEWLANE_NATS_US_*` stands for every
+/// credential name under that prefix.
+pub fn documented(doc: &str, headings: &[&str]) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for heading in headings {
-        let title = format!("### Configuration: {heading}");
-        let Some(start) = readme.lines().position(|l| l.trim() == title) else {
-            panic!("README has no `{title}` section");
+        let title = format!("## {heading}");
+        let Some(start) = doc.lines().position(|l| l.trim() == title) else {
+            panic!("the docs have no `{title}` section");
         };
-        let rows =
-            readme.lines().skip(start + 1).skip_while(|l| !l.starts_with('|')).take_while(|l| l.starts_with('|'));
+        let section = doc.lines().skip(start + 1).take_while(|l| !l.starts_with('#'));
+        let rows: Vec<&str> = section.skip_while(|l| !l.starts_with('|')).take_while(|l| l.starts_with('|')).collect();
+        assert!(!rows.is_empty(), "`{title}` has no table");
         for row in rows {
             let first = row.split('|').nth(1).unwrap_or("");
             for name in first.split('`').skip(1).step_by(2) {
@@ -182,11 +183,17 @@ mod tests {
 
     #[test]
     fn a_table_row_gives_its_names_and_a_prefix_gives_every_credential() {
-        let readme = "### Configuration: x\n\nintro\n\n| variable | default |\n| --- | --- |\n| `REVIEWLANE_A`, `REVIEWLANE_B` | `7` |\n| `REVIEWLANE_NATS_US_*` | unset |\n\n| `REVIEWLANE_AFTER` | no |\n";
-        let names = documented(readme, &["x"]);
+        let doc = "## x\n\nintro\n\n| variable | default |\n| --- | --- |\n| `REVIEWLANE_A`, `REVIEWLANE_B` | `7` |\n| `REVIEWLANE_NATS_US_*` | unset |\n\n| `REVIEWLANE_AFTER` | no |\n";
+        let names = documented(doc, &["x"]);
         assert!(names.contains("REVIEWLANE_A") && names.contains("REVIEWLANE_B"));
         assert!(names.contains("REVIEWLANE_NATS_US_CREDS_FILE"));
         assert!(!names.contains("REVIEWLANE_AFTER"), "the table ends at its first blank line");
         assert_eq!(names.len(), 2 + NATS_CREDENTIALS.len());
+    }
+
+    #[test]
+    #[should_panic(expected = "has no table")]
+    fn a_section_without_a_table_does_not_borrow_the_next_sections() {
+        documented("## x\n\nintro\n\n## y\n\n| `REVIEWLANE_Y` | 1 |\n", &["x"]);
     }
 }

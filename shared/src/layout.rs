@@ -692,15 +692,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn provisioning_reads_the_layout_names_and_the_readme_lists_them() {
+    fn provisioning_reads_the_layout_names_and_the_docs_list_them() {
         use reviewlane_core::env::{LAYOUT, Recording, documented};
         let asked = Recording::default();
         let mut r = reviewlane_core::config::Reader::new(&asked);
         let _ = LayoutConfig::from_reader(&mut r);
         let layout: std::collections::BTreeSet<String> = LAYOUT.iter().map(|n| n.to_string()).collect();
         assert_eq!(asked.names(), layout, "the layout config reads exactly `LAYOUT`");
-        let readme = documented(include_str!("../../README.md"), &["reviewlane-admin"]);
-        assert_eq!(readme, layout, "the README's reviewlane-admin table lists the layout");
+        let listed = documented(include_str!("../../docs/configuration.md"), &["reviewlane-admin"]);
+        assert_eq!(listed, layout, "the reviewlane-admin table of docs/configuration.md lists the layout");
     }
 
     #[test]

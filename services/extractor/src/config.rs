@@ -1,6 +1,6 @@
 //! Extractor configuration, read once and validated whole, in sections: the provider,
 //! the quota, scheduling, retries, parts and results. The variables are listed in
-//! `env.rs` and documented in the README ("Configuration: extractor").
+//! `env.rs` and documented in `docs/configuration.md` ("Extractor").
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Every environment variable the extractor reads: its own names here, the ones it shares
 //! with the other services in `reviewlane_core::env`. `all()` is the whole set; a test
-//! holds the README's table for the extractor to it, and another that the config reads
+//! holds the table for the extractor in `docs/configuration.md` to it, and another that the config reads
 //! nothing else.
 
 use std::collections::BTreeSet;
@@ -116,9 +116,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_readme_lists_exactly_what_extractor_reads() {
-        let readme = include_str!("../../../README.md");
-        let mismatch = common::readme_mismatch(readme, &["every service", "extractor"], &all());
+    fn the_configuration_doc_lists_exactly_what_extractor_reads() {
+        let doc = include_str!("../../../docs/configuration.md");
+        let mismatch = common::doc_mismatch(doc, &["Every service", "Extractor"], &all());
         assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 

@@ -1,6 +1,6 @@
 //! Ingress configuration, read once from the environment and validated whole. The
-//! variables are listed in `env.rs` and documented in the README ("Configuration:
-//! ingress").
+//! variables are listed in `env.rs` and documented in `docs/configuration.md`
+//! ("Ingress").
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -1,6 +1,6 @@
 //! Every environment variable the ingress reads: its own names here, the ones it shares
 //! with the other services in `reviewlane_core::env`. `all()` is the whole set; a test
-//! holds the README's table for the ingress to it, and another that the config reads
+//! holds the table for the ingress in `docs/configuration.md` to it, and another that the config reads
 //! nothing else.
 
 use std::collections::BTreeSet;
@@ -79,9 +79,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_readme_lists_exactly_what_ingress_reads() {
-        let readme = include_str!("../../../README.md");
-        let mismatch = common::readme_mismatch(readme, &["every service", "ingress"], &all());
+    fn the_configuration_doc_lists_exactly_what_ingress_reads() {
+        let doc = include_str!("../../../docs/configuration.md");
+        let mismatch = common::doc_mismatch(doc, &["Every service", "Ingress"], &all());
         assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 

@@ -1,5 +1,5 @@
 //! Publisher configuration, read once and validated whole. The variables are listed in
-//! `env.rs` and documented in the README ("Configuration: publisher").
+//! `env.rs` and documented in `docs/configuration.md` ("Publisher").
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,9 +1,9 @@
-//! `ReviewService`: one file per RPC family (submit, reviews, list, dead letters, lanes,
-//! sweeps)
-//! behind one dispatcher that authenticates, times and counts every call. Submit,
-//! get, watch and cancel reviews; Each call works on the
-//! region named by the tenant's policy (submit) or by the job id's prefix (the rest),
-//! and touches only that region's NATS. No call waits on a provider.
+//! `ReviewService`: one dispatcher that authenticates, times and counts every call
+//! (and answers `GetReview`), and one file per RPC family behind it: `submit`,
+//! `reviews` (watch, cancel), `list`, `dead_letters`, `lanes` and `sweeps` (create, add
+//! items, seal, get, list, list items, watch, cancel). A call works on the tenant's
+//! region (submit, create, the listings) or on the one its id's prefix names (the
+//! rest), and touches only that region's NATS. No call waits on a provider.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
