@@ -64,6 +64,19 @@ pub struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    /// One notice for each retired name set in the environment (the layout's and the
+    /// service's own `retired`), naming it and where it went, never its value: a service
+    /// logs them at start, so a setting that no longer has an effect does not go unseen.
+    pub fn retired_notices(&self, retired: crate::env::Retired) -> Vec<String> {
+        let layout = crate::env::LAYOUT.iter().map(|n| (*n, "the layout belongs to `reviewlane-admin provision`"));
+        layout
+            .chain(crate::env::EVERY_SERVICE_RETIRED.iter().copied())
+            .chain(retired.iter().copied())
+            .filter(|(name, _)| self.raw(name).is_some())
+            .map(|(name, went)| format!("{name} is set but no longer read by this service: {went}"))
+            .collect()
+    }
+
     pub fn new(env: &'a dyn Env) -> Self {
         Reader { env, errors: Vec::new() }
     }

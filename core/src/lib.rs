@@ -14,6 +14,7 @@ pub mod clock;
 pub mod config;
 pub mod diff;
 pub mod env;
+pub mod env_check;
 pub mod findings;
 pub mod job;
 pub mod job_id;

@@ -693,7 +693,8 @@ mod tests {
 
     #[test]
     fn provisioning_reads_the_layout_names_and_the_docs_list_them() {
-        use reviewlane_core::env::{LAYOUT, Recording, documented};
+        use reviewlane_core::env::LAYOUT;
+        use reviewlane_core::env_check::{Recording, documented};
         let asked = Recording::default();
         let mut r = reviewlane_core::config::Reader::new(&asked);
         let _ = LayoutConfig::from_reader(&mut r);

@@ -442,7 +442,7 @@ impl ExtractorConfig {
         let lane_windows = r.lane_windows();
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &[reviewlane_core::env::NATS]);
-        let notices = reviewlane_core::env::retired(&r, env::RETIRED);
+        let notices = r.retired_notices(env::RETIRED);
         r.finish()?;
         Ok(ExtractorConfig {
             region: region.expect("checked"),

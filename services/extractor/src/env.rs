@@ -118,7 +118,7 @@ mod tests {
     #[test]
     fn the_configuration_doc_lists_exactly_what_extractor_reads() {
         let doc = include_str!("../../../docs/configuration.md");
-        let mismatch = common::doc_mismatch(doc, &["Every service", "Extractor"], &all());
+        let mismatch = reviewlane_core::env_check::doc_mismatch(doc, &["Every service", "Extractor"], &all());
         assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 
@@ -126,10 +126,10 @@ mod tests {
     fn the_config_reads_only_names_listed_here() {
         // Each provider reads its own settings.
         for provider in ["builtin", "openai", "anthropic"] {
-            let asked = common::Recording::with(&[(PROVIDER, provider)]);
+            let asked = reviewlane_core::env_check::Recording::with(&[(PROVIDER, provider)]);
             let _ = crate::config::ExtractorConfig::from_env(&asked);
             assert!(asked.names().contains(PROVIDER), "the recording saw the config's reads");
-            let stray = common::stray(&asked, all(), RETIRED);
+            let stray = reviewlane_core::env_check::stray(&asked, all(), RETIRED);
             assert!(stray.is_empty(), "{provider}: read but not in env.rs: {stray:?}");
         }
     }

@@ -127,7 +127,7 @@ impl IngressConfig {
         let (interactive, batch) = read_policies(&mut r);
         let limits = ServerLimits::read(&mut r);
         let grpc_tls = read_grpc_tls(&mut r);
-        let notices = reviewlane_core::env::retired(&r, env::RETIRED);
+        let notices = r.retired_notices(env::RETIRED);
         r.finish()?;
         Ok(IngressConfig {
             notices,

@@ -81,16 +81,16 @@ mod tests {
     #[test]
     fn the_configuration_doc_lists_exactly_what_ingress_reads() {
         let doc = include_str!("../../../docs/configuration.md");
-        let mismatch = common::doc_mismatch(doc, &["Every service", "Ingress"], &all());
+        let mismatch = reviewlane_core::env_check::doc_mismatch(doc, &["Every service", "Ingress"], &all());
         assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 
     #[test]
     fn the_config_reads_only_names_listed_here() {
-        let asked = common::Recording::default();
+        let asked = reviewlane_core::env_check::Recording::default();
         let _ = crate::config::IngressConfig::from_env(&asked);
         assert!(asked.names().contains(GRPC_ADDR), "the recording saw the config's reads");
-        let stray = common::stray(&asked, all(), RETIRED);
+        let stray = reviewlane_core::env_check::stray(&asked, all(), RETIRED);
         assert!(stray.is_empty(), "read but not in env.rs: {stray:?}");
     }
 }

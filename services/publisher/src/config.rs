@@ -88,7 +88,7 @@ impl PublisherConfig {
         let telemetry = reviewlane_shared::telemetry::TelemetryConfig::read(&mut r);
         let nats = reviewlane_shared::nats_client::NatsClientConfig::from_reader(&mut r, &[reviewlane_core::env::NATS]);
         let store_retry = reviewlane_shared::store::StoreRetry::from_reader(&mut r);
-        let notices = reviewlane_core::env::retired(&r, &[]);
+        let notices = r.retired_notices(&[]);
         r.finish()?;
         Ok(PublisherConfig {
             notices,

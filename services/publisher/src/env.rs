@@ -29,16 +29,16 @@ mod tests {
     #[test]
     fn the_configuration_doc_lists_exactly_what_publisher_reads() {
         let doc = include_str!("../../../docs/configuration.md");
-        let mismatch = common::doc_mismatch(doc, &["Every service", "Publisher"], &all());
+        let mismatch = reviewlane_core::env_check::doc_mismatch(doc, &["Every service", "Publisher"], &all());
         assert!(mismatch.is_none(), "{}", mismatch.unwrap_or_default());
     }
 
     #[test]
     fn the_config_reads_only_names_listed_here() {
-        let asked = common::Recording::default();
+        let asked = reviewlane_core::env_check::Recording::default();
         let _ = crate::config::PublisherConfig::from_env(&asked);
         assert!(asked.names().contains(CONCURRENCY), "the recording saw the config's reads");
-        let stray = common::stray(&asked, all(), &[]);
+        let stray = reviewlane_core::env_check::stray(&asked, all(), &[]);
         assert!(stray.is_empty(), "read but not in env.rs: {stray:?}");
     }
 }
