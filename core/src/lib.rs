@@ -6,7 +6,8 @@
 //! processing (`batch`).
 //!
 //! `reviewctl` and the fuzz targets depend on this crate alone; the services reach it
-//! through `reviewlane-shared`, which adds the NATS stores, telemetry and the API.
+//! through `reviewlane-shared`, which adds the NATS stores and telemetry (the gRPC API
+//! is `reviewlane-api`).
 
 pub mod aggregate;
 pub mod batch;

@@ -1,6 +1,6 @@
 //! Where a job's content (its diff, the model's findings) lives in its region, and
-//! dropping all of it: what a cancelled job leaves behind is its record and, once an
-//! extractor has seen the cancel, a dead-letter reference, never its content.
+//! dropping all of it: what a cancelled job leaves behind is its record, never its
+//! content (a cancel is not a failure: it leaves no dead letter).
 
 use async_nats::jetstream::object_store;
 

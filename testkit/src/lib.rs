@@ -1,7 +1,9 @@
 //! What reviewlane's integration tests and load scenarios run against: a whole
 //! deployment in-process (`stack`) or as processes (`procs`), the simulated provider
-//! (`simprovider`), a webhook receiver (`webhook`), a fake GitHub API (`fakegithub`),
-//! and the small HTTP server they share (`http`). The nats-servers themselves come
+//! (`simprovider`, with the providers' batch APIs in `simbatch` and their metering in
+//! `simmeter`), a gateway with fixed windows in front of it (`simgateway`), a webhook
+//! receiver (`webhook`), a fake GitHub API (`fakegithub`), and the small HTTP server
+//! they share (`http`). The nats-servers themselves come
 //! from `reviewlane_shared::testing`.
 
 pub mod fakegithub;

@@ -1,7 +1,9 @@
-//! Sweeps: `CreateSweep`, `AddSweepItems`, `SealSweep`, `GetSweep`, `ListSweepItems`,
-//! `CancelSweep`. A sweep and its manifest live in its region's `SWEEPS_<R>`
+//! Sweeps: `CreateSweep`, `AddSweepItems`, `SealSweep`, `GetSweep`, `ListSweeps`,
+//! `WatchSweep`, `ListSweepItems`, `CancelSweep`, and the deeper pass of a degraded
+//! review (a sweep of one). A sweep and its manifest live in its region's `SWEEPS_<R>`
 //! (`reviewlane_shared::sweeps`); each item is checked as a submit is (`submit::plan`)
-//! and becomes a job of the batch lane, linked to its sweep, when the sweep is sealed.
+//! and, when the sweep is sealed, becomes a job of the batch lane linked to its sweep —
+//! or is left to the region's sweep coordinator, for the provider's batch API.
 //! Its job id is derived from the sweep and the item's key, so a page added twice, a
 //! seal repeated or a seal racing an add hands each item over once.
 
