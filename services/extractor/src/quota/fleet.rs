@@ -251,21 +251,22 @@ impl Quota {
 
     /// Applies `event` to the key's window here and, when the fleet should know, to the
     /// shared entry (the event re-applied to the entry as read, merged with ours).
-    pub(super) async fn update_window(&self, event: impl Fn(&mut Window)) -> Result<(), FleetError> {
-        let (differs, local, level_before) = {
+    /// What the event said, as last applied (to the shared entry when it was written).
+    pub(super) async fn update_window<T>(&self, event: impl Fn(&mut Window) -> T) -> Result<T, FleetError> {
+        let (differs, local, level_before, mut value) = {
             let mut l = self.ledger();
             let before = l.window;
-            event(&mut l.window);
-            (l.window.differs(&before), l.window, before.fleet(l.key_limit))
+            let value = event(&mut l.window);
+            (l.window.differs(&before), l.window, before.fleet(l.key_limit), value)
         };
         if !differs {
-            return Ok(());
+            return Ok(value);
         }
         let key = format!("{WINDOW_PREFIX}{}", self.key);
         let written = cas(&self.kv, &key, |shared: Option<Window>| {
             Some(match shared {
                 Some(mut shared) => {
-                    event(&mut shared);
+                    value = event(&mut shared);
                     shared.merged(&local)
                 }
                 None => local,
@@ -282,7 +283,7 @@ impl Quota {
             }
             self.changed.notify_waiters();
         }
-        Ok(())
+        Ok(value)
     }
 }
 

@@ -262,9 +262,7 @@ impl Quota {
                 // Within two heartbeats of a change in the live replicas, shares move.
                 let shares_moving = now.saturating_sub(changed_ms) <= 2 * self.heartbeat.as_millis() as u64;
                 let c = RateLimited { now_ms: now, started_ms, pause, limit, in_flight, shares_moving };
-                let kind = std::sync::Mutex::new(Congestion::SameEvent);
-                self.update_window(|w| *kind.lock().expect("kind lock") = w.on_congestion(c)).await?;
-                if *kind.lock().expect("kind lock") == Congestion::Race {
+                if self.update_window(|w| w.on_congestion(c)).await? == Congestion::Race {
                     tracing::info!("429 while the fleet ran above its window (replicas racing): level kept");
                 }
             }
