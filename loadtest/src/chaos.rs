@@ -42,12 +42,12 @@ pub struct ChaosConfig {
     /// How long the jobs may take to end after the last fault.
     pub drain_limit: Duration,
     /// The first faults, in order; then random kill -9s for as long as submits go on.
-    pub plan: Vec<Planned>,
+    pub script: Vec<Scripted>,
 }
 
 /// A fault the driver is told to cause.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Planned {
+pub enum Scripted {
     /// kill -9 this service and start it again.
     Kill(&'static str),
     /// kill -9 a service picked at random and start it again.
@@ -69,14 +69,14 @@ impl ChaosConfig {
             lease: Duration::from_secs(5),
             provider_latency: Duration::from_millis(200),
             drain_limit: Duration::from_secs(180),
-            plan: vec![
-                Planned::Kill("extractor-us-1"),
-                Planned::Kill("publisher-us"),
-                Planned::Freeze("extractor-us"),
-                Planned::Kill("ingress"),
-                Planned::RestartNats,
-                Planned::Kill("publisher-eu"),
-                Planned::Kill("extractor-eu"),
+            script: vec![
+                Scripted::Kill("extractor-us-1"),
+                Scripted::Kill("publisher-us"),
+                Scripted::Freeze("extractor-us"),
+                Scripted::Kill("ingress"),
+                Scripted::RestartNats,
+                Scripted::Kill("publisher-eu"),
+                Scripted::Kill("extractor-eu"),
             ],
         }
     }
@@ -91,14 +91,14 @@ impl ChaosConfig {
             lease: Duration::from_secs(2),
             provider_latency: Duration::from_millis(300),
             drain_limit: Duration::from_secs(90),
-            plan: vec![
-                Planned::Kill("ingress"),
-                Planned::Kill("extractor-eu"),
-                Planned::Freeze("extractor-us"),
-                Planned::Kill("publisher-us"),
-                Planned::RestartNats,
-                Planned::Kill("extractor-us-1"),
-                Planned::Kill("publisher-eu"),
+            script: vec![
+                Scripted::Kill("ingress"),
+                Scripted::Kill("extractor-eu"),
+                Scripted::Freeze("extractor-us"),
+                Scripted::Kill("publisher-us"),
+                Scripted::RestartNats,
+                Scripted::Kill("extractor-us-1"),
+                Scripted::Kill("publisher-eu"),
             ],
         }
     }
@@ -255,7 +255,7 @@ fn retryable(code: tonic::Code) -> bool {
     )
 }
 
-/// Causes the planned faults, then random kill -9s while `submitting` holds.
+/// Causes the scripted faults, then random kill -9s while `submitting` holds.
 async fn drive(
     stack: &mut ProcStack,
     cfg: &ChaosConfig,
@@ -263,17 +263,17 @@ async fn drive(
 ) -> Vec<Fault> {
     let mut faults = Vec::new();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let mut plan = cfg.plan.iter().copied();
+    let mut script = cfg.script.iter().copied();
     loop {
         tokio::time::sleep(cfg.fault_every).await;
-        let next = match plan.next() {
+        let next = match script.next() {
             Some(p) => p,
-            None if *submitting.borrow() => Planned::KillAny,
+            None if *submitting.borrow() => Scripted::KillAny,
             None => return faults,
         };
         let at = now_ms();
         let (kind, target) = match next {
-            Planned::Freeze(target) => {
+            Scripted::Freeze(target) => {
                 if let Some(s) = stack.service(target) {
                     let _ = s.signal("STOP");
                     tokio::time::sleep(cfg.lease * 2).await;
@@ -281,12 +281,12 @@ async fn drive(
                 }
                 ("sigstop", target)
             }
-            Planned::RestartNats => {
+            Scripted::RestartNats => {
                 stack.us.nats.restart();
                 ("nats_restart", "nats-us")
             }
-            Planned::Kill(target) => (kill(stack, target), target),
-            Planned::KillAny => {
+            Scripted::Kill(target) => (kill(stack, target), target),
+            Scripted::KillAny => {
                 let target = SERVICES[rng.random_range(0..SERVICES.len())];
                 (kill(stack, target), target)
             }

@@ -78,24 +78,24 @@ pub fn comment_body(f: &Finding) -> String {
 
 /// The review to post: its summary and its line comments. `None`: nothing new.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ReviewPlan {
+pub struct ComposedReview {
     pub body: String,
     pub comments: Vec<Value>,
     /// Findings in the summary only.
     pub summarised: usize,
 }
 
-/// Plans the review of `findings` (sorted, most severe first) given the fingerprints
+/// Composes the review of `findings` (sorted, most severe first) given the fingerprints
 /// already on the pull request and the lines GitHub takes comments on: new findings on
 /// commentable lines become line comments, up to `max_comments`; the rest are listed in
 /// the summary. `all_in_summary`: no line comments at all (after a 422).
-pub fn plan(
+pub fn compose(
     findings: &[Finding],
     existing: &HashSet<String>,
     commentable: &HashSet<(String, u32, &'static str)>,
     max_comments: usize,
     all_in_summary: bool,
-) -> Option<ReviewPlan> {
+) -> Option<ComposedReview> {
     let new: Vec<&Finding> = findings.iter().filter(|f| !existing.contains(&fingerprint(f))).collect();
     if new.is_empty() {
         return None;
@@ -139,7 +139,7 @@ pub fn plan(
             ));
         }
     }
-    Some(ReviewPlan { body, summarised: summary.len(), comments })
+    Some(ComposedReview { body, summarised: summary.len(), comments })
 }
 
 /// How long GitHub asks us to wait, from an answer: `retry-after` on a 403/429
@@ -688,7 +688,7 @@ impl GitHub {
         // a delivery handed back between the two posts does not repeat the refused one.
         let refused_before = self.comments_refused.lock().expect("refused lock").contains(&d.job_id);
         for all_in_summary in [refused_before, true] {
-            let Some(review) = plan(&d.findings, &existing, &commentable, max_comments, all_in_summary) else {
+            let Some(review) = compose(&d.findings, &existing, &commentable, max_comments, all_in_summary) else {
                 tracing::info!("every finding is already on the pull request; nothing posted");
                 return Ok(SinkOutcome::Delivered);
             };
@@ -771,8 +771,8 @@ mod tests {
         ranged.suggested_replacement = Some("fixed();".into());
         let commentable: HashSet<_> = (1..=5).map(|l| ("a.rs".to_string(), l, "RIGHT")).collect();
         let existing: HashSet<String> = [seen.fingerprint.clone().unwrap()].into();
-        let p =
-            plan(&[on.clone(), off.clone(), seen.clone(), ranged.clone()], &existing, &commentable, 20, false).unwrap();
+        let p = compose(&[on.clone(), off.clone(), seen.clone(), ranged.clone()], &existing, &commentable, 20, false)
+            .unwrap();
         assert_eq!(p.comments.len(), 2);
         assert_eq!((p.comments[0]["line"].as_u64(), p.comments[0]["side"].as_str()), (Some(2), Some("RIGHT")));
         assert_eq!((p.comments[1]["start_line"].as_u64(), p.comments[1]["line"].as_u64()), (Some(3), Some(4)));
@@ -785,11 +785,11 @@ mod tests {
             p.comments.iter().flat_map(|c| markers(c["body"].as_str().unwrap())).chain(markers(&p.body)).collect();
         assert_eq!(all.len(), 3);
         // The limit, and the fallback with everything in the summary.
-        assert_eq!(plan(&[on.clone(), ranged.clone()], &existing, &commentable, 1, false).unwrap().summarised, 1);
-        let fallback = plan(std::slice::from_ref(&on), &existing, &commentable, 20, true).unwrap();
+        assert_eq!(compose(&[on.clone(), ranged.clone()], &existing, &commentable, 1, false).unwrap().summarised, 1);
+        let fallback = compose(std::slice::from_ref(&on), &existing, &commentable, 20, true).unwrap();
         assert!(fallback.comments.is_empty() && fallback.summarised == 1);
         // Nothing new: nothing to post.
-        assert_eq!(plan(&[seen], &existing, &commentable, 20, false), None);
+        assert_eq!(compose(&[seen], &existing, &commentable, 20, false), None);
     }
 
     #[test]
@@ -800,7 +800,7 @@ mod tests {
             [("l\u{fffd}gacy.txt".to_string(), 1, "RIGHT"), ("\"x.rs".to_string(), 1, "RIGHT")].into();
         let legacy = finding("\"l\\351gacy.txt\"", 1, "high");
         let quoted = finding("\"\\\"x.rs\"", 1, "high");
-        let p = plan(&[legacy, quoted], &HashSet::new(), &commentable, 20, false).unwrap();
+        let p = compose(&[legacy, quoted], &HashSet::new(), &commentable, 20, false).unwrap();
         assert_eq!(p.comments.len(), 1);
         assert_eq!(p.comments[0]["path"], "\"x.rs");
         assert_eq!(p.summarised, 1);

@@ -91,7 +91,6 @@ impl Worker {
             duration_ms = Empty,
         );
         let started = Instant::now();
-        lease.called.store(true, std::sync::atomic::Ordering::Relaxed);
         metering.called.store(true, std::sync::atomic::Ordering::Relaxed);
         let call = tokio::time::timeout(self.policy.provider_timeout, self.provider.review(&req));
         let upstream =

@@ -1,5 +1,6 @@
-//! Step 3, keep: validate a 200's output (pure), then store the result before anything
-//! else can fail. From here on a store failure retries the store, never the provider
+//! Step 3, keep: what an answer means (`verdict`, pure, at the end of this file), then
+//! validate a 200's output (pure) and store the result before anything else can fail
+//! (and in the result cache, beside it); then the key's quota learns from the answer. From here on a store failure retries the store, never the provider
 //! call: while the answer exists only in this worker, the write is retried with backoff
 //! — the lease kept alive — until the store takes it (a full store, an outage) or the
 //! job's deadline passes (`deadline_exceeded`). A store that refuses the write for good
@@ -7,17 +8,21 @@
 //! returns after its lease and the job is called again: a second paid call, not a lost
 //! review.
 
+use std::future::Future;
+use std::time::Duration;
+
 use reviewlane_core::findings::{self, InvalidOutput, Validated};
-use reviewlane_core::job::Budget;
+use reviewlane_core::job::{Budget, TerminalReason, Tokens};
 use reviewlane_core::messages::FindingsMessage;
 use reviewlane_shared::faults::point;
+use reviewlane_shared::job_store::StoreError;
+use reviewlane_shared::result_cache::CacheEntry;
 use tracing::Instrument;
 use tracing::field::Empty;
 
 use super::call::Answer;
-use super::plan::Decision;
-use super::{Job, Lease, Metering, Target, Worker, plan};
-use crate::upstream::UpstreamOutcome;
+use super::{Decision, Job, Lease, Metering, Target, Worker};
+use crate::upstream::{Backoff, UpstreamOutcome};
 
 impl Worker {
     /// JSON, JSON Schema, then the diff: `Err` when the whole output is unusable.
@@ -94,8 +99,10 @@ impl Worker {
         // A fresh result goes into the cache beside the keep, not after it: done before
         // the job is recorded `validated`, at no extra wait.
         let cached = async {
-            if let Some(tokens) = cache {
-                self.store_in_cache(job, &v, tokens).await;
+            if let Some(tokens) = cache
+                && let Some(cache) = &self.stores.cache
+            {
+                cache.put(&job.cache_key, &CacheEntry { validated: v.clone(), tokens }).await;
             }
         };
         match tokio::join!(kept, cached).0 {
@@ -109,12 +116,48 @@ impl Worker {
         }
     }
 
+    /// Stores a paid answer that exists only in this worker: retried with backoff, the
+    /// lease kept alive, until the store takes it or the job's deadline passes. `Err` is
+    /// what the job comes to when it cannot be kept: `deadline_exceeded` (retried to
+    /// the deadline), `store_budget_exhausted` (refused for good), or handed back at
+    /// once when a shutdown's grace is over (another replica calls again: paid twice,
+    /// lost never).
+    pub(super) async fn keep_paid<T, F, Fut>(
+        &self,
+        job: &Job<'_>,
+        lease: &Lease,
+        what: &'static str,
+        write: F,
+    ) -> Result<T, Decision>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let until = lease.rec.deadline_ms.map(|d| {
+            tokio::time::Instant::now() + std::time::Duration::from_millis(d.saturating_sub(self.clock.now_ms()))
+        });
+        let kept = tokio::select! {
+            kept = self.policy.store_retry.run_until(until, write, |e, attempt, delay| self.store_retried(job, what, e, attempt, delay)) => kept,
+            _ = self.abort.cancelled() => {
+                tracing::warn!(what, "shutting down before a paid answer could be kept; the job goes back for another call");
+                return Err(Decision::Release(None));
+            }
+        };
+        kept.map_err(|e| {
+            self.health.refused(self.region, &e);
+            tracing::error!(what, error = %e, kind = e.kind(), "a paid answer could not be kept");
+            let reason =
+                if e.is_retryable() { TerminalReason::DeadlineExceeded } else { TerminalReason::StoreBudgetExhausted };
+            Decision::Terminal { reason, status: Some("2xx".into()) }
+        })
+    }
+
     /// The result message of this lease's generation (no part), for `keep` and parts.
     pub(super) fn result_message(&self, job: &Job<'_>, lease: &Lease, v: &Validated) -> FindingsMessage {
         FindingsMessage::of(job.review, lease.generation(), v, self.policy.quarantine_raw_max)
     }
 
-    /// What an answer means for the job (the pure `plan::verdict`). A usable answer is
+    /// What an answer means for the job (the pure `verdict`). A usable answer is
     /// validated and kept here, before any other write; then the key's quota learns
     /// from it.
     pub(super) async fn decide(
@@ -139,10 +182,10 @@ impl Worker {
             _ => None,
         };
         let (verdict, effect) =
-            plan::verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted);
+            verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted);
         let decision = match verdict {
-            plan::Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
-            plan::Verdict::Usable { output, usage, status } => {
+            Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
+            Verdict::Usable { output, usage, status } => {
                 if let Some(u) = usage {
                     self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
                     *metering.tokens.lock().expect("tokens lock") = Some(u);
@@ -161,7 +204,7 @@ impl Worker {
                     }
                 }
             }
-            plan::Verdict::Decided(decision) => decision,
+            Verdict::Decided(decision) => decision,
         };
         // The readings first: the limits they teach decide whether a headroom pause is
         // needed (a bucket paces an empty dimension exactly; a pause would wait for it
@@ -192,10 +235,10 @@ impl Worker {
 
     /// Records what the key's shared quota learns (best effort: a failed write is
     /// logged, and the next answer teaches it again).
-    async fn learn(&self, effect: plan::QuotaEffect, meter: &crate::upstream::Meter) {
+    async fn learn(&self, effect: QuotaEffect, meter: &crate::upstream::Meter) {
         let written = match effect {
-            plan::QuotaEffect::None => return,
-            plan::QuotaEffect::Succeeded { started_ms, pause } => {
+            QuotaEffect::None => return,
+            QuotaEffect::Succeeded { started_ms, pause } => {
                 self.quota.succeeded(started_ms).await;
                 match pause {
                     Some(d) if !self.quota.budgets().paces_every_empty(meter) => {
@@ -204,10 +247,10 @@ impl Worker {
                     _ => Ok(()),
                 }
             }
-            plan::QuotaEffect::RateLimited(limited) => {
+            QuotaEffect::RateLimited(limited) => {
                 self.quota.rate_limited(limited).await.map_err(|e| ("recording the scope pause failed", e))
             }
-            plan::QuotaEffect::OpenCircuit => self
+            QuotaEffect::OpenCircuit => self
                 .quota
                 .open_circuit(self.policy.circuit_open_for)
                 .await
@@ -215,6 +258,218 @@ impl Worker {
         };
         if let Err((what, e)) = written {
             tracing::warn!(error = %e, "{what}");
+        }
+    }
+}
+
+// What an answer means: the pure table of step 3.
+
+/// What an answer comes to before anything is written.
+#[derive(Debug)]
+pub(super) enum Verdict {
+    /// The same review's validated result, from the cache: keep it as this job's.
+    Cached(Validated),
+    /// A 2xx: validate the output against the schema and the diff, then keep it (an
+    /// invalid one spends the schema budget, with `status`).
+    Usable {
+        output: String,
+        usage: Option<Tokens>,
+        status: Option<String>,
+    },
+    Decided(Decision),
+}
+
+/// What the provider key's shared quota learns from an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum QuotaEffect {
+    None,
+    /// A 2xx: the window may grow; `pause` when the answer's headers said a dimension
+    /// is empty (the key slows down before a 429).
+    Succeeded {
+        started_ms: u64,
+        pause: Option<Duration>,
+    },
+    /// A 429: every replica's calls on the key wait its `pause`, as this job does; a
+    /// 429 of a metered dimension empties that bucket instead of narrowing the window.
+    RateLimited(crate::quota::Limited),
+    /// `insufficient_quota`: the key's circuit opens.
+    OpenCircuit,
+}
+
+/// A 429 without a hint that the answers predicted (the last reading of a limited
+/// dimension said none remained): the dimension, and how long until its bucket has room.
+pub(super) type Predicted = Option<(reviewlane_core::meter::Dimension, Duration)>;
+
+/// The verdict on `answer` for a lease that has spent `congestion_used` congestion
+/// retries: a 429 without the provider's hint waits the lane's `backoff` for the next
+/// one (`unit`: uniform in [0, 1), the jitter) — unless the answers `predicted` it: then
+/// the key pauses until the bucket has room and the job goes back to wait for it,
+/// spending no retry.
+pub(super) fn verdict(
+    answer: Answer,
+    congestion_used: u32,
+    backoff: &Backoff,
+    unit: f64,
+    predicted: Predicted,
+) -> (Verdict, QuotaEffect) {
+    let decided = |d| (Verdict::Decided(d), QuotaEffect::None);
+    let (upstream, started_ms) = match answer {
+        Answer::Cached(hit) => return (Verdict::Cached(hit), QuotaEffect::None),
+        Answer::Upstream { outcome, started_ms, in_flight } => (outcome, (started_ms, in_flight)),
+        other => return decided(abandoned(&other).unwrap_or(Decision::Release(None))),
+    };
+    let status = Some(upstream.status_class().to_string());
+    match upstream {
+        UpstreamOutcome::Ok { output, slow_down, usage, .. } => (
+            Verdict::Usable { output, usage, status },
+            QuotaEffect::Succeeded { started_ms: started_ms.0, pause: slow_down },
+        ),
+        UpstreamOutcome::RateLimited { retry_after: None, .. } if predicted.is_some() => {
+            let (dimension, wait) = predicted.expect("checked");
+            let (started_ms, in_flight) = started_ms;
+            let limited =
+                crate::quota::Limited { pause: wait, started_ms, in_flight: Some(in_flight), bucket: Some(dimension) };
+            (Verdict::Decided(Decision::Release(Some(wait))), QuotaEffect::RateLimited(limited))
+        }
+        UpstreamOutcome::RateLimited { retry_after, dimension, .. } => {
+            let delay = retry_after.unwrap_or_else(|| backoff.delay(congestion_used + 1, unit));
+            let retry = Decision::Retry { budget: Budget::Congestion, hint: Some(delay), status, invalid: None };
+            let (started_ms, in_flight) = started_ms;
+            let limited =
+                crate::quota::Limited { pause: delay, started_ms, in_flight: Some(in_flight), bucket: dimension };
+            (Verdict::Decided(retry), QuotaEffect::RateLimited(limited))
+        }
+        UpstreamOutcome::Transient { .. } => {
+            decided(Decision::Retry { budget: Budget::Transient, hint: None, status, invalid: None })
+        }
+        UpstreamOutcome::QuotaExhausted => (
+            Verdict::Decided(Decision::Terminal { reason: TerminalReason::InsufficientQuota, status }),
+            QuotaEffect::OpenCircuit,
+        ),
+        UpstreamOutcome::Permanent { .. } => {
+            decided(Decision::Terminal { reason: TerminalReason::UpstreamRejected, status })
+        }
+    }
+}
+
+/// The decision on a call abandoned before its answer: the shutdown grace is over, the
+/// lease was taken over, the job ended or its deadline came. `None` for an answer.
+pub(super) fn abandoned(answer: &Answer) -> Option<Decision> {
+    match answer {
+        Answer::Aborted => Some(Decision::Release(None)),
+        Answer::LostLease => Some(Decision::Stale),
+        Answer::Ended(reason) => Some(Decision::Ended(*reason)),
+        Answer::DeadlinePassed => Some(Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None }),
+        Answer::Upstream { .. } | Answer::Cached(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_000_000;
+
+    fn decided(answer: Answer, used: u32, backoff: &Backoff) -> (Decision, QuotaEffect) {
+        match verdict(answer, used, backoff, 0.5, None) {
+            (Verdict::Decided(d), effect) => (d, effect),
+            (other, _) => panic!("{other:?}"),
+        }
+    }
+
+    fn upstream(outcome: UpstreamOutcome) -> Answer {
+        Answer::Upstream { outcome, started_ms: NOW, in_flight: 3 }
+    }
+
+    #[test]
+    fn a_2xx_is_kept_and_the_key_learns_it_succeeded() {
+        let usage = Tokens { input: 10, output: 2 };
+        let pause = Some(Duration::from_secs(3));
+        let ok = UpstreamOutcome::Ok {
+            output: "{}".into(),
+            slow_down: pause,
+            usage: Some(usage),
+            meter: Default::default(),
+        };
+        let (v, effect) = verdict(upstream(ok), 0, &Backoff::default(), 0.5, None);
+        assert!(
+            matches!(&v, Verdict::Usable { output, usage: Some(u), status: Some(s) } if output == "{}" && *u == usage && s == "2xx"),
+            "{v:?}"
+        );
+        assert_eq!(effect, QuotaEffect::Succeeded { started_ms: NOW, pause });
+    }
+
+    #[test]
+    fn a_429_retries_on_the_congestion_budget_and_pauses_the_key_for_the_same_delay() {
+        let b = Backoff { base: Duration::from_secs(1), cap: Duration::from_secs(60), jitter: (1.0, 1.0) };
+        let limited = |retry_after, dimension| UpstreamOutcome::RateLimited {
+            retry_after,
+            capped: false,
+            dimension,
+            meter: Default::default(),
+        };
+        let effect_of = |pause, bucket| {
+            QuotaEffect::RateLimited(crate::quota::Limited { pause, started_ms: NOW, in_flight: Some(3), bucket })
+        };
+        let hinted = limited(Some(Duration::from_secs(7)), None);
+        let (d, effect) = decided(upstream(hinted), 0, &b);
+        let seven = Duration::from_secs(7);
+        assert_eq!(
+            d,
+            Decision::Retry {
+                budget: Budget::Congestion,
+                hint: Some(seven),
+                status: Some("429".into()),
+                invalid: None
+            }
+        );
+        assert_eq!(effect, effect_of(seven, None));
+        // Without a hint: the backoff of the next congestion retry (the third: 4 s); a
+        // 429 of the tokens bucket says so to the quota.
+        let bare = limited(None, Some(reviewlane_core::meter::Dimension::Tokens));
+        let (d, effect) = decided(upstream(bare), 2, &b);
+        let four = Duration::from_secs(4);
+        assert!(matches!(d, Decision::Retry { budget: Budget::Congestion, hint: Some(h), .. } if h == four), "{d:?}");
+        assert_eq!(effect, effect_of(four, Some(reviewlane_core::meter::Dimension::Tokens)));
+        // Predicted by the answers (none left, no hint): the job waits for the bucket,
+        // spending no retry, and the key pauses as long, for that bucket.
+        let requests = reviewlane_core::meter::Dimension::Requests;
+        let wait = Duration::from_secs(41);
+        let (v, effect) = verdict(upstream(limited(None, None)), 2, &b, 0.5, Some((requests, wait)));
+        assert!(matches!(v, Verdict::Decided(Decision::Release(Some(w))) if w == wait), "{v:?}");
+        assert_eq!(effect, effect_of(wait, Some(requests)));
+        // A hint is the provider's word: it is a congestion retry whatever was predicted.
+        let (v, _) = verdict(upstream(limited(Some(seven), None)), 0, &b, 0.5, Some((requests, wait)));
+        assert!(matches!(v, Verdict::Decided(Decision::Retry { budget: Budget::Congestion, .. })), "{v:?}");
+    }
+
+    #[test]
+    fn transient_quota_and_permanent_answers_decide_without_keeping() {
+        let b = Backoff::default();
+        let (d, effect) = decided(upstream(UpstreamOutcome::Transient { status_class: "5xx" }), 0, &b);
+        assert_eq!(
+            d,
+            Decision::Retry { budget: Budget::Transient, hint: None, status: Some("5xx".into()), invalid: None }
+        );
+        assert_eq!(effect, QuotaEffect::None);
+        let (d, effect) = decided(upstream(UpstreamOutcome::QuotaExhausted), 0, &b);
+        assert_eq!(d, Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: Some("429".into()) });
+        assert_eq!(effect, QuotaEffect::OpenCircuit);
+        let (d, effect) = decided(upstream(UpstreamOutcome::Permanent { status: 400 }), 0, &b);
+        assert!(matches!(d, Decision::Terminal { reason: TerminalReason::UpstreamRejected, status: Some(_) }), "{d:?}");
+        assert_eq!(effect, QuotaEffect::None);
+    }
+
+    #[test]
+    fn an_answer_that_never_came_decides_alone() {
+        let b = Backoff::default();
+        for (answer, want) in [
+            (Answer::Aborted, Decision::Release(None)),
+            (Answer::LostLease, Decision::Stale),
+            (Answer::Ended(TerminalReason::Cancelled), Decision::Ended(TerminalReason::Cancelled)),
+            (Answer::DeadlinePassed, Decision::Terminal { reason: TerminalReason::DeadlineExceeded, status: None }),
+        ] {
+            assert_eq!(decided(answer, 0, &b), (want, QuotaEffect::None));
         }
     }
 }

@@ -1,11 +1,13 @@
 //! Step 1, lease: read the job (creating its record from the message when the ingress
 //! died between its two writes), find whether it needs anything, and take a lease whose
-//! generation every later write names.
+//! generation every later write names. The result cache is read beside it: a hit is a
+//! validated result of the same review, reused without a call.
 //!
 //! A job whose previous holder died after keeping its answer is finished from that
 //! answer, without a call. A live lease of another holder, or a retry delay not yet
 //! over, hands the message back until then: no second call while one may be running.
 
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
@@ -14,76 +16,13 @@ use reviewlane_shared::job_store::{Created, StoreError};
 
 use reviewlane_core::findings::Validated;
 use reviewlane_core::job::JobRecord;
-use reviewlane_shared::job_store::JobStore;
+use reviewlane_shared::result_cache::CacheEntry;
 
 use super::parts::Planned;
-use super::plan::{Decision, Outcome};
-use super::settle::End;
-use super::{Job, Target, Worker};
+use super::{Decision, End, Job, Lease, Outcome, Target, Worker};
 
-/// A lease this worker holds: the record as leased (its generation is the one every
-/// later write names).
-pub struct Lease {
-    pub rec: JobRecord,
-    /// Whether this lease made a provider call (a cache hit, an open circuit or a
-    /// resumed answer do not): for the calls a finished job counts.
-    pub called: std::sync::atomic::AtomicBool,
-    /// The record and revision this lease last wrote: its next write is a
-    /// compare-and-set on that revision without reading first (a read follows only when
-    /// someone else wrote meanwhile).
-    known: std::sync::Mutex<Option<(JobRecord, u64)>>,
-}
-
-impl Lease {
-    pub fn new(rec: JobRecord) -> Self {
-        Lease { rec, called: Default::default(), known: Default::default() }
-    }
-
-    /// A lease whose record was written at `revision`.
-    pub fn written(rec: JobRecord, revision: u64) -> Self {
-        let known = std::sync::Mutex::new(Some((rec.clone(), revision)));
-        Lease { known, ..Lease::new(rec) }
-    }
-
-    pub fn generation(&self) -> u32 {
-        self.rec.generation()
-    }
-
-    /// Applies `event` to the job's record from the revision this lease last wrote
-    /// (fenced by its generation), charging `charge`, and remembers the revision it
-    /// writes.
-    pub async fn apply(
-        &self,
-        jobs: &JobStore,
-        event: &Event,
-        charge: Option<(reviewlane_core::job::Tokens, u64)>,
-    ) -> Result<JobRecord, StoreError> {
-        let known = self.known.lock().expect("known lock").take();
-        let (rec, revision) = jobs.apply_tracked(&self.rec.job_id, known, event, charge).await?;
-        *self.known.lock().expect("known lock") = Some((rec.clone(), revision));
-        Ok(rec)
-    }
-
-    /// Provider calls the job has made, this lease's included: one per retry spent, and
-    /// this one if it called.
-    pub fn calls(&self, rec: &JobRecord) -> u32 {
-        let a = rec.attempts;
-        a.congestion + a.transient + a.schema + u32::from(self.called.load(std::sync::atomic::Ordering::Relaxed))
-    }
-}
-
-/// What taking the lease came to.
-pub(super) enum Leased {
-    Held(Box<Lease>),
-    /// The trip is over before a call: how it ends.
-    Over(End),
-}
-
-/// Step 1 as the trip sees it: a lease and what the job needs next, or the trip's end.
-pub(super) enum Taken<'j> {
-    Held(Box<Lease>, Next<'j>),
-    Over(End),
-}
+/// Taking the lease: a held lease (and what for, from `take`), or the trip's end.
+type Taken<T> = Result<ControlFlow<End, T>, StoreError>;
 
 /// What a held lease is for.
 pub(super) enum Next<'j> {
@@ -102,37 +41,37 @@ impl Worker {
     /// Takes the lease (with the result cache read beside it, not after it), then finds
     /// what the job needs: one call, the cached result, its parts — or a decision
     /// without a call (the diff cannot be read back, or it splits too large).
-    pub(super) async fn take<'j>(&self, job: &'j Job<'_>) -> Result<Taken<'j>, StoreError> {
+    pub(super) async fn take<'j>(&self, job: &'j Job<'_>) -> Taken<(Box<Lease>, Next<'j>)> {
         let (leased, lookup) = tokio::join!(self.lease(job), self.cache_lookup(job));
         let lease = match leased? {
-            Leased::Held(lease) => lease,
-            Leased::Over(end) => return Ok(Taken::Over(end)),
+            ControlFlow::Continue(lease) => lease,
+            ControlFlow::Break(end) => return Ok(ControlFlow::Break(end)),
         };
         let Some(diff) = job.diff.as_ref() else {
             let decision = Decision::Terminal { reason: TerminalReason::InvalidInput, status: None };
-            return Ok(Taken::Over(End::decided(lease, decision)));
+            return Ok(ControlFlow::Break(End::decided(lease, decision)));
         };
         let whole = Target { diff, text: crate::provider::prompt_diff(job.review, diff), part: None };
         // A split review under way is finished part by part, never from the cache.
         if lease.rec.parts.is_none()
             && let Some(hit) = self.cached(job, lookup)
         {
-            return Ok(Taken::Held(lease, Next::Cached(whole, hit)));
+            return Ok(ControlFlow::Continue((lease, Next::Cached(whole, hit))));
         }
         // A token is at least one byte: a prompt no longer than the budget in bytes fits
         // one call without counting (and never enters `parts`).
         if lease.rec.parts.is_none() && whole.text.len() <= self.policy.parts.plan.limits.budget() {
-            return Ok(Taken::Held(lease, Next::Call(whole)));
+            return Ok(ControlFlow::Continue((lease, Next::Call(whole))));
         }
         let next = match self.plan_parts(job, &lease).await? {
             Planned::Whole => Next::Call(whole),
             Planned::Split(parts, progress) => Next::Split(parts, progress),
-            Planned::Decided(decision) => return Ok(Taken::Over(End::decided(lease, decision))),
+            Planned::Decided(decision) => return Ok(ControlFlow::Break(End::decided(lease, decision))),
         };
-        Ok(Taken::Held(lease, next))
+        Ok(ControlFlow::Continue((lease, next)))
     }
 
-    pub(super) async fn lease(&self, job: &Job<'_>) -> Result<Leased, StoreError> {
+    pub(super) async fn lease(&self, job: &Job<'_>) -> Taken<Box<Lease>> {
         let id = job.id();
         let (rec, revision) = match self.stores.jobs.get(id).await? {
             Some(found) => found,
@@ -151,12 +90,12 @@ impl Worker {
             // A concurrent submit with the same key but other content lost the race for
             // the record: its message is not this job's.
             tracing::warn!("lane message does not match its job record; dropping the message");
-            return Ok(Leased::Over(End::answered(Outcome::Skipped, AckKind::Term)));
+            return Ok(ControlFlow::Break(End::answered(Outcome::Skipped, AckKind::Term)));
         }
         let now = self.clock.now_ms();
         match rec.state {
             JobState::Terminal | JobState::Published | JobState::Validated => {
-                return Ok(Leased::Over(needs_nothing(rec.state, rec.reason)));
+                return Ok(ControlFlow::Break(needs_nothing(rec.state, rec.reason)));
             }
             // The holder's lease is over: it may have kept its answer before it died.
             JobState::Running if rec.lease_expires_at_ms.is_none_or(|until| now >= until) => {
@@ -168,7 +107,7 @@ impl Worker {
                         quarantined: kept.quarantined.len(),
                         dropped: kept.findings_dropped,
                     };
-                    return Ok(Leased::Over(End::decided(Box::new(Lease::new(rec)), decision)));
+                    return Ok(ControlFlow::Break(End::decided(Box::new(Lease::new(rec)), decision)));
                 }
             }
             _ => {}
@@ -181,19 +120,21 @@ impl Worker {
             Ok((rec, revision)) => {
                 let lease = Box::new(Lease::written(rec, revision));
                 match self.ends_uncalled(&lease.rec).await? {
-                    Some(reason) => Ok(Leased::Over(End::decided(lease, Decision::Terminal { reason, status: None }))),
-                    None => Ok(Leased::Held(lease)),
+                    Some(reason) => {
+                        Ok(ControlFlow::Break(End::decided(lease, Decision::Terminal { reason, status: None })))
+                    }
+                    None => Ok(ControlFlow::Continue(lease)),
                 }
             }
             Err(StoreError::Transition(TransitionError::LeaseHeld { until_ms: at }, _))
             | Err(StoreError::Transition(TransitionError::NotEligible { at_ms: at }, _)) => {
                 let wait = Duration::from_millis(at.saturating_sub(self.clock.now_ms())) + LEASE_MARGIN;
                 tracing::debug!(wait_ms = wait.as_millis() as u64, "job held or not yet eligible; handed back");
-                Ok(Leased::Over(End::answered(Outcome::Deferred(wait), AckKind::Nak(Some(wait)))))
+                Ok(ControlFlow::Break(End::answered(Outcome::Deferred(wait), AckKind::Nak(Some(wait)))))
             }
             Err(StoreError::Transition(_, current)) => {
                 tracing::info!(state = current.state.as_str(), "job moved on before lease");
-                Ok(Leased::Over(needs_nothing(current.state, current.reason)))
+                Ok(ControlFlow::Break(needs_nothing(current.state, current.reason)))
             }
             Err(e) => Err(e),
         }
@@ -224,9 +165,28 @@ impl Worker {
     /// this worker's clock not find it late, it goes back until the scope may be called.
     pub(super) async fn late_trip(&self, job: &Job<'_>) -> Result<End, StoreError> {
         match self.lease(job).await? {
-            Leased::Over(end) => Ok(end),
-            Leased::Held(lease) => Ok(End::decided(lease, Decision::Release(Some(LEASE_MARGIN)))),
+            ControlFlow::Break(end) => Ok(end),
+            ControlFlow::Continue(lease) => Ok(End::decided(lease, Decision::Release(Some(LEASE_MARGIN)))),
         }
+    }
+
+    /// Reads the result cache (`None`: the cache is off). Only a read: what it found
+    /// counts once `cached` uses it.
+    async fn cache_lookup(&self, job: &Job<'_>) -> Option<Option<CacheEntry>> {
+        let cache = self.stores.cache.as_ref()?;
+        Some(cache.get(&job.cache_key).await)
+    }
+
+    /// The result of a cache read, counted as a hit or a miss.
+    fn cached(&self, job: &Job<'_>, lookup: Option<Option<CacheEntry>>) -> Option<Validated> {
+        let hit = lookup?;
+        self.metrics.cache(hit.is_some());
+        let hit = hit?;
+        // The call the hit saves, in the tokens it cost when it was made.
+        if let Some(t) = hit.tokens {
+            self.metrics.tokens_saved(&job.review.tenant, &job.scope.model_class, t);
+        }
+        Some(hit.validated)
     }
 
     /// Whether the tenant's sweep was cancelled (read only on a sweep item's retry).

@@ -3,41 +3,45 @@
 //! before the message is settled. No worker sleeps holding a lease waiting for the
 //! provider: a retry is a nak with a delay.
 //!
-//! A job's trip (`Worker::trip`, here) reads top to bottom as named steps, each in its
-//! own file with the helpers it needs, each returning to the trip: `lease` (take the
-//! job, or find it needs nothing; the lease type and its fenced write), `call` (the
-//! provider, with the lease kept alive and watched), `keep` (what the answer means —
-//! the pure `plan::verdict` — then validate and store it before any other write, and
-//! let the key's quota learn). The trip comes to an `End`, and `settle::conclude`, the
-//! one place a message is answered, records the decision (through the pure
-//! `plan::plan`) and answers the message. `cache` is read beside the lease and written
-//! by `keep`; `store` retries the store writes. A review larger than the model's
-//! context goes through `parts`: its parts called concurrently, as far as admission
-//! allows, each recorded as it is kept; then the merge. This file holds the worker's
-//! parts, the job and the trip.
+//! A job's trip (`Worker::trip`, here) reads top to bottom as four steps, each in its
+//! own file with the helpers it needs and its pure table beside it, each returning to
+//! the trip:
+//!
+//! 1. `lease` — take the job (the result cache read beside it), or find it needs
+//!    nothing: a held `Lease` and what it is for, or the trip's `End`;
+//! 2. `call` — the provider, with the lease kept alive and watched: an `Answer`;
+//! 3. `keep` — what the answer means (the pure `verdict`), then validate it and store
+//!    it before any other write (and in the cache), and let the key's quota learn: a
+//!    `Decision`;
+//! 4. `settle` — `conclude`, the one place a message is answered: the decision's
+//!    record (the pure `settlement`, then one fenced write), then the ack.
+//!
+//! A review larger than the model's context goes through `parts` instead of `call`
+//! and `keep` once: its parts called concurrently, as far as admission allows, each
+//! kept and recorded as it is answered; then the merge. This file holds the worker's
+//! parts and what the steps hand each other: the job, its lease, a decision, the
+//! trip's end and a message's outcome.
 
-mod cache;
 mod call;
 mod keep;
 mod lease;
 pub mod parts;
-pub mod plan;
 mod settle;
-mod store;
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use reviewlane_core::clock::SharedClock;
 use reviewlane_core::diff::Diff;
+use reviewlane_core::job::{Budget, JobRecord, TerminalReason, Tokens};
 use reviewlane_core::messages::ReviewMessage;
 use reviewlane_core::region::Region;
 use reviewlane_shared::faults::Faults;
 use reviewlane_shared::job_store::{JobStore, StoreError};
 use reviewlane_shared::layout::RegionLayout;
 use reviewlane_shared::results::Results;
-use settle::End;
 use tokio_util::sync::CancellationToken;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
@@ -51,8 +55,6 @@ use crate::upstream::Backoff;
 use reviewlane_shared::store::StoreRetry;
 
 pub use call::Answer;
-pub use lease::Lease;
-pub use plan::{Decision, Outcome};
 
 /// A worker of the region: a few named parts.
 pub struct Worker {
@@ -143,6 +145,11 @@ pub struct Job<'a> {
     /// Further calls for the delivery: a split review's other parts (none for a late
     /// review).
     pub more: Option<More>,
+    /// The reservations of a split review's other parts, as they start.
+    pub part_metering: std::sync::Mutex<Vec<Arc<Metering>>>,
+    /// What makes this review the same as another for the result cache: read beside
+    /// the lease, written when a fresh answer is kept.
+    pub cache_key: reviewlane_shared::result_cache::CacheKey<'a>,
 }
 
 /// One call's reservation in the key's budgets: corrected to the usage of its answer,
@@ -156,7 +163,7 @@ pub struct Metering {
     /// Its answer's usage corrected it, or it was given back unused.
     pub corrected: std::sync::atomic::AtomicBool,
     /// The usage its answer reported.
-    pub tokens: std::sync::Mutex<Option<reviewlane_core::job::Tokens>>,
+    pub tokens: std::sync::Mutex<Option<Tokens>>,
 }
 
 impl Metering {
@@ -164,7 +171,7 @@ impl Metering {
         Arc::new(Metering { reserved, ..Default::default() })
     }
 
-    pub fn tokens(&self) -> Option<reviewlane_core::job::Tokens> {
+    pub fn tokens(&self) -> Option<Tokens> {
         *self.tokens.lock().expect("tokens lock")
     }
 }
@@ -172,6 +179,158 @@ impl Metering {
 impl Job<'_> {
     pub fn id(&self) -> &str {
         &self.review.job_id
+    }
+
+    /// Whether this delivery made a provider call (a cache hit, an open circuit or a
+    /// resumed answer do not): one of its reservations was called.
+    pub fn called(&self) -> bool {
+        let called = |m: &Metering| m.called.load(std::sync::atomic::Ordering::Relaxed);
+        called(&self.metering) || self.part_metering.lock().expect("parts lock").iter().any(|m| called(m))
+    }
+}
+
+/// A lease this worker holds: the record as leased (its generation is the one every
+/// later write names).
+pub struct Lease {
+    pub rec: JobRecord,
+    /// The record and revision this lease last wrote: its next write is a
+    /// compare-and-set on that revision without reading first (a read follows only when
+    /// someone else wrote meanwhile).
+    known: std::sync::Mutex<Option<(JobRecord, u64)>>,
+}
+
+impl Lease {
+    /// A lease on `rec` as read (nothing written by this lease yet).
+    pub fn new(rec: JobRecord) -> Self {
+        Lease { rec, known: Default::default() }
+    }
+
+    /// A lease whose record was written at `revision`.
+    pub fn written(rec: JobRecord, revision: u64) -> Self {
+        let known = std::sync::Mutex::new(Some((rec.clone(), revision)));
+        Lease { rec, known }
+    }
+
+    pub fn generation(&self) -> u32 {
+        self.rec.generation()
+    }
+
+    /// Applies `event` to the job's record from the revision this lease last wrote
+    /// (fenced by its generation), charging `charge`, and remembers the revision it
+    /// writes.
+    pub async fn apply(
+        &self,
+        jobs: &JobStore,
+        event: &reviewlane_core::job::Event,
+        charge: Option<(Tokens, u64)>,
+    ) -> Result<JobRecord, StoreError> {
+        let known = self.known.lock().expect("known lock").take();
+        let (rec, revision) = jobs.apply_tracked(&self.rec.job_id, known, event, charge).await?;
+        *self.known.lock().expect("known lock") = Some((rec.clone(), revision));
+        Ok(rec)
+    }
+}
+
+/// What the trip decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// The result of the lease's generation is kept: record `validated`.
+    Validated {
+        findings: usize,
+        quarantined: usize,
+        /// Findings the merge of a split review left out (over the cap).
+        dropped: u32,
+    },
+    /// One part of a split review is kept on `PARTS_<R>` at `seq`: record it done (the
+    /// lease and the message stay held for the other parts).
+    PartDone {
+        index: u32,
+        seq: u64,
+        findings: usize,
+        quarantined: usize,
+    },
+    /// Spend one unit of `budget` and try again after the hint (else backoff).
+    Retry {
+        budget: Budget,
+        hint: Option<Duration>,
+        status: Option<String>,
+        /// Why an output was invalid (schema budget): a class, never content.
+        invalid: Option<&'static str>,
+    },
+    Terminal {
+        reason: TerminalReason,
+        status: Option<String>,
+    },
+    /// Hand the message back (`None`: at once, for shutdown), recording nothing.
+    Release(Option<Duration>),
+    /// The lease was taken over: record nothing, settle nothing.
+    Stale,
+    /// The job ended while the call ran: move the message to the dead letters.
+    Ended(TerminalReason),
+}
+
+/// How the worker settled one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Validated {
+        findings: usize,
+        quarantined: usize,
+    },
+    RetryScheduled {
+        budget: Budget,
+        delay: Duration,
+    },
+    Terminal(TerminalReason),
+    /// Nothing to do: the job is final or its result is already recorded.
+    Skipped,
+    /// Handed back until another holder's lease or a retry delay is over.
+    Deferred(Duration),
+    /// The answer came after the lease was taken over: discarded.
+    Stale,
+    /// Handed back without delay (shutdown) or after an infrastructure error.
+    Released,
+    /// A part of a split review is recorded done; `parts` as recorded. The message is
+    /// still held.
+    PartDone {
+        parts: reviewlane_core::job::Parts,
+    },
+}
+
+impl Outcome {
+    /// The outcome's class, for the `process` span.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Validated { .. } => "validated",
+            Outcome::RetryScheduled { .. } => "retry_scheduled",
+            Outcome::Terminal(_) => "terminal",
+            Outcome::Skipped => "skipped",
+            Outcome::Deferred(_) => "deferred",
+            Outcome::Stale => "stale",
+            Outcome::Released => "released",
+            Outcome::PartDone { .. } => "part_done",
+        }
+    }
+}
+
+/// How a trip ends for its message (`settle::conclude` carries it out).
+pub enum End {
+    /// The lease's decision: recorded (fenced by its generation) with the tokens of the
+    /// paid calls it charges, then the message answered as its settlement says.
+    Decided { lease: Box<Lease>, decision: Decision, charge: Option<Tokens> },
+    /// Nothing (more) to record: the message is answered with `ack` (`None`: left
+    /// alone), after a dead letter for `dead_letter`.
+    Answered { outcome: Outcome, ack: Option<AckKind>, dead_letter: Option<TerminalReason> },
+}
+
+impl End {
+    /// The lease's decision, charging nothing.
+    pub fn decided(lease: Box<Lease>, decision: Decision) -> End {
+        End::Decided { lease, decision, charge: None }
+    }
+
+    /// Answered with `ack`, nothing recorded.
+    pub fn answered(outcome: Outcome, ack: AckKind) -> End {
+        End::Answered { outcome, ack: Some(ack), dead_letter: None }
     }
 }
 
@@ -251,6 +410,16 @@ impl Worker {
             metering: Metering::new(reserved),
             place: std::sync::Mutex::new(place),
             more,
+            part_metering: Default::default(),
+            cache_key: reviewlane_shared::result_cache::CacheKey {
+                tenant: &review.tenant,
+                input_digest: &review.input_digest,
+                schema_version: &review.schema_version,
+                review_depth: review.review_depth.as_str(),
+                provider: &scope.provider,
+                model_class: &scope.model_class,
+                prompt_version: crate::provider::PROMPT_VERSION,
+            },
         };
         let end = if late { self.late_trip(&job).await } else { self.trip(&job, abort).await };
         self.release_unused(&job.metering).await;
@@ -273,8 +442,8 @@ impl Worker {
     /// part, then the merge, in `parts`), or nothing more (the end).
     async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<End, StoreError> {
         let (lease, next) = match self.take(job).await? {
-            lease::Taken::Held(lease, next) => (lease, next),
-            lease::Taken::Over(end) => return Ok(end),
+            ControlFlow::Continue(held) => held,
+            ControlFlow::Break(end) => return Ok(end),
         };
         let whole = match next {
             lease::Next::Call(whole) => whole,
@@ -287,5 +456,30 @@ impl Worker {
         let answer = self.call(job, &lease, &whole, &job.metering, abort).await?;
         let decision = self.decide(job, &lease, &whole, &job.metering, answer).await;
         Ok(End::Decided { lease, decision, charge: job.metering.tokens() })
+    }
+
+    /// Between two tries of a store write: counted, logged, and the lease kept alive
+    /// (a progress ack on the message).
+    fn store_retried(
+        &self,
+        job: &Job<'_>,
+        what: &'static str,
+        e: &StoreError,
+        attempt: u32,
+        delay: Duration,
+    ) -> impl std::future::Future<Output = ()> + use<> {
+        self.health.refused(self.region, e);
+        tracing::warn!(
+            what,
+            kind = e.kind(),
+            attempt,
+            delay_ms = delay.as_millis() as u64,
+            "store write failed; retrying the write"
+        );
+        self.metrics.store_retry(e.kind());
+        let msg = job.msg.clone();
+        async move {
+            let _ = msg.ack_with(AckKind::Progress).await;
+        }
     }
 }

@@ -31,9 +31,8 @@ use reviewlane_shared::faults::point;
 use reviewlane_shared::job_store::StoreError;
 use tokio_util::sync::CancellationToken;
 
-use super::plan::{Decision, Outcome};
-use super::settle::End;
-use super::{Job, Lease, Metering, Target, Worker, plan};
+use super::{Decision, End, Outcome};
+use super::{Job, Lease, Metering, Target, Worker};
 
 /// Split reviews whose parts a worker keeps (each about the size of its diff).
 pub(super) const SPLIT_CACHE: usize = 4;
@@ -175,10 +174,9 @@ impl Worker {
         progress: Parts,
         abort: &CancellationToken,
     ) -> Result<End, StoreError> {
-        let started = std::sync::Mutex::new(Vec::new());
-        let ran = self.watched(job, &lease, self.run_parts(job, &lease, &parts, progress, &started), abort).await;
+        let ran = self.watched(job, &lease, self.run_parts(job, &lease, &parts, progress), abort).await;
         // Parts abandoned before their call give their reservations back.
-        let started = std::mem::take(&mut *started.lock().expect("parts lock"));
+        let started = job.part_metering.lock().expect("parts lock").clone();
         for metering in started {
             self.release_unused(&metering).await;
         }
@@ -187,7 +185,7 @@ impl Worker {
             Ok(Ok(Ran::Decided(decision, tokens))) => (decision, tokens),
             Ok(Ok(Ran::Ended(outcome, ack))) => return Ok(End::Answered { outcome, ack, dead_letter: None }),
             Ok(Err(e)) => return Err(e),
-            Err(end) => (plan::abandoned(&end).unwrap_or(Decision::Release(None)), None),
+            Err(end) => (super::keep::abandoned(&end).unwrap_or(Decision::Release(None)), None),
         };
         Ok(End::Decided { lease, decision, charge })
     }
@@ -198,15 +196,14 @@ impl Worker {
     /// key's budgets), more whenever a part ends. Each part answered is recorded at once
     /// (fenced). A part to be retried or ended stops new parts; the parts in flight
     /// finish and are recorded first, so a 429 or a schema retry redoes only its part.
-    /// `started`: the reservations of the other parts, for the caller to give back
-    /// should this be abandoned before they call.
+    /// The other parts' reservations go on `job.part_metering`, for the caller to give
+    /// back should this be abandoned before they call.
     async fn run_parts(
         &self,
         job: &Job<'_>,
         lease: &Lease,
         parts: &[Part],
         mut progress: Parts,
-        started: &std::sync::Mutex<Vec<std::sync::Arc<Metering>>>,
     ) -> Result<Ran, StoreError> {
         let mut pending: VecDeque<u32> =
             (0..progress.total).filter(|i| !progress.done.iter().any(|d| d.index == *i)).collect();
@@ -228,7 +225,7 @@ impl Worker {
                 };
                 pending.pop_front();
                 let metering = Metering::new(reserved);
-                started.lock().expect("parts lock").push(metering.clone());
+                job.part_metering.lock().expect("parts lock").push(metering.clone());
                 flight.push(self.run_part(job, lease, parts, index, Some(place), metering));
             }
             if flight.is_empty() {
@@ -335,7 +332,9 @@ impl Worker {
     async fn merge_parts(&self, job: &Job<'_>, lease: &Lease, progress: &Parts) -> Decision {
         let mut results = Vec::with_capacity(progress.done.len());
         for done in &progress.done {
-            match self.with_store_retry(job, "read part", || self.stores.results.read_part_at(done.seq)).await {
+            let read = || self.stores.results.read_part_at(done.seq);
+            let retried = |e: &StoreError, attempt, delay| self.store_retried(job, "read part", e, attempt, delay);
+            match self.policy.store_retry.run(read, retried).await {
                 Ok(m) => results.push(Validated { findings: m.findings, quarantined: m.quarantined }),
                 Err(e) => {
                     tracing::error!(error = %e, kind = e.kind(), part = done.index, "a kept part result is unreadable");

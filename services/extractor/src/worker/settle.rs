@@ -1,7 +1,7 @@
 //! The trip's end: `conclude`, the one place a lane message is answered (acked, nak'd,
 //! terminated or left alone), from the `End` the trip came to. A decision of a lease is
-//! recorded first (`record`): a compare-and-set fenced by the lease's generation,
-//! through the pure `plan::plan`. A holder whose lease was taken over records nothing
+//! recorded first (`record`): what it comes to is the pure `settlement` (at the end of
+//! this file), written as one compare-and-set fenced by the lease's generation. A holder whose lease was taken over records nothing
 //! and leaves the message alone (the new holder owns it); its discarded answer is
 //! counted.
 
@@ -12,33 +12,15 @@ use reviewlane_core::job::{Event, JobState, TerminalReason, Tokens, TransitionEr
 use reviewlane_shared::faults::point;
 use reviewlane_shared::job_store::StoreError;
 
-use super::plan::{Decision, LeaseView, Outcome, Policy, Settlement, plan};
-use super::{Job, Lease, Worker};
+use reviewlane_core::job::{Attempts, Budget, PartDone};
+use reviewlane_shared::pull::Ack;
+
+use super::{Decision, End, Job, Lease, Outcome, Worker};
+use crate::config::Budgets;
+use crate::upstream::Backoff;
 
 /// Retry after our own infrastructure failed (NATS), not the provider.
 const INFRA_RETRY: Duration = Duration::from_secs(1);
-
-/// How a trip ends for its message (`Worker::conclude` carries it out).
-pub(super) enum End {
-    /// The lease's decision: recorded (fenced by its generation) with the tokens of the
-    /// paid calls it charges, then the message answered as the plan says.
-    Decided { lease: Box<Lease>, decision: Decision, charge: Option<Tokens> },
-    /// Nothing (more) to record: the message is answered with `ack` (`None`: left
-    /// alone), after a dead letter for `dead_letter`.
-    Answered { outcome: Outcome, ack: Option<AckKind>, dead_letter: Option<TerminalReason> },
-}
-
-impl End {
-    /// The lease's decision, charging nothing.
-    pub fn decided(lease: Box<Lease>, decision: Decision) -> End {
-        End::Decided { lease, decision, charge: None }
-    }
-
-    /// Answered with `ack`, nothing recorded.
-    pub fn answered(outcome: Outcome, ack: AckKind) -> End {
-        End::Answered { outcome, ack: Some(ack), dead_letter: None }
-    }
-}
 
 impl Worker {
     /// Carries out how the trip ended: records a lease's decision, dead-letters a job
@@ -73,7 +55,7 @@ impl Worker {
     }
 
     /// Records `decision` for the lease, charging `charge` in the same write: the
-    /// settlement the pure core plans (`plan`), applied — one retried write, and what
+    /// pure `settlement`, applied — one retried write, and what
     /// the message is to be answered with (`None`: left alone, a part recorded or the
     /// lease lost).
     pub(super) async fn record(
@@ -88,7 +70,7 @@ impl Worker {
             LeaseView { generation, attempts: lease.rec.attempts, deadline_ms: lease.rec.deadline_ms, tokens: charge };
         let policy = Policy { budgets: self.policy.budgets, backoff: self.policy.backoff(job.review.lane) };
         let (event, outcome, ack_kind) =
-            match plan(decision, &view, &policy, self.clock.now_ms(), rand::random::<f64>()) {
+            match settlement(decision, &view, &policy, self.clock.now_ms(), rand::random::<f64>()) {
                 Settlement::Stale => return Ok(self.stale(generation)),
                 Settlement::Release(delay) => {
                     // Give the lease up in the record too, so the next holder need not wait
@@ -110,16 +92,16 @@ impl Worker {
         let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The paid calls are charged to the job in the same write.
         let charge = charge.map(|t| (t, self.policy.price.map_or(0, |p| p.cost_micro_usd(t))));
-        let applied = self
-            .with_store_retry(job, "record", || async {
-                if validated {
-                    self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
-                }
-                lease.apply(&self.stores.jobs, &event, charge).await
-            })
-            .await;
+        let write = || async {
+            if validated {
+                self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
+            }
+            lease.apply(&self.stores.jobs, &event, charge).await
+        };
+        let retried = |e: &StoreError, attempt, delay| self.store_retried(job, "record", e, attempt, delay);
+        let applied = self.policy.store_retry.run(write, retried).await;
         match applied {
-            Ok(rec) => self.recorded(job, lease, &rec, outcome, ack_kind).await,
+            Ok(rec) => self.recorded(job, &rec, outcome, ack_kind).await,
             Err(StoreError::Transition(TransitionError::Fenced { .. }, _)) => Ok(self.stale(generation)),
             // Ended meanwhile (cancelled): what the record says stands.
             Err(StoreError::Transition(_, current)) => {
@@ -149,12 +131,11 @@ impl Worker {
     async fn recorded(
         &self,
         job: &Job<'_>,
-        lease: &Lease,
         rec: &reviewlane_core::job::JobRecord,
         outcome: Outcome,
         ack_kind: Option<AckKind>,
     ) -> Result<(Outcome, Option<AckKind>), StoreError> {
-        let calls = lease.calls(rec);
+        let calls = calls(rec, job.called());
         // A part recorded: the message stays held for the others and the merge.
         if ack_kind.is_none() {
             let parts = rec.parts.clone().expect("a part done is recorded in a split job");
@@ -198,5 +179,245 @@ impl Worker {
         let dead_letters =
             reviewlane_shared::dead_letters::DeadLetters::new(self.stores.layout.js.clone(), self.region);
         dead_letters.publish(job.review, job.msg.payload.clone(), reason, attempts, self.clock.now_ms()).await
+    }
+}
+
+/// Provider calls the job has made: one per retry spent, and this delivery's if it
+/// called.
+fn calls(rec: &reviewlane_core::job::JobRecord, called: bool) -> u32 {
+    let a = rec.attempts;
+    a.congestion + a.transient + a.schema + u32::from(called)
+}
+
+// What a decision comes to: the pure table of step 4.
+
+/// What a settlement needs of the lease.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LeaseView {
+    pub generation: u32,
+    /// The record's attempt counts as leased.
+    pub attempts: Attempts,
+    pub deadline_ms: Option<u64>,
+    /// The tokens of this lease's paid call, not yet charged.
+    pub tokens: Option<Tokens>,
+}
+
+/// How retries are paced and bounded.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Policy<'a> {
+    pub budgets: Budgets,
+    /// Backoff without a provider's hint (the job's lane's).
+    pub backoff: &'a Backoff,
+}
+
+/// What a decision comes to: the record's event and the message's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Settlement {
+    /// The lease was taken over: record nothing, settle nothing.
+    Stale,
+    /// Give the lease up (best effort) and hand the message back.
+    Release(Option<Duration>),
+    /// The job ended while the call ran: move the message to the dead letters.
+    Ended(TerminalReason),
+    /// Write `event` (fenced by the lease's generation), then settle the message with
+    /// `ack` (an ack, or a nak after the delay); a terminal outcome is dead-lettered.
+    Record { event: Event, outcome: Outcome, ack: Ack },
+    /// Write `event` (fenced) and keep the message: a part recorded, the trip goes on.
+    Progress { event: Event },
+}
+
+/// The settlement of `decision` for `lease` at `now_ms` (`unit`: uniform in [0, 1),
+/// the backoff's jitter).
+pub(super) fn settlement(
+    decision: Decision,
+    lease: &LeaseView,
+    policy: &Policy<'_>,
+    now_ms: u64,
+    unit: f64,
+) -> Settlement {
+    let generation = lease.generation;
+    let terminal = |reason, status| Settlement::Record {
+        event: Event::Terminate { reason, upstream_status: status, generation: Some(generation) },
+        outcome: Outcome::Terminal(reason),
+        ack: Ack::Ack,
+    };
+    match decision {
+        Decision::Stale => Settlement::Stale,
+        Decision::Release(delay) => Settlement::Release(delay),
+        Decision::Ended(reason) => Settlement::Ended(reason),
+        Decision::Validated { findings, quarantined, dropped } => Settlement::Record {
+            event: Event::Validated { generation, findings: findings as u32, quarantined: quarantined as u32, dropped },
+            outcome: Outcome::Validated { findings, quarantined },
+            ack: Ack::Ack,
+        },
+        Decision::PartDone { index, seq, findings, quarantined } => {
+            let part = PartDone {
+                index,
+                seq,
+                findings: findings as u32,
+                quarantined: quarantined as u32,
+                tokens: lease.tokens.unwrap_or_default(),
+            };
+            Settlement::Progress { event: Event::PartDone { generation, part } }
+        }
+        Decision::Retry { budget, hint, status, invalid } => {
+            let used = lease.attempts.get(budget);
+            if used >= policy.budgets.of(budget) {
+                let reason = match budget {
+                    Budget::Congestion => TerminalReason::RateLimitBudgetExhausted,
+                    Budget::Transient => TerminalReason::TransientBudgetExhausted,
+                    Budget::Schema => TerminalReason::InvalidOutput,
+                };
+                return terminal(reason, status);
+            }
+            let delay = hint.unwrap_or_else(|| policy.backoff.delay(used + 1, unit));
+            let eligible_at_ms = now_ms + delay.as_millis() as u64;
+            // A retry that could only start after the deadline is not scheduled: the job
+            // ends now, without paying for a call that cannot finish in time.
+            if lease.deadline_ms.is_some_and(|d| eligible_at_ms >= d) {
+                return terminal(TerminalReason::DeadlineExceeded, status);
+            }
+            Settlement::Record {
+                event: Event::RetryScheduled {
+                    generation,
+                    budget,
+                    next_eligible_at_ms: eligible_at_ms,
+                    upstream_status: status,
+                    invalid_output: invalid.map(str::to_string),
+                },
+                outcome: Outcome::RetryScheduled { budget, delay },
+                ack: Ack::Nak(Some(delay)),
+            }
+        }
+        Decision::Terminal { reason, status } => terminal(reason, status),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_000_000;
+
+    fn lease(attempts: Attempts, deadline_ms: Option<u64>) -> LeaseView {
+        LeaseView { generation: 3, attempts, deadline_ms, tokens: None }
+    }
+
+    fn policy(backoff: &Backoff) -> Policy<'_> {
+        Policy { budgets: Budgets { congestion: 2, transient: 1, schema: 1 }, backoff }
+    }
+
+    fn retry(budget: Budget, hint: Option<Duration>) -> Decision {
+        Decision::Retry { budget, hint, status: Some("429".into()), invalid: None }
+    }
+
+    #[test]
+    fn a_retry_within_its_budget_and_the_deadline_is_scheduled_after_its_hint_or_backoff() {
+        let b = Backoff { base: Duration::from_secs(1), cap: Duration::from_secs(60), jitter: (1.0, 1.0) };
+        let p = policy(&b);
+        let got = settlement(
+            retry(Budget::Congestion, Some(Duration::from_secs(7))),
+            &lease(Attempts::default(), None),
+            &p,
+            NOW,
+            0.5,
+        );
+        let Settlement::Record {
+            event: Event::RetryScheduled { generation, next_eligible_at_ms, budget, .. },
+            outcome,
+            ack,
+        } = got
+        else {
+            panic!("{got:?}")
+        };
+        assert_eq!((generation, next_eligible_at_ms, budget), (3, NOW + 7_000, Budget::Congestion));
+        assert_eq!(outcome, Outcome::RetryScheduled { budget: Budget::Congestion, delay: Duration::from_secs(7) });
+        assert_eq!(ack, Ack::Nak(Some(Duration::from_secs(7))));
+        // Without a hint: the backoff for the next attempt (the second: 2 s).
+        let once = Attempts { congestion: 1, ..Default::default() };
+        let got = settlement(retry(Budget::Congestion, None), &lease(once, None), &p, NOW, 0.5);
+        assert!(
+            matches!(got, Settlement::Record { ack: Ack::Nak(Some(d)), .. } if d == Duration::from_secs(2)),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn a_spent_budget_ends_the_job_with_its_own_reason() {
+        let b = Backoff::default();
+        let p = policy(&b);
+        for (budget, attempts, reason) in [
+            (
+                Budget::Congestion,
+                Attempts { congestion: 2, ..Default::default() },
+                TerminalReason::RateLimitBudgetExhausted,
+            ),
+            (
+                Budget::Transient,
+                Attempts { transient: 1, ..Default::default() },
+                TerminalReason::TransientBudgetExhausted,
+            ),
+            (Budget::Schema, Attempts { schema: 1, ..Default::default() }, TerminalReason::InvalidOutput),
+        ] {
+            let got = settlement(retry(budget, None), &lease(attempts, None), &p, NOW, 0.5);
+            let want = Settlement::Record {
+                event: Event::Terminate { reason, upstream_status: Some("429".into()), generation: Some(3) },
+                outcome: Outcome::Terminal(reason),
+                ack: Ack::Ack,
+            };
+            assert_eq!(got, want, "{budget:?}");
+        }
+    }
+
+    #[test]
+    fn a_retry_that_could_only_start_after_the_deadline_ends_the_job_now() {
+        let b = Backoff::default();
+        let p = policy(&b);
+        let hint = Some(Duration::from_secs(30));
+        let late =
+            settlement(retry(Budget::Congestion, hint), &lease(Attempts::default(), Some(NOW + 2_000)), &p, NOW, 0.5);
+        assert!(
+            matches!(late, Settlement::Record { outcome: Outcome::Terminal(TerminalReason::DeadlineExceeded), .. }),
+            "{late:?}"
+        );
+        let in_time =
+            settlement(retry(Budget::Congestion, hint), &lease(Attempts::default(), Some(NOW + 31_000)), &p, NOW, 0.5);
+        assert!(matches!(in_time, Settlement::Record { outcome: Outcome::RetryScheduled { .. }, .. }), "{in_time:?}");
+    }
+
+    #[test]
+    fn results_parts_and_endings_settle_as_the_table_says() {
+        let b = Backoff::default();
+        let p = policy(&b);
+        let l = LeaseView { tokens: Some(Tokens { input: 5, output: 2 }), ..lease(Attempts::default(), None) };
+        let validated = settlement(Decision::Validated { findings: 2, quarantined: 1, dropped: 0 }, &l, &p, NOW, 0.5);
+        assert_eq!(
+            validated,
+            Settlement::Record {
+                event: Event::Validated { generation: 3, findings: 2, quarantined: 1, dropped: 0 },
+                outcome: Outcome::Validated { findings: 2, quarantined: 1 },
+                ack: Ack::Ack,
+            }
+        );
+        let part = settlement(Decision::PartDone { index: 4, seq: 9, findings: 1, quarantined: 0 }, &l, &p, NOW, 0.5);
+        let Settlement::Progress { event: Event::PartDone { part, generation } } = part else { panic!("{part:?}") };
+        assert_eq!((generation, part.index, part.seq, part.tokens), (3, 4, 9, Tokens { input: 5, output: 2 }));
+        let rejected = settlement(
+            Decision::Terminal { reason: TerminalReason::UpstreamRejected, status: Some("4xx".into()) },
+            &l,
+            &p,
+            NOW,
+            0.5,
+        );
+        assert!(matches!(
+            rejected,
+            Settlement::Record { outcome: Outcome::Terminal(TerminalReason::UpstreamRejected), ack: Ack::Ack, .. }
+        ));
+        assert_eq!(settlement(Decision::Stale, &l, &p, NOW, 0.5), Settlement::Stale);
+        assert_eq!(settlement(Decision::Release(None), &l, &p, NOW, 0.5), Settlement::Release(None));
+        assert_eq!(
+            settlement(Decision::Ended(TerminalReason::Cancelled), &l, &p, NOW, 0.5),
+            Settlement::Ended(TerminalReason::Cancelled)
+        );
     }
 }

@@ -10,7 +10,7 @@ impl ReviewApi {
             max_diff_bytes: tenant.max_diff_bytes.unwrap_or(self.max_diff_bytes),
             deadlines: [self.policies[0].deadline, self.policies[1].deadline],
         };
-        let mut p = plan(req, &limits, self.clock.now_ms())?;
+        let mut p = check(req, &limits, self.clock.now_ms())?;
         let idempotency_key = p.idempotency_key.take().unwrap_or_else(|| hex::encode(rand::random::<[u8; 16]>()));
         let handle = self.region(tenant.region)?;
         let id = job_id::derive(tenant.region, &tenant.id, &idempotency_key);
@@ -175,7 +175,7 @@ pub(super) struct Limits {
 }
 
 /// A submit as checked: every field valid, and what follows from them.
-pub(super) struct SubmitPlan {
+pub(super) struct CheckedSubmit {
     pub lane: reviewlane_shared::Lane,
     pub schema_version: String,
     /// Without terminal colours; parsed once here.
@@ -189,8 +189,8 @@ pub(super) struct SubmitPlan {
     pub request_digest: String,
 }
 
-/// The lane message of a submit planned as `p`, reviewed at `depth`, as job `id`.
-fn review_message(tenant: &Tenant, id: String, p: SubmitPlan, depth: ReviewDepth) -> ReviewMessage {
+/// The lane message of a submit checked as `p`, reviewed at `depth`, as job `id`.
+fn review_message(tenant: &Tenant, id: String, p: CheckedSubmit, depth: ReviewDepth) -> ReviewMessage {
     // Named before it exists: a retry of this submit finds the same one.
     let deeper_review = (depth == ReviewDepth::ChangedHunks && tenant.deeper_pass)
         .then(|| reviewlane_core::sweep::DeeperIds::of(tenant.region, &tenant.id, &id).job_id);
@@ -217,7 +217,7 @@ fn review_message(tenant: &Tenant, id: String, p: SubmitPlan, depth: ReviewDepth
 
 /// The pure check of a submit: each `INVALID_ARGUMENT` a caller can meet, from the
 /// request, the tenant's limits and the time alone.
-pub(super) fn plan(mut req: SubmitReviewRequest, limits: &Limits, now_ms: u64) -> Result<SubmitPlan, ApiError> {
+pub(super) fn check(mut req: SubmitReviewRequest, limits: &Limits, now_ms: u64) -> Result<CheckedSubmit, ApiError> {
     let lane = api::lane_from_proto(req.lane).ok_or_else(|| ApiError::invalid("lane", "unknown lane"))?;
     let schema_version = if req.schema_version.is_empty() {
         findings::LATEST_SCHEMA.to_string()
@@ -261,7 +261,7 @@ pub(super) fn plan(mut req: SubmitReviewRequest, limits: &Limits, now_ms: u64) -
         digested.push(&pull_request);
     }
     let request_digest = job_id::sha256_hex(&digested);
-    Ok(SubmitPlan {
+    Ok(CheckedSubmit {
         lane,
         schema_version,
         diff,
@@ -403,7 +403,7 @@ mod tests {
 
     /// The field and description of the `INVALID_ARGUMENT` a request meets.
     fn refused(r: SubmitReviewRequest) -> (&'static str, String) {
-        match plan(r, &limits(), NOW) {
+        match check(r, &limits(), NOW) {
             Err(ApiError::InvalidArgument { field, description }) => (field, description),
             Err(other) => panic!("not INVALID_ARGUMENT: {other:?}"),
             Ok(_) => panic!("accepted"),
@@ -462,25 +462,26 @@ mod tests {
     }
 
     #[test]
-    fn a_valid_submit_is_planned_with_its_defaults_and_digests() {
-        let p = plan(req(DIFF), &limits(), NOW).unwrap();
+    fn a_valid_submit_is_checked_with_its_defaults_and_digests() {
+        let p = check(req(DIFF), &limits(), NOW).unwrap();
         assert_eq!(p.schema_version, findings::LATEST_SCHEMA);
         assert_eq!(p.deadline_ms, NOW + 900_000, "the interactive lane's default deadline");
         assert_eq!((p.idempotency_key, p.submitted_at_ms), (None, NOW));
-        let batch = plan(SubmitReviewRequest { lane: proto::Lane::Batch as i32, ..req(DIFF) }, &limits(), NOW).unwrap();
+        let batch =
+            check(SubmitReviewRequest { lane: proto::Lane::Batch as i32, ..req(DIFF) }, &limits(), NOW).unwrap();
         assert_eq!(batch.deadline_ms, NOW + 86_400_000);
         // The same diff as bytes, or pasted with its colours, is the same request.
-        let bytes = plan(SubmitReviewRequest { diff_bytes: DIFF.into(), ..req("") }, &limits(), NOW).unwrap();
+        let bytes = check(SubmitReviewRequest { diff_bytes: DIFF.into(), ..req("") }, &limits(), NOW).unwrap();
         assert_eq!(bytes.request_digest, p.request_digest);
         let coloured = DIFF.replace("+fn b", "\u{1b}[32m+fn b").replace("{}\n", "{}\u{1b}[m\n");
-        let pasted = plan(req(&coloured), &limits(), NOW).unwrap();
+        let pasted = check(req(&coloured), &limits(), NOW).unwrap();
         assert_eq!((pasted.request_digest, pasted.diff.utf8.as_str()), (p.request_digest.clone(), DIFF));
         // Escape codes in the lines of a plain diff are the file's: kept as sent.
         let codes = DIFF.replace("+fn b() {}", "+\u{1b}[0m1\u{1b}[0m:\u{1b}[31mfn b\u{1b}[0m");
-        assert_eq!(plan(req(&codes), &limits(), NOW).unwrap().diff.utf8, codes);
+        assert_eq!(check(req(&codes), &limits(), NOW).unwrap().diff.utf8, codes);
         // A pull request counts in the digest; a key is kept as sent.
         let meta = proto::ReviewMetadata { pull_request: 7, ..Default::default() };
-        let pr = plan(
+        let pr = check(
             SubmitReviewRequest { metadata: Some(meta), idempotency_key: "k1".into(), ..req(DIFF) },
             &limits(),
             NOW,

@@ -1,7 +1,7 @@
 //! Sweeps: `CreateSweep`, `AddSweepItems`, `SealSweep`, `GetSweep`, `ListSweeps`,
 //! `WatchSweep`, `ListSweepItems`, `CancelSweep`, and the deeper pass of a degraded
 //! review (a sweep of one). A sweep and its manifest live in its region's `SWEEPS_<R>`
-//! (`reviewlane_shared::sweeps`); each item is checked as a submit is (`submit::plan`)
+//! (`reviewlane_shared::sweeps`); each item is checked as a submit is (`submit::check`)
 //! and, when the sweep is sealed, becomes a job of the batch lane linked to its sweep —
 //! or is left to the region's sweep coordinator, for the provider's batch API.
 //! Its job id is derived from the sweep and the item's key, so a page added twice, a
@@ -19,7 +19,7 @@ use reviewlane_core::sweep::{
 };
 use reviewlane_shared::sweeps::{ApplyError, Made, Sweeps};
 
-use super::submit::{Limits, SubmitPlan, plan};
+use super::submit::{CheckedSubmit, Limits, check};
 use super::*;
 
 /// A sweep's completion window unless the request sets one.
@@ -395,8 +395,8 @@ impl ReviewApi {
             deadline: None,
             timeout: None,
         };
-        let SubmitPlan { lane, schema_version, diff, submitted_at_ms, metadata, request_digest, .. } =
-            plan(req, limits, now)?;
+        let CheckedSubmit { lane, schema_version, diff, submitted_at_ms, metadata, request_digest, .. } =
+            check(req, limits, now)?;
         let job_id = sweep::item_job_id(tenant.region, &tenant.id, &rec.sweep_id, &item.item_key);
         let review = ReviewMessage {
             job_id: job_id.clone(),
