@@ -962,13 +962,10 @@ mod tests {
 
     #[test]
     fn an_item_waits_for_a_batch_until_one_names_it_and_a_cancelled_sweeps_waiting_items_end() {
-        use crate::job::{JobRecord, JobState, ReviewDepth};
-        use crate::region::Lane;
+        use crate::job::JobState;
         let job = |state, owner: Option<&str>| {
-            let (id, tenant, region) = ("us_a".to_string(), "acme".to_string(), crate::region::Region::Us);
-            let d = || "d".to_string();
-            let mut r = JobRecord::waiting(id, tenant, region, Lane::Batch, d(), d(), d(), ReviewDepth::Full, 1);
-            (r.state, r.owner) = (state, owner.map(|o| crate::job::Owner::from(o.to_string())));
+            let mut r = crate::testing::record("us_a", state);
+            r.owner = owner.map(|o| crate::job::Owner::from(o.to_string()));
             r
         };
         let again = job(JobState::RetryScheduled, Some("batch-us_s-000001"));

@@ -426,6 +426,22 @@ pub enum TransitionError {
     Delivering,
 }
 
+/// What a new job record is made of: the review as submitted (`JobRecord::waiting`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewJob {
+    pub job_id: String,
+    pub tenant: String,
+    pub region: Region,
+    pub lane: Lane,
+    pub schema_version: String,
+    /// Of the diff: what makes two reviews the same for the result cache.
+    pub input_digest: String,
+    /// Of lane, schema, diff and metadata: what makes a same-key request the same one.
+    pub request_digest: String,
+    pub review_depth: ReviewDepth,
+    pub created_at_ms: u64,
+}
+
 impl JobRecord {
     /// The lease generation that owns the job (the newest lease taken).
     pub fn generation(&self) -> u32 {
@@ -433,18 +449,18 @@ impl JobRecord {
     }
 
     /// A new record of a review whose message is already on its lane.
-    #[allow(clippy::too_many_arguments)]
-    pub fn waiting(
-        job_id: String,
-        tenant: String,
-        region: Region,
-        lane: Lane,
-        schema_version: String,
-        input_digest: String,
-        request_digest: String,
-        review_depth: ReviewDepth,
-        now_ms: u64,
-    ) -> Self {
+    pub fn waiting(new: NewJob) -> Self {
+        let NewJob {
+            job_id,
+            tenant,
+            region,
+            lane,
+            schema_version,
+            input_digest,
+            request_digest,
+            review_depth,
+            created_at_ms: now_ms,
+        } = new;
         JobRecord {
             job_id,
             tenant,
@@ -622,17 +638,7 @@ mod tests {
     use super::*;
 
     fn rec() -> JobRecord {
-        JobRecord::waiting(
-            "us_ab".into(),
-            "t1".into(),
-            Region::Us,
-            Lane::Interactive,
-            "findings.v1".into(),
-            "d".into(),
-            "r".into(),
-            ReviewDepth::Full,
-            1,
-        )
+        JobRecord { created_at_ms: 1, updated_at_ms: 1, ..crate::testing::record("us_ab", JobState::Waiting) }
     }
 
     fn apply(r: &JobRecord, e: Event) -> JobRecord {

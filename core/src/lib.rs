@@ -28,5 +28,7 @@ pub mod schema_dialect;
 pub mod surfaces;
 pub mod sweep;
 pub mod tenants;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use region::{Lane, Region};

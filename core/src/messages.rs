@@ -82,17 +82,17 @@ impl ReviewMessage {
 
     /// The job record this message stands for, as the ingress creates it.
     pub fn record(&self) -> JobRecord {
-        let mut rec = JobRecord::waiting(
-            self.job_id.clone(),
-            self.tenant.clone(),
-            self.region,
-            self.lane,
-            self.schema_version.clone(),
-            self.input_digest.clone(),
-            self.request_digest.clone(),
-            self.review_depth,
-            self.submitted_at_ms,
-        );
+        let mut rec = JobRecord::waiting(crate::job::NewJob {
+            job_id: self.job_id.clone(),
+            tenant: self.tenant.clone(),
+            region: self.region,
+            lane: self.lane,
+            schema_version: self.schema_version.clone(),
+            input_digest: self.input_digest.clone(),
+            request_digest: self.request_digest.clone(),
+            review_depth: self.review_depth,
+            created_at_ms: self.submitted_at_ms,
+        });
         rec.deadline_ms = self.deadline_ms;
         rec.replay_of = self.replay_of.clone();
         rec.sweep_id = self.sweep_id.clone();

@@ -131,27 +131,6 @@ impl LargeReport {
     }
 }
 
-/// `files` new files of `lines` added lines each (about 56 bytes a line); `salt` makes
-/// the content (and so the review) distinct.
-pub fn large_diff_salted(files: usize, lines: usize, salt: &str) -> String {
-    let mut out = String::new();
-    for f in 0..files {
-        let path = format!("src/module_{f:02}.rs");
-        out.push_str(&format!(
-            "diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{lines} @@\n"
-        ));
-        for i in 0..lines {
-            out.push_str(&format!("+    let value_{i:04} = compute_{f:02}({i}, \"padding for size{salt}\");\n"));
-        }
-    }
-    out
-}
-
-/// `files` new files of `lines` added lines each (about 56 bytes a line).
-pub fn large_diff(files: usize, lines: usize) -> String {
-    large_diff_salted(files, lines, "")
-}
-
 /// A small review of one added line, distinct per `(tenant, i)`.
 fn small_diff(tenant: &str, i: usize) -> String {
     format!(
@@ -166,7 +145,7 @@ async fn large_review(
     name: &str,
 ) -> anyhow::Result<(LargeRun, usize)> {
     let mut client = ReviewServiceClient::new(channel.clone());
-    let diff = large_diff_salted(cfg.files, cfg.lines_per_file, name);
+    let diff = reviewlane_testkit::diffs::large_salted(cfg.files, cfg.lines_per_file, name);
     let started = Instant::now();
     let job = submit(&mut client, US_KEY, name, &diff).await;
     let done = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(600)).await;

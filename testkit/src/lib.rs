@@ -6,6 +6,7 @@
 //! they share (`http`). The nats-servers themselves come
 //! from `reviewlane_shared::testing`.
 
+pub mod diffs;
 pub mod fakegithub;
 pub mod http;
 pub mod procs;

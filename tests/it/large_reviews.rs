@@ -7,13 +7,13 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use loadtest::large::large_diff;
 use reviewlane_api::proto::review_service_client::ReviewServiceClient;
 use reviewlane_api::proto::{JobState, WatchReviewRequest};
 use reviewlane_core::job::JobRecord;
 use reviewlane_core::parts::{self, PartLimits, Tokenizer};
 use reviewlane_core::region::Region;
 use reviewlane_shared::layout;
+use reviewlane_testkit::diffs;
 use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
 use reviewlane_testkit::simprovider::{Scripted, SimConfig};
 
@@ -43,7 +43,7 @@ async fn a_large_review_calls_its_parts_concurrently_and_is_published_once_and_a
     .await;
     let mut client = stack.client().await;
     // 40 files, about 2.2 MB: far over one call's 100,000-token context.
-    let diff = large_diff(40, 1000);
+    let diff = diffs::large(40, 1000);
     assert!(diff.len() > 2_000_000, "{}", diff.len());
     let n = expected_parts(&diff, 100_000);
     assert!(n >= 8, "{n} parts");
@@ -127,7 +127,7 @@ async fn an_extractor_killed_with_parts_in_flight_re_pays_at_most_those_parts() 
     .await
     .expect("stack starts");
     let mut client = ReviewServiceClient::connect(format!("http://{}", stack.ingress)).await.unwrap();
-    let diff = large_diff(12, 300);
+    let diff = diffs::large(12, 300);
     let n = expected_parts(&diff, 8_000);
     assert!(n >= 8, "{n} parts");
     let job = submit(&mut client, US_KEY, "killed", &diff).await;

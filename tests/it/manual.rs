@@ -3,7 +3,7 @@
 //! running with a dead holder).
 
 use reviewlane_core::clock::SharedClock;
-use reviewlane_core::job::{Event, JobRecord, ReviewDepth};
+use reviewlane_core::job::{Event, JobRecord, NewJob, ReviewDepth};
 use reviewlane_core::job_id;
 use reviewlane_core::messages::{FindingsMessage, ReviewMetadata};
 use reviewlane_core::region::{Lane, Region};
@@ -28,17 +28,17 @@ pub async fn stores(url: &str, region: Region, clock: SharedClock) -> RegionStor
 
 /// A `waiting` record of tenant `acme` (us) under idempotency key `key`.
 pub fn record(key: &str, now_ms: u64) -> JobRecord {
-    JobRecord::waiting(
-        job_id::derive(Region::Us, "acme", key),
-        "acme".into(),
-        Region::Us,
-        Lane::Interactive,
-        "findings.v1".into(),
-        "d".into(),
-        "r".into(),
-        ReviewDepth::Full,
-        now_ms,
-    )
+    JobRecord::waiting(NewJob {
+        job_id: job_id::derive(Region::Us, "acme", key),
+        tenant: "acme".into(),
+        region: Region::Us,
+        lane: Lane::Interactive,
+        schema_version: "findings.v1".into(),
+        input_digest: "d".into(),
+        request_digest: "r".into(),
+        review_depth: ReviewDepth::Full,
+        created_at_ms: now_ms,
+    })
 }
 
 /// A result with no findings for `rec` at `generation`.

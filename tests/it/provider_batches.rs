@@ -404,7 +404,8 @@ async fn an_item_over_one_calls_budget_runs_on_the_batch_lane_in_parts_and_the_r
         ..Default::default()
     };
     let id = client.create_sweep(authed(US_KEY, create)).await.unwrap().into_inner().sweep.unwrap().sweep_id;
-    let large = SweepItem { item_key: "large".into(), diff: loadtest::large::large_diff(2, 300), ..Default::default() };
+    let large =
+        SweepItem { item_key: "large".into(), diff: reviewlane_testkit::diffs::large(2, 300), ..Default::default() };
     let page = AddSweepItemsRequest { sweep_id: id.clone(), items: vec![item(0), item(1), large] };
     client.add_sweep_items(authed(US_KEY, page)).await.unwrap();
     client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await.unwrap();

@@ -164,23 +164,9 @@ impl Reconciler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reviewlane_core::job::ReviewDepth;
-    use reviewlane_core::region::{Lane, Region};
 
     fn rec(state: JobState) -> JobRecord {
-        let mut r = JobRecord::waiting(
-            "us_1".into(),
-            "t".into(),
-            Region::Us,
-            Lane::Interactive,
-            "findings.v1".into(),
-            "d".into(),
-            "r".into(),
-            ReviewDepth::Full,
-            1_000,
-        );
-        r.state = state;
-        r
+        reviewlane_core::testing::record("us_1", state)
     }
 
     #[test]

@@ -104,23 +104,9 @@ pub fn by_budget(attempt: u32, allowed: u32, deadline_ms: Option<u64>, now_ms: u
 mod tests {
     use super::*;
     use crate::claim::Claim;
-    use reviewlane_core::job::ReviewDepth;
-    use reviewlane_core::region::{Lane, Region};
 
     fn rec(state: JobState) -> JobRecord {
-        let mut r = JobRecord::waiting(
-            "us_1".into(),
-            "t".into(),
-            Region::Us,
-            Lane::Interactive,
-            "findings.v1".into(),
-            "d".into(),
-            "r".into(),
-            ReviewDepth::Full,
-            1_000,
-        );
-        r.state = state;
-        r
+        reviewlane_core::testing::record("us_1", state)
     }
 
     fn done(ack: Ack, outcome: Outcome) -> Gate {
