@@ -1,0 +1,190 @@
+//! The provider section: which endpoint this extractor calls, with which model and key
+//! (`REVIEWLANE_PROVIDER` and the chosen provider's settings), and what its tokens cost.
+
+use reviewlane_shared::Region;
+
+use crate::env;
+use reviewlane_core::config::Reader;
+use reviewlane_core::schema_dialect::SchemaDialect;
+use secrecy::SecretString;
+
+#[derive(Debug, Clone)]
+pub enum ProviderConfig {
+    Builtin,
+    OpenAi {
+        base_url: String,
+        model: String,
+        api_key: Option<SecretString>,
+        endpoint_region: Region,
+        schema_dialect: SchemaDialect,
+    },
+    /// Anthropic's Messages API.
+    Anthropic {
+        base_url: String,
+        model: String,
+        api_key: Option<SecretString>,
+        endpoint_region: Region,
+        max_tokens: u32,
+    },
+}
+
+impl ProviderConfig {
+    /// Output tokens the provider counts against a token budget when a call starts (the
+    /// request's output limit; the built-in analyzer is not metered).
+    pub fn output_reserve(&self) -> u32 {
+        match self {
+            ProviderConfig::Builtin => 0,
+            ProviderConfig::OpenAi { .. } => crate::provider::openai::MAX_OUTPUT_TOKENS,
+            ProviderConfig::Anthropic { max_tokens, .. } => *max_tokens,
+        }
+    }
+
+    /// The model called (`builtin` for the built-in analyzer).
+    pub fn model(&self) -> &str {
+        match self {
+            ProviderConfig::Builtin => "builtin",
+            ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model,
+        }
+    }
+}
+
+/// A provider key from `file` (naming a mounted Secret) or `var`.
+fn api_key(r: &mut Reader<'_>, file: &str, var: &str) -> Option<SecretString> {
+    match r.raw(file) {
+        Some(path) => match std::fs::read_to_string(&path) {
+            Ok(k) => Some(SecretString::from(k.trim().to_string())),
+            Err(_) => {
+                r.error(format!("{file} names a file that cannot be read"));
+                None
+            }
+        },
+        None => r.raw(var).map(SecretString::from),
+    }
+}
+
+/// A model's price in US dollars per million tokens, input and output.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Price {
+    pub input_per_mtok: f64,
+    pub output_per_mtok: f64,
+}
+
+impl Price {
+    /// The estimated cost of `t` in millionths of a dollar.
+    pub fn cost_micro_usd(&self, t: reviewlane_core::job::Tokens) -> u64 {
+        (t.input as f64 * self.input_per_mtok + t.output as f64 * self.output_per_mtok).round() as u64
+    }
+}
+
+/// `model=in/out,model=in/out` (dollars per million tokens) -> prices by model.
+pub fn parse_prices(table: &str) -> Result<std::collections::HashMap<String, Price>, String> {
+    table
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|entry| {
+            let (model, prices) = entry.split_once('=').ok_or("an entry is not `model=in/out`")?;
+            let (i, o) = prices.split_once('/').ok_or("a price is not `in/out`")?;
+            let num = |v: &str| v.trim().parse::<f64>().ok().filter(|p| p.is_finite() && *p >= 0.0);
+            match (num(i), num(o)) {
+                (Some(input_per_mtok), Some(output_per_mtok)) => {
+                    Ok((model.trim().to_string(), Price { input_per_mtok, output_per_mtok }))
+                }
+                _ => Err("a price is not a non-negative number"),
+            }
+        })
+        .collect::<Result<_, _>>()
+        .map_err(str::to_string)
+}
+
+/// `REVIEWLANE_PROVIDER` and the chosen provider's settings; an endpoint bound to
+/// another region than the extractor's is refused.
+pub(super) fn read_provider(r: &mut Reader<'_>, region: Option<Region>) -> Option<ProviderConfig> {
+    let endpoint = |r: &mut Reader<'_>, url_var: &str, example: &str, model_var: &str| {
+        let base_url: Option<String> = r.required(url_var, example);
+        if let Some(u) = &base_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            r.error(format!("{url_var} must be an http(s) URL"));
+        }
+        let model: Option<String> = r.required(model_var, "model name");
+        let endpoint_region: Option<Region> =
+            r.required(env::PROVIDER_REGION, "`us` or `eu`: where the endpoint processes data");
+        Some((base_url?, model?, endpoint_region?))
+    };
+    let provider = match r.raw(env::PROVIDER).as_deref().unwrap_or("builtin") {
+        "builtin" => Some(ProviderConfig::Builtin),
+        "openai" => {
+            let found = endpoint(r, env::OPENAI_BASE_URL, "http(s) URL of the API", env::OPENAI_MODEL);
+            let api_key = api_key(r, env::OPENAI_API_KEY_FILE, env::OPENAI_API_KEY);
+            let schema_dialect = match r.raw(env::OPENAI_SCHEMA_DIALECT) {
+                None => SchemaDialect::default(),
+                Some(v) => v.parse().unwrap_or_else(|()| {
+                    r.error(
+                        "REVIEWLANE_OPENAI_SCHEMA_DIALECT has an invalid value (`portable`, `openai`, `openai-fine-tuned`, `anthropic` or `full`)",
+                    );
+                    SchemaDialect::default()
+                }),
+            };
+            found.map(|(base_url, model, endpoint_region)| ProviderConfig::OpenAi {
+                base_url,
+                model,
+                api_key,
+                endpoint_region,
+                schema_dialect,
+            })
+        }
+        "anthropic" => {
+            let found = endpoint(
+                r,
+                env::ANTHROPIC_BASE_URL,
+                "http(s) URL of the API, e.g. https://api.anthropic.com",
+                env::ANTHROPIC_MODEL,
+            );
+            let api_key = api_key(r, env::ANTHROPIC_API_KEY_FILE, env::ANTHROPIC_API_KEY);
+            let max_tokens: u32 = r.or(env::ANTHROPIC_MAX_TOKENS, 4096, "a token count");
+            found.map(|(base_url, model, endpoint_region)| ProviderConfig::Anthropic {
+                base_url,
+                model,
+                api_key,
+                endpoint_region,
+                max_tokens,
+            })
+        }
+        _ => {
+            r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin`, `openai` or `anthropic`)");
+            None
+        }
+    };
+    let endpoint_region = match &provider {
+        Some(ProviderConfig::OpenAi { endpoint_region, .. } | ProviderConfig::Anthropic { endpoint_region, .. }) => {
+            Some(*endpoint_region)
+        }
+        _ => None,
+    };
+    if let (Some(region), Some(endpoint_region)) = (region, endpoint_region)
+        && endpoint_region != region
+    {
+        r.error(format!(
+            "provider endpoint belongs to region `{endpoint_region}` but this extractor serves `{region}`; refusing to send `{region}` content there"
+        ));
+    }
+    provider
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prices_parse_and_cost_is_in_micro_dollars() {
+        let p = parse_prices("gpt-4o-mini=0.15/0.60, sim=1/2").unwrap();
+        assert_eq!(p["sim"], Price { input_per_mtok: 1.0, output_per_mtok: 2.0 });
+        let t = reviewlane_core::job::Tokens { input: 1_000_000, output: 500_000 };
+        assert_eq!(p["gpt-4o-mini"].cost_micro_usd(t), 450_000);
+        assert_eq!(p["sim"].cost_micro_usd(reviewlane_core::job::Tokens { input: 100, output: 50 }), 200);
+        assert!(parse_prices("sim=1").is_err());
+        assert!(parse_prices("sim=-1/2").is_err());
+        assert!(parse_prices("").unwrap().is_empty());
+    }
+}
