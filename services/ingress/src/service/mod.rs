@@ -50,6 +50,7 @@ mod lanes;
 mod list;
 mod reviews;
 mod submit;
+mod sweep_reads;
 mod sweeps;
 
 /// The region's dead letters.

@@ -1,6 +1,6 @@
-//! Sweeps: `CreateSweep`, `AddSweepItems`, `SealSweep`, `GetSweep`, `ListSweeps`,
-//! `WatchSweep`, `ListSweepItems`, `CancelSweep`, and the deeper pass of a degraded
-//! review (a sweep of one). A sweep and its manifest live in its region's `SWEEPS_<R>`
+//! Sweeps, the writes: `CreateSweep`, `AddSweepItems`, `SealSweep`, `CancelSweep`, and
+//! the deeper pass of a degraded review (a sweep of one); the reads are in
+//! `sweep_reads`. A sweep and its manifest live in its region's `SWEEPS_<R>`
 //! (`reviewlane_shared::sweeps`); each item is checked as a submit is (`submit::check`)
 //! and, when the sweep is sealed, becomes a job of the batch lane linked to its sweep —
 //! or is left to the region's sweep coordinator, for the provider's batch API.
@@ -8,14 +8,9 @@
 //! seal repeated or a seal racing an add hands each item over once.
 
 use futures::StreamExt;
-use reviewlane_api::proto::{
-    AddSweepItemsRequest, AddSweepItemsResponse, CreateSweepRequest, ListSweepItemsRequest, ListSweepItemsResponse,
-    SubmitReviewRequest, SweepItemStatus,
-};
-use reviewlane_core::batch::ChunkRecord;
+use reviewlane_api::proto::{AddSweepItemsRequest, AddSweepItemsResponse, CreateSweepRequest, SubmitReviewRequest};
 use reviewlane_core::sweep::{
-    self, DeeperIds, ItemEntry, ItemJob, ItemState, RunningBatches, SweepCounts, SweepEvent, SweepMode, SweepRecord,
-    SweepState,
+    self, DeeperIds, ItemEntry, RunningBatches, SweepCounts, SweepEvent, SweepMode, SweepRecord, SweepState,
 };
 use reviewlane_shared::sweeps::{ApplyError, Made, Sweeps};
 
@@ -31,104 +26,12 @@ const MAX_PAGE_ITEMS: usize = 1000;
 /// Items a sweep holds at most.
 const MAX_ITEMS: usize = 100_000;
 /// Items handed over, or records read, at once.
-const AT_ONCE: usize = 32;
+pub(super) const AT_ONCE: usize = 32;
 const MAX_KEY: usize = 256;
-
-/// A watched sweep's changes are read again at most this often.
-const WATCH_EVERY: Duration = Duration::from_secs(1);
 
 pub(super) type SweepStream = Pin<Box<dyn Stream<Item = Result<proto::WatchSweepResponse, Status>> + Send>>;
 
-/// A watched sweep: its record, each item's job and its provider batches as last read.
-struct Progress {
-    rec: SweepRecord,
-    jobs: std::collections::HashMap<String, Option<ItemJob>>,
-    chunks: Vec<ChunkRecord>,
-}
-
-async fn item_job(handle: &RegionHandle, job: &str) -> Result<Option<ItemJob>, ApiError> {
-    Ok(handle.jobs.get(job).await?.map(|(r, _)| ItemJob::of(&r)))
-}
-
-/// The sweep's provider batches (none for a sweep on the lanes).
-async fn chunks(store: &Sweeps, rec: &SweepRecord) -> Result<Vec<ChunkRecord>, ApiError> {
-    if rec.runs_on != SweepMode::ProviderBatch {
-        return Ok(Vec::new());
-    }
-    Ok(store.chunks(&rec.sweep_id).await?.into_iter().map(|(c, _)| c).collect())
-}
-
-/// The API view of a sweep: its items' counts, its running batches as the provider
-/// reports them, and the one estimate (`sweep::estimate`) every read shows.
-fn view(rec: &SweepRecord, counts: &SweepCounts, chunks: &[ChunkRecord], now_ms: u64) -> proto::Sweep {
-    let running = RunningBatches::of(chunks);
-    api::sweep(rec, counts, &running, reviewlane_core::sweep::estimate(rec, counts, chunks, now_ms))
-}
-
-impl Progress {
-    async fn read(handle: &RegionHandle, tenant: &str, id: &str) -> Result<Progress, ApiError> {
-        let store = sweeps(handle);
-        let (rec, _) = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?;
-        let mut jobs = std::collections::HashMap::new();
-        let ids = store.item_ids(id).await?;
-        let mut read =
-            futures::stream::iter(ids).map(|job| async move { (item_job(handle, &job).await, job) }).buffered(AT_ONCE);
-        while let Some((state, job)) = read.next().await {
-            jobs.insert(job, state?);
-        }
-        let chunks = chunks(&store, &rec).await?;
-        Ok(Progress { rec, jobs, chunks })
-    }
-
-    fn follows(&self, job: &str) -> bool {
-        self.jobs.contains_key(job)
-    }
-
-    /// Reads again the sweep's record (`own`), its provider batches (`batches`) and the
-    /// jobs that changed (or were added).
-    async fn refresh(
-        &mut self,
-        handle: &RegionHandle,
-        tenant: &str,
-        id: &str,
-        (own, batches): (bool, bool),
-        changed: impl Iterator<Item = String>,
-    ) -> Result<(), ApiError> {
-        let store = sweeps(handle);
-        if own {
-            self.rec = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?.0;
-        }
-        if batches {
-            self.chunks = chunks(&store, &self.rec).await?;
-        }
-        let changed: Vec<String> = changed.collect();
-        let mut read = futures::stream::iter(changed)
-            .map(|job| async move { (item_job(handle, &job).await, job) })
-            .buffered(AT_ONCE);
-        while let Some((state, job)) = read.next().await {
-            self.jobs.insert(job, state?);
-        }
-        Ok(())
-    }
-
-    fn view(&self, now_ms: u64) -> proto::Sweep {
-        let mut counts = SweepCounts::default();
-        for job in self.jobs.values() {
-            counts.add(job.as_ref(), self.rec.state == SweepState::Cancelled);
-        }
-        view(&self.rec, &counts, &self.chunks, now_ms)
-    }
-}
-
-/// Where a page of a sweep listing starts: its `page_token` (empty: the first).
-fn offset(page_token: &str) -> Result<usize, ApiError> {
-    if page_token.is_empty() {
-        return Ok(0);
-    }
-    page_token.parse().map_err(|_| ApiError::invalid("page_token", "not a token of this listing"))
-}
-
-fn sweeps(handle: &RegionHandle) -> Sweeps {
+pub(super) fn sweeps(handle: &RegionHandle) -> Sweeps {
     Sweeps::new(handle.layout.js.clone(), handle.layout.sweeps.clone(), handle.layout.region)
 }
 
@@ -295,7 +198,11 @@ impl ReviewApi {
     }
 
     /// The sweep a tenant may see: its own, in its own region.
-    async fn owned_sweep(&self, tenant: &Tenant, id: &str) -> Result<(&RegionHandle, SweepRecord), ApiError> {
+    pub(super) async fn owned_sweep(
+        &self,
+        tenant: &Tenant,
+        id: &str,
+    ) -> Result<(&RegionHandle, SweepRecord), ApiError> {
         tracing::Span::current().record("job_id", span_id(id));
         let region = job_id::region_of(id).map_err(|e| ApiError::invalid("sweep_id", e.to_string()))?;
         if region != tenant.region {
@@ -474,159 +381,6 @@ impl ReviewApi {
             done?;
         }
         Ok(())
-    }
-
-    pub(super) async fn list_sweeps(
-        &self,
-        tenant: &Tenant,
-        req: proto::ListSweepsRequest,
-    ) -> Result<proto::ListSweepsResponse, ApiError> {
-        let handle = self.region(tenant.region)?;
-        let page_size = page_size(req.page_size, 20, 100)?;
-        let start = offset(&req.page_token)?;
-        let all = sweeps(handle).list(&tenant.id).await?;
-        let mut out = Vec::new();
-        for rec in all.iter().skip(start).take(page_size) {
-            out.push(self.sweep_view(handle, &tenant.id, &rec.sweep_id).await?);
-        }
-        let next = start + out.len();
-        let next_page_token = if next < all.len() { next.to_string() } else { String::new() };
-        Ok(proto::ListSweepsResponse { sweeps: out, next_page_token })
-    }
-
-    /// The sweep's progress now, then again whenever it changes: the items' job records
-    /// and the sweep's own are followed by their KV signals (no polling of records that
-    /// did not change), what changed is read again at most once a second, and the
-    /// stream ends once every item is final.
-    pub(super) async fn watch_sweep(&self, tenant: Arc<Tenant>, id: String) -> Result<SweepStream, ApiError> {
-        let (handle, _) = self.owned_sweep(&tenant, &id).await?;
-        let permit = self.watch_permit(&tenant.id)?;
-        let store = sweeps(handle);
-        // Subscribed before the first read: nothing falls between the two.
-        let mut jobs = handle.jobs.all_signals().await?;
-        let mut own = store.signals(&tenant.id, &id).await?;
-        let mut added = store.item_signals(&id).await?;
-        let mut batches = store.chunk_signals(&id).await?;
-        let (tx, rx) = mpsc::channel(8);
-        let (api, handle, shutdown) = (self.clone(), handle.clone(), self.shutdown.clone());
-        tokio::spawn(
-            async move {
-                let _permit = permit;
-                let stop = |e: ApiError| {
-                    let tx = tx.clone();
-                    async move {
-                        let _ = tx.send(Err(e.into())).await;
-                    }
-                };
-                let mut progress = match Progress::read(&handle, &tenant.id, &id).await {
-                    Ok(p) => p,
-                    Err(e) => return stop(e).await,
-                };
-                let mut dirty: std::collections::HashSet<String> = Default::default();
-                let (mut own_changed, mut batches_changed) = (false, false);
-                let mut tick = tokio::time::interval(WATCH_EVERY);
-                loop {
-                    if own_changed || batches_changed || !dirty.is_empty() {
-                        let what = (own_changed, batches_changed);
-                        if let Err(e) = progress.refresh(&handle, &tenant.id, &id, what, dirty.drain()).await {
-                            return stop(e).await;
-                        }
-                        (own_changed, batches_changed) = (false, false);
-                    }
-                    let view = progress.view(api.clock.now_ms());
-                    let done = view.percent_done >= 100.0 && progress.rec.state != SweepState::Open;
-                    if tx.send(Ok(proto::WatchSweepResponse { sweep: Some(view) })).await.is_err() || done {
-                        return;
-                    }
-                    // Changes until the next tick, then one event for all of them.
-                    loop {
-                        tokio::select! {
-                            Some(m) = jobs.next() => {
-                                if let Some(job) = handle.jobs.signalled(&m.subject) && progress.follows(job) {
-                                    dirty.insert(job.to_string());
-                                }
-                            }
-                            Some(m) = added.next() => {
-                                if let Some(job) = m.subject.rsplit('.').next() {
-                                    dirty.insert(job.to_string());
-                                }
-                            }
-                            Some(_) = own.next() => own_changed = true,
-                            Some(_) = batches.next() => batches_changed = true,
-                            _ = tick.tick() => if own_changed || batches_changed || !dirty.is_empty() { break },
-                            _ = shutdown.cancelled() => {
-                                let down = ApiError::StreamInterrupted { reason: Reason::ShuttingDown, what: "server shutting down; watch again" };
-                                return stop(down).await;
-                            }
-                            _ = tx.closed() => return,
-                        }
-                    }
-                }
-            }
-            .in_current_span(),
-        );
-        Ok(Box::pin(ReceiverStream::new(rx)))
-    }
-
-    pub(super) async fn get_sweep(&self, tenant: &Tenant, id: &str) -> Result<proto::Sweep, ApiError> {
-        let (handle, _) = self.owned_sweep(tenant, id).await?;
-        self.sweep_view(handle, &tenant.id, id).await
-    }
-
-    /// The sweep with its progress, read from its items' jobs.
-    async fn sweep_view(&self, handle: &RegionHandle, tenant: &str, id: &str) -> Result<proto::Sweep, ApiError> {
-        let store = sweeps(handle);
-        let (rec, _) = store.get(tenant, id).await?.ok_or(ApiError::SweepNotFound)?;
-        let ids = store.item_ids(id).await?;
-        let mut counts = SweepCounts::default();
-        let mut read =
-            futures::stream::iter(ids).map(|job| async move { handle.jobs.get(&job).await }).buffered(AT_ONCE);
-        while let Some(job) = read.next().await {
-            let job = job?.map(|(r, _)| ItemJob::of(&r));
-            counts.add(job.as_ref(), rec.state == SweepState::Cancelled);
-        }
-        let chunks = chunks(&store, &rec).await?;
-        Ok(view(&rec, &counts, &chunks, self.clock.now_ms()))
-    }
-
-    pub(super) async fn list_sweep_items(
-        &self,
-        tenant: &Tenant,
-        req: ListSweepItemsRequest,
-    ) -> Result<ListSweepItemsResponse, ApiError> {
-        let (handle, rec) = self.owned_sweep(tenant, &req.sweep_id).await?;
-        let cancelled = rec.state == SweepState::Cancelled;
-        let page_size = page_size(req.page_size, 100, 1000)?;
-        let start = offset(&req.page_token)?;
-        let states: Vec<ItemState> = req.states.iter().filter_map(|s| api::item_state_from_proto(*s)).collect();
-        let reasons: Vec<_> = req.reasons.iter().filter_map(|r| api::reason_from_proto(*r)).collect();
-        let items = sweeps(handle).items(&req.sweep_id).await?;
-        let mut out = Vec::new();
-        let mut next = None;
-        let mut read = futures::stream::iter(items.into_iter().enumerate().skip(start))
-            .map(|(i, item)| async move { (i, handle.jobs.get(&item.job_id).await, item) })
-            .buffered(AT_ONCE);
-        while let Some((i, job, item)) = read.next().await {
-            if out.len() == page_size {
-                next = Some(i);
-                break;
-            }
-            let job = job?.map(|(r, _)| r);
-            let state = ItemState::of(job.as_ref().map(ItemJob::of).as_ref(), cancelled);
-            let reason = job.as_ref().and_then(|r| r.reason).filter(|_| state == ItemState::Failed);
-            if (!states.is_empty() && !states.contains(&state))
-                || (!reasons.is_empty() && !reason.is_some_and(|r| reasons.contains(&r)))
-            {
-                continue;
-            }
-            out.push(SweepItemStatus {
-                item_key: item.item_key,
-                job_id: item.job_id,
-                state: api::item_state_to_proto(state) as i32,
-                terminal_reason: reason.map_or(proto::TerminalReason::Unspecified, api::reason_to_proto) as i32,
-            });
-        }
-        Ok(ListSweepItemsResponse { items: out, next_page_token: next.map(|n| n.to_string()).unwrap_or_default() })
     }
 
     /// Cancels the sweep: items not yet handed over never run, and those waiting for a
