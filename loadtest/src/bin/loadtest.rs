@@ -10,6 +10,7 @@
 //! Scenarios: lab, storm, dup, overhead, flood, fairness, soak, idle (one job at a
 //! time, its time split by stage) (see `scenarios.rs` and BENCHMARKS.md); `chaos`,
 //! `replicas` (`--key-limit 8`: the deployment told more than the provider allows),
+//! `quota-fleet` (1, 4, 16 and 32 replicas of the quota client on one key's buckets),
 //! `large` (reviews split into parts: on a fresh and an idle account, and beside two
 //! other tenants' interactive reviews), `sweep` (5,000 items through the provider's
 //! batch API beside interactive reviews, then through the lanes), and `tpm` (an account metering requests or
@@ -28,7 +29,7 @@ use loadtest::stack::Stack;
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
     format!(
-        "usage: loadtest <{}|chaos|replicas [--key-limit N] [--variant alive|killed|tenants]|large|sweep|tpm [variant]|gateway> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        "usage: loadtest <{}|chaos|replicas [--key-limit N] [--variant alive|killed|tenants]|large|sweep|tpm [variant]|gateway|quota-fleet> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
         names.join("|")
     )
 }
@@ -130,6 +131,15 @@ async fn sweep() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `quota-fleet`: 1, 4, 16 and 32 replicas of the quota client on one key's budgets.
+async fn quota_fleet() -> anyhow::Result<()> {
+    loadtest::procs::ensure_nats_server()?;
+    let runs = loadtest::quota_fleet::run(&loadtest::quota_fleet::FleetConfig::full()).await?;
+    loadtest::quota_fleet::print(&runs);
+    println!("{}", serde_json::to_string(&runs)?);
+    Ok(())
+}
+
 /// `chaos`: the services as processes, killed, frozen and restarted under load.
 async fn chaos(jobs: Option<usize>) -> anyhow::Result<()> {
     let mut cfg = loadtest::chaos::ChaosConfig::full();
@@ -184,6 +194,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.first().map(String::as_str) == Some("sweep") {
         return sweep().await;
+    }
+    if args.first().map(String::as_str) == Some("quota-fleet") {
+        return quota_fleet().await;
     }
     let Some(scenario) = args.first().and_then(|a| Scenario::parse(a)) else { bail!(usage()) };
     let mut over = Overrides::default();

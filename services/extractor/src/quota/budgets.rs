@@ -13,7 +13,7 @@ use reviewlane_core::meter::{Cost, Dimension, Reading};
 use tokio::sync::Notify;
 
 use super::bucket::{Bucket, Refused};
-use super::fleet::{FleetError, cas_spread};
+use super::fleet::{FleetError, KvTally, cas_spread};
 use super::limits::Limits;
 
 /// `bucket.<key>.<dimension>`: one metered dimension of the key, for the whole fleet.
@@ -33,11 +33,12 @@ pub struct Budgets {
     limits: Arc<Mutex<Limits>>,
     /// Woken when this replica gives budget back (a reservation corrected or released).
     pub given_back: Arc<Notify>,
+    tally: Arc<KvTally>,
 }
 
 impl Budgets {
-    pub(super) fn new(kv: kv::Store, key: String, clock: SharedClock) -> Budgets {
-        Budgets { kv, key, clock, limits: Arc::default(), given_back: Arc::new(Notify::new()) }
+    pub(super) fn new(kv: kv::Store, key: String, clock: SharedClock, tally: Arc<KvTally>) -> Budgets {
+        Budgets { kv, key, clock, limits: Arc::default(), given_back: Arc::new(Notify::new()), tally }
     }
 
     /// The configured limits (requests, tokens, ...); the others are learned.
@@ -90,7 +91,7 @@ impl Budgets {
     pub async fn reserve(&self, dim: Dimension, capacity: u64, cost: u64) -> Result<Result<(), Refused>, FleetError> {
         let now = self.now_ms();
         let mut refused = None;
-        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
+        cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
             let mut b = Budgets::at_capacity(stored, dim, capacity, now);
             match b.reserve(cost, now) {
                 Ok(()) => {
@@ -110,7 +111,7 @@ impl Budgets {
     /// Corrects a reservation of `reserved` to what the answer `used`.
     pub async fn correct(&self, dim: Dimension, capacity: u64, reserved: u64, used: u64) -> Result<(), FleetError> {
         let now = self.now_ms();
-        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
+        cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
             let mut b = Budgets::at_capacity(stored, dim, capacity, now);
             b.correct(reserved, used, now);
             Some(b)
@@ -122,7 +123,7 @@ impl Budgets {
     /// Follows what the provider reported (it only ever lowers the level).
     pub async fn follow(&self, dim: Dimension, capacity: u64, reading: &Reading) -> Result<(), FleetError> {
         let now = self.now_ms();
-        cas_spread::<Bucket>(&self.kv, &self.bucket_key(dim), |stored| {
+        cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
             let mut b = Budgets::at_capacity(stored, dim, capacity, now);
             let before = b;
             b.follow(reading, now);
@@ -135,6 +136,7 @@ impl Budgets {
     /// What the fleet's bucket of `dim` holds now (full when nothing was drawn yet).
     pub async fn bucket_level(&self, dim: Dimension, capacity: u64) -> Result<f64, FleetError> {
         let now = self.now_ms();
+        self.tally.read();
         let stored = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)?;
         let stored = stored.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok());
         Ok(Budgets::at_capacity(stored, dim, capacity, now).level_at(now))
@@ -144,6 +146,7 @@ impl Budgets {
     /// keeps for a dimension this replica has no configured limit for.
     pub(super) async fn adopt_learned(&self) -> Result<(), FleetError> {
         for dim in Dimension::ALL {
+            self.tally.read();
             let Some(v) = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)? else { continue };
             if let Ok(b) = serde_json::from_slice::<Bucket>(&v) {
                 let now = self.now_ms();
@@ -222,6 +225,7 @@ impl Budgets {
         }
         for dim in learnt.lapsed {
             tracing::info!(dimension = dim.as_str(), "a learned limit lapsed: no answer reported it for a while");
+            self.tally.wrote();
             if let Err(e) = self.kv.delete(self.bucket_key(dim)).await {
                 tracing::warn!(error = %e, dimension = dim.as_str(), "removing a lapsed bucket failed");
             }
@@ -242,6 +246,7 @@ impl Budgets {
         let dim = self.limits_lock().predicted()?;
         let capacity = self.limits_lock().of(dim)?;
         let now = self.now_ms();
+        self.tally.read();
         let stored = match self.kv.get(self.bucket_key(dim)).await {
             Ok(v) => v.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok()),
             Err(e) => {

@@ -2,6 +2,8 @@
 //! key — its window, its pause, its circuit, their heartbeats — written with one
 //! compare-and-set step ([`cas`]) and followed by subscription.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
@@ -48,15 +50,57 @@ struct Heartbeat {
     in_flight: u32,
 }
 
+/// What a replica's quota did on `QUOTA_<R>`, counted as it goes.
+#[derive(Debug, Default)]
+pub(super) struct KvTally {
+    reads: AtomicU64,
+    writes: AtomicU64,
+    conflicts: AtomicU64,
+}
+
+/// A replica's quota operations on `QUOTA_<R>` so far: reads (an entry, a key listing),
+/// writes (a put, an update, a create, a delete) and compare-and-set conflicts (a write
+/// refused because another replica wrote first).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct KvCounts {
+    pub reads: u64,
+    pub writes: u64,
+    pub conflicts: u64,
+}
+
+impl KvTally {
+    pub(super) fn read(&self) {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn wrote(&self) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn conflict(&self) {
+        self.conflicts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn counts(&self) -> KvCounts {
+        KvCounts {
+            reads: self.reads.load(Ordering::Relaxed),
+            writes: self.writes.load(Ordering::Relaxed),
+            conflicts: self.conflicts.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// One compare-and-set on `key`: `next` says what to write given the value there (or
 /// `None` to leave it as it is); it is written from the revision read (or created), and
 /// on a lost race read and asked again. The value written, or `None` when left.
 pub(super) async fn cas<T: Serialize + DeserializeOwned>(
     kv: &kv::Store,
+    tally: &KvTally,
     key: &str,
     mut next: impl FnMut(Option<T>) -> Option<T>,
 ) -> Result<Option<T>, FleetError> {
     for _ in 0..CAS_TRIES {
+        tally.read();
         let entry = kv.entry(key).await.map_err(FleetError::store)?;
         let (current, revision) = match &entry {
             Some(e) if e.operation == kv::Operation::Put => {
@@ -66,6 +110,7 @@ pub(super) async fn cas<T: Serialize + DeserializeOwned>(
         };
         let Some(value) = next(current) else { return Ok(None) };
         let bytes: bytes::Bytes = serde_json::to_vec(&value)?.into();
+        tally.wrote();
         let written = match revision {
             Some(r) => match kv.update(key, bytes, r).await {
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => false,
@@ -79,6 +124,7 @@ pub(super) async fn cas<T: Serialize + DeserializeOwned>(
         if written {
             return Ok(Some(value));
         }
+        tally.conflict();
     }
     Err(FleetError::Contended)
 }
@@ -88,12 +134,13 @@ pub(super) async fn cas<T: Serialize + DeserializeOwned>(
 /// At most `ROUNDS` rounds; the pause is a few milliseconds and no lease is held.
 pub(super) async fn cas_spread<T: Serialize + DeserializeOwned>(
     kv: &kv::Store,
+    tally: &KvTally,
     key: &str,
     mut next: impl FnMut(Option<T>) -> Option<T>,
 ) -> Result<Option<T>, FleetError> {
     const ROUNDS: u32 = 8;
     for round in 0..ROUNDS {
-        match cas(kv, key, &mut next).await {
+        match cas(kv, tally, key, &mut next).await {
             Err(FleetError::Contended) if round + 1 < ROUNDS => {
                 let ms = rand::random_range(1..=(2u64 << round));
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
@@ -124,6 +171,7 @@ impl Quota {
             (CIRCUIT_PREFIX, Quota::note_circuit),
             (WINDOW_PREFIX, Quota::note_window),
         ] {
+            self.tally.read();
             if let Some(v) = self.kv.get(format!("{what}{}", self.key)).await.map_err(FleetError::store)? {
                 note(self, &v);
             }
@@ -143,6 +191,7 @@ impl Quota {
                         q.changed.notify_waiters();
                     }
                     _ = stop.cancelled() => {
+                        q.tally.wrote();
                         let _ = q.kv.delete(format!("{REPLICA_PREFIX}{}", q.me)).await;
                         return;
                     }
@@ -177,6 +226,7 @@ impl Quota {
     /// Records the key's circuit open until `until_ms` for every replica.
     pub(super) async fn share_circuit(&self, until_ms: u64) -> Result<(), FleetError> {
         let value = serde_json::to_vec(&Pause { until_ms })?;
+        self.tally.wrote();
         self.kv.put(format!("{CIRCUIT_PREFIX}{}", self.key), value.clone().into()).await.map_err(FleetError::store)?;
         self.note_circuit(&value);
         Ok(())
@@ -186,7 +236,7 @@ impl Quota {
     /// is already recorded.
     pub(super) async fn share_pause(&self, until_ms: u64) -> Result<(), FleetError> {
         let key = format!("{PAUSE_PREFIX}{}", self.key);
-        cas(&self.kv, &key, |current: Option<Pause>| {
+        cas(&self.kv, &self.tally, &key, |current: Option<Pause>| {
             current.is_none_or(|p| p.until_ms < until_ms).then_some(Pause { until_ms })
         })
         .await?;
@@ -197,6 +247,7 @@ impl Quota {
     async fn beat(&self) -> Result<(), FleetError> {
         let in_flight = self.ledger().in_flight.values().sum();
         let v = serde_json::to_vec(&Heartbeat { at_ms: self.now_ms(), in_flight })?;
+        self.tally.wrote();
         self.kv.put(format!("{REPLICA_PREFIX}{}", self.me), v.into()).await.map_err(FleetError::store)?;
         Ok(())
     }
@@ -212,10 +263,12 @@ impl Quota {
         let mut others_in_flight = 0;
         // A partial read would shrink the ranks and inflate this replica's share: any
         // error keeps the previous view instead.
+        self.tally.read();
         let mut keys = self.kv.keys().await.map_err(FleetError::store)?;
         while let Some(key) = keys.next().await {
             let key = key.map_err(FleetError::store)?;
             let Some(id) = key.strip_prefix(REPLICA_PREFIX) else { continue };
+            self.tally.read();
             let Some(v) = self.kv.get(&key).await.map_err(FleetError::store)? else { continue };
             match serde_json::from_slice::<Heartbeat>(&v) {
                 Ok(h) if now.saturating_sub(h.at_ms) <= stale_after => {
@@ -226,6 +279,7 @@ impl Quota {
                 }
                 // Long dead: tidy up.
                 Ok(h) if now.saturating_sub(h.at_ms) > 10 * stale_after => {
+                    self.tally.wrote();
                     let _ = self.kv.delete(&key).await;
                 }
                 _ => {}
@@ -263,7 +317,7 @@ impl Quota {
             return Ok(value);
         }
         let key = format!("{WINDOW_PREFIX}{}", self.key);
-        let written = cas(&self.kv, &key, |shared: Option<Window>| {
+        let written = cas(&self.kv, &self.tally, &key, |shared: Option<Window>| {
             Some(match shared {
                 Some(mut shared) => {
                     value = event(&mut shared);
@@ -331,16 +385,19 @@ mod tests {
     async fn concurrent_compare_and_sets_on_one_entry_lose_no_update() {
         let nats = NatsServer::start_provisioned(Region::Us).await;
         let (kv, _client) = quota_store(&nats).await;
-        let writers = (0..16).map(|_| {
-            let kv = kv.clone();
-            async move { cas_spread::<u64>(&kv, "window.counter", |n| Some(n.unwrap_or(0) + 1)).await }
-        });
+        let writers =
+            (0..16).map(|_| {
+                let kv = kv.clone();
+                async move {
+                    cas_spread::<u64>(&kv, &KvTally::default(), "window.counter", |n| Some(n.unwrap_or(0) + 1)).await
+                }
+            });
         let written = futures::future::join_all(writers).await;
         assert!(written.iter().all(Result::is_ok), "{written:?}");
         let stored: u64 = serde_json::from_slice(&kv.get("window.counter").await.unwrap().unwrap()).unwrap();
         assert_eq!(stored, 16, "every increment kept");
         // A step that leaves the entry as it is writes nothing.
-        assert_eq!(cas::<u64>(&kv, "window.counter", |_| None).await.unwrap(), None);
+        assert_eq!(cas::<u64>(&kv, &KvTally::default(), "window.counter", |_| None).await.unwrap(), None);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -53,7 +53,7 @@ use reviewlane_core::clock::SharedClock;
 use tokio::sync::Notify;
 
 pub use budgets::{Budgets, Reservation};
-pub use fleet::FleetError;
+pub use fleet::{FleetError, KvCounts};
 use ledger::Ledger;
 pub use scope::{KeyConfig, Scope};
 pub use share::{fair_share, share};
@@ -76,6 +76,8 @@ pub struct Quota {
     /// The key's metered budgets: every call reserves its cost in each before it
     /// starts (`Budgets::reserve_call`).
     budgets: Budgets,
+    /// This replica's operations on `QUOTA_<R>`, its budgets' included.
+    tally: Arc<fleet::KvTally>,
 }
 
 /// A 429, as the key's quota learns it.
@@ -126,7 +128,8 @@ impl Quota {
     ) -> Quota {
         let me = format!("{:016x}", rand::random::<u64>());
         let ledger = Ledger::new(me.clone(), key.limit, key.tenant_limits, key.weights, Window::new(probe_every));
-        let budgets = Budgets::new(kv.clone(), key.key.clone(), clock.clone());
+        let tally = Arc::new(fleet::KvTally::default());
+        let budgets = Budgets::new(kv.clone(), key.key.clone(), clock.clone(), tally.clone());
         Quota {
             kv,
             client,
@@ -137,7 +140,13 @@ impl Quota {
             changed: Arc::new(Notify::new()),
             clock,
             budgets,
+            tally,
         }
+    }
+
+    /// This replica's quota operations on `QUOTA_<R>` so far.
+    pub fn kv_counts(&self) -> KvCounts {
+        self.tally.counts()
     }
 
     /// The key's configured limits (requests, tokens, ...) that calls reserve from;
