@@ -50,7 +50,8 @@ impl FleetConfig {
             tpm: 300 * 60 * 1_200,
             cost,
             used: Cost { input: 1_000, output: 120 },
-            per_replica: 64,
+            // The extractor's default call slots (`REVIEWLANE_CONCURRENCY`).
+            per_replica: 8,
             warmup: Duration::from_secs(5),
             measure: Duration::from_secs(20),
         }
