@@ -174,7 +174,8 @@ async fn run_one(cfg: &FleetConfig, n: usize) -> anyhow::Result<FleetRun> {
         let kv = async_nats::jetstream::new(client.clone()).get_key_value(layout.quota.name.clone()).await?;
         let config = KeyConfig {
             key: key.into(),
-            limit: 10_000,
+            // Calls in flight on the key at most (`REVIEWLANE_KEY_LIMIT`).
+            limit: 64,
             tenant_limits: Default::default(),
             weights: Default::default(),
         };

@@ -140,6 +140,13 @@ impl Bucket {
         self.level = (self.level + reserved as f64 - used as f64).min(self.capacity as f64);
     }
 
+    /// Takes back `units` handed back at `now_ms` (what a slice left; negative: what it
+    /// owed), up to the capacity.
+    pub fn give(&mut self, units: f64, now_ms: u64) {
+        self.catch_up(now_ms);
+        self.level = (self.level + units).min(self.capacity as f64);
+    }
+
     /// Follows what the provider reported at `now_ms`. What remains is at most what it
     /// says; a reset says the bucket is full only then, so it holds at most what our
     /// refill would bring to full by that time. Either only lowers the level.

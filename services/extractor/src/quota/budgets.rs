@@ -3,8 +3,15 @@
 //! headers, each one bucket for the whole fleet on `QUOTA_<R>`. Every call reserves
 //! its cost in each before it starts (`reserve_call`) and is corrected to its answer's
 //! usage (`correct_call`) or given back (`release_call`); the provider's readings are
-//! followed (`follow_readings`). The arithmetic is `bucket` and `limits` (pure).
+//! followed (`follow_readings`, at most once a second per dimension and replica).
+//!
+//! A call reserves from this replica's slice of each bucket (`slice`): units taken
+//! from the fleet's bucket in one compare-and-set for many calls, and spent here
+//! without another; a correction or a release goes back into the slice. What the
+//! fleet writes per call stays a fraction of a write whatever the number of replicas.
+//! The arithmetic is `bucket`, `slice` and `limits` (pure).
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_nats::jetstream::kv;
@@ -15,6 +22,10 @@ use tokio::sync::Notify;
 use super::bucket::{Bucket, Refused};
 use super::fleet::{FleetError, KvTally, cas_spread};
 use super::limits::Limits;
+use super::slice::Slice;
+
+/// A replica follows a dimension's readings at most this often.
+const FOLLOW_EVERY_MS: u64 = 1_000;
 
 /// `bucket.<key>.<dimension>`: one metered dimension of the key, for the whole fleet.
 pub(super) const BUCKET_PREFIX: &str = "bucket.";
@@ -34,11 +45,28 @@ pub struct Budgets {
     /// Woken when this replica gives budget back (a reservation corrected or released).
     pub given_back: Arc<Notify>,
     tally: Arc<KvTally>,
+    /// This replica's slice of each bucket (`slice`).
+    slices: Arc<Mutex<BTreeMap<Dimension, Slice>>>,
+    /// One take at a time per bucket: the calls that find the slice short meanwhile
+    /// wait for it, not take beside it.
+    taking: Arc<tokio::sync::Mutex<()>>,
+    /// When this replica last followed each dimension's reading.
+    followed_ms: Arc<Mutex<BTreeMap<Dimension, u64>>>,
 }
 
 impl Budgets {
     pub(super) fn new(kv: kv::Store, key: String, clock: SharedClock, tally: Arc<KvTally>) -> Budgets {
-        Budgets { kv, key, clock, limits: Arc::default(), given_back: Arc::new(Notify::new()), tally }
+        Budgets {
+            kv,
+            key,
+            clock,
+            limits: Arc::default(),
+            given_back: Arc::new(Notify::new()),
+            tally,
+            slices: Arc::default(),
+            taking: Arc::default(),
+            followed_ms: Arc::default(),
+        }
     }
 
     /// The configured limits (requests, tokens, ...); the others are learned.
@@ -108,6 +136,31 @@ impl Budgets {
         Ok(refused.map_or(Ok(()), Err))
     }
 
+    /// Takes a slice of `want` units of `dim` (at least the call's `cost`) from the
+    /// fleet's bucket, handing back `returned` (what the last slice left, or a debt) in
+    /// the same write. `Ok(Err(refused))`: the bucket does not hold the slice yet (wait
+    /// that long; nothing taken, nothing handed back), or the call never fits.
+    async fn take(
+        &self,
+        dim: Dimension,
+        capacity: u64,
+        (cost, want): (u64, u64),
+        returned: f64,
+    ) -> Result<Result<u64, Refused>, FleetError> {
+        let now = self.now_ms();
+        let mut outcome = Err(Refused::Wait(std::time::Duration::ZERO));
+        cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
+            let mut b = Budgets::at_capacity(stored, dim, capacity, now);
+            b.give(returned, now);
+            // The whole slice, or nothing until the bucket holds it: a replica spending
+            // at the bucket's pace takes a slice per span, not a call at a time.
+            outcome = b.reserve(want.max(cost), now).map(|()| want.max(cost));
+            outcome.is_ok().then_some(b)
+        })
+        .await?;
+        Ok(outcome)
+    }
+
     /// Corrects a reservation of `reserved` to what the answer `used`.
     pub async fn correct(&self, dim: Dimension, capacity: u64, reserved: u64, used: u64) -> Result<(), FleetError> {
         let now = self.now_ms();
@@ -127,7 +180,10 @@ impl Budgets {
             let mut b = Budgets::at_capacity(stored, dim, capacity, now);
             let before = b;
             b.follow(reading, now);
-            (b != before).then_some(b)
+            // Written only when the reading changed what the bucket holds or how it
+            // refills (bringing its time forward alone is no change).
+            let changed = b.level_at(now) != before.level_at(now) || b.refills_at_ms != before.refills_at_ms;
+            changed.then_some(b)
         })
         .await
         .map(|_| ())
@@ -158,13 +214,14 @@ impl Budgets {
 
     /// Reserves one call of `cost` in every budget the key has now (configured or
     /// learned), or in none: when one refuses, what the others took is given back, and
-    /// the longest wait is returned (nothing spent). A store error lets the call go
+    /// the longest wait is returned (nothing spent). Each is spent from this replica's
+    /// slice, and a slice taken when it is short. A store error lets the call go
     /// unreserved in that budget (logged): the provider's own 429 still paces it.
     pub async fn reserve_call(&self, cost: Cost) -> Result<Reservation, Refused> {
         let mut taken = Reservation { cost, budgets: Vec::new() };
         let mut refused: Option<Refused> = None;
         for (dim, capacity) in self.limits() {
-            match self.reserve(dim, capacity, dim.of(cost)).await {
+            match self.reserve_from_slice(dim, capacity, dim.of(cost)).await {
                 Ok(Ok(())) => taken.budgets.push((dim, capacity)),
                 Ok(Err(r)) => {
                     refused = Some(match (refused, r) {
@@ -181,6 +238,72 @@ impl Budgets {
         Err(refused)
     }
 
+    fn slices_lock(&self) -> MutexGuard<'_, BTreeMap<Dimension, Slice>> {
+        self.slices.lock().expect("slices lock")
+    }
+
+    /// Spends `cost` of `dim` from this replica's slice; takes a new slice first when
+    /// it is short or lapsed.
+    async fn reserve_from_slice(
+        &self,
+        dim: Dimension,
+        capacity: u64,
+        cost: u64,
+    ) -> Result<Result<(), Refused>, FleetError> {
+        if cost > capacity {
+            return Ok(Err(Refused::TooLarge { capacity }));
+        }
+        // The bucket's refill over a second: one replica alone takes a slice a second,
+        // and the fleet's bucket never waits long to gather one.
+        let most = capacity as f64 * 1_000.0 / dim.period().as_millis() as f64;
+        if let Some(done) = self.spend_or_refused(dim, capacity, cost, self.now_ms()) {
+            return Ok(done);
+        }
+        let _taking = self.taking.lock().await;
+        // Another call's take may have refilled the slice while this one waited.
+        let now = self.now_ms();
+        if let Some(done) = self.spend_or_refused(dim, capacity, cost, now) {
+            return Ok(done);
+        }
+        let (want, returned) = {
+            let mut slices = self.slices_lock();
+            let slice = slices.entry(dim).or_default();
+            (slice.wanted(cost, most, now), slice.hand_back())
+        };
+        let took = self.take(dim, capacity, (cost, want), returned).await;
+        let mut slices = self.slices_lock();
+        let slice = slices.entry(dim).or_default();
+        match took {
+            Ok(Ok(units)) => {
+                slice.taken(units, now);
+                let spent = slice.spend(cost, now);
+                debug_assert!(spent, "a slice of at least the call");
+                Ok(Ok(()))
+            }
+            other => {
+                // Nothing was taken or handed back: the slice keeps what it had, and
+                // no call here asks the fleet again before the bucket can have it.
+                slice.give_back(returned);
+                if let Ok(Err(Refused::Wait(wait))) = &other {
+                    slice.refused_until(now + wait.as_millis() as u64, capacity);
+                }
+                other.map(|r| r.map(|_| ()))
+            }
+        }
+    }
+
+    /// Spends `cost` from the slice (`Ok`), or finds the fleet's bucket, at `capacity`,
+    /// refused a take a moment ago and will not have it before the wait returned
+    /// (`Err`); `None`: a take is needed.
+    fn spend_or_refused(&self, dim: Dimension, capacity: u64, cost: u64, now: u64) -> Option<Result<(), Refused>> {
+        let mut slices = self.slices_lock();
+        let slice = slices.entry(dim).or_default();
+        if slice.spend(cost, now) {
+            return Some(Ok(()));
+        }
+        slice.refused_for(now, capacity).map(|wait| Err(Refused::Wait(wait)))
+    }
+
     /// A reserved call that was answered: each budget is corrected to what it `used`
     /// (its request stays spent, and so does the output limit tokens per minute count
     /// at start; output tokens per minute are counted as produced).
@@ -193,19 +316,22 @@ impl Budgets {
         self.give_back(reserved, Cost::default(), true).await
     }
 
-    /// Gives back to each budget what the call did not use (all of it when `release`).
+    /// Gives back to this replica's slice of each budget what the call did not use
+    /// (all of it when `release`).
     async fn give_back(&self, reserved: &Reservation, used: Cost, release: bool) {
-        for &(dim, capacity) in &reserved.budgets {
-            let used = match dim {
-                _ if release => 0,
-                Dimension::Requests => 1,
-                // Tokens per minute count the output limit when the call starts (OpenAI):
-                // only the prompt's estimate is corrected.
-                Dimension::Tokens => used.input + used.output.max(reserved.cost.output),
-                _ => dim.of(used),
-            };
-            if let Err(e) = self.correct(dim, capacity, dim.of(reserved.cost), used).await {
-                tracing::warn!(error = %e, dimension = dim.as_str(), "correcting a reservation failed");
+        {
+            let mut slices = self.slices_lock();
+            for &(dim, _) in &reserved.budgets {
+                let used = match dim {
+                    _ if release => 0,
+                    Dimension::Requests => 1,
+                    // Tokens per minute count the output limit when the call starts
+                    // (OpenAI): only the prompt's estimate is corrected.
+                    Dimension::Tokens => used.input + used.output.max(reserved.cost.output),
+                    _ => dim.of(used),
+                };
+                let unused = dim.of(reserved.cost) as f64 - used as f64;
+                slices.entry(dim).or_default().give_back(unused);
             }
         }
         self.given_back.notify_waiters();
@@ -230,8 +356,17 @@ impl Budgets {
                 tracing::warn!(error = %e, dimension = dim.as_str(), "removing a lapsed bucket failed");
             }
         }
+        let now = self.now_ms();
         for (dim, capacity) in self.limits() {
             let Some(reading) = meter.get(&dim) else { continue };
+            {
+                let mut followed = self.followed_ms.lock().expect("followed lock");
+                let last = followed.entry(dim).or_insert(0);
+                if *last != 0 && now.saturating_sub(*last) < FOLLOW_EVERY_MS {
+                    continue;
+                }
+                *last = now;
+            }
             if let Err(e) = self.follow(dim, capacity, reading).await {
                 tracing::warn!(error = %e, dimension = dim.as_str(), "following the provider's reading failed");
             }
@@ -267,6 +402,9 @@ impl Budgets {
     /// key has one, is empty now.
     pub(super) async fn drain(&self, dim: Dimension) {
         let Some(capacity) = self.limits_lock().of(dim) else { return };
+        if let Some(slice) = self.slices_lock().get_mut(&dim) {
+            slice.empty();
+        }
         let empty = Reading { remaining: Some(0), ..Default::default() };
         if let Err(e) = self.follow(dim, capacity, &empty).await {
             tracing::warn!(error = %e, dimension = dim.as_str(), "draining a bucket failed");
@@ -291,4 +429,93 @@ impl Budgets {
 pub struct Reservation {
     pub cost: Cost,
     budgets: Vec<(Dimension, u64)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use reviewlane_core::clock::ManualClock;
+    use reviewlane_shared::Region;
+    use reviewlane_shared::testing::NatsServer;
+
+    use super::*;
+
+    async fn quota_kv(nats: &NatsServer) -> kv::Store {
+        let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+        reviewlane_shared::layout::ensure(&js, Region::Us, &Default::default()).await.unwrap().quota
+    }
+
+    fn replica(kv: &kv::Store, clock: &Arc<ManualClock>, limits: Vec<(Dimension, u64)>) -> (Budgets, Arc<KvTally>) {
+        let tally = Arc::new(KvTally::default());
+        let b = Budgets::new(kv.clone(), "openai.k".into(), clock.clone(), tally.clone());
+        b.configure(limits);
+        (b, tally)
+    }
+
+    const CALL: Cost = Cost { input: 800, output: 200 };
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replicas_calls_spend_its_slice_with_a_write_per_slice_not_per_call() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let kv = quota_kv(&nats).await;
+        let clock = ManualClock::at(1_000_000);
+        // 600 requests and 600,000 tokens a minute: ten calls a second.
+        let (b, tally) = replica(&kv, &clock, vec![(Dimension::Requests, 600), (Dimension::Tokens, 600_000)]);
+        for _ in 0..100 {
+            let r = b.reserve_call(CALL).await.expect("within the budgets");
+            // Each uses less than it reserved: what it did not use stays in the slice.
+            b.correct_call(&r, Cost { input: 500, output: 100 }).await;
+            clock.advance(Duration::from_millis(100));
+        }
+        let writes = tally.counts().writes;
+        assert!(writes <= 20, "{writes} writes for 100 calls in two budgets");
+        // The fleet's buckets were charged for every slice taken, the calls within them.
+        let requests = b.bucket_level(Dimension::Requests, 600).await.unwrap();
+        assert!(requests <= 600.0 - 100.0 + 10.0 * 10.0, "{requests}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_replicas_spending_slices_never_reserve_more_than_the_bucket_holds() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let kv = quota_kv(&nats).await;
+        // The clock stands still: nothing refills while the two race.
+        let clock = ManualClock::at(1_000_000);
+        let (a, _) = replica(&kv, &clock, vec![(Dimension::Requests, 48)]);
+        let (b, _) = replica(&kv, &clock, vec![(Dimension::Requests, 48)]);
+        let tries = [&a, &b].into_iter().flat_map(|r| (0..40).map(move |_| r.reserve_call(CALL)));
+        let results = futures::future::join_all(tries).await;
+        let taken = results.iter().filter(|r| r.is_ok()).count();
+        assert_eq!(taken, 48, "the fleet reserved {taken} calls from a bucket of 48");
+        assert!(results.iter().all(|r| r.is_ok() || matches!(r, Err(Refused::Wait(_)))));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lapsed_slice_goes_back_to_the_fleet_with_the_next_take() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let kv = quota_kv(&nats).await;
+        let clock = ManualClock::at(1_000_000);
+        let (a, _) = replica(&kv, &clock, vec![(Dimension::Requests, 6_000)]);
+        // Most of the bucket is spent elsewhere: what follows is below its capacity.
+        assert_eq!(a.reserve(Dimension::Requests, 6_000, 5_000).await.unwrap(), Ok(()));
+        // A replica spending 20 calls a second takes slices of its spend over a span.
+        for _ in 0..60 {
+            a.reserve_call(CALL).await.unwrap();
+            clock.advance(Duration::from_millis(50));
+        }
+        let held = a.slices_lock()[&Dimension::Requests].units;
+        assert!(held > 0.0, "the last slice is not spent yet");
+        // It stops; its slice lapses. Its next take hands what was left back in the
+        // same write.
+        clock.advance(Duration::from_millis(super::super::slice::SPAN_MS));
+        let before = a.bucket_level(Dimension::Requests, 6_000).await.unwrap();
+        assert!(!a.slices_lock().get_mut(&Dimension::Requests).unwrap().spend(1, a.now_ms()), "lapsed");
+        a.reserve_call(CALL).await.unwrap();
+        let took = a.slices_lock()[&Dimension::Requests].units + 1.0;
+        let after = a.bucket_level(Dimension::Requests, 6_000).await.unwrap();
+        assert!((after - (before + held - took)).abs() < 1.0, "{after} = {before} + {held} - {took}");
+        // A 429 for the dimension: the slice is not there either.
+        a.drain(Dimension::Requests).await;
+        assert!(a.slices_lock()[&Dimension::Requests].units <= 0.0);
+    }
 }

@@ -19,8 +19,9 @@
 //!   (compare-and-set keeps the later time).
 //! - `bucket.<key>.<dimension>` = a `Bucket`: one metered dimension of the key
 //!   (requests, tokens, input or output tokens per minute, tokens per day) for the
-//!   whole fleet; a reservation, a correction from usage and a provider's reading are
-//!   each one compare-and-set. A replica starting adopts the limits the fleet learned.
+//!   whole fleet. A replica takes a slice of it in one compare-and-set and spends it
+//!   call by call without another (`slice`); a provider's reading that lowers it is
+//!   one more. A replica starting adopts the limits the fleet learned.
 //! - `circuit.<key>` = `{"until_ms": …}`: a 429 `insufficient_quota` (the account is out
 //!   of money); until then the key's jobs end at once with that reason.
 //!
@@ -30,7 +31,7 @@
 //!
 //! The rooms: `scope` (names), `share` and `window` (pure arithmetic), `bucket` (one
 //! metered dimension as a token bucket with continuous refill, corrected by usage and
-//! the provider's readings; pure), `limits` (each dimension's limit, configured or
+//! the provider's readings; pure), `slice` (a replica's slice of a bucket; pure), `limits` (each dimension's limit, configured or
 //! learned from the headers; pure), `ledger` (the pure decisions of room, fairness and tenant caps, given the time), `fleet` (the
 //! protocol on `QUOTA_<R>`, one compare-and-set step, a typed error), and here the
 //! key-wide facade the scheduler and the worker call: what acts on the key takes no
@@ -43,6 +44,7 @@ mod ledger;
 mod limits;
 mod scope;
 mod share;
+mod slice;
 mod window;
 
 use std::sync::{Arc, Mutex, MutexGuard};
