@@ -42,8 +42,8 @@ pub(super) struct Pause {
     pub until_ms: u64,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct Heartbeat {
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub(super) struct Heartbeat {
     at_ms: u64,
     /// Calls this replica had running on the key when it beat.
     #[serde(default)]
@@ -161,7 +161,11 @@ impl Quota {
         let mut pauses = subscribe(PAUSE_PREFIX).await.map_err(FleetError::store)?;
         let mut circuits = subscribe(CIRCUIT_PREFIX).await.map_err(FleetError::store)?;
         let mut windows = subscribe(WINDOW_PREFIX).await.map_err(FleetError::store)?;
+        // Every replica's heartbeat, followed as it is written: no replica reads all the
+        // others' every period (N² reads a second for the fleet).
+        let mut beats = self.client.subscribe(format!("{prefix}{REPLICA_PREFIX}*")).await.map_err(FleetError::store)?;
         self.beat().await?;
+        self.load_heartbeats().await?;
         self.refresh_live().await?;
         self.budgets.adopt_learned().await?;
         // Others that start now must see this replica before it takes a share.
@@ -184,6 +188,7 @@ impl Quota {
                     m = pauses.next() => match m { Some(m) => q.note_pause(&m.payload), None => return },
                     m = circuits.next() => match m { Some(m) => q.note_circuit(&m.payload), None => return },
                     m = windows.next() => match m { Some(m) => q.note_window(&m.payload), None => return },
+                    m = beats.next() => match m { Some(m) => q.note_heartbeat(&m), None => return },
                     _ = tick.tick() => {
                         if let Err(e) = q.beat().await { tracing::warn!(error = %e, "heartbeat failed"); }
                         if let Err(e) = q.refresh_live().await { tracing::warn!(error = %e, "reading replicas failed"); }
@@ -252,7 +257,44 @@ impl Quota {
         Ok(())
     }
 
-    /// Re-reads the live replicas; returns how many others there are.
+    /// Reads every replica's heartbeat once (at start; later ones arrive as written).
+    /// A partial read fails the start rather than shrink the ranks.
+    async fn load_heartbeats(&self) -> Result<(), FleetError> {
+        self.tally.read();
+        let mut keys = self.kv.keys().await.map_err(FleetError::store)?;
+        while let Some(key) = keys.next().await {
+            let key = key.map_err(FleetError::store)?;
+            let Some(id) = key.strip_prefix(REPLICA_PREFIX) else { continue };
+            self.tally.read();
+            let Some(v) = self.kv.get(&key).await.map_err(FleetError::store)? else { continue };
+            if let Ok(h) = serde_json::from_slice::<Heartbeat>(&v) {
+                self.heartbeats.lock().expect("heartbeats lock").entry(id.to_string()).or_insert(h);
+            }
+        }
+        Ok(())
+    }
+
+    /// A heartbeat written (or removed) by a replica, as `QUOTA_<R>` delivers it.
+    fn note_heartbeat(&self, m: &async_nats::Message) {
+        let Some(id) = m.subject.as_str().rsplit_once(REPLICA_PREFIX).map(|(_, id)| id.to_string()) else { return };
+        let removed = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("KV-Operation"))
+            .is_some_and(|op| op.as_str() == "DEL" || op.as_str() == "PURGE");
+        let mut beats = self.heartbeats.lock().expect("heartbeats lock");
+        match serde_json::from_slice::<Heartbeat>(&m.payload) {
+            Ok(h) if !removed => {
+                beats.insert(id, h);
+            }
+            _ => {
+                beats.remove(&id);
+            }
+        }
+    }
+
+    /// Works out the live replicas from the heartbeats followed; returns how many
+    /// others there are.
     async fn refresh_live(&self) -> Result<usize, FleetError> {
         // Six periods: a replica starved of CPU for a few heartbeats (its calls still
         // running) keeps its rank, so the others do not take its share and run its calls
@@ -261,29 +303,21 @@ impl Quota {
         let now = self.now_ms();
         let mut live: Vec<String> = Vec::new();
         let mut others_in_flight = 0;
-        // A partial read would shrink the ranks and inflate this replica's share: any
-        // error keeps the previous view instead.
-        self.tally.read();
-        let mut keys = self.kv.keys().await.map_err(FleetError::store)?;
-        while let Some(key) = keys.next().await {
-            let key = key.map_err(FleetError::store)?;
-            let Some(id) = key.strip_prefix(REPLICA_PREFIX) else { continue };
-            self.tally.read();
-            let Some(v) = self.kv.get(&key).await.map_err(FleetError::store)? else { continue };
-            match serde_json::from_slice::<Heartbeat>(&v) {
-                Ok(h) if now.saturating_sub(h.at_ms) <= stale_after => {
-                    if id != self.me {
-                        others_in_flight += h.in_flight;
-                    }
-                    live.push(id.to_string());
+        let mut long_dead = Vec::new();
+        for (id, h) in self.heartbeats.lock().expect("heartbeats lock").iter() {
+            if now.saturating_sub(h.at_ms) <= stale_after {
+                if *id != self.me {
+                    others_in_flight += h.in_flight;
                 }
-                // Long dead: tidy up.
-                Ok(h) if now.saturating_sub(h.at_ms) > 10 * stale_after => {
-                    self.tally.wrote();
-                    let _ = self.kv.delete(&key).await;
-                }
-                _ => {}
+                live.push(id.clone());
+            } else if now.saturating_sub(h.at_ms) > 10 * stale_after {
+                long_dead.push(id.clone());
             }
+        }
+        // Long dead: tidy up (each removal reaches every replica as a delete).
+        for id in long_dead {
+            self.tally.wrote();
+            let _ = self.kv.delete(format!("{REPLICA_PREFIX}{id}")).await;
         }
         if !live.contains(&self.me) {
             live.push(self.me.clone());

@@ -9,7 +9,8 @@
 //! - `window.<key>`: the key's congestion window (AIMD, see `Window`), shared: a 429
 //!   halves it once for the fleet, growth is written back when its level changes, and
 //!   every replica follows the entry. A new replica starts from the last-learned window.
-//! - `replica.<id>` = `{"at_ms": …}`: heartbeats. Each replica may run its share of the
+//! - `replica.<id>` = `{"at_ms": …}`: heartbeats, followed by every replica as they are
+//!   written (read once at start, never listed again). Each replica may run its share of the
 //!   window among the live replicas (rank-ordered, so the shares sum to the window, and
 //!   the minimum of one call holds for the fleet, not per replica). A replica whose
 //!   heartbeat expires drops out of the ranks at once: the survivors take its share on
@@ -80,6 +81,8 @@ pub struct Quota {
     budgets: Budgets,
     /// This replica's operations on `QUOTA_<R>`, its budgets' included.
     tally: Arc<fleet::KvTally>,
+    /// Every replica's last heartbeat, as followed on `QUOTA_<R>`.
+    heartbeats: Arc<Mutex<std::collections::BTreeMap<String, fleet::Heartbeat>>>,
 }
 
 /// A 429, as the key's quota learns it.
@@ -143,6 +146,7 @@ impl Quota {
             clock,
             budgets,
             tally,
+            heartbeats: Arc::default(),
         }
     }
 
