@@ -104,6 +104,13 @@ impl Slots {
         st.batch_running < st.batch_min
     }
 
+    /// Whether an interactive review asked for a slot within `d`: interactive work is
+    /// about, and what can wait (a provider batch's results) gives way to it.
+    pub fn interactive_within(&self, d: Duration) -> bool {
+        let st = self.state.lock().expect("slots lock");
+        st.interactive_seen.is_some_and(|at| at.elapsed() < d)
+    }
+
     fn join(&self, lane: Lane) -> u64 {
         let mut st = self.state.lock().expect("slots lock");
         if lane == Lane::Interactive {
@@ -526,6 +533,21 @@ async fn reserve(quota: &Quota, cost: reviewlane_core::meter::Cost) -> Result<Op
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn interactive_work_is_about_for_a_while_after_it_last_asked_for_a_slot() {
+        let slots = Slots::new(2, 1, 0, Arc::new(Notify::new()));
+        let about = Duration::from_secs(5);
+        assert!(!slots.interactive_within(about), "none yet");
+        let b = slots.join(Lane::Batch);
+        slots.leave(b);
+        assert!(!slots.interactive_within(about), "batch alone gives nothing way");
+        let i = slots.join(Lane::Interactive);
+        slots.leave(i);
+        assert!(slots.interactive_within(about));
+        tokio::time::advance(about).await;
+        assert!(!slots.interactive_within(about), "over once it stopped asking");
+    }
 
     #[test]
     fn interactive_first_but_batch_keeps_its_minimum() {

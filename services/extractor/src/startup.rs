@@ -138,6 +138,7 @@ pub async fn build_with_provider(
         faults: config.faults.clone(),
         metrics: metrics.clone(),
         quota: quota.clone(),
+        interactive: None,
     });
     let worker = Arc::new(Worker {
         region: config.region,
@@ -418,6 +419,7 @@ impl App {
                 .instrument(tracing::info_span!("reconcile", region = %self.config.region)),
         );
         let coordinating = self.coordinator.map(|c| {
+            let c = crate::sweep::Coordinator { interactive: Some(slots.clone()), ..c };
             tokio::spawn(c.run(stop.clone()).instrument(tracing::info_span!("sweeps", region = %self.config.region)))
         });
         let lanes = tokio::spawn(sample(

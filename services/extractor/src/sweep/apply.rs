@@ -15,6 +15,11 @@ use reviewlane_shared::job_store::StoreError;
 use super::{Coordinator, RoundError};
 use crate::config::ResubmitVia;
 
+/// While interactive reviews are about, one result line applied per this: 100 a second.
+const APPLY_GAP: std::time::Duration = std::time::Duration::from_millis(10);
+/// Interactive reviews are about when one asked for a call slot within this.
+const INTERACTIVE_ABOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl Coordinator {
     /// Applies every line of an ended batch (an item with none is `Missing`).
     pub(super) async fn apply_lines(
@@ -37,8 +42,26 @@ impl Coordinator {
                 "result lines naming no item of the batch, or repeated"
             );
         }
+        let mut renewed = std::time::Instant::now();
         for (job_id, line) in matched.items {
             self.apply_line(sweep, chunk, &job_id, line).await?;
+            self.give_way(&mut renewed).await?;
+        }
+        Ok(())
+    }
+
+    /// Between two lines: while interactive reviews are about on this replica, waits
+    /// `APPLY_GAP` (results, and the deliveries that follow them, come at a bounded
+    /// pace instead of all at once ahead of interactive findings); and renews the lead
+    /// every third of its life, so that a long apply keeps it (one that lost it stops:
+    /// the new lead applies the rest, and a line applied again changes nothing).
+    async fn give_way(&self, renewed: &mut std::time::Instant) -> Result<(), RoundError> {
+        if self.interactive.as_ref().is_some_and(|s| s.interactive_within(INTERACTIVE_ABOUT)) {
+            tokio::time::sleep(APPLY_GAP).await;
+        }
+        if renewed.elapsed() >= self.lead_ttl / 3 {
+            self.still_leading().await?;
+            *renewed = std::time::Instant::now();
         }
         Ok(())
     }

@@ -74,6 +74,9 @@ pub struct Coordinator {
     pub js: async_nats::jetstream::Context,
     pub faults: reviewlane_shared::faults::Faults,
     pub metrics: crate::metrics::Metrics,
+    /// This replica's call slots, once the scheduler runs: while interactive reviews
+    /// are about, a provider batch's results are applied at a bounded pace.
+    pub interactive: Option<Arc<crate::schedule::Slots>>,
     /// The provider key's shared quota: a 429 on any batch endpoint pauses the key's
     /// calls for its hint, for the fleet, as a lane call's does; no batch call is made
     /// while it is paused.
