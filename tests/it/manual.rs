@@ -3,10 +3,10 @@
 //! running with a dead holder).
 
 use reviewlane_core::clock::SharedClock;
-use reviewlane_core::job::{Event, JobRecord, NewJob, ReviewDepth};
+use reviewlane_core::job::{Event, JobRecord, JobState};
 use reviewlane_core::job_id;
 use reviewlane_core::messages::{FindingsMessage, ReviewMetadata};
-use reviewlane_core::region::{Lane, Region};
+use reviewlane_core::region::Region;
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout::{self, LayoutConfig, RegionLayout};
 use reviewlane_shared::results::Results;
@@ -28,17 +28,9 @@ pub async fn stores(url: &str, region: Region, clock: SharedClock) -> RegionStor
 
 /// A `waiting` record of tenant `acme` (us) under idempotency key `key`.
 pub fn record(key: &str, now_ms: u64) -> JobRecord {
-    JobRecord::waiting(NewJob {
-        job_id: job_id::derive(Region::Us, "acme", key),
-        tenant: "acme".into(),
-        region: Region::Us,
-        lane: Lane::Interactive,
-        schema_version: "findings.v1".into(),
-        input_digest: "d".into(),
-        request_digest: "r".into(),
-        review_depth: ReviewDepth::Full,
-        created_at_ms: now_ms,
-    })
+    let id = job_id::derive(Region::Us, "acme", key);
+    let rec = reviewlane_core::testing::record(&id, JobState::Waiting);
+    JobRecord { tenant: "acme".into(), created_at_ms: now_ms, updated_at_ms: now_ms, ..rec }
 }
 
 /// A result with no findings for `rec` at `generation`.

@@ -136,15 +136,15 @@ impl Budgets {
         Ok(refused.map_or(Ok(()), Err))
     }
 
-    /// Takes a slice of `want` units of `dim` (at least the call's `cost`) from the
-    /// fleet's bucket, handing back `returned` (what the last slice left, or a debt) in
-    /// the same write. `Ok(Err(refused))`: the bucket does not hold the slice yet (wait
-    /// that long; nothing taken, nothing handed back), or the call never fits.
+    /// Takes a slice of `want` units of `dim` from the fleet's bucket, handing back
+    /// `returned` (what the last slice left, or a debt) in the same write.
+    /// `Ok(Err(refused))`: the bucket does not hold the slice yet (wait that long;
+    /// nothing taken, nothing handed back), or it never will.
     async fn take(
         &self,
         dim: Dimension,
         capacity: u64,
-        (cost, want): (u64, u64),
+        want: u64,
         returned: f64,
     ) -> Result<Result<u64, Refused>, FleetError> {
         let now = self.now_ms();
@@ -154,7 +154,7 @@ impl Budgets {
             b.give(returned, now);
             // The whole slice, or nothing until the bucket holds it: a replica spending
             // at the bucket's pace takes a slice per span, not a call at a time.
-            outcome = b.reserve(want.max(cost), now).map(|()| want.max(cost));
+            outcome = b.reserve(want, now).map(|()| want);
             outcome.is_ok().then_some(b)
         })
         .await?;
@@ -270,7 +270,7 @@ impl Budgets {
             let slice = slices.entry(dim).or_default();
             (slice.wanted(cost, most, now), slice.hand_back())
         };
-        let took = self.take(dim, capacity, (cost, want), returned).await;
+        let took = self.take(dim, capacity, want, returned).await;
         let mut slices = self.slices_lock();
         let slice = slices.entry(dim).or_default();
         match took {

@@ -166,7 +166,7 @@ impl Quota {
         let mut beats = self.client.subscribe(format!("{prefix}{REPLICA_PREFIX}*")).await.map_err(FleetError::store)?;
         self.beat().await?;
         self.load_heartbeats().await?;
-        self.refresh_live().await?;
+        self.refresh_live().await;
         self.budgets.adopt_learned().await?;
         // Others that start now must see this replica before it takes a share.
         self.ledger().warm_until_ms = self.now_ms() + 2 * self.heartbeat.as_millis() as u64;
@@ -191,7 +191,7 @@ impl Quota {
                     m = beats.next() => match m { Some(m) => q.note_heartbeat(&m), None => return },
                     _ = tick.tick() => {
                         if let Err(e) = q.beat().await { tracing::warn!(error = %e, "heartbeat failed"); }
-                        if let Err(e) = q.refresh_live().await { tracing::warn!(error = %e, "reading replicas failed"); }
+                        q.refresh_live().await;
                         // A pause or the warm-up may end without a message.
                         q.changed.notify_waiters();
                     }
@@ -293,9 +293,8 @@ impl Quota {
         }
     }
 
-    /// Works out the live replicas from the heartbeats followed; returns how many
-    /// others there are.
-    async fn refresh_live(&self) -> Result<usize, FleetError> {
+    /// Works out the live replicas from the heartbeats followed.
+    async fn refresh_live(&self) {
         // Six periods: a replica starved of CPU for a few heartbeats (its calls still
         // running) keeps its rank, so the others do not take its share and run its calls
         // again on top of it; a dead one's lease outlasts this anyway.
@@ -325,7 +324,6 @@ impl Quota {
         let mut l = self.ledger();
         let (live, missing) = super::share::ranks(&l.live, &l.missing, live);
         l.missing = missing;
-        let others = live.len() - 1;
         l.others_in_flight = others_in_flight;
         if l.live != live {
             tracing::info!(replicas = live.len(), was = l.live.len(), "live replicas on the key changed");
@@ -334,7 +332,6 @@ impl Quota {
             drop(l);
             self.changed.notify_waiters();
         }
-        Ok(others)
     }
 
     /// Applies `event` to the key's window here and, when the fleet should know, to the
