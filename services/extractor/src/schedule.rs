@@ -541,7 +541,7 @@ mod tests {
         assert!(!slots.interactive_within(about), "none yet");
         let b = slots.join(Lane::Batch);
         slots.leave(b);
-        assert!(!slots.interactive_within(about), "batch alone gives nothing way");
+        assert!(!slots.interactive_within(about), "batch work alone is not interactive work");
         let i = slots.join(Lane::Interactive);
         slots.leave(i);
         assert!(slots.interactive_within(about));
