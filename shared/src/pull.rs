@@ -47,6 +47,14 @@ pub async fn ack(msg: &jetstream::Message, kind: AckKind) {
     }
 }
 
+/// The ticks that keep a pulled message's lease alive (progress acks), the first one
+/// `period` from now. (`tokio::time::interval`'s first tick is due at once, but
+/// awaiting it still waits for the timer wheel's next millisecond: on the path of
+/// every job, that was a millisecond per wait.)
+pub fn heartbeat(period: Duration) -> tokio::time::Interval {
+    tokio::time::interval_at(tokio::time::Instant::now() + period, period)
+}
+
 /// Longest a pull request waits on the server for a message.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// Longest wait for the next message of a pull: its expiry and a margin. A pull request
@@ -135,5 +143,23 @@ pub async fn pull_loop<F, Fut>(
                 .in_current_span(),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job's path creates a heartbeat and goes on at once: nothing of it waits for a
+    /// tick before the first period is over.
+    #[tokio::test(start_paused = true)]
+    async fn a_heartbeat_first_ticks_one_period_after_it_starts() {
+        let start = tokio::time::Instant::now();
+        let mut beat = heartbeat(Duration::from_secs(10));
+        assert!(tokio::time::timeout(Duration::from_secs(9), beat.tick()).await.is_err(), "ticked before its period");
+        beat.tick().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(10));
+        beat.tick().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(20));
     }
 }

@@ -405,8 +405,7 @@ async fn admit(
     lease: Duration,
     stop: &CancellationToken,
 ) -> Option<Admitted> {
-    let mut heartbeat = tokio::time::interval(lease / 3);
-    heartbeat.tick().await;
+    let mut heartbeat = reviewlane_shared::pull::heartbeat(lease / 3);
     // While here, the tenant counts as wanting calls (its weighted share is kept for it).
     let _waiting = quota.waiting(&l.scope);
     let mut ticket: Option<u64> = None;

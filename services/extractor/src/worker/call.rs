@@ -136,8 +136,7 @@ impl Worker {
         // heartbeat's extend at the latest.
         let mut changes = self.stores.jobs.signals(job.id()).await?;
         tokio::pin!(work);
-        let mut heartbeat = tokio::time::interval(self.policy.lease / 3);
-        heartbeat.tick().await; // the first tick is immediate
+        let mut heartbeat = reviewlane_shared::pull::heartbeat(self.policy.lease / 3);
         let deadline = async {
             match lease.rec.deadline_ms {
                 Some(at) => tokio::time::sleep(Duration::from_millis(at.saturating_sub(self.clock.now_ms()))).await,
