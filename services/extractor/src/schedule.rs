@@ -26,6 +26,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures::StreamExt;
+use reviewlane_core::diff::Diff;
+use reviewlane_core::messages::ReviewMessage;
 use reviewlane_core::region::Lane;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -208,8 +210,26 @@ pub struct LaneLoop {
     pub cost: CallCost,
 }
 
-/// What a review message's call will be metered for.
-pub type CallCost = Arc<dyn Fn(&[u8]) -> reviewlane_core::meter::Cost + Send + Sync>;
+/// What a review's call will be metered for (`None`: a message that does not decode,
+/// reserved as the largest call).
+pub type CallCost = Arc<dyn Fn(Option<&Decoded>) -> reviewlane_core::meter::Cost + Send + Sync>;
+
+/// A pulled review, decoded once: what its cost is reckoned from and what the worker
+/// runs.
+pub struct Decoded {
+    pub review: ReviewMessage,
+    /// `None`: the diff does not parse.
+    pub diff: Option<Diff>,
+}
+
+impl Decoded {
+    /// `None`: the message is not a review.
+    pub fn of(payload: &[u8]) -> Option<Decoded> {
+        let review: ReviewMessage = serde_json::from_slice(payload).ok()?;
+        let diff = review.parse_diff().ok();
+        Some(Decoded { review, diff })
+    }
+}
 
 /// Where one call runs: a call slot of this process and a place in its scope's
 /// allowance, both held until dropped.
@@ -221,6 +241,8 @@ pub struct Place {
 /// What a started message needs to run.
 pub struct Admitted {
     pub msg: jetstream::Message,
+    /// `None`: the message is not a review.
+    pub decoded: Option<Decoded>,
     pub scope: Scope,
     pub place: Place,
     /// What its call reserved in the key's budgets, if any.
@@ -257,7 +279,7 @@ impl More {
         }
         let slot = self.slots.take_free(self.lane)?;
         let running = self.quota.try_start(&self.scope)?;
-        let reserved = reserve(&self.quota, cost).await.ok()?;
+        let reserved = reserve(&self.quota, || cost).await.ok()?;
         Some((Place { slot, running }, reserved))
     }
 }
@@ -268,7 +290,7 @@ pub enum Work {
     Call(Box<Admitted>),
     /// The review's deadline passed while its scope was paused: it ends without a call
     /// (and without a slot).
-    Late { msg: Box<jetstream::Message>, scope: Scope },
+    Late { msg: Box<jetstream::Message>, decoded: Option<Box<Decoded>>, scope: Scope },
 }
 
 /// What to do with a review pulled while its scope is paused.
@@ -377,7 +399,8 @@ pub async fn serve<F, Fut>(
         if let Some(remaining) = quota.paused_for() {
             match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
                 WhilePaused::Late => {
-                    tasks.spawn(run(Work::Late { msg: Box::new(msg), scope: l.scope.clone() }));
+                    let decoded = Decoded::of(&msg.payload).map(Box::new);
+                    tasks.spawn(run(Work::Late { msg: Box::new(msg), decoded, scope: l.scope.clone() }));
                 }
                 WhilePaused::HandBack(delay) => ack(&msg, AckKind::Nak(Some(delay))).await,
             }
@@ -406,6 +429,7 @@ async fn admit(
     stop: &CancellationToken,
 ) -> Option<Admitted> {
     let mut heartbeat = reviewlane_shared::pull::heartbeat(lease / 3);
+    let decoded = Decoded::of(&msg.payload);
     // While here, the tenant counts as wanting calls (its weighted share is kept for it).
     let _waiting = quota.waiting(&l.scope);
     let mut ticket: Option<u64> = None;
@@ -430,11 +454,12 @@ async fn admit(
             if let Some(slot) = slots.try_take(t) {
                 ticket = None;
                 match quota.try_start(&l.scope) {
-                    Some(running) => match reserve(quota, (l.cost)(&msg.payload)).await {
+                    Some(running) => match reserve(quota, || (l.cost)(decoded.as_ref())).await {
                         Ok(reserved) => {
                             let more = More::new(slots, l, quota, stop);
                             let place = Place { slot, running };
-                            return Some(Admitted { msg, scope: l.scope.clone(), place, reserved, more });
+                            let scope = l.scope.clone();
+                            return Some(Admitted { msg, decoded, scope, place, reserved, more });
                         }
                         // The key's budgets have no room for this call yet. Calls in
                         // flight may give part of their reservation back when they are
@@ -512,14 +537,18 @@ async fn wait_for_give_back(
 /// replica's give-back is not signalled here).
 const BUDGET_RECHECK: Duration = Duration::from_secs(1);
 
-/// Reserves a call costing `cost` in the key's budgets; `Err`: how long until they have
-/// room. A call larger than a whole budget goes ahead unreserved (logged): the part
-/// budget is capped so that it cannot happen, and the provider still answers 429.
-async fn reserve(quota: &Quota, cost: reviewlane_core::meter::Cost) -> Result<Option<Reservation>, Duration> {
+/// Reserves a call costing `cost()` in the key's budgets (reckoned only when the key
+/// has budgets); `Err`: how long until they have room. A call larger than a whole
+/// budget goes ahead unreserved (logged): the part budget is capped so that it cannot
+/// happen, and the provider still answers 429.
+async fn reserve(
+    quota: &Quota,
+    cost: impl FnOnce() -> reviewlane_core::meter::Cost,
+) -> Result<Option<Reservation>, Duration> {
     if !quota.budgets().has_budgets() {
         return Ok(None);
     }
-    match quota.budgets().reserve_call(cost).await {
+    match quota.budgets().reserve_call(cost()).await {
         Ok(reserved) => Ok(Some(reserved)),
         Err(crate::quota::bucket::Refused::Wait(wait)) => Err(wait),
         Err(crate::quota::bucket::Refused::TooLarge { capacity }) => {

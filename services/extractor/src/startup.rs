@@ -315,13 +315,10 @@ fn call_cost(config: &ExtractorConfig) -> crate::schedule::CallCost {
     use reviewlane_core::meter::Cost;
     let plan = config.parts.plan;
     let Cost { input: fixed, output } = call_overhead(config);
-    Arc::new(move |payload: &[u8]| {
+    Arc::new(move |decoded: Option<&crate::schedule::Decoded>| {
         let at_most = Cost { input: fixed + plan.limits.budget() as u64, output };
-        let Ok(review) = serde_json::from_slice::<reviewlane_core::messages::ReviewMessage>(payload) else {
-            return at_most;
-        };
-        let Ok(diff) = review.parse_diff() else { return at_most };
-        let prompt = crate::provider::prompt_diff(&review, &diff);
+        let Some(crate::schedule::Decoded { review, diff: Some(diff) }) = decoded else { return at_most };
+        let prompt = crate::provider::prompt_diff(review, diff);
         if prompt.len() > plan.limits.budget() || prompt.len() >= 4 * 1024 * 1024 {
             return at_most;
         }

@@ -50,7 +50,7 @@ use crate::config::Budgets;
 use crate::metrics::Metrics;
 use crate::provider::Provider;
 use crate::quota::{Quota, Scope};
-use crate::schedule::{Admitted, More, Place, Work};
+use crate::schedule::{Admitted, Decoded, More, Place, Work};
 use crate::upstream::Backoff;
 use reviewlane_shared::store::StoreRetry;
 
@@ -344,7 +344,7 @@ impl Worker {
     pub async fn process_one(&self, work: Work, abort: &CancellationToken) -> Outcome {
         let (msg, scope) = match &work {
             Work::Call(a) => (&a.msg, &a.scope),
-            Work::Late { msg, scope } => (&**msg, scope),
+            Work::Late { msg, scope, .. } => (&**msg, scope),
         };
         let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
         let span = tracing::info_span!(
@@ -376,20 +376,17 @@ impl Worker {
 
     async fn process(&self, work: Work, abort: &CancellationToken) -> Outcome {
         // A call holds its slot and the scope's allowance until this returns.
-        let (msg, scope, place, reserved, more) = match work {
+        let (msg, decoded, scope, place, reserved, more) = match work {
             Work::Call(admitted) => {
-                let Admitted { msg, scope, place, reserved, more } = *admitted;
-                (msg, scope, Some(place), reserved, Some(more))
+                let Admitted { msg, decoded, scope, place, reserved, more } = *admitted;
+                (msg, decoded, scope, Some(place), reserved, Some(more))
             }
-            Work::Late { msg, scope } => (*msg, scope, None, None, None),
+            Work::Late { msg, decoded, scope } => (*msg, decoded.map(|d| *d), scope, None, None, None),
         };
         let unread = || Ok(End::answered(Outcome::Skipped, AckKind::Term));
-        let review: ReviewMessage = match serde_json::from_slice(&msg.payload) {
-            Ok(r) => r,
-            Err(_) => {
-                tracing::error!("undecodable review message; terminating it");
-                return self.conclude(&msg, None, unread()).await;
-            }
+        let Some(Decoded { review, diff }) = decoded else {
+            tracing::error!("undecodable review message; terminating it");
+            return self.conclude(&msg, None, unread()).await;
         };
         Span::current()
             .record("job_id", review.job_id.as_str())
@@ -406,7 +403,7 @@ impl Worker {
             msg: &msg,
             review: &review,
             scope: &scope,
-            diff: review.parse_diff().ok(),
+            diff,
             metering: Metering::new(reserved),
             place: std::sync::Mutex::new(place),
             more,
