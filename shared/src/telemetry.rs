@@ -113,17 +113,39 @@ pub fn subscriber<W>(
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    let otel = tracing_opentelemetry::layer().with_tracer(provider.tracer("reviewlane")).with_threads(false);
+    // No busy/idle time per span (it read the clock at every poll of every instrumented
+    // future) and no source location: neither is read by anyone.
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("reviewlane"))
+        .with_threads(false)
+        .with_location(false)
+        .with_tracked_inactivity(false);
     let dispatch = Arc::new(OnceLock::new());
-    let fields = SpanFields { dispatch: dispatch.clone() };
-    // Not boxed: a boxed subscriber does not pass `on_register_dispatch` on.
+    // Not boxed: a boxed subscriber does not pass `on_register_dispatch` on. Each format
+    // keeps span fields once: JSON lines as values (`SpanFields`), text as the fmt
+    // layer's own text.
+    let fields = SpanFields { dispatch: dispatch.clone(), keep: format == LogFormat::Json };
     let (json, text) = match format {
         LogFormat::Json => {
-            (Some(tracing_subscriber::fmt::layer().event_format(JsonLine { dispatch }).with_writer(writer)), None)
+            let json = tracing_subscriber::fmt::layer()
+                .fmt_fields(NoSpanText)
+                .event_format(JsonLine { dispatch })
+                .with_writer(writer);
+            (Some(json), None)
         }
         LogFormat::Text => (None, Some(tracing_subscriber::fmt::layer().with_writer(writer))),
     };
     tracing_subscriber::registry().with(filter).with(fields).with(otel).with(json).with(text)
+}
+
+/// The fmt layer's text of span fields, for JSON lines: none (`JsonLine` reads the
+/// values `SpanFields` keeps, and records event fields itself).
+struct NoSpanText;
+
+impl<'w> FormatFields<'w> for NoSpanText {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(&self, _: Writer<'w>, _: R) -> fmt::Result {
+        Ok(())
+    }
 }
 
 // ---------------------------------------------------------------------------------
@@ -222,6 +244,8 @@ impl Visit for Fields {
 /// dispatcher is unavailable).
 struct SpanFields {
     dispatch: Arc<OnceLock<WeakDispatch>>,
+    /// Whether fields are kept: only JSON lines read them.
+    keep: bool,
 }
 
 impl<S> Layer<S> for SpanFields
@@ -233,6 +257,9 @@ where
     }
 
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        if !self.keep {
+            return;
+        }
         let mut fields = Fields::default();
         attrs.record(&mut fields);
         fields.0.retain(|k, _| !k.starts_with("otel."));
