@@ -1,5 +1,5 @@
-//! Pulling from JetStream: `pull` (one request, with backoff after failures), used by
-//! both workers, and `pull_loop`, the publisher's loop.
+//! Pulling from JetStream: `Puller` (one loop's requests, on one inbox, with backoff
+//! after failures), used by both workers, and `pull_loop`, the publisher's loop.
 //!
 //! `pull_loop` holds no slot during a long-poll: it waits until a slot is free, asks
 //! for at most as many messages as slots are free, and takes a slot per message as it
@@ -59,41 +59,96 @@ pub fn heartbeat(period: Duration) -> tokio::time::Interval {
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// Longest wait for the next message of a pull: its expiry and a margin. A pull request
 /// that the server lost (it restarted) never ends by itself; this ends it.
-pub const PULL_WAIT: Duration = Duration::from_secs(8);
+const PULL_WAIT: Duration = Duration::from_secs(8);
 /// Most messages asked for in one pull.
 const MAX_PULL: usize = 64;
 
-/// Asks `consumer` for up to `max` messages (waiting up to the pull expiry). After a
-/// failed request it backs off (100 ms doubling to 6.4 s, counted in `failures`).
-/// `None` when `stop` fired; `Some(None)` after a failure, to try again.
-pub async fn pull(
-    consumer: &PullConsumer,
-    max: usize,
-    failures: &mut u32,
-    stop: &CancellationToken,
-) -> Option<Option<async_nats::jetstream::consumer::pull::Batch>> {
-    let batch = tokio::select! {
-        b = consumer.batch().max_messages(max).expires(PULL_EXPIRES).messages() => b,
-        _ = stop.cancelled() => return None,
-    };
-    match batch {
-        Ok(b) => {
-            *failures = 0;
-            Some(Some(b))
+/// One loop's pull requests, answered on one inbox that stays subscribed for the loop's
+/// life. (A fresh inbox per request, as `PullConsumer::batch` makes one, cost a
+/// subscribe and an unsubscribe for every pull: two more messages a job.) One request
+/// is open at a time: `ask` opens it, `next` reads it until it is answered in full,
+/// expires, or the server ends it.
+pub struct Puller {
+    consumer: PullConsumer,
+    /// What the messages are acknowledged through.
+    context: jetstream::Context,
+    inbox: async_nats::Subject,
+    replies: async_nats::Subscriber,
+    /// Messages the open request may still bring.
+    pending: usize,
+    failures: u32,
+}
+
+impl Puller {
+    pub async fn new(consumer: PullConsumer, client: async_nats::Client) -> Result<Puller, async_nats::SubscribeError> {
+        let inbox = async_nats::Subject::from(client.new_inbox());
+        let replies = client.subscribe(inbox.clone()).await?;
+        let context = jetstream::new(client);
+        Ok(Puller { consumer, context, inbox, replies, pending: 0, failures: 0 })
+    }
+
+    /// Asks for up to `max` messages (the server keeps the request up to the pull
+    /// expiry). After a failed request it backs off (100 ms doubling to 6.4 s). `false`
+    /// when `stop` fired.
+    pub async fn ask(&mut self, max: usize, stop: &CancellationToken) -> bool {
+        let request = jetstream::consumer::pull::BatchConfig {
+            batch: max,
+            expires: Some(PULL_EXPIRES),
+            ..Default::default()
+        };
+        let sent = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return false,
+            r = self.consumer.request_batch(request, self.inbox.clone()) => r,
+        };
+        match sent {
+            Ok(()) => {
+                self.failures = 0;
+                self.pending = max;
+                true
+            }
+            Err(e) => {
+                self.failures += 1;
+                self.pending = 0;
+                tracing::warn!(error = %e, "pull failed");
+                let pause = Duration::from_millis(100 * 2u64.pow(self.failures.min(6)));
+                tokio::select! { _ = tokio::time::sleep(pause) => true, _ = stop.cancelled() => false }
+            }
         }
-        Err(e) => {
-            *failures += 1;
-            tracing::warn!(error = %e, "pull failed");
-            let pause = Duration::from_millis(100 * 2u64.pow((*failures).min(6)));
-            tokio::select! { _ = tokio::time::sleep(pause) => Some(None), _ = stop.cancelled() => None }
+    }
+
+    /// The next message of the open request; `None` once the request is over (answered
+    /// in full, expired, ended by the server, or lost with a restarting server: no
+    /// answer within its expiry and a margin).
+    pub async fn next(&mut self) -> Option<jetstream::Message> {
+        while self.pending > 0 {
+            let reply = match tokio::time::timeout(PULL_WAIT, self.replies.next()).await {
+                Ok(Some(reply)) => reply,
+                Ok(None) | Err(_) => break,
+            };
+            match reply.status {
+                None | Some(async_nats::StatusCode::OK) => {
+                    self.pending -= 1;
+                    return Some(jetstream::Message { message: reply, context: self.context.clone() });
+                }
+                Some(async_nats::StatusCode::IDLE_HEARTBEAT) => {}
+                // Expired, or nothing to deliver: the request is over.
+                Some(async_nats::StatusCode::TIMEOUT | async_nats::StatusCode::NOT_FOUND) => break,
+                Some(status) => {
+                    tracing::warn!(status = status.as_u16(), reason = ?reply.description, "pull ended by the server");
+                    break;
+                }
+            }
         }
+        self.pending = 0;
+        None
     }
 }
 
 /// Runs until `stop` fires. Each message is handed to `handle`, whose future runs on
 /// `tasks` holding one slot of `slots`.
 pub async fn pull_loop<F, Fut>(
-    consumer: PullConsumer,
+    mut puller: Puller,
     slots: Arc<Semaphore>,
     tasks: TaskTracker,
     stop: CancellationToken,
@@ -102,7 +157,6 @@ pub async fn pull_loop<F, Fut>(
     F: Fn(jetstream::Message) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let mut failures = 0u32;
     loop {
         // Wait for a free slot, without keeping it.
         tokio::select! {
@@ -110,24 +164,15 @@ pub async fn pull_loop<F, Fut>(
             _ = stop.cancelled() => return,
         }
         let want = slots.available_permits().clamp(1, MAX_PULL);
-        let Some(batch) = pull(&consumer, want, &mut failures, &stop).await else { return };
-        let Some(mut batch) = batch else { continue };
+        if !puller.ask(want, &stop).await {
+            return;
+        }
         loop {
             let next = tokio::select! {
-                m = tokio::time::timeout(PULL_WAIT, batch.next()) => match m {
-                    Ok(m) => m,
-                    Err(_) => break,
-                },
+                m = puller.next() => m,
                 _ = stop.cancelled() => return,
             };
-            let msg = match next {
-                None => break,
-                Some(Ok(m)) => m,
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "pull message error");
-                    break;
-                }
-            };
+            let Some(msg) = next else { break };
             let Ok(permit) = slots.clone().try_acquire_owned() else {
                 if let Err(e) = msg.ack_with(AckKind::Nak(None)).await {
                     tracing::warn!(error = %e, "handing back a message failed; it returns after its lease");
@@ -161,5 +206,44 @@ mod tests {
         assert_eq!(start.elapsed(), Duration::from_secs(10));
         beat.tick().await;
         assert_eq!(start.elapsed(), Duration::from_secs(20));
+    }
+
+    /// One inbox serves every request of a loop: each request brings what it asked for,
+    /// in order, and is over once answered in full (no wait for its expiry); messages
+    /// acknowledged through it are gone from the consumer.
+    #[tokio::test]
+    async fn a_puller_brings_each_request_in_full_on_one_inbox() {
+        let server = reviewlane_shared::testing::NatsServer::start();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let js = jetstream::new(client.clone());
+        let stream = js
+            .create_stream(jetstream::stream::Config { name: "T".into(), subjects: vec!["t.>".into()], ..Default::default() })
+            .await
+            .unwrap();
+        for i in 0..5 {
+            js.publish(format!("t.{i}"), format!("{i}").into()).await.unwrap().await.unwrap();
+        }
+        let consumer: PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config { durable_name: Some("c".into()), ..Default::default() })
+            .await
+            .unwrap();
+        let mut puller = Puller::new(consumer.clone(), client).await.unwrap();
+        let stop = CancellationToken::new();
+        let mut got = Vec::new();
+        for want in [2, 2, 1] {
+            assert!(puller.ask(want, &stop).await);
+            let started = std::time::Instant::now();
+            while let Some(m) = puller.next().await {
+                got.push(String::from_utf8(m.payload.to_vec()).unwrap());
+                m.double_ack().await.unwrap();
+            }
+            assert!(started.elapsed() < PULL_EXPIRES, "a request answered in full waited for its expiry");
+        }
+        assert_eq!(got, ["0", "1", "2", "3", "4"]);
+        let mut consumer = consumer;
+        let info = consumer.info().await.unwrap();
+        assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
+        stop.cancel();
+        assert!(!puller.ask(1, &stop).await, "a stopped loop asks for nothing");
     }
 }

@@ -25,7 +25,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
-use futures::StreamExt;
 use reviewlane_core::diff::Diff;
 use reviewlane_core::messages::ReviewMessage;
 use reviewlane_core::region::Lane;
@@ -33,7 +32,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use reviewlane_shared::pull::{ack, pull};
+use reviewlane_shared::pull::{Puller, ack};
 
 use crate::quota::{Quota, Reservation, Scope, ScopeGuard};
 
@@ -351,6 +350,7 @@ async fn wait_until(
 #[allow(clippy::too_many_arguments)]
 pub async fn serve<F, Fut>(
     l: LaneLoop,
+    mut puller: Puller,
     slots: Arc<Slots>,
     quota: Quota,
     backlog: Backlog,
@@ -363,7 +363,6 @@ pub async fn serve<F, Fut>(
     Fut: Future<Output = ()> + Send + 'static,
 {
     let changed = quota.changed.clone();
-    let mut failures = 0u32;
     loop {
         // Pull for a scope this replica has a share of: to call (batch only without
         // backlog), or while the scope is paused to hand reviews back until the pause
@@ -378,24 +377,15 @@ pub async fn serve<F, Fut>(
         if !wait_until(&changed, &stop, Duration::from_millis(500), pull_ok).await {
             return;
         }
-        let Some(batch) = pull(&l.consumer, 1, &mut failures, &stop).await else { return };
-        let Some(mut batch) = batch else { continue };
+        if !puller.ask(1, &stop).await {
+            return;
+        }
         let msg = tokio::select! {
-            m = tokio::time::timeout(reviewlane_shared::pull::PULL_WAIT, batch.next()) => match m {
-                Ok(m) => m,
-                // The server lost the pull request (it restarted): pull again.
-                Err(_) => continue,
-            },
+            m = puller.next() => m,
             _ = stop.cancelled() => return,
         };
-        let msg = match msg {
-            None => continue,
-            Some(Ok(m)) => m,
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "pull message error");
-                continue;
-            }
-        };
+        // The request expired (or the server ended or lost it): pull again.
+        let Some(msg) = msg else { continue };
         if let Some(remaining) = quota.paused_for() {
             match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
                 WhilePaused::Late => {

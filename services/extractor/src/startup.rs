@@ -438,6 +438,7 @@ impl App {
                     consumer: shared.consumer.clone(),
                     cost: shared.cost.clone(),
                 };
+                let puller = reviewlane_shared::pull::Puller::new(shared.consumer.clone(), self.client.clone()).await?;
                 let worker = self.worker.clone();
                 let abort = abort.clone();
                 let run = move |admitted| {
@@ -451,6 +452,7 @@ impl App {
                 handles.push(tokio::spawn(
                     serve(
                         l,
+                        puller,
                         slots.clone(),
                         self.quota.clone(),
                         backlog.clone(),

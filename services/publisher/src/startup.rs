@@ -8,7 +8,7 @@ use prometheus_client::registry::Registry;
 use reviewlane_shared::admin::{Admin, nats_ready};
 use reviewlane_shared::job_store::JobStore;
 use reviewlane_shared::layout;
-use reviewlane_shared::pull::pull_loop;
+use reviewlane_shared::pull::{Puller, pull_loop};
 use reviewlane_shared::startup::{StartError, connect_region, durable_consumer};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -109,8 +109,8 @@ impl App {
             }
         };
         let span = tracing::info_span!("pull_loop", region = %self.config.region);
-        let pulling =
-            tokio::spawn(pull_loop(self.consumer, slots, tasks.clone(), stop.clone(), handle).instrument(span));
+        let puller = Puller::new(self.consumer, self.client.clone()).await?;
+        let pulling = tokio::spawn(pull_loop(puller, slots, tasks.clone(), stop.clone(), handle).instrument(span));
         tracing::info!(region = %self.config.region, "publisher running");
         shutdown.await;
         tracing::info!("shutting down: no new pulls");
