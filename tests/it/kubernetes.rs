@@ -235,6 +235,19 @@ fn the_package_keeps_its_promises_object_by_object() {
             }
             let sts = objects.iter().find(|o| kind(o) == "StatefulSet").unwrap();
             assert_eq!(sts["spec"]["replicas"], 3, "{dir}: NATS nodes");
+            // The Go runtime collects before the container is killed: its heap limit is
+            // below the container's memory limit.
+            let nats = &sts["spec"]["template"]["spec"]["containers"][0];
+            let limit = bytes(nats["resources"]["limits"]["memory"].as_str().unwrap());
+            let go = nats["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == "GOMEMLIMIT")
+                .and_then(|e| e["value"].as_str())
+                .unwrap_or_else(|| panic!("{dir}: NATS sets no GOMEMLIMIT"));
+            let go = bytes(&go.replace("iB", "i"));
+            assert!(go < limit && go >= limit / 2, "{dir}: GOMEMLIMIT {go} against a {limit}-byte limit");
             let scaled = objects.iter().find(|o| kind(o) == "ScaledObject").unwrap();
             assert!(
                 scaled["spec"]["maxReplicaCount"].as_u64().unwrap() <= 4,
