@@ -91,11 +91,8 @@ impl Puller {
     /// expiry). After a failed request it backs off (100 ms doubling to 6.4 s). `false`
     /// when `stop` fired.
     pub async fn ask(&mut self, max: usize, stop: &CancellationToken) -> bool {
-        let request = jetstream::consumer::pull::BatchConfig {
-            batch: max,
-            expires: Some(PULL_EXPIRES),
-            ..Default::default()
-        };
+        let request =
+            jetstream::consumer::pull::BatchConfig { batch: max, expires: Some(PULL_EXPIRES), ..Default::default() };
         let sent = tokio::select! {
             biased;
             _ = stop.cancelled() => return false,
@@ -217,7 +214,11 @@ mod tests {
         let client = async_nats::connect(server.url()).await.unwrap();
         let js = jetstream::new(client.clone());
         let stream = js
-            .create_stream(jetstream::stream::Config { name: "T".into(), subjects: vec!["t.>".into()], ..Default::default() })
+            .create_stream(jetstream::stream::Config {
+                name: "T".into(),
+                subjects: vec!["t.>".into()],
+                ..Default::default()
+            })
             .await
             .unwrap();
         for i in 0..5 {
