@@ -57,8 +57,8 @@ pub fn heartbeat(period: Duration) -> tokio::time::Interval {
 
 /// Longest a pull request waits on the server for a message.
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
-/// Longest wait for the next message of a pull: its expiry and a margin. A pull request
-/// that the server lost (it restarted) never ends by itself; this ends it.
+/// Longest a pull is read: its expiry and a margin. A pull request that the server lost
+/// (it restarted) never ends by itself; this ends it.
 const PULL_WAIT: Duration = Duration::from_secs(8);
 /// Most messages asked for in one pull.
 const MAX_PULL: usize = 64;
@@ -68,6 +68,14 @@ const MAX_PULL: usize = 64;
 /// subscribe and an unsubscribe for every pull: two more messages a job.) One request
 /// is open at a time: `ask` opens it, `next` reads it until it is answered in full,
 /// expires, or the server ends it.
+///
+/// A request given up on without its end (no answer by its deadline: a server that
+/// restarted, or requests queued while the connection was down and sent on reconnect)
+/// may still be waiting on the server: a later message or status of it would be read
+/// as the next request's, and each such request would hold one message more, unseen
+/// and without progress acks. So the inbox is then replaced: the old one is
+/// unsubscribed (the server drops requests nobody listens to), and what had already
+/// come to it goes back at once.
 pub struct Puller {
     consumer: PullConsumer,
     /// What the messages are acknowledged through.
@@ -76,6 +84,8 @@ pub struct Puller {
     replies: async_nats::Subscriber,
     /// Messages the open request may still bring.
     pending: usize,
+    /// When the open request is given up on.
+    deadline: tokio::time::Instant,
     failures: u32,
 }
 
@@ -84,7 +94,8 @@ impl Puller {
         let inbox = async_nats::Subject::from(client.new_inbox());
         let replies = client.subscribe(inbox.clone()).await?;
         let context = jetstream::new(client);
-        Ok(Puller { consumer, context, inbox, replies, pending: 0, failures: 0 })
+        let deadline = tokio::time::Instant::now();
+        Ok(Puller { consumer, context, inbox, replies, pending: 0, deadline, failures: 0 })
     }
 
     /// Asks for up to `max` messages (the server keeps the request up to the pull
@@ -102,6 +113,7 @@ impl Puller {
             Ok(()) => {
                 self.failures = 0;
                 self.pending = max;
+                self.deadline = tokio::time::Instant::now() + PULL_WAIT;
                 true
             }
             Err(e) => {
@@ -116,12 +128,15 @@ impl Puller {
 
     /// The next message of the open request; `None` once the request is over (answered
     /// in full, expired, ended by the server, or lost with a restarting server: no
-    /// answer within its expiry and a margin).
+    /// answer within its expiry and a margin: then the inbox is replaced).
     pub async fn next(&mut self) -> Option<jetstream::Message> {
         while self.pending > 0 {
-            let reply = match tokio::time::timeout(PULL_WAIT, self.replies.next()).await {
+            let reply = match tokio::time::timeout_at(self.deadline, self.replies.next()).await {
                 Ok(Some(reply)) => reply,
-                Ok(None) | Err(_) => break,
+                Ok(None) | Err(_) => {
+                    self.renew().await;
+                    break;
+                }
             };
             match reply.status {
                 None | Some(async_nats::StatusCode::OK) => {
@@ -139,6 +154,28 @@ impl Puller {
         }
         self.pending = 0;
         None
+    }
+
+    /// A fresh inbox in place of one a request may still be waiting on; what had come
+    /// to the old one is handed back at once.
+    async fn renew(&mut self) {
+        let client = self.context.client();
+        let inbox = async_nats::Subject::from(client.new_inbox());
+        let replies = match client.subscribe(inbox.clone()).await {
+            Ok(replies) => replies,
+            Err(e) => {
+                tracing::warn!(error = %e, "renewing the pull inbox failed; keeping the old one");
+                return;
+            }
+        };
+        let mut old = std::mem::replace(&mut self.replies, replies);
+        self.inbox = inbox;
+        drop(old.unsubscribe().await);
+        while let Some(Some(reply)) = futures::FutureExt::now_or_never(old.next()) {
+            if matches!(reply.status, None | Some(async_nats::StatusCode::OK)) && reply.reply.is_some() {
+                ack(&jetstream::Message { message: reply, context: self.context.clone() }, AckKind::Nak(None)).await;
+            }
+        }
     }
 }
 
@@ -246,5 +283,57 @@ mod tests {
         assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
         stop.cancel();
         assert!(!puller.ask(1, &stop).await, "a stopped loop asks for nothing");
+    }
+
+    /// A request sent while the server was down, given up on, then sent on reconnect,
+    /// waits on the server for nobody: it takes no message that the loop never reads.
+    #[tokio::test]
+    async fn a_request_given_up_on_holds_no_message_after_the_server_comes_back() {
+        let mut server = reviewlane_shared::testing::NatsServer::start();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let js = jetstream::new(client.clone());
+        let stream = js
+            .create_stream(jetstream::stream::Config {
+                name: "T".into(),
+                subjects: vec!["t.>".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut consumer: PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config { durable_name: Some("c".into()), ..Default::default() })
+            .await
+            .unwrap();
+        let mut puller = Puller::new(consumer.clone(), client.clone()).await.unwrap();
+        let stop = CancellationToken::new();
+        server.kill();
+        let down = tokio::time::Instant::now() + Duration::from_secs(5);
+        while client.connection_state() == async_nats::connection::State::Connected {
+            assert!(tokio::time::Instant::now() < down, "the client never saw the server go");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Sent when the connection is back; given up on by its deadline before that.
+        assert!(puller.ask(1, &stop).await);
+        assert!(puller.next().await.is_none());
+        server.restart();
+        let up = tokio::time::Instant::now() + Duration::from_secs(10);
+        while client.connection_state() != async_nats::connection::State::Connected {
+            assert!(tokio::time::Instant::now() < up, "the client did not reconnect");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        client.flush().await.unwrap();
+        for i in 0..2 {
+            js.publish(format!("t.{i}"), format!("{i}").into()).await.unwrap().await.unwrap();
+        }
+        assert!(puller.ask(1, &stop).await);
+        let m = puller.next().await.expect("the message asked for");
+        assert_eq!(&m.payload[..], b"0");
+        m.double_ack().await.unwrap();
+        let info = consumer.info().await.unwrap();
+        assert_eq!(
+            (info.num_pending, info.num_ack_pending),
+            (1, 0),
+            "a message went to a request the loop no longer reads"
+        );
     }
 }
