@@ -242,6 +242,14 @@ mod tests {
         assert_eq!(start.elapsed(), Duration::from_secs(20));
     }
 
+    /// Stream `T` on `t.>` and its durable pull consumer `c`.
+    async fn stream_and_consumer(js: &jetstream::Context) -> PullConsumer {
+        let config = jetstream::stream::Config { name: "T".into(), subjects: vec!["t.>".into()], ..Default::default() };
+        let stream = js.create_stream(config).await.unwrap();
+        let config = jetstream::consumer::pull::Config { durable_name: Some("c".into()), ..Default::default() };
+        stream.create_consumer(config).await.unwrap()
+    }
+
     /// One inbox serves every request of a loop: each request brings what it asked for,
     /// in order, and is over once answered in full (no wait for its expiry); messages
     /// acknowledged through it are gone from the consumer.
@@ -250,21 +258,10 @@ mod tests {
         let server = reviewlane_shared::testing::NatsServer::start();
         let client = async_nats::connect(server.url()).await.unwrap();
         let js = jetstream::new(client.clone());
-        let stream = js
-            .create_stream(jetstream::stream::Config {
-                name: "T".into(),
-                subjects: vec!["t.>".into()],
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        let consumer = stream_and_consumer(&js).await;
         for i in 0..5 {
             js.publish(format!("t.{i}"), format!("{i}").into()).await.unwrap().await.unwrap();
         }
-        let consumer: PullConsumer = stream
-            .create_consumer(jetstream::consumer::pull::Config { durable_name: Some("c".into()), ..Default::default() })
-            .await
-            .unwrap();
         let mut puller = Puller::new(consumer.clone(), client).await.unwrap();
         let stop = CancellationToken::new();
         let mut got = Vec::new();
@@ -292,18 +289,7 @@ mod tests {
         let mut server = reviewlane_shared::testing::NatsServer::start();
         let client = async_nats::connect(server.url()).await.unwrap();
         let js = jetstream::new(client.clone());
-        let stream = js
-            .create_stream(jetstream::stream::Config {
-                name: "T".into(),
-                subjects: vec!["t.>".into()],
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let mut consumer: PullConsumer = stream
-            .create_consumer(jetstream::consumer::pull::Config { durable_name: Some("c".into()), ..Default::default() })
-            .await
-            .unwrap();
+        let mut consumer = stream_and_consumer(&js).await;
         let mut puller = Puller::new(consumer.clone(), client.clone()).await.unwrap();
         let stop = CancellationToken::new();
         server.kill();
