@@ -170,7 +170,8 @@ impl Puller {
         };
         let mut old = std::mem::replace(&mut self.replies, replies);
         self.inbox = inbox;
-        drop(old.unsubscribe().await);
+        // Already closed, or the connection is gone: either way nothing more comes to it.
+        let _ = old.unsubscribe().await;
         while let Some(Some(reply)) = futures::FutureExt::now_or_never(old.next()) {
             if matches!(reply.status, None | Some(async_nats::StatusCode::OK)) && reply.reply.is_some() {
                 ack(&jetstream::Message { message: reply, context: self.context.clone() }, AckKind::Nak(None)).await;

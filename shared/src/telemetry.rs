@@ -269,6 +269,9 @@ where
     }
 
     fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        if !self.keep {
+            return;
+        }
         if let Some(span) = ctx.span(id) {
             let mut ext = span.extensions_mut();
             if let Some(fields) = ext.get_mut::<Fields>() {
