@@ -177,9 +177,11 @@ impl NatsCluster {
         let addrs = crate::nats_client::server_addrs(&cluster.url()).expect("cluster URLs");
         let client = async_nats::connect(addrs).await.expect("connect to the cluster");
         let js = async_nats::jetstream::new(client);
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // Bounded generously: on two busy cores (the suite runs tests in parallel) the
+        // cluster once took over 30 s to place its first stream.
+        let deadline = Instant::now() + Duration::from_secs(60);
         while js.query_account().await.is_err() {
-            assert!(Instant::now() < deadline, "the JetStream cluster elected no meta leader in 30 s");
+            assert!(Instant::now() < deadline, "the JetStream cluster elected no meta leader in 60 s");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         // A meta leader may not know its peers yet ("no suitable peers for placement"):
@@ -198,7 +200,7 @@ impl NatsCluster {
                     break;
                 }
                 Err(e) => {
-                    assert!(Instant::now() < deadline, "no stream on three nodes could be placed in 30 s: {e}");
+                    assert!(Instant::now() < deadline, "no stream on three nodes could be placed in 60 s: {e}");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
