@@ -250,9 +250,13 @@ pub struct JobRecord {
     /// the schema budget's summary, without content.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_invalid_output: Option<String>,
-    /// When a publisher claimed the delivery: from then on a cancel no longer applies.
+    /// When a publisher first claimed the delivery: from then on a cancel no longer
+    /// applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delivery_started_at_ms: Option<u64>,
+    /// The delivery claim: who delivers, until when, and the deliveries tried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<DeliveryClaim>,
     /// Status class of the last upstream answer: `2xx`, `4xx`, `429`, `5xx`, `timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_upstream_status: Option<String>,
@@ -298,6 +302,19 @@ pub struct JobRecord {
     /// The full-depth review that follows this degraded one (tenant option `deeper_pass`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deeper_review: Option<String>,
+}
+
+/// A publisher's claim on a job's delivery: one holder at a time until it expires (a
+/// publisher that dies after claiming is taken over then), and the deliveries tried,
+/// which the delivery budget counts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeliveryClaim {
+    /// The publisher replica that holds (or last held) it.
+    pub owner: String,
+    /// Until when it holds; from then on another publisher may take over.
+    pub expires_at_ms: u64,
+    /// Deliveries tried so far, the holder's included.
+    pub attempts: u32,
 }
 
 /// How a review was split and which parts are done: the checkpoint that lets a crash, a
@@ -389,8 +406,13 @@ pub enum Event {
     /// findings of this generation are kept on `FINDINGS_<R>`; `dropped` findings were
     /// over the cap.
     Validated { generation: u32, findings: u32, quarantined: u32, dropped: u32 },
-    /// A publisher claimed the delivery of the validated result.
-    Delivering,
+    /// A publisher claims the delivery of the validated result until `expires_at_ms`,
+    /// counting one attempt; refused while another publisher's claim is live.
+    Delivering { owner: String, expires_at_ms: u64 },
+    /// The holder of delivery attempt `attempt` lets its claim go (it expires now) after
+    /// a failed delivery (`counted`), or after one that sent nothing (the attempt given
+    /// back). Refused once another publisher has taken the claim over.
+    DeliveryReleased { owner: String, attempt: u32, counted: bool },
     /// The findings were delivered.
     Published,
     /// The caller cancels: the job ends `cancelled` unless its delivery has started
@@ -424,6 +446,12 @@ pub enum TransitionError {
     /// Its delivery has started: too late to cancel.
     #[error("the job's delivery has started")]
     Delivering,
+    /// Another publisher holds the delivery claim.
+    #[error("the delivery is claimed until {until_ms}")]
+    DeliveryClaimed { until_ms: u64 },
+    /// The claim being released is not the record's any more (taken over).
+    #[error("the delivery claim was taken over")]
+    DeliveryTakenOver,
 }
 
 /// What a new job record is made of: the review as submitted (`JobRecord::waiting`).
@@ -474,6 +502,7 @@ impl JobRecord {
             owner: None,
             last_invalid_output: None,
             delivery_started_at_ms: None,
+            delivery: None,
             last_upstream_status: None,
             schema_version,
             input_digest,
@@ -603,8 +632,25 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
             next.lease_expires_at_ms = None;
             next.last_upstream_status = Some("2xx".into());
         }
-        (Validated, Event::Delivering) => {
+        (Validated, Event::Delivering { owner, expires_at_ms }) => {
+            let (until_ms, attempts) = claimed(rec, expires_at_ms.saturating_sub(now_ms));
+            if now_ms < until_ms {
+                return Err(TransitionError::DeliveryClaimed { until_ms });
+            }
+            next.delivery =
+                Some(DeliveryClaim { owner: owner.clone(), expires_at_ms: *expires_at_ms, attempts: attempts + 1 });
             next.delivery_started_at_ms.get_or_insert(now_ms);
+        }
+        (Validated, Event::DeliveryReleased { owner, attempt, counted }) => {
+            let claim = next
+                .delivery
+                .as_mut()
+                .filter(|c| c.owner == *owner && c.attempts == *attempt)
+                .ok_or(TransitionError::DeliveryTakenOver)?;
+            claim.expires_at_ms = now_ms;
+            if !counted {
+                claim.attempts = claim.attempts.saturating_sub(1);
+            }
         }
         (Validated, Event::Published) => next.state = Published,
         (Validated, Event::Cancel) if rec.delivery_started_at_ms.is_some() => {
@@ -631,6 +677,18 @@ pub fn transition(rec: &JobRecord, event: &Event, now_ms: u64) -> Result<JobReco
         (state, _) => return Err(TransitionError::NotAllowed(state)),
     }
     Ok(next)
+}
+
+/// Until when a validated record's delivery is claimed, and the deliveries tried. A
+/// record marked delivering without a claim of its own was marked by a publisher that
+/// kept its claims in `PUBLISHED_<R>` (earlier releases): it counts as claimed for one
+/// claim period (`claim_ms`) from that write, with one delivery tried.
+fn claimed(rec: &JobRecord, claim_ms: u64) -> (u64, u32) {
+    match (&rec.delivery, rec.delivery_started_at_ms) {
+        (Some(c), _) => (c.expires_at_ms, c.attempts),
+        (None, Some(_)) => (rec.updated_at_ms.saturating_add(claim_ms), 1),
+        (None, None) => (0, 0),
+    }
 }
 
 #[cfg(test)]
@@ -788,6 +846,62 @@ mod tests {
         assert_eq!(transition(&published, &cancel(), 1), Err(TransitionError::AlreadyFinal(JobState::Published)));
     }
 
+    fn claim(owner: &str, expires_at_ms: u64) -> Event {
+        Event::Delivering { owner: owner.into(), expires_at_ms }
+    }
+
+    fn release(owner: &str, attempt: u32, counted: bool) -> Event {
+        Event::DeliveryReleased { owner: owner.into(), attempt, counted }
+    }
+
+    fn validated() -> JobRecord {
+        apply(
+            &apply(&rec(), lease("x", 5)),
+            Event::Validated { generation: 1, findings: 1, quarantined: 0, dropped: 0 },
+        )
+    }
+
+    #[test]
+    fn one_publisher_holds_a_delivery_until_its_claim_expires_and_attempts_are_counted() {
+        let a = transition(&validated(), &claim("a", 1_100), 100).unwrap();
+        let held = a.delivery.clone().unwrap();
+        assert_eq!((held.owner.as_str(), held.expires_at_ms, held.attempts), ("a", 1_100, 1));
+        // Another publisher (or another copy of the message) waits while it is live.
+        assert_eq!(transition(&a, &claim("b", 1_600), 600), Err(TransitionError::DeliveryClaimed { until_ms: 1_100 }));
+        // Past it, the claim is taken over, the attempt counted.
+        let b = transition(&a, &claim("b", 2_100), 1_100).unwrap();
+        assert_eq!(b.delivery.as_ref().map(|c| (c.owner.as_str(), c.attempts)), Some(("b", 2)));
+        // The overrun holder cannot release what is no longer its claim.
+        assert_eq!(transition(&b, &release("a", 1, true), 1_200), Err(TransitionError::DeliveryTakenOver));
+        // A failed delivery lets the claim go at once, counted; a deferred one gives the
+        // attempt back.
+        let failed = transition(&b, &release("b", 2, true), 1_200).unwrap();
+        assert_eq!(failed.delivery.as_ref().map(|c| (c.expires_at_ms, c.attempts)), Some((1_200, 2)));
+        let c = transition(&failed, &claim("c", 2_200), 1_200).unwrap();
+        assert_eq!(c.delivery.as_ref().map(|c| c.attempts), Some(3));
+        let deferred = transition(&c, &release("c", 3, false), 1_300).unwrap();
+        assert_eq!(deferred.delivery.as_ref().map(|c| (c.expires_at_ms, c.attempts)), Some((1_300, 2)));
+        // A published job is claimed no more.
+        let published = transition(&c, &Event::Published, 1_400).unwrap();
+        assert_eq!(
+            transition(&published, &claim("d", 9_000), 5_000),
+            Err(TransitionError::AlreadyFinal(JobState::Published))
+        );
+    }
+
+    #[test]
+    fn a_record_marked_delivering_by_an_earlier_release_counts_as_claimed_for_one_period() {
+        // Earlier publishers kept the claim in `PUBLISHED_<R>` and marked the record only.
+        let legacy = JobRecord { delivery_started_at_ms: Some(1_000), updated_at_ms: 1_000, ..validated() };
+        assert_eq!(
+            transition(&legacy, &claim("new", 1_500 + 30_000), 1_500),
+            Err(TransitionError::DeliveryClaimed { until_ms: 31_000 })
+        );
+        let taken = transition(&legacy, &claim("new", 31_000 + 30_000), 31_000).unwrap();
+        assert_eq!(taken.delivery.as_ref().map(|c| (c.owner.as_str(), c.attempts)), Some(("new", 2)));
+        assert_eq!(taken.delivery_started_at_ms, Some(1_000));
+    }
+
     #[test]
     fn a_cancel_ends_the_job_until_its_delivery_has_started() {
         let validated = apply(
@@ -796,11 +910,11 @@ mod tests {
         );
         let cancelled = apply(&validated, Event::Cancel);
         assert_eq!((cancelled.state, cancelled.reason), (JobState::Terminal, Some(TerminalReason::Cancelled)));
-        let delivering = apply(&validated, Event::Delivering);
+        let delivering = apply(&validated, claim("a", 150));
         assert_eq!((delivering.state, delivering.delivery_started_at_ms), (JobState::Validated, Some(100)));
         assert_eq!(transition(&delivering, &Event::Cancel, 200), Err(TransitionError::Delivering));
         // A second claim (a take-over) keeps the first start time.
-        assert_eq!(transition(&delivering, &Event::Delivering, 300).unwrap().delivery_started_at_ms, Some(100));
+        assert_eq!(transition(&delivering, &claim("b", 400), 300).unwrap().delivery_started_at_ms, Some(100));
         // The publisher's own failure still ends it.
         let failed =
             Event::Terminate { reason: TerminalReason::DeliveryRejected, upstream_status: None, generation: None };

@@ -17,7 +17,7 @@ pub mod point {
     pub const EXTRACTOR_KEEP: &str = "extractor.keep";
     /// Extractor: recording `validated` after the answer is kept.
     pub const EXTRACTOR_RECORD_VALIDATED: &str = "extractor.record_validated";
-    /// Publisher: recording a delivery the sink took (its claim `published`).
+    /// Publisher: recording a delivery the sink took (the job `published`).
     pub const PUBLISHER_RECORD_DELIVERED: &str = "publisher.record_delivered";
     /// Sweep coordinator: putting an item it handed to the lanes on the batch lane
     /// (failing it stands for the coordinator dying, or the lane refusing, between the

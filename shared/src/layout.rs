@@ -121,7 +121,8 @@ pub struct LayoutConfig {
     /// are removed this long after their last change, which for a finished job is the
     /// change that finished it.
     pub jobs_max_age: Duration,
-    /// Published markers (the publisher's once-only claims).
+    /// What the region's publishers share besides the job records: the pacing of
+    /// GitHub deliveries (and delivery claims written by releases that kept them here).
     pub published_max_age: Duration,
     /// Results (findings and quarantined findings, inline or as objects).
     pub findings_max_age: Duration,
@@ -221,11 +222,8 @@ impl LayoutConfig {
                 out.push(format!("{key} must be positive"));
             }
         }
-        // A result outliving its job record or its published marker could be delivered
-        // again, or delivered for a job nobody can look up.
-        if self.published_max_age < self.findings_max_age {
-            out.push("REVIEWLANE_PUBLISHED_MAX_AGE_SECS must be at least REVIEWLANE_FINDINGS_MAX_AGE_SECS (a result outliving its published marker could be delivered twice)".into());
-        }
+        // A result outliving its job record (which holds the delivery claim and the
+        // `published` state) would be delivered for a job nobody can look up.
         if self.jobs_max_age < self.findings_max_age {
             out.push("REVIEWLANE_JOBS_MAX_AGE_SECS must be at least REVIEWLANE_FINDINGS_MAX_AGE_SECS".into());
         }

@@ -1,4 +1,5 @@
-//! Publish once, for real: delivery claims that expire, the delivery budget counted in
+//! Publish once, for real: delivery claims (on the job record) that expire, the delivery
+//! budget counted in
 //! deliveries, redirects not followed, private targets refused, and both orders of a
 //! cancel racing a delivery.
 
@@ -6,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use reviewlane_api::proto::JobState;
 use reviewlane_core::clock;
+use reviewlane_core::job::{Event, JobState as State};
 use reviewlane_core::region::Region;
-use reviewlane_publisher::claim::{Publication, PublicationState};
 use reviewlane_shared::telemetry::now_ms;
 
 use crate::harness::*;
@@ -62,14 +63,8 @@ async fn a_publisher_that_died_after_claiming_is_taken_over_once_its_claim_expir
     let s = manual::stores(stack.us.nats.url(), Region::Us, clock::system()).await;
     let now = now_ms();
     let (rec, g) = manual::validated(&s, "claimed", now).await;
-    let dead = Publication {
-        state: PublicationState::Publishing,
-        at_ms: now,
-        owner: "dead".into(),
-        expires_at_ms: now + 2_000,
-        attempts: 1,
-    };
-    s.layout.published.create(&rec.job_id, serde_json::to_vec(&dead).unwrap().into()).await.unwrap();
+    let dead = Event::Delivering { owner: "dead".into(), expires_at_ms: now + 2_000 };
+    s.jobs.apply(&rec.job_id, &dead).await.unwrap();
     let claimed_at = Instant::now();
     s.results.keep(&manual::result(&rec, g), &async_nats::HeaderMap::new()).await.unwrap();
 
@@ -79,15 +74,14 @@ async fn a_publisher_that_died_after_claiming_is_taken_over_once_its_claim_expir
     );
     let delivered_at = stack.webhook.for_job(&rec.job_id)[0].at;
     assert!(delivered_at >= claimed_at + Duration::from_millis(1_900), "taken over before the claim expired");
-    // The claim is recorded published just after the receiver's 2xx: wait for it.
+    // The job is recorded published just after the receiver's 2xx: wait for it.
     let published = poll_until(Duration::from_secs(5), || async {
-        let entry = s.layout.published.get(&rec.job_id).await.ok()??;
-        let p: Publication = serde_json::from_slice(&entry).ok()?;
-        (p.state == PublicationState::Published).then_some(p)
+        let (found, _) = s.jobs.get(&rec.job_id).await.ok()??;
+        (found.state == State::Published).then_some(found)
     });
-    let p = published.await.expect("the claim is recorded published");
-    assert_eq!(p.attempts, 2);
-    assert_ne!(p.owner, "dead");
+    let claim = published.await.expect("the job is recorded published").delivery.expect("claimed on the record");
+    assert_eq!(claim.attempts, 2, "the dead publisher's attempt is counted");
+    assert_ne!(claim.owner, "dead");
     let mut client = stack.client().await;
     assert_eq!(wait_final(&mut client, US_KEY, &rec.job_id).await.state, JobState::Published as i32);
     stack.shutdown().await;
@@ -108,7 +102,8 @@ async fn a_cancel_before_the_delivery_is_claimed_wins() {
     // The publisher claims nothing for a cancelled job: wait until its consumer settled it.
     publisher_settled(&stack, Region::Us).await;
     assert!(stack.webhook.attempts_for(&rec.job_id).is_empty(), "a cancelled job was delivered");
-    assert!(s.layout.published.get(&rec.job_id).await.unwrap().is_none(), "no claim for a cancelled job");
+    let (found, _) = s.jobs.get(&rec.job_id).await.unwrap().unwrap();
+    assert_eq!((found.delivery, found.delivery_started_at_ms), (None, None), "no claim for a cancelled job");
     assert_eq!(get(&mut client, US_KEY, &rec.job_id).await.unwrap().terminal_reason, "cancelled");
     stack.shutdown().await;
 }

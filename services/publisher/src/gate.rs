@@ -1,6 +1,6 @@
 //! The publisher's pure gate: what a findings message comes to before anything is
-//! delivered — from the job record as read, the claim as taken, the delivery budget and
-//! the time. `Open` goes on; anything else is settled as it says, in the worker's one
+//! delivered — from the job record as read, the claim as taken (on the record), the
+//! delivery budget and the time. `Open` goes on; anything else is settled as it says, in the worker's one
 //! settlement site.
 
 use std::time::Duration;
@@ -40,13 +40,11 @@ pub const CLAIM_MARGIN: Duration = Duration::from_millis(250);
 pub struct Done {
     pub ack: Ack,
     pub outcome: Outcome,
-    /// Recorded on the job first: it was published (the record lags behind a crash).
-    pub mark_published: bool,
 }
 
 impl Done {
     pub fn new(ack: Ack, outcome: Outcome) -> Done {
-        Done { ack, outcome, mark_published: false }
+        Done { ack, outcome }
     }
 }
 
@@ -75,16 +73,21 @@ pub fn by_record(rec: Option<&JobRecord>, generation: u32) -> Gate {
     }
 }
 
-/// The delivery claim as taken at `now_ms`.
-pub fn by_claim(claimed: &Claimed, now_ms: u64) -> Gate {
+/// The delivery claim as taken at `now_ms`, for the findings of lease generation
+/// `generation`.
+pub fn by_claim(claimed: &Claimed, generation: u32, now_ms: u64) -> Gate {
     match claimed {
         Claimed::Mine(_) => Gate::Open,
         Claimed::Busy { until_ms } => {
             let wait = Duration::from_millis(until_ms.saturating_sub(now_ms)) + CLAIM_MARGIN;
             Gate::Done(Done::new(Ack::Nak(Some(wait)), Outcome::Deferred(wait)))
         }
-        Claimed::Published => Gate::Done(Done { ack: Ack::Ack, outcome: Outcome::Duplicate, mark_published: true }),
-        Claimed::Failed => Gate::Done(Done::new(Ack::Ack, Outcome::Dropped)),
+        // Published or ended meanwhile: as the record now says. A record that would
+        // still let the delivery through was not claimed: handed back.
+        Claimed::Moved(current) => match by_record(Some(current), generation) {
+            Gate::Open => Gate::Done(Done::new(Ack::Nak(Some(NOT_READY_RETRY)), Outcome::Released)),
+            settled => settled,
+        },
     }
 }
 
@@ -132,18 +135,21 @@ mod tests {
 
     #[test]
     fn the_claim_lets_through_only_our_own() {
-        assert_eq!(by_claim(&Claimed::Mine(Claim { revision: 1, attempt: 1 }), 0), Gate::Open);
+        let g = rec(JobState::Validated).generation();
+        assert_eq!(by_claim(&Claimed::Mine(Box::new(Claim { attempt: 1, record: None })), g, 0), Gate::Open);
         let wait = Duration::from_millis(1_500) + CLAIM_MARGIN;
         assert_eq!(
-            by_claim(&Claimed::Busy { until_ms: 2_500 }, 1_000),
+            by_claim(&Claimed::Busy { until_ms: 2_500 }, g, 1_000),
             done(Ack::Nak(Some(wait)), Outcome::Deferred(wait))
         );
+        let moved = |state| Claimed::Moved(Box::new(rec(state)));
+        assert_eq!(by_claim(&moved(JobState::Published), g, 0), done(Ack::Ack, Outcome::Duplicate));
+        assert_eq!(by_claim(&moved(JobState::Terminal), g, 0), done(Ack::Ack, Outcome::Dropped), "cancelled first");
         assert_eq!(
-            by_claim(&Claimed::Published, 0),
-            Gate::Done(Done { ack: Ack::Ack, outcome: Outcome::Duplicate, mark_published: true }),
-            "delivered before: the record catches up"
+            by_claim(&moved(JobState::Validated), g, 0),
+            done(Ack::Nak(Some(NOT_READY_RETRY)), Outcome::Released),
+            "not claimed: handed back, never delivered unclaimed"
         );
-        assert_eq!(by_claim(&Claimed::Failed, 0), done(Ack::Ack, Outcome::Dropped));
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! reviewlane publisher, one per region: delivers each job's validated findings to the
-//! tenant's sink exactly once, deduplicating through KV `PUBLISHED_<R>`.
+//! tenant's sink exactly once, claiming each delivery on the job record (KV `JOBS_<R>`).
 
 pub mod claim;
 pub mod config;

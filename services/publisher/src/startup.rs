@@ -58,7 +58,6 @@ pub async fn build(config: PublisherConfig) -> Result<App, StartError> {
             reviewlane_shared::results::message_max(&conn.client, &conn.layout),
         ),
         claims: crate::claim::Claims {
-            kv: conn.layout.published.clone(),
             me: format!("{:016x}", rand::random::<u64>()),
             lease_ms: config.lease.as_millis() as u64,
             clock: reviewlane_core::clock::system(),

@@ -1,10 +1,10 @@
 //! The publisher's unit of work: one `FINDINGS_<R>` message -> at most one delivery.
 //!
-//! Publish-once: a delivery is claimed in `PUBLISHED_<R>` (`claim`: one owner, an
-//! expiry, an attempt count), then marked on the job record (`Delivering`: from here a
-//! cancel no longer applies), delivered, and the claim and the job move to
-//! `published`. A later copy of the message finds `published` and delivers nothing; a
-//! result of a lease generation the job did not validate is never delivered.
+//! Publish-once: a delivery is claimed on the job record (`claim`: one write naming an
+//! owner, an expiry and the attempt; from here a cancel no longer applies), delivered,
+//! and the job moves to `published` by a compare-and-set from the claim's revision. A
+//! later copy of the message finds `published` and delivers nothing; a result of a
+//! lease generation the job did not validate is never delivered.
 //! Deliveries carry the job id (`Idempotency-Key`) for the rare repeat after a crash
 //! between delivery and record. A failed delivery is a nak with a delay: nobody sleeps
 //! holding a lease.
@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use reviewlane_core::job::{Event, JobRecord, JobState, TerminalReason, TransitionError};
+use reviewlane_core::job::{Event, JobRecord, JobState, TerminalReason};
 use reviewlane_core::messages::{Delivery, FindingsMessage};
 use reviewlane_core::region::Region;
 use reviewlane_core::tenants::Tenants;
@@ -23,7 +23,7 @@ use reviewlane_shared::telemetry::now_ms;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
-use crate::claim::{Claim, Claimed, Claims, PublicationState};
+use crate::claim::{Claim, Claimed, Claims};
 pub use crate::gate::Outcome;
 use crate::gate::{self, Ack, Done, Gate, NOT_READY_RETRY};
 use crate::metrics::Metrics;
@@ -133,74 +133,57 @@ impl Worker {
         if let Gate::Done(done) = gate::by_record(found.as_ref().map(|(rec, _)| rec), f.generation) {
             return Ok(self.noted(done));
         }
-        let (rec, revision) = found.expect("the gate opens only for a record");
-        let claimed = self.claims.claim(id).await?;
-        if let Gate::Done(done) = gate::by_claim(&claimed, self.claims.clock.now_ms()) {
-            if done.mark_published {
-                // Delivered before; the job record may lag behind a crash.
-                self.mark_job(id, &Event::Published).await?;
-            }
+        let found = found.expect("the gate opens only for a record");
+        let deadline_ms = found.0.deadline_ms;
+        // The claim: from here a cancel no longer applies; one that came first wins.
+        let claimed = self.claims.claim(&self.jobs, id, found).await?;
+        let now = self.claims.clock.now_ms();
+        if let Gate::Done(done) = gate::by_claim(&claimed, f.generation, now) {
             return Ok(self.noted(done));
         }
-        let Claimed::Mine(claim) = claimed else { unreachable!("the gate opens only for our claim") };
-        let now = self.claims.clock.now_ms();
-        if let Gate::Fail(reason) = gate::by_budget(claim.attempt, self.delivery_attempts, rec.deadline_ms, now) {
-            return self.fail(f, &claim, reason).await;
+        let Claimed::Mine(mut claim) = claimed else { unreachable!("the gate opens only for our claim") };
+        if let Gate::Fail(reason) = gate::by_budget(claim.attempt, self.delivery_attempts, deadline_ms, now) {
+            return self.fail(f, &mut claim, reason).await;
         }
-        let rec_deadline = rec.deadline_ms;
-        // From here a cancel no longer applies; one that came first wins.
-        let known = match self.jobs.apply_tracked(id, Some((rec, revision)), &Event::Delivering, None).await {
-            Ok(written) => Some(written),
-            Err(StoreError::Transition(_, current)) if current.state == JobState::Terminal => {
-                self.claims.close(id, &claim, PublicationState::Failed).await?;
-                return Ok(self.noted(Done::new(Ack::Ack, Outcome::Dropped)));
-            }
-            Err(StoreError::Transition(TransitionError::AlreadyFinal(JobState::Published), _)) => {
-                self.claims.close(id, &claim, PublicationState::Published).await?;
-                return Ok(self.noted(Done::new(Ack::Ack, Outcome::Duplicate)));
-            }
-            Err(e) => return Err(e),
-        };
         match self.deliver(f, claim.attempt).await {
-            SinkOutcome::Delivered => self.record_delivered(msg, f, &claim, known, rec_deadline).await,
+            SinkOutcome::Delivered => self.record_delivered(msg, f, *claim, deadline_ms).await,
             SinkOutcome::Transient(class) => {
                 let delay = self.backoff(claim.attempt);
                 tracing::warn!(status_class = class, attempt = claim.attempt, "delivery failed");
-                self.retry_later(f, &claim, delay).await
+                self.retry_later(f, &mut claim, delay).await
             }
             SinkOutcome::RetryAfter(delay) => {
                 // The receiver's own limit: its delay, within the same delivery budget.
                 tracing::warn!(attempt = claim.attempt, "sink rate-limited");
-                self.retry_later(f, &claim, delay).await
+                self.retry_later(f, &mut claim, delay).await
             }
             SinkOutcome::Deferred(delay) => {
                 // Nothing was refused: the attempt is given back, the message handed back.
                 tracing::info!(delay_ms = delay.as_millis() as u64, "delivery deferred (receiver paused or paced)");
-                self.claims.give_back(&f.job_id, &claim).await?;
+                self.claims.release(&self.jobs, id, &mut claim, false).await?;
                 Ok(Done::new(Ack::Nak(Some(delay)), Outcome::Deferred(delay)))
             }
             SinkOutcome::Permanent(status) => {
                 tracing::warn!(status, "sink refused the delivery");
-                self.fail(f, &claim, TerminalReason::DeliveryRejected).await
+                self.fail(f, &mut claim, TerminalReason::DeliveryRejected).await
             }
             SinkOutcome::Refused(why) => {
                 tracing::warn!(why, "delivery target not allowed for this tenant");
-                self.fail(f, &claim, TerminalReason::DeliveryRejected).await
+                self.fail(f, &mut claim, TerminalReason::DeliveryRejected).await
             }
         }
     }
 
     /// The record step: the sink has the findings, so recording that must not fail over
     /// a store outage or a full store, or the message comes back and is delivered again.
-    /// The writes are retried while the message is held (its lease and the claim kept
-    /// alive) until the store takes them or the job's deadline passes — after which a
-    /// message that comes back is not delivered (too late).
+    /// The write is retried while the message is held (its lease kept alive) until the
+    /// store takes it or the job's deadline passes — after which a message that comes
+    /// back is not delivered (too late).
     async fn record_delivered(
         &self,
         msg: &jetstream::Message,
         f: &FindingsMessage,
-        claim: &Claim,
-        mut known: Option<(JobRecord, u64)>,
+        mut claim: Claim,
         deadline_ms: Option<u64>,
     ) -> Result<Done, StoreError> {
         let id = f.job_id.as_str();
@@ -218,12 +201,14 @@ impl Worker {
                 let _ = msg.ack_with(AckKind::Progress).await;
             }
         };
-        let record = || async {
-            self.faults.check(reviewlane_shared::faults::point::PUBLISHER_RECORD_DELIVERED)?;
-            self.claims.close(id, claim, PublicationState::Published).await
+        let record = || {
+            let known = claim.record.take();
+            async {
+                self.faults.check(reviewlane_shared::faults::point::PUBLISHER_RECORD_DELIVERED)?;
+                self.mark_job_from(id, known, &Event::Published).await
+            }
         };
         self.store_retry.run_until(until, record, retry).await?;
-        self.store_retry.run_until(until, || self.mark_job_from(id, known.take(), &Event::Published), retry).await?;
         self.metrics.published(f.lane, Duration::from_millis(now_ms().saturating_sub(f.submitted_at_ms)));
         tracing::info!(
             outcome = "published",
@@ -279,20 +264,20 @@ impl Worker {
     }
 
     /// A delivery that may be tried again: after `delay`, within the delivery budget.
-    async fn retry_later(&self, f: &FindingsMessage, claim: &Claim, delay: Duration) -> Result<Done, StoreError> {
+    async fn retry_later(&self, f: &FindingsMessage, claim: &mut Claim, delay: Duration) -> Result<Done, StoreError> {
         if claim.attempt >= self.delivery_attempts {
             return self.fail(f, claim, TerminalReason::DeliveryBudgetExhausted).await;
         }
         tracing::warn!(attempt = claim.attempt, delay_ms = delay.as_millis() as u64, "delivery retry scheduled");
-        self.claims.close(&f.job_id, claim, PublicationState::Publishing).await?;
+        self.claims.release(&self.jobs, &f.job_id, claim, true).await?;
         self.metrics.retry(delay);
         Ok(Done::new(Ack::Nak(Some(delay)), Outcome::RetryScheduled(delay)))
     }
 
-    async fn fail(&self, f: &FindingsMessage, claim: &Claim, reason: TerminalReason) -> Result<Done, StoreError> {
+    async fn fail(&self, f: &FindingsMessage, claim: &mut Claim, reason: TerminalReason) -> Result<Done, StoreError> {
         let id = f.job_id.as_str();
-        self.claims.close(id, claim, PublicationState::Failed).await?;
-        self.mark_job(id, &Event::Terminate { reason, upstream_status: None, generation: None }).await?;
+        let end = Event::Terminate { reason, upstream_status: None, generation: None };
+        self.mark_job_from(id, claim.record.take(), &end).await?;
         self.metrics.failed(f.lane, reason);
         tracing::warn!(outcome = "failed", reason = reason.as_str(), "delivery failed for good");
         Ok(Done::new(Ack::Ack, Outcome::Failed(reason)))
@@ -327,11 +312,8 @@ impl Worker {
         }
     }
 
-    async fn mark_job(&self, id: &str, event: &Event) -> Result<(), StoreError> {
-        self.mark_job_from(id, None, event).await
-    }
-
-    /// `mark_job` from a record and revision this delivery wrote (`None`: read first).
+    /// Applies `event` to the job record, from a record and revision this delivery wrote
+    /// (`None`: read first); a transition the record no longer allows is left as it is.
     async fn mark_job_from(&self, id: &str, known: Option<(JobRecord, u64)>, event: &Event) -> Result<(), StoreError> {
         match self.jobs.apply_tracked(id, known, event, None).await {
             Ok(_) | Err(StoreError::Transition(..)) => Ok(()),
