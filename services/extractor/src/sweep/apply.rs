@@ -15,8 +15,12 @@ use reviewlane_shared::job_store::StoreError;
 use super::{Coordinator, RoundError};
 use crate::config::ResubmitVia;
 
-/// While interactive reviews are about, one result line applied per this: 100 a second.
+/// While interactive reviews are about, the least gap after a result line: at most 100
+/// lines a second.
 const APPLY_GAP: std::time::Duration = std::time::Duration::from_millis(10);
+/// While interactive reviews are about, the gap after a line is at least this many
+/// times what applying it took.
+const APPLY_SHARE: u32 = 5;
 /// Interactive reviews are about when one asked for a call slot within this.
 const INTERACTIVE_ABOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -44,20 +48,22 @@ impl Coordinator {
         }
         let mut renewed = std::time::Instant::now();
         for (job_id, line) in matched.items {
+            let started = tokio::time::Instant::now();
             self.apply_line(sweep, chunk, &job_id, line).await?;
-            self.give_way(&mut renewed).await?;
+            self.give_way(&mut renewed, started.elapsed()).await?;
         }
         Ok(())
     }
 
     /// Between two lines: while interactive reviews are about on this replica, waits
-    /// `APPLY_GAP` (results, and the deliveries that follow them, come at a bounded
-    /// pace instead of all at once ahead of interactive findings); and renews the lead
-    /// every third of its life, so that a long apply keeps it (one that lost it stops:
-    /// the new lead applies the rest, and a line applied again changes nothing).
-    async fn give_way(&self, renewed: &mut std::time::Instant) -> Result<(), RoundError> {
+    /// `apply_gap` of what the line took (results, and the deliveries that follow them,
+    /// come at a bounded pace instead of all at once ahead of interactive findings); and
+    /// renews the lead every third of its life, so that a long apply keeps it (one that
+    /// lost it stops: the new lead applies the rest, and a line applied again changes
+    /// nothing).
+    async fn give_way(&self, renewed: &mut std::time::Instant, took: std::time::Duration) -> Result<(), RoundError> {
         if self.interactive.as_ref().is_some_and(|s| s.interactive_within(INTERACTIVE_ABOUT)) {
-            tokio::time::sleep(APPLY_GAP).await;
+            tokio::time::sleep(apply_gap(took)).await;
         }
         if renewed.elapsed() >= self.lead_ttl / 3 {
             self.still_leading().await?;
@@ -273,5 +279,30 @@ impl Coordinator {
     /// A line's cost at the batch price.
     fn cost(&self, t: Tokens) -> u64 {
         self.price.map_or(0, |p| p.cost_micro_usd(t) * u64::from(self.settings.price_percent) / 100)
+    }
+}
+
+/// The gap after a result line that took `took` to apply, while interactive reviews are
+/// about: `APPLY_SHARE` times that, at least `APPLY_GAP`. A line's writes take longer as
+/// the store and the cores get busier, so results come slower exactly when they would
+/// crowd interactive work, whatever the machine: applying takes at most one part in
+/// `APPLY_SHARE + 1` of the time.
+fn apply_gap(took: std::time::Duration) -> std::time::Duration {
+    APPLY_GAP.max(took.saturating_mul(APPLY_SHARE))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn results_are_applied_slower_as_each_line_takes_longer() {
+        // A quick store: the floor, 100 lines a second.
+        assert_eq!(apply_gap(Duration::from_micros(800)), Duration::from_millis(10));
+        assert_eq!(apply_gap(Duration::from_millis(2)), Duration::from_millis(10));
+        // A busy one: five times what the line took (about 43 lines a second at 4 ms).
+        assert_eq!(apply_gap(Duration::from_millis(4)), Duration::from_millis(20));
+        assert_eq!(apply_gap(Duration::from_millis(30)), Duration::from_millis(150));
     }
 }
