@@ -32,7 +32,9 @@ pub struct SweepConfig {
     pub key_limit: u32,
     /// Each other tenant submits one small review this often.
     pub interactive_every: Duration,
-    /// How long the other tenants send reviews with no sweep running.
+    /// How long the other tenants send reviews with no sweep running: long enough that
+    /// the p99 alone, the divisor of `p99_ratio`, is a quantile of a few hundred reviews
+    /// (about 480), not the second slowest of 120.
     pub alone_for: Duration,
     /// The extractors' `REVIEWLANE_PROVIDER_BATCH`.
     pub provider_batch: String,
@@ -40,7 +42,7 @@ pub struct SweepConfig {
 
 impl SweepConfig {
     /// 5,000 items in pages of 500; calls of 50 ms; a key limit of 8; each other tenant
-    /// one review every 250 ms; batches polled from 500 ms, doubling to 2 s.
+    /// one review every 250 ms, for 60 s alone; batches polled from 500 ms, doubling to 2 s.
     pub fn full() -> Self {
         SweepConfig {
             items: 5_000,
@@ -48,7 +50,7 @@ impl SweepConfig {
             provider_latency: Duration::from_millis(50),
             key_limit: 8,
             interactive_every: Duration::from_millis(250),
-            alone_for: Duration::from_secs(15),
+            alone_for: Duration::from_secs(60),
             provider_batch: "poll=500ms..2s".into(),
         }
     }
