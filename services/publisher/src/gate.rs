@@ -1,7 +1,7 @@
 //! The publisher's pure gate: what a findings message comes to before anything is
 //! delivered — from the job record as read, the claim as taken (on the record), the
-//! delivery budget and the time. `Open` goes on; anything else is settled as it says, in the worker's one
-//! settlement site.
+//! delivery budget and the time. `Open` goes on; anything else is settled as it says,
+//! in the worker's one settlement site.
 
 use std::time::Duration;
 
