@@ -47,6 +47,8 @@ struct SlotState {
     interactive_reserve: usize,
     /// When an interactive review last asked for a slot.
     interactive_seen: Option<tokio::time::Instant>,
+    /// Interactive reviews admitted and not yet settled.
+    interactive_in_flight: usize,
     /// Waiting messages in arrival order, by ticket. The first interactive one is served
     /// first; without interactive waiters, the first of all. Only messages whose scope
     /// has room wait here, so none blocks the queue.
@@ -81,6 +83,16 @@ impl Drop for Slot {
     }
 }
 
+/// An interactive review in flight (see `Slots::interactive_started`).
+pub struct InFlight(Arc<Slots>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.state.lock().expect("slots lock").interactive_in_flight -= 1;
+        self.0.changed.notify_waiters();
+    }
+}
+
 impl Slots {
     /// `n` call slots; batch keeps `batch_min` of them whenever it has work (at most `n`)
     /// and, beyond that minimum, leaves `interactive_reserve` free (at most what is left).
@@ -92,6 +104,7 @@ impl Slots {
             batch_min,
             interactive_reserve: interactive_reserve.min(n - batch_min),
             interactive_seen: None,
+            interactive_in_flight: 0,
             queue: VecDeque::new(),
             next_ticket: 0,
         };
@@ -110,6 +123,32 @@ impl Slots {
     pub fn interactive_within(&self, d: Duration) -> bool {
         let st = self.state.lock().expect("slots lock");
         st.interactive_seen.is_some_and(|at| at.elapsed() < d)
+    }
+
+    /// An interactive review admitted here: it counts as in flight until the guard is
+    /// dropped, after its settlement.
+    pub fn interactive_started(self: &Arc<Self>) -> InFlight {
+        self.state.lock().expect("slots lock").interactive_in_flight += 1;
+        InFlight(self.clone())
+    }
+
+    /// Waits until no interactive review is in flight here, or `most` has passed: what
+    /// can wait (a provider batch's results) goes between interactive reviews, not
+    /// beside them, yet never stops while they keep coming. `true`: none in flight.
+    pub async fn interactive_settled(&self, most: Duration) -> bool {
+        let until = tokio::time::Instant::now() + most;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.state.lock().expect("slots lock").interactive_in_flight == 0 {
+                return true;
+            }
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep_until(until) => return false,
+            }
+        }
     }
 
     fn join(&self, lane: Lane) -> u64 {
@@ -399,7 +438,18 @@ pub async fn serve<F, Fut>(
         match admit(&l, msg, &slots, &quota, lease, &stop).await {
             Some(admitted) => {
                 let work = run(Work::Call(Box::new(admitted)));
-                tasks.spawn(work);
+                match l.lane {
+                    Lane::Interactive => {
+                        let in_flight = slots.interactive_started();
+                        tasks.spawn(async move {
+                            work.await;
+                            drop(in_flight);
+                        });
+                    }
+                    Lane::Batch => {
+                        tasks.spawn(work);
+                    }
+                }
             }
             None if stop.is_cancelled() => return,
             None => {}
@@ -565,6 +615,44 @@ mod tests {
         assert!(slots.interactive_within(about));
         tokio::time::advance(about).await;
         assert!(!slots.interactive_within(about), "over once it stopped asking");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_can_wait_goes_between_interactive_reviews_but_never_stops() {
+        let slots = Slots::new(2, 1, 0, Arc::new(Notify::new()));
+        let most = Duration::from_millis(250);
+        let t0 = tokio::time::Instant::now();
+        assert!(slots.interactive_settled(most).await, "none in flight: at once");
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+
+        // One in flight, settled 40 ms later: the wait ends then, not at `most`.
+        let review = slots.interactive_started();
+        let settle = async {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            drop(review);
+        };
+        let (settled, ()) = tokio::join!(slots.interactive_settled(most), settle);
+        assert!(settled);
+        assert_eq!(t0.elapsed(), Duration::from_millis(40));
+
+        // Two in flight: both must settle.
+        let (a, b) = (slots.interactive_started(), slots.interactive_started());
+        let t1 = tokio::time::Instant::now();
+        let settle = async {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            drop(a);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            drop(b);
+        };
+        let (settled, ()) = tokio::join!(slots.interactive_settled(most), settle);
+        assert!(settled);
+        assert_eq!(t1.elapsed(), Duration::from_millis(30));
+
+        // One that never settles: the wait gives up at `most`.
+        let _stuck = slots.interactive_started();
+        let t2 = tokio::time::Instant::now();
+        assert!(!slots.interactive_settled(most).await);
+        assert_eq!(t2.elapsed(), most);
     }
 
     #[test]

@@ -23,6 +23,10 @@ const APPLY_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 const APPLY_SHARE: u32 = 5;
 /// Interactive reviews are about when one asked for a call slot within this.
 const INTERACTIVE_ABOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// While interactive reviews are about, the next line waits for those in flight here to
+/// settle, for at most this: results go between interactive reviews, and still at least
+/// a few a second while interactive work never stops.
+const BETWEEN_AT_MOST: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl Coordinator {
     /// Applies every line of an ended batch (an item with none is `Missing`).
@@ -56,14 +60,16 @@ impl Coordinator {
     }
 
     /// Between two lines: while interactive reviews are about on this replica, waits
-    /// `apply_gap` of what the line took (results, and the deliveries that follow them,
-    /// come at a bounded pace instead of all at once ahead of interactive findings); and
-    /// renews the lead every third of its life, so that a long apply keeps it (one that
+    /// `apply_gap` of what the line took and then until the interactive reviews in
+    /// flight here have settled (at most `BETWEEN_AT_MOST`): results, and the deliveries
+    /// that follow them, come at a bounded pace and between interactive reviews instead
+    /// of all at once ahead of interactive findings; and renews the lead every third of its life, so that a long apply keeps it (one that
     /// lost it stops: the new lead applies the rest, and a line applied again changes
     /// nothing).
     async fn give_way(&self, renewed: &mut std::time::Instant, took: std::time::Duration) -> Result<(), RoundError> {
-        if self.interactive.as_ref().is_some_and(|s| s.interactive_within(INTERACTIVE_ABOUT)) {
+        if let Some(slots) = self.interactive.as_ref().filter(|s| s.interactive_within(INTERACTIVE_ABOUT)) {
             tokio::time::sleep(apply_gap(took)).await;
+            slots.interactive_settled(BETWEEN_AT_MOST).await;
         }
         if renewed.elapsed() >= self.lead_ttl / 3 {
             self.still_leading().await?;
