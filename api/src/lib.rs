@@ -152,6 +152,7 @@ pub fn reason_to_proto(r: TerminalReason) -> proto::TerminalReason {
         TerminalReason::Lost => P::Lost,
         TerminalReason::TooLarge => P::TooLarge,
         TerminalReason::BatchTokenLimit => P::BatchTokenLimit,
+        TerminalReason::ContentFiltered => P::ContentFiltered,
     }
 }
 

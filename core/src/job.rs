@@ -66,10 +66,13 @@ pub enum TerminalReason {
     /// A sweep item's provider batch kept being refused for the model's enqueued-token
     /// limit (`token_limit_exceeded`), even alone, for longer than the coordinator waits.
     BatchTokenLimit,
+    /// The provider's content filter refused the prompt or cut the answer (Azure
+    /// OpenAI's `content_filter`): sending it again gets the same refusal.
+    ContentFiltered,
 }
 
 impl TerminalReason {
-    pub const ALL: [TerminalReason; 14] = [
+    pub const ALL: [TerminalReason; 15] = [
         TerminalReason::RateLimitBudgetExhausted,
         TerminalReason::TransientBudgetExhausted,
         TerminalReason::InvalidOutput,
@@ -84,6 +87,7 @@ impl TerminalReason {
         TerminalReason::Lost,
         TerminalReason::TooLarge,
         TerminalReason::BatchTokenLimit,
+        TerminalReason::ContentFiltered,
     ];
 
     /// The reason named `s` (as `as_str` writes it).
@@ -107,6 +111,7 @@ impl TerminalReason {
             TerminalReason::Lost => "lost",
             TerminalReason::TooLarge => "too_large",
             TerminalReason::BatchTokenLimit => "batch_token_limit",
+            TerminalReason::ContentFiltered => "content_filtered",
         }
     }
 }

@@ -103,6 +103,9 @@ impl Dimension {
             ("(tpm)", Dimension::Tokens),
             ("requests per min", Dimension::Requests),
             ("(rpm)", Dimension::Requests),
+            // Azure OpenAI: "have exceeded token rate limit" / "call rate limit".
+            ("token rate limit", Dimension::Tokens),
+            ("call rate limit", Dimension::Requests),
         ]
         .into_iter()
         .find(|(needle, _)| m.contains(needle))

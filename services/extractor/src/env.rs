@@ -19,6 +19,13 @@ pub const ANTHROPIC_MODEL: &str = "REVIEWLANE_ANTHROPIC_MODEL";
 pub const ANTHROPIC_API_KEY: &str = "REVIEWLANE_ANTHROPIC_API_KEY";
 pub const ANTHROPIC_API_KEY_FILE: &str = "REVIEWLANE_ANTHROPIC_API_KEY_FILE";
 pub const ANTHROPIC_MAX_TOKENS: &str = "REVIEWLANE_ANTHROPIC_MAX_TOKENS";
+pub const AZURE_ENDPOINT: &str = "REVIEWLANE_AZURE_ENDPOINT";
+pub const AZURE_DEPLOYMENT: &str = "REVIEWLANE_AZURE_DEPLOYMENT";
+pub const AZURE_MODEL: &str = "REVIEWLANE_AZURE_MODEL";
+pub const AZURE_API_VERSION: &str = "REVIEWLANE_AZURE_API_VERSION";
+pub const AZURE_API_KEY: &str = "REVIEWLANE_AZURE_API_KEY";
+pub const AZURE_API_KEY_FILE: &str = "REVIEWLANE_AZURE_API_KEY_FILE";
+pub const AZURE_TOKEN_FILE: &str = "REVIEWLANE_AZURE_TOKEN_FILE";
 pub const MODEL_CLASS: &str = "REVIEWLANE_MODEL_CLASS";
 pub const KEY_LIMIT: &str = "REVIEWLANE_KEY_LIMIT";
 pub const KEY_ID: &str = "REVIEWLANE_KEY_ID";
@@ -76,6 +83,13 @@ pub const OWN: &[&str] = &[
     ANTHROPIC_API_KEY,
     ANTHROPIC_API_KEY_FILE,
     ANTHROPIC_MAX_TOKENS,
+    AZURE_ENDPOINT,
+    AZURE_DEPLOYMENT,
+    AZURE_MODEL,
+    AZURE_API_VERSION,
+    AZURE_API_KEY,
+    AZURE_API_KEY_FILE,
+    AZURE_TOKEN_FILE,
     MODEL_CLASS,
     KEY_LIMIT,
     KEY_ID,
@@ -125,7 +139,7 @@ mod tests {
     #[test]
     fn the_config_reads_only_names_listed_here() {
         // Each provider reads its own settings.
-        for provider in ["builtin", "openai", "anthropic"] {
+        for provider in ["builtin", "openai", "anthropic", "azure"] {
             let asked = reviewlane_core::env_check::Recording::with(&[(PROVIDER, provider)]);
             let _ = crate::config::ExtractorConfig::from_env(&asked);
             assert!(asked.names().contains(PROVIDER), "the recording saw the config's reads");

@@ -185,7 +185,7 @@ fn batch_api_of(config: &ExtractorConfig) -> Option<Arc<dyn crate::batch::BatchA
     let (timeout, ceiling, max_body) =
         (config.scheduling.provider_timeout, config.quota.hint_ceiling, config.results.max_response_bytes);
     match &config.provider {
-        ProviderConfig::Builtin => None,
+        ProviderConfig::Builtin | ProviderConfig::AzureOpenAi(_) => None,
         ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect } => {
             let adapter = OpenAiProvider::new(
                 base_url,
@@ -252,6 +252,7 @@ fn provider_of(config: &ExtractorConfig) -> Arc<dyn Provider> {
                 .with_schema_dialect(*schema_dialect),
         ),
         ProviderConfig::Anthropic { .. } => Arc::new(anthropic_adapter(config).expect("an Anthropic provider")),
+        ProviderConfig::AzureOpenAi(d) => Arc::new(OpenAiProvider::azure(d, timeout, ceiling, max_body)),
     }
 }
 

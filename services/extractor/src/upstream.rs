@@ -27,6 +27,10 @@ pub enum UpstreamOutcome {
     Transient { status_class: &'static str },
     /// Other 4xx (auth, bad request): never retried.
     Permanent { status: u16 },
+    /// The provider's content filter refused the prompt (a 400) or cut the answer (a
+    /// 200 ending `content_filter`, paid for: `usage`). Never retried: the same prompt
+    /// meets the same filter.
+    ContentFiltered { usage: Option<Usage> },
 }
 
 /// What an answer's headers said per metered dimension.
@@ -44,6 +48,8 @@ impl UpstreamOutcome {
             UpstreamOutcome::RateLimited { .. } | UpstreamOutcome::QuotaExhausted => "429",
             UpstreamOutcome::Transient { status_class } => status_class,
             UpstreamOutcome::Permanent { .. } => "4xx",
+            UpstreamOutcome::ContentFiltered { usage: None } => "4xx",
+            UpstreamOutcome::ContentFiltered { usage: Some(_) } => "2xx",
         }
     }
 }
@@ -63,6 +69,29 @@ pub fn classify(status: u16, headers: &HeaderMap, body: &[u8], now: SystemTime, 
         408 => UpstreamOutcome::Transient { status_class: "408" },
         500..=599 => UpstreamOutcome::Transient { status_class: "5xx" },
         s => UpstreamOutcome::Permanent { status: s },
+    }
+}
+
+/// Classifies an HTTP answer of an Azure OpenAI deployment: as an OpenAI-compatible
+/// one (its `retry-after-ms` and `x-ratelimit-remaining-*` headers are read by the same
+/// rules), except that its content filter's refusals end the review saying so — a 400
+/// whose error code is `content_filter`, or a 200 whose choice finished
+/// `content_filter` (Azure OpenAI, "Content filtering": the prompt, or the completion,
+/// was filtered).
+pub fn classify_azure(
+    status: u16,
+    headers: &HeaderMap,
+    body: &[u8],
+    now: SystemTime,
+    ceiling: Duration,
+) -> UpstreamOutcome {
+    let v = || serde_json::from_slice::<serde_json::Value>(body).unwrap_or_default();
+    match status {
+        400 if v()["error"]["code"] == "content_filter" => UpstreamOutcome::ContentFiltered { usage: None },
+        200..=299 if v()["choices"][0]["finish_reason"] == "content_filter" => {
+            UpstreamOutcome::ContentFiltered { usage: usage(body) }
+        }
+        _ => classify(status, headers, body, now, ceiling),
     }
 }
 
@@ -262,6 +291,44 @@ mod tests {
         assert_eq!(classify(503, &h, b""), UpstreamOutcome::Transient { status_class: "5xx" });
         assert_eq!(classify(401, &h, b""), UpstreamOutcome::Permanent { status: 401 });
         assert_eq!(classify(400, &h, b""), UpstreamOutcome::Permanent { status: 400 });
+    }
+
+    #[test]
+    fn azure_content_filter_refusals_are_their_own_outcome_and_the_rest_reads_as_openai() {
+        let now = SystemTime::now();
+        let azure = |status, h: &HeaderMap, body: &[u8]| classify_azure(status, h, body, now, CEIL);
+        let none = HeaderMap::new();
+        let prompt = br#"{"error":{"message":"The response was filtered due to the prompt triggering Azure OpenAI's content management policy.","type":null,"param":"prompt","code":"content_filter","status":400,"innererror":{"code":"ResponsibleAIPolicyViolation","content_filter_result":{"hate":{"filtered":true,"severity":"high"}}}}}"#;
+        assert_eq!(azure(400, &none, prompt), UpstreamOutcome::ContentFiltered { usage: None });
+        let completion = br#"{"choices":[{"index":0,"finish_reason":"content_filter","message":{"role":"assistant","content":null},"content_filter_results":{"hate":{"filtered":true,"severity":"high"}}}],"usage":{"prompt_tokens":40,"completion_tokens":5}}"#;
+        assert_eq!(
+            azure(200, &none, completion),
+            UpstreamOutcome::ContentFiltered { usage: Some(Usage { input: 40, output: 5 }) },
+            "a filtered completion was paid for"
+        );
+        // Any other 400 is a rejection, as on OpenAI.
+        let bad = br#"{"error":{"code":"BadRequest","message":"Invalid request"}}"#;
+        assert_eq!(azure(400, &none, bad), UpstreamOutcome::Permanent { status: 400 });
+        // A 429 with Azure's `retry-after-ms` waits that, to the millisecond.
+        let h = headers(&[("retry-after-ms", "1500"), ("retry-after", "2")]);
+        let body = br#"{"error":{"code":"429","message":"Requests to the ChatCompletions_Create Operation under Azure OpenAI API version 2024-10-21 have exceeded token rate limit of your current OpenAI S0 pricing tier. Please retry after 2 seconds."}}"#;
+        assert!(
+            matches!(azure(429, &h, body), UpstreamOutcome::RateLimited { retry_after: Some(d), dimension: Some(Dimension::Tokens), .. } if d == Duration::from_millis(1500)),
+            "{:?}",
+            azure(429, &h, body)
+        );
+        let calls = br#"{"error":{"code":"429","message":"Requests to the ChatCompletions_Create Operation under Azure OpenAI API version 2024-10-21 have exceeded call rate limit of your current OpenAI S0 pricing tier. Please retry after 1 second."}}"#;
+        assert!(matches!(
+            azure(429, &none, calls),
+            UpstreamOutcome::RateLimited { dimension: Some(Dimension::Requests), .. }
+        ));
+        // A 200 that finished as usual is an answer, with its remaining readings.
+        let ok = br#"{"choices":[{"finish_reason":"stop","message":{"content":"{\"findings\":[]}"}}]}"#;
+        let h = headers(&[("x-ratelimit-remaining-requests", "7"), ("x-ratelimit-remaining-tokens", "900")]);
+        let UpstreamOutcome::Ok { output, meter, .. } = azure(200, &h, ok) else { panic!() };
+        assert_eq!(output, r#"{"findings":[]}"#);
+        assert_eq!(meter[&Dimension::Requests].remaining, Some(7));
+        assert_eq!(meter[&Dimension::Tokens].remaining, Some(900));
     }
 
     #[test]

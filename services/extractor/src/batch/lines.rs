@@ -20,6 +20,7 @@ fn of_outcome(outcome: UpstreamOutcome) -> LineResult {
         UpstreamOutcome::QuotaExhausted => LineResult::OutOfQuota,
         UpstreamOutcome::Transient { .. } => LineResult::Retryable(Retryable::Transient),
         UpstreamOutcome::Permanent { status } => LineResult::Rejected { status: Some(status) },
+        UpstreamOutcome::ContentFiltered { .. } => LineResult::Rejected { status: None },
     }
 }
 

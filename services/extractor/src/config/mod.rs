@@ -22,7 +22,7 @@ use crate::env;
 
 pub use batch::{BatchSettings, ResubmitVia};
 pub use parts::{PartConfig, fit_parts_to_budget};
-pub use provider::{Price, ProviderConfig, parse_prices};
+pub use provider::{AzureAuth, AzureDeployment, Price, ProviderConfig, parse_prices};
 pub use quota::QuotaSettings;
 pub use results::{ReconcileConfig, ResultSettings};
 pub use retry::{Budgets, RetrySettings};
@@ -197,6 +197,63 @@ mod tests {
         assert_eq!(errs.0.len(), 1, "{errs}");
         assert!(errs.0[0].contains("`us`") && errs.0[0].contains("`eu`"));
         assert!(!errs.to_string().contains("sk-secret-value"));
+    }
+
+    #[test]
+    fn an_azure_deployment_is_read_checked_and_bound_to_its_region() {
+        let azure = |extra: &[(&'static str, &'static str)]| {
+            let mut pairs = vec![
+                (reviewlane_core::env::REGION, "eu"),
+                (reviewlane_core::env::NATS_URL, "nats://x"),
+                (env::PROVIDER, "azure"),
+                (env::AZURE_ENDPOINT, "https://reviews-eu.openai.azure.com"),
+                (env::AZURE_DEPLOYMENT, "gpt-4o-mini-eu"),
+                (env::AZURE_MODEL, "gpt-4o-mini"),
+                (env::PROVIDER_REGION, "eu"),
+            ];
+            for (k, v) in extra {
+                pairs.retain(|(name, _)| name != k);
+                pairs.push((k, v));
+            }
+            ExtractorConfig::from_env(&env(&pairs))
+        };
+        let c = azure(&[(env::AZURE_API_KEY, "azure-secret-key")]).unwrap();
+        let ProviderConfig::AzureOpenAi(AzureDeployment {
+            deployment, model, api_version, auth, endpoint_region, ..
+        }) = &c.provider
+        else {
+            panic!("{:?}", c.provider)
+        };
+        assert_eq!((deployment.as_str(), model.as_str()), ("gpt-4o-mini-eu", "gpt-4o-mini"));
+        assert_eq!(api_version, provider::AZURE_API_VERSION_DEFAULT);
+        assert!(matches!(auth, AzureAuth::ApiKey(Some(_))));
+        assert_eq!(*endpoint_region, Region::Eu);
+        // Prices, the part plan and the cache follow the model, not the deployment's name.
+        assert_eq!(c.provider.model(), "gpt-4o-mini");
+        let c = azure(&[
+            (env::AZURE_TOKEN_FILE, "/var/run/secrets/azure/token"),
+            (env::AZURE_API_VERSION, "2025-01-01-preview"),
+        ])
+        .unwrap();
+        let ProviderConfig::AzureOpenAi(AzureDeployment { auth, api_version, .. }) = &c.provider else {
+            unreachable!()
+        };
+        assert!(matches!(auth, AzureAuth::TokenFile(p) if p.ends_with("token")));
+        assert_eq!(api_version, "2025-01-01-preview");
+
+        // A deployment in another region refuses the start, naming no secret.
+        let errs = azure(&[(env::PROVIDER_REGION, "us"), (env::AZURE_API_KEY, "azure-secret-key")]).unwrap_err();
+        assert!(errs.to_string().contains("`us`") && errs.to_string().contains("`eu`"), "{errs}");
+        assert!(!errs.to_string().contains("azure-secret-key"));
+        // A name that would change the URL's path or query, two credentials, a missing deployment.
+        let errs = azure(&[(env::AZURE_DEPLOYMENT, "a/../b?x=1")]).unwrap_err();
+        assert!(errs.to_string().contains(env::AZURE_DEPLOYMENT), "{errs}");
+        let errs = azure(&[(env::AZURE_API_VERSION, "2024-10-21&x=1")]).unwrap_err();
+        assert!(errs.to_string().contains(env::AZURE_API_VERSION), "{errs}");
+        let errs = azure(&[(env::AZURE_TOKEN_FILE, "/t"), (env::AZURE_API_KEY, "k")]).unwrap_err();
+        assert!(errs.to_string().contains("both"), "{errs}");
+        let errs = azure(&[(env::AZURE_DEPLOYMENT, "")]).unwrap_err();
+        assert!(errs.to_string().contains(env::AZURE_DEPLOYMENT), "{errs}");
     }
 
     #[test]

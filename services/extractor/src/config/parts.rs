@@ -77,8 +77,8 @@ pub fn fit_parts_to_budget(
 pub(super) fn read_parts(r: &mut Reader<'_>, provider: &Option<ProviderConfig>) -> PartConfig {
     use reviewlane_core::parts::{PartLimits, Plan, Tokenizer};
     let model = match provider {
-        Some(ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. }) => model.as_str(),
-        _ => "builtin",
+        Some(p) => p.model(),
+        None => "builtin",
     };
     let d = PartConfig::for_model(model);
     let limits = PartLimits {

@@ -26,6 +26,33 @@ pub enum ProviderConfig {
         endpoint_region: Region,
         max_tokens: u32,
     },
+    /// An Azure OpenAI deployment.
+    AzureOpenAi(AzureDeployment),
+}
+
+/// An Azure OpenAI deployment: called at `{endpoint}/openai/deployments/{deployment}/
+/// chat/completions?api-version={api_version}`.
+#[derive(Debug, Clone)]
+pub struct AzureDeployment {
+    /// The resource's endpoint, e.g. `https://my-resource.openai.azure.com`.
+    pub endpoint: String,
+    pub deployment: String,
+    /// The model the deployment serves: prices, the part plan and the result cache.
+    pub model: String,
+    pub api_version: String,
+    pub auth: AzureAuth,
+    pub endpoint_region: Region,
+    pub schema_dialect: SchemaDialect,
+}
+
+/// How calls to an Azure OpenAI deployment authenticate.
+#[derive(Debug, Clone)]
+pub enum AzureAuth {
+    /// The resource's key, in the `api-key` header.
+    ApiKey(Option<SecretString>),
+    /// A Microsoft Entra ID access token as a bearer token, read from this file at each
+    /// call (whatever renews it rewrites the file: tokens last about an hour).
+    TokenFile(std::path::PathBuf),
 }
 
 impl ProviderConfig {
@@ -34,7 +61,9 @@ impl ProviderConfig {
     pub fn output_reserve(&self) -> u32 {
         match self {
             ProviderConfig::Builtin => 0,
-            ProviderConfig::OpenAi { .. } => crate::provider::openai::MAX_OUTPUT_TOKENS,
+            ProviderConfig::OpenAi { .. } | ProviderConfig::AzureOpenAi(_) => {
+                crate::provider::openai::MAX_OUTPUT_TOKENS
+            }
             ProviderConfig::Anthropic { max_tokens, .. } => *max_tokens,
         }
     }
@@ -43,9 +72,32 @@ impl ProviderConfig {
     pub fn model(&self) -> &str {
         match self {
             ProviderConfig::Builtin => "builtin",
-            ProviderConfig::OpenAi { model, .. } | ProviderConfig::Anthropic { model, .. } => model,
+            ProviderConfig::OpenAi { model, .. }
+            | ProviderConfig::Anthropic { model, .. }
+            | ProviderConfig::AzureOpenAi(AzureDeployment { model, .. }) => model,
         }
     }
+
+    /// The region the endpoint processes data in (`None`: the built-in analyzer, which
+    /// runs in the extractor).
+    pub fn endpoint_region(&self) -> Option<Region> {
+        match self {
+            ProviderConfig::Builtin => None,
+            ProviderConfig::OpenAi { endpoint_region, .. }
+            | ProviderConfig::Anthropic { endpoint_region, .. }
+            | ProviderConfig::AzureOpenAi(AzureDeployment { endpoint_region, .. }) => Some(*endpoint_region),
+        }
+    }
+}
+
+/// Azure's REST API version the adapter sends when none is configured: the latest
+/// generally available one with structured outputs.
+pub const AZURE_API_VERSION_DEFAULT: &str = "2024-10-21";
+
+/// Whether `s` may stand in a URL path segment or query value as is: a deployment name
+/// or an API version (letters, digits, `-`, `_`, `.`).
+fn url_safe(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// A provider key from `file` (naming a mounted Secret) or `var`.
@@ -134,6 +186,45 @@ pub(super) fn read_provider(r: &mut Reader<'_>, region: Option<Region>) -> Optio
                 schema_dialect,
             })
         }
+        "azure" => {
+            let found = endpoint(
+                r,
+                env::AZURE_ENDPOINT,
+                "the resource's endpoint, e.g. https://my-resource.openai.azure.com",
+                env::AZURE_MODEL,
+            );
+            let deployment: Option<String> = r.required(env::AZURE_DEPLOYMENT, "deployment name");
+            if deployment.as_deref().is_some_and(|d| !url_safe(d)) {
+                r.error("REVIEWLANE_AZURE_DEPLOYMENT may hold only letters, digits, `-`, `_` and `.`");
+            }
+            let api_version = r.raw(env::AZURE_API_VERSION).unwrap_or_else(|| AZURE_API_VERSION_DEFAULT.into());
+            if !url_safe(&api_version) {
+                r.error("REVIEWLANE_AZURE_API_VERSION is not an API version such as 2024-10-21");
+            }
+            let auth = match r.raw(env::AZURE_TOKEN_FILE) {
+                Some(path) if r.raw(env::AZURE_API_KEY_FILE).is_some() || r.raw(env::AZURE_API_KEY).is_some() => {
+                    r.error("REVIEWLANE_AZURE_TOKEN_FILE and an Azure API key are both set; set one");
+                    AzureAuth::TokenFile(path.into())
+                }
+                Some(path) => AzureAuth::TokenFile(path.into()),
+                None => AzureAuth::ApiKey(api_key(r, env::AZURE_API_KEY_FILE, env::AZURE_API_KEY)),
+            };
+            let schema_dialect = SchemaDialect::default();
+            match (found, deployment) {
+                (Some((endpoint, model, endpoint_region)), Some(deployment)) => {
+                    Some(ProviderConfig::AzureOpenAi(AzureDeployment {
+                        endpoint,
+                        deployment,
+                        model,
+                        api_version,
+                        auth,
+                        endpoint_region,
+                        schema_dialect,
+                    }))
+                }
+                _ => None,
+            }
+        }
         "anthropic" => {
             let found = endpoint(
                 r,
@@ -152,16 +243,11 @@ pub(super) fn read_provider(r: &mut Reader<'_>, region: Option<Region>) -> Optio
             })
         }
         _ => {
-            r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin`, `openai` or `anthropic`)");
+            r.error("REVIEWLANE_PROVIDER has an invalid value (`builtin`, `openai`, `anthropic` or `azure`)");
             None
         }
     };
-    let endpoint_region = match &provider {
-        Some(ProviderConfig::OpenAi { endpoint_region, .. } | ProviderConfig::Anthropic { endpoint_region, .. }) => {
-            Some(*endpoint_region)
-        }
-        _ => None,
-    };
+    let endpoint_region = provider.as_ref().and_then(ProviderConfig::endpoint_region);
     if let (Some(region), Some(endpoint_region)) = (region, endpoint_region)
         && endpoint_region != region
     {

@@ -1,5 +1,8 @@
 //! OpenAI-compatible chat completions with structured outputs (`response_format`
-//! `json_schema`, strict). Works with OpenAI, vLLM, Ollama and LiteLLM endpoints.
+//! `json_schema`, strict). Works with OpenAI, vLLM, Ollama and LiteLLM endpoints, and
+//! with Azure OpenAI deployments (`OpenAiProvider::azure`): the same body, sent to the
+//! deployment's path with its `api-version`, authenticated by the `api-key` header or an
+//! Entra ID bearer token, and read by `upstream::classify_azure`.
 
 use std::time::Duration;
 
@@ -65,11 +68,30 @@ struct JsonSchema<'a> {
     schema: &'a serde_json::Value,
 }
 
+/// How a call proves who it is.
+enum Auth {
+    None,
+    /// `Authorization: Bearer <key>`.
+    Bearer(SecretString),
+    /// Azure's `api-key: <key>`.
+    ApiKeyHeader(SecretString),
+    /// `Authorization: Bearer <token>`, the token read from this file at each call.
+    BearerFile(std::path::PathBuf),
+}
+
+/// Which contract the endpoint speaks beyond the request body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Contract {
+    OpenAi,
+    Azure,
+}
+
 pub struct OpenAiProvider {
     http: reqwest::Client,
     endpoint: String,
     model: String,
-    api_key: Option<SecretString>,
+    auth: Auth,
+    contract: Contract,
     region: Region,
     hint_ceiling: Duration,
     /// Largest response body read; a longer one is cut there.
@@ -98,13 +120,45 @@ impl OpenAiProvider {
             http,
             endpoint: format!("{}/chat/completions", base_url.trim_end_matches('/')),
             model,
-            api_key,
+            auth: api_key.map_or(Auth::None, Auth::Bearer),
+            contract: Contract::OpenAi,
             region,
             hint_ceiling,
             max_response_bytes,
             schemas: Default::default(),
         }
         .with_schema_dialect(SchemaDialect::default())
+    }
+
+    /// An Azure OpenAI deployment's chat completions.
+    pub fn azure(
+        d: &crate::config::AzureDeployment,
+        timeout: Duration,
+        hint_ceiling: Duration,
+        max_response_bytes: usize,
+    ) -> Self {
+        let endpoint = format!(
+            "{}/openai/deployments/{}/chat/completions?api-version={}",
+            d.endpoint.trim_end_matches('/'),
+            d.deployment,
+            d.api_version
+        );
+        let auth = match &d.auth {
+            crate::config::AzureAuth::ApiKey(key) => key.clone().map_or(Auth::None, Auth::ApiKeyHeader),
+            crate::config::AzureAuth::TokenFile(path) => Auth::BearerFile(path.clone()),
+        };
+        OpenAiProvider {
+            http: super::http_client(timeout),
+            endpoint,
+            model: d.model.clone(),
+            auth,
+            contract: Contract::Azure,
+            region: d.endpoint_region,
+            hint_ceiling,
+            max_response_bytes,
+            schemas: Default::default(),
+        }
+        .with_schema_dialect(d.schema_dialect)
     }
 
     /// Sends each schema as `dialect` accepts it.
@@ -151,17 +205,34 @@ impl OpenAiProvider {
     }
 
     async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
-        let mut rb = super::identify(self.http.post(&self.endpoint), req).json(&self.body(req));
-        if let Some(key) = &self.api_key {
-            rb = rb.bearer_auth(key.expose_secret());
-        }
+        let rb = super::identify(self.http.post(&self.endpoint), req).json(&self.body(req));
+        let rb = match &self.auth {
+            Auth::None => rb,
+            Auth::Bearer(key) => rb.bearer_auth(key.expose_secret()),
+            Auth::ApiKeyHeader(key) => rb.header("api-key", key.expose_secret()),
+            Auth::BearerFile(path) => match tokio::fs::read_to_string(path).await {
+                Ok(token) => rb.bearer_auth(token.trim()),
+                // Being renewed, or not mounted yet: the transient budget decides.
+                Err(_) => {
+                    tracing::warn!("the Azure token file cannot be read");
+                    return UpstreamOutcome::Transient { status_class: "credential" };
+                }
+            },
+        };
+        let classify = match self.contract {
+            Contract::OpenAi => classify,
+            Contract::Azure => crate::upstream::classify_azure,
+        };
         super::send(rb, self.max_response_bytes, self.hint_ceiling, classify).await
     }
 }
 
 impl Provider for OpenAiProvider {
     fn name(&self) -> &'static str {
-        "openai"
+        match self.contract {
+            Contract::OpenAi => "openai",
+            Contract::Azure => "azure",
+        }
     }
 
     fn region(&self) -> Region {

@@ -770,6 +770,9 @@ pub fn why_no_batches(
         ProviderConfig::Anthropic { .. } if region == reviewlane_shared::Region::Eu => Some(format!(
             "Anthropic's Message Batches API offers no EU processing location, so batch data could not stay in region {region}"
         )),
+        ProviderConfig::AzureOpenAi(_) => {
+            Some("the Azure OpenAI adapter has no batch client; this region's sweeps run in `lanes` mode".into())
+        }
         ProviderConfig::OpenAi { .. } | ProviderConfig::Anthropic { .. } => None,
     }
 }

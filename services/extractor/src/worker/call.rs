@@ -103,6 +103,7 @@ impl Worker {
             UpstreamOutcome::QuotaExhausted => "insufficient_quota",
             UpstreamOutcome::Transient { .. } => "transient",
             UpstreamOutcome::Permanent { .. } => "rejected",
+            UpstreamOutcome::ContentFiltered { .. } => "content_filtered",
         };
         self.metrics.upstream(job.scope, outcome_class, upstream.status_class(), took);
         attempt.record("outcome", outcome_class).record("status_class", upstream.status_class());

@@ -181,20 +181,17 @@ impl Worker {
             }
             _ => None,
         };
+        // A filtered answer was paid for too: charged and metered like any other.
+        if let Answer::Upstream { outcome: UpstreamOutcome::ContentFiltered { usage: Some(u) }, .. } = &answer {
+            self.paid(job, metering, *u).await;
+        }
         let (verdict, effect) =
             verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted);
         let decision = match verdict {
             Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
             Verdict::Usable { output, usage, status } => {
                 if let Some(u) = usage {
-                    self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
-                    *metering.tokens.lock().expect("tokens lock") = Some(u);
-                    if let Some(reserved) = &metering.reserved
-                        && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
-                    {
-                        let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
-                        self.quota.budgets().correct_call(reserved, used).await;
-                    }
+                    self.paid(job, metering, u).await;
                 }
                 match (self.validate(job, lease, target.diff, &output), target.part) {
                     (Ok(validated), None) => self.keep(job, lease, validated, 0, Some(usage)).await,
@@ -214,6 +211,19 @@ impl Worker {
         decision
     }
 
+    /// A paid answer's usage: counted, charged to the job with the decision's write, and
+    /// correcting the call's reservation in the key's budgets (once).
+    async fn paid(&self, job: &Job<'_>, metering: &Metering, u: Tokens) {
+        self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
+        *metering.tokens.lock().expect("tokens lock") = Some(u);
+        if let Some(reserved) = &metering.reserved
+            && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
+            self.quota.budgets().correct_call(reserved, used).await;
+        }
+    }
+
     /// What an answer tells the operator, before it is decided on.
     fn note(&self, answer: &Answer) {
         match answer {
@@ -228,6 +238,9 @@ impl Worker {
             }
             Answer::Upstream { outcome: UpstreamOutcome::Permanent { status }, .. } => {
                 tracing::warn!(status = *status, "provider rejected the request");
+            }
+            Answer::Upstream { outcome: UpstreamOutcome::ContentFiltered { .. }, .. } => {
+                tracing::warn!("the provider's content filter refused the review");
             }
             _ => {}
         }
@@ -349,6 +362,15 @@ pub(super) fn verdict(
         UpstreamOutcome::Permanent { .. } => {
             decided(Decision::Terminal { reason: TerminalReason::UpstreamRejected, status })
         }
+        // A completion cut by the filter was an answer (the key's window learns it
+        // succeeded); a refused prompt was not.
+        UpstreamOutcome::ContentFiltered { usage } => {
+            let effect = match usage {
+                Some(_) => QuotaEffect::Succeeded { started_ms: started_ms.0, pause: None },
+                None => QuotaEffect::None,
+            };
+            (Verdict::Decided(Decision::Terminal { reason: TerminalReason::ContentFiltered, status }), effect)
+        }
     }
 }
 
@@ -458,6 +480,15 @@ mod tests {
         let (d, effect) = decided(upstream(UpstreamOutcome::Permanent { status: 400 }), 0, &b);
         assert!(matches!(d, Decision::Terminal { reason: TerminalReason::UpstreamRejected, status: Some(_) }), "{d:?}");
         assert_eq!(effect, QuotaEffect::None);
+        // The content filter ends the review saying so, never a retry; a filtered
+        // completion still counts as a call the key answered.
+        let (d, effect) = decided(upstream(UpstreamOutcome::ContentFiltered { usage: None }), 0, &b);
+        assert_eq!(d, Decision::Terminal { reason: TerminalReason::ContentFiltered, status: Some("4xx".into()) });
+        assert_eq!(effect, QuotaEffect::None);
+        let paid = UpstreamOutcome::ContentFiltered { usage: Some(Tokens { input: 40, output: 5 }) };
+        let (d, effect) = decided(upstream(paid), 0, &b);
+        assert_eq!(d, Decision::Terminal { reason: TerminalReason::ContentFiltered, status: Some("2xx".into()) });
+        assert_eq!(effect, QuotaEffect::Succeeded { started_ms: NOW, pause: None });
     }
 
     #[test]
