@@ -425,7 +425,7 @@ impl Stack {
 
     /// Starts one more extractor replica for `region` with `xc` (an `extractor_config`
     /// the test changed: another provider endpoint, say).
-    async fn start_extractor_with(&mut self, region: Region, xc: ExtractorConfig) {
+    pub async fn start_extractor_with(&mut self, region: Region, xc: ExtractorConfig) {
         let x = reviewlane_extractor::build(xc).await.expect("extractor builds");
         self.extractor_admin.push((region, x.admin_addr()));
         let stop = CancellationToken::new();

@@ -4,6 +4,7 @@
 mod admin;
 mod anthropic;
 mod auth;
+mod azure;
 mod batch_anthropic;
 mod batch_openai;
 mod chaos;
