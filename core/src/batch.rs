@@ -47,6 +47,8 @@ pub struct BatchLimits {
 impl BatchLimits {
     /// OpenAI: 50,000 requests and 200 MB per input file.
     pub const OPENAI: BatchLimits = BatchLimits { max_requests: 50_000, max_bytes: 200 * 1024 * 1024 };
+    /// Azure OpenAI global batch: 100,000 requests and 200 MB per input file.
+    pub const AZURE: BatchLimits = BatchLimits { max_requests: 100_000, max_bytes: 200 * 1024 * 1024 };
     /// Anthropic: 100,000 requests and 256 MB per batch.
     pub const ANTHROPIC: BatchLimits = BatchLimits { max_requests: 100_000, max_bytes: 256 * 1024 * 1024 };
 }

@@ -185,7 +185,12 @@ fn batch_api_of(config: &ExtractorConfig) -> Option<Arc<dyn crate::batch::BatchA
     let (timeout, ceiling, max_body) =
         (config.scheduling.provider_timeout, config.quota.hint_ceiling, config.results.max_response_bytes);
     match &config.provider {
-        ProviderConfig::Builtin | ProviderConfig::AzureOpenAi(_) => None,
+        ProviderConfig::Builtin => None,
+        ProviderConfig::AzureOpenAi(d) => {
+            d.batch_deployment.as_ref()?;
+            let adapter = Arc::new(OpenAiProvider::azure(d, timeout, ceiling, max_body));
+            Some(Arc::new(OpenAiBatches::azure(d, (timeout, ceiling), adapter)))
+        }
         ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect } => {
             let adapter = OpenAiProvider::new(
                 base_url,

@@ -29,6 +29,17 @@ fn of_outcome(outcome: UpstreamOutcome) -> LineResult {
 /// A line without a response carries an error code instead, classified by kind
 /// (`batch::line_error`): did not run, refused, or unknown (taken as not run).
 pub fn openai(line: &[u8]) -> Option<(String, LineResult)> {
+    openai_shaped(line, classify)
+}
+
+/// A line of an Azure OpenAI global batch's output or error file: OpenAI's shape (no
+/// line `id`), its response read as a synchronous Azure answer is (a line the content
+/// filter refused is refused for good).
+pub fn azure(line: &[u8]) -> Option<(String, LineResult)> {
+    openai_shaped(line, crate::upstream::classify_azure)
+}
+
+fn openai_shaped(line: &[u8], classify: crate::provider::Classify) -> Option<(String, LineResult)> {
     let v: serde_json::Value = serde_json::from_slice(line).ok()?;
     let id = v["custom_id"].as_str()?.to_string();
     let response = &v["response"];

@@ -5,6 +5,12 @@
 //! output and error files read back line by line (`lines::openai`). An answer of these
 //! endpoints is classified as any provider answer is: a 429 with its hint, a 5xx or
 //! timeout transient, any other 4xx refused.
+//!
+//! Azure OpenAI's global batch is the same API under the resource's `/openai` with its
+//! `api-version` on every request (`OpenAiBatches::azure`): lines name the global batch
+//! deployment and `/chat/completions`, the batch is created for `/chat/completions`
+//! without metadata, and a batch a crash may have created is the one made from the
+//! chunk's input file (uploaded by this chunk alone, its id recorded before the create).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -12,7 +18,7 @@ use std::time::Duration;
 
 use reviewlane_core::batch::{BatchLimits, BatchStatus, ChunkRecord, LineResult};
 use reviewlane_shared::Region;
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::SecretString;
 
 use super::{BatchApi, FIND_PAGES, Found, Polled, Sent};
 use crate::provider::ProviderRequest;
@@ -77,7 +83,9 @@ pub use super::BatchApiError;
 pub struct OpenAiBatches {
     http: reqwest::Client,
     base: String,
-    api_key: Option<SecretString>,
+    auth: crate::provider::Auth,
+    /// Azure: the `api-version` every request carries.
+    api_version: Option<String>,
     region: Region,
     hint_ceiling: Duration,
     /// Builds the request lines.
@@ -97,23 +105,45 @@ impl OpenAiBatches {
         OpenAiBatches {
             http: crate::provider::http_client(timeout),
             base: base_url.trim_end_matches('/').to_string(),
-            api_key,
+            auth: api_key.map_or(crate::provider::Auth::None, crate::provider::Auth::Bearer),
+            api_version: None,
             region,
             hint_ceiling,
             adapter,
         }
     }
 
-    fn authed(&self, rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.api_key {
-            Some(key) => rb.bearer_auth(key.expose_secret()),
+    /// An Azure OpenAI resource's global batch API (`d.batch_deployment` names the
+    /// deployment the lines go to; `adapter` writes them).
+    pub fn azure(
+        d: &crate::config::AzureDeployment,
+        (timeout, hint_ceiling): (Duration, Duration),
+        adapter: Arc<OpenAiProvider>,
+    ) -> Self {
+        OpenAiBatches {
+            http: crate::provider::http_client(timeout),
+            base: format!("{}/openai", d.endpoint.trim_end_matches('/')),
+            auth: crate::provider::Auth::azure(&d.auth),
+            api_version: Some(d.api_version.clone()),
+            region: d.endpoint_region,
+            hint_ceiling,
+            adapter,
+        }
+    }
+
+    /// A request to `path` under the API's base (with Azure's `api-version`).
+    fn at(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let rb = self.http.request(method, format!("{}{path}", self.base));
+        match &self.api_version {
+            Some(v) => rb.query(&[("api-version", v)]),
             None => rb,
         }
     }
 
-    /// Sends with the key and classifies; the body of a 2xx.
+    /// Sends with the credential and classifies; the body of a 2xx.
     async fn send(&self, rb: reqwest::RequestBuilder) -> Result<bytes::Bytes, BatchApiError> {
-        super::send(self.authed(rb), self.hint_ceiling).await
+        let rb = self.auth.apply(rb).await.map_err(|_| BatchApiError::Transient("credential"))?;
+        super::send(rb, self.hint_ceiling).await
     }
 
     async fn json(&self, rb: reqwest::RequestBuilder) -> Result<serde_json::Value, BatchApiError> {
@@ -133,7 +163,7 @@ impl OpenAiBatches {
             .mime_str("application/jsonl")
             .map_err(|_| BatchApiError::Unreadable)?;
         let form = reqwest::multipart::Form::new().text("purpose", "batch").part("file", part);
-        let v = self.json(self.http.post(format!("{}/files", self.base)).multipart(form)).await?;
+        let v = self.json(self.at(reqwest::Method::POST, "/files").multipart(form)).await?;
         v["id"].as_str().map(str::to_string).ok_or(BatchApiError::Unreadable)
     }
 
@@ -143,17 +173,25 @@ impl OpenAiBatches {
         input_file_id: &str,
         metadata: &BTreeMap<String, String>,
     ) -> Result<BatchInfo, BatchApiError> {
-        let body = serde_json::json!({
-            "input_file_id": input_file_id,
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-            "metadata": metadata,
-        });
-        self.batch(self.http.post(format!("{}/batches", self.base)).json(&body)).await
+        let body = match self.api_version {
+            None => serde_json::json!({
+                "input_file_id": input_file_id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+                "metadata": metadata,
+            }),
+            // Azure: no metadata (its batches are found by their input file).
+            Some(_) => serde_json::json!({
+                "input_file_id": input_file_id,
+                "endpoint": "/chat/completions",
+                "completion_window": "24h",
+            }),
+        };
+        self.batch(self.at(reqwest::Method::POST, "/batches").json(&body)).await
     }
 
     pub async fn retrieve(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
-        self.batch(self.http.get(format!("{}/batches/{batch_id}", self.base))).await
+        self.batch(self.at(reqwest::Method::GET, &format!("/batches/{batch_id}"))).await
     }
 
     /// A page of batches, newest first, after `after` (a batch id); and whether more
@@ -163,7 +201,7 @@ impl OpenAiBatches {
         if let Some(a) = after {
             query.push(("after", a.to_string()));
         }
-        let v = self.json(self.http.get(format!("{}/batches", self.base)).query(&query)).await?;
+        let v = self.json(self.at(reqwest::Method::GET, "/batches").query(&query)).await?;
         let page = v["data"].as_array().into_iter().flatten().filter_map(BatchInfo::from_json).collect();
         Ok((page, v["has_more"].as_bool().unwrap_or(false)))
     }
@@ -177,10 +215,19 @@ impl OpenAiBatches {
         value: &str,
         pages: u32,
     ) -> Result<Option<BatchInfo>, BatchApiError> {
+        self.find_where(pages, |b| b.metadata.get(key).is_some_and(|v| v == value)).await
+    }
+
+    /// The first batch, newest first within the last `pages` pages, that `ours` picks.
+    async fn find_where(
+        &self,
+        pages: u32,
+        ours: impl Fn(&BatchInfo) -> bool,
+    ) -> Result<Option<BatchInfo>, BatchApiError> {
         let mut after: Option<String> = None;
         for _ in 0..pages {
             let (page, more) = self.list(after.as_deref(), 100).await?;
-            if let Some(found) = page.iter().find(|b| b.metadata.get(key).is_some_and(|v| v == value)) {
+            if let Some(found) = page.iter().find(|b| ours(b)) {
                 return Ok(Some(found.clone()));
             }
             match page.last() {
@@ -192,7 +239,7 @@ impl OpenAiBatches {
     }
 
     pub async fn cancel_batch(&self, batch_id: &str) -> Result<BatchInfo, BatchApiError> {
-        self.batch(self.http.post(format!("{}/batches/{batch_id}/cancel", self.base))).await
+        self.batch(self.at(reqwest::Method::POST, &format!("/batches/{batch_id}/cancel"))).await
     }
 
     /// Every result line of an ended batch, from its output and error files (either
@@ -207,8 +254,9 @@ impl OpenAiBatches {
     async fn read_results(&self, files: &[String]) -> Result<Vec<(String, LineResult)>, BatchApiError> {
         let mut out = Vec::new();
         for file in files {
-            let body = self.send(self.http.get(format!("{}/files/{file}/content", self.base))).await?;
-            out.extend(body.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(super::lines::openai));
+            let body = self.send(self.at(reqwest::Method::GET, &format!("/files/{file}/content"))).await?;
+            let read = if self.api_version.is_some() { super::lines::azure } else { super::lines::openai };
+            out.extend(body.split(|b| *b == b'\n').filter(|l| !l.is_empty()).filter_map(read));
         }
         Ok(out)
     }
@@ -217,7 +265,7 @@ impl OpenAiBatches {
 #[async_trait::async_trait]
 impl BatchApi for OpenAiBatches {
     fn provider(&self) -> &'static str {
-        "openai"
+        if self.api_version.is_some() { "azure" } else { "openai" }
     }
 
     fn region(&self) -> Region {
@@ -225,7 +273,7 @@ impl BatchApi for OpenAiBatches {
     }
 
     fn limits(&self) -> BatchLimits {
-        BatchLimits::OPENAI
+        if self.api_version.is_some() { BatchLimits::AZURE } else { BatchLimits::OPENAI }
     }
 
     fn line(&self, custom_id: &str, req: &ProviderRequest<'_>) -> serde_json::Value {
@@ -252,14 +300,20 @@ impl BatchApi for OpenAiBatches {
         }
     }
 
-    /// The batch whose metadata names the chunk: no other application's can.
+    /// The batch whose metadata names the chunk (on Azure, made from the chunk's input
+    /// file): no other application's can.
     async fn find(
         &self,
         chunk: &ChunkRecord,
         _known: &HashSet<String>,
         _not_ours: &mut HashSet<String>,
     ) -> Result<Found, BatchApiError> {
-        let found = self.find_by_metadata(CHUNK_KEY, &chunk.chunk_id, FIND_PAGES).await?;
+        let found = match (&self.api_version, &chunk.file_id) {
+            (None, _) => self.find_by_metadata(CHUNK_KEY, &chunk.chunk_id, FIND_PAGES).await?,
+            (Some(_), Some(file)) => self.find_where(FIND_PAGES, |b| b.input_file_id == *file).await?,
+            // Nothing uploaded: no batch can have been made from it.
+            (Some(_), None) => None,
+        };
         Ok(found.map_or(Found::None, |b| Found::Ours(b.id)))
     }
 

@@ -254,6 +254,15 @@ mod tests {
         assert!(errs.to_string().contains("both"), "{errs}");
         let errs = azure(&[(env::AZURE_DEPLOYMENT, "")]).unwrap_err();
         assert!(errs.to_string().contains(env::AZURE_DEPLOYMENT), "{errs}");
+        let errs = azure(&[(env::AZURE_BATCH_DEPLOYMENT, "batch/../x")]).unwrap_err();
+        assert!(errs.to_string().contains(env::AZURE_BATCH_DEPLOYMENT), "{errs}");
+        // A global batch deployment for sweeps, or none.
+        let c = azure(&[(env::AZURE_BATCH_DEPLOYMENT, "gpt-4o-mini-batch")]).unwrap();
+        let ProviderConfig::AzureOpenAi(d) = &c.provider else { unreachable!() };
+        assert_eq!(d.batch_deployment.as_deref(), Some("gpt-4o-mini-batch"));
+        let c = azure(&[]).unwrap();
+        let ProviderConfig::AzureOpenAi(d) = &c.provider else { unreachable!() };
+        assert_eq!(d.batch_deployment, None);
     }
 
     #[test]

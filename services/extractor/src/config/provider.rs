@@ -43,6 +43,9 @@ pub struct AzureDeployment {
     pub auth: AzureAuth,
     pub endpoint_region: Region,
     pub schema_dialect: SchemaDialect,
+    /// The resource's Global Batch deployment of the same model, if sweeps may use
+    /// Azure's Batch API.
+    pub batch_deployment: Option<String>,
 }
 
 /// How calls to an Azure OpenAI deployment authenticate.
@@ -197,6 +200,10 @@ pub(super) fn read_provider(r: &mut Reader<'_>, region: Option<Region>) -> Optio
             if deployment.as_deref().is_some_and(|d| !url_safe(d)) {
                 r.error("REVIEWLANE_AZURE_DEPLOYMENT may hold only letters, digits, `-`, `_` and `.`");
             }
+            let batch_deployment = r.raw(env::AZURE_BATCH_DEPLOYMENT);
+            if batch_deployment.as_deref().is_some_and(|d| !url_safe(d)) {
+                r.error("REVIEWLANE_AZURE_BATCH_DEPLOYMENT may hold only letters, digits, `-`, `_` and `.`");
+            }
             let api_version = r.raw(env::AZURE_API_VERSION).unwrap_or_else(|| AZURE_API_VERSION_DEFAULT.into());
             if !url_safe(&api_version) {
                 r.error("REVIEWLANE_AZURE_API_VERSION is not an API version such as 2024-10-21");
@@ -220,6 +227,7 @@ pub(super) fn read_provider(r: &mut Reader<'_>, region: Option<Region>) -> Optio
                         auth,
                         endpoint_region,
                         schema_dialect,
+                        batch_deployment,
                     }))
                 }
                 _ => None,

@@ -126,6 +126,49 @@ pub type Classify = fn(u16, &http::HeaderMap, &[u8], std::time::SystemTime, std:
 
 /// The HTTP client every adapter calls with: a whole-call timeout, a connect timeout,
 /// pooled connections.
+/// How a request to a provider proves who it is.
+pub(crate) enum Auth {
+    None,
+    /// `Authorization: Bearer <key>`.
+    Bearer(secrecy::SecretString),
+    /// Azure's `api-key: <key>`.
+    ApiKeyHeader(secrecy::SecretString),
+    /// `Authorization: Bearer <token>`, the token read from this file at each request
+    /// (whatever renews it rewrites the file).
+    BearerFile(std::path::PathBuf),
+}
+
+/// The token file could not be read (being renewed, or not mounted yet).
+#[derive(Debug)]
+pub(crate) struct NoCredential;
+
+impl Auth {
+    /// How an Azure OpenAI deployment configured with `auth` is called.
+    pub(crate) fn azure(auth: &crate::config::AzureAuth) -> Auth {
+        match auth {
+            crate::config::AzureAuth::ApiKey(key) => key.clone().map_or(Auth::None, Auth::ApiKeyHeader),
+            crate::config::AzureAuth::TokenFile(path) => Auth::BearerFile(path.clone()),
+        }
+    }
+
+    /// `rb` with its credential.
+    pub(crate) async fn apply(&self, rb: reqwest::RequestBuilder) -> Result<reqwest::RequestBuilder, NoCredential> {
+        use secrecy::ExposeSecret;
+        Ok(match self {
+            Auth::None => rb,
+            Auth::Bearer(key) => rb.bearer_auth(key.expose_secret()),
+            Auth::ApiKeyHeader(key) => rb.header("api-key", key.expose_secret()),
+            Auth::BearerFile(path) => match tokio::fs::read_to_string(path).await {
+                Ok(token) => rb.bearer_auth(token.trim()),
+                Err(_) => {
+                    tracing::warn!("the provider token file cannot be read");
+                    return Err(NoCredential);
+                }
+            },
+        })
+    }
+}
+
 pub(crate) fn http_client(timeout: std::time::Duration) -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(timeout)

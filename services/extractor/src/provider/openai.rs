@@ -10,9 +10,9 @@ use futures::future::BoxFuture;
 use reviewlane_core::job::ReviewDepth;
 use reviewlane_core::schema_dialect::SchemaDialect;
 use reviewlane_shared::Region;
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::SecretString;
 
-use super::{Provider, ProviderRequest};
+use super::{Auth, Provider, ProviderRequest};
 use crate::upstream::{UpstreamOutcome, classify};
 
 /// Header carrying the job id (metadata) so a provider or proxy can correlate calls.
@@ -68,17 +68,6 @@ struct JsonSchema<'a> {
     schema: &'a serde_json::Value,
 }
 
-/// How a call proves who it is.
-enum Auth {
-    None,
-    /// `Authorization: Bearer <key>`.
-    Bearer(SecretString),
-    /// Azure's `api-key: <key>`.
-    ApiKeyHeader(SecretString),
-    /// `Authorization: Bearer <token>`, the token read from this file at each call.
-    BearerFile(std::path::PathBuf),
-}
-
 /// Which contract the endpoint speaks beyond the request body.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Contract {
@@ -92,6 +81,8 @@ pub struct OpenAiProvider {
     model: String,
     auth: Auth,
     contract: Contract,
+    /// Azure: the global batch deployment a batch line names.
+    batch_deployment: Option<String>,
     region: Region,
     hint_ceiling: Duration,
     /// Largest response body read; a longer one is cut there.
@@ -122,6 +113,7 @@ impl OpenAiProvider {
             model,
             auth: api_key.map_or(Auth::None, Auth::Bearer),
             contract: Contract::OpenAi,
+            batch_deployment: None,
             region,
             hint_ceiling,
             max_response_bytes,
@@ -143,16 +135,14 @@ impl OpenAiProvider {
             d.deployment,
             d.api_version
         );
-        let auth = match &d.auth {
-            crate::config::AzureAuth::ApiKey(key) => key.clone().map_or(Auth::None, Auth::ApiKeyHeader),
-            crate::config::AzureAuth::TokenFile(path) => Auth::BearerFile(path.clone()),
-        };
+        let auth = Auth::azure(&d.auth);
         OpenAiProvider {
             http: super::http_client(timeout),
             endpoint,
             model: d.model.clone(),
             auth,
             contract: Contract::Azure,
+            batch_deployment: d.batch_deployment.clone(),
             region: d.endpoint_region,
             hint_ceiling,
             max_response_bytes,
@@ -170,11 +160,17 @@ impl OpenAiProvider {
     /// The request body, borrowing the diff and the schema: serialized once, copied
     /// nowhere else.
     fn body<'a>(&'a self, req: &'a ProviderRequest<'a>) -> ChatRequest<'a> {
+        self.body_for(req, &self.model)
+    }
+
+    /// The request body naming `model` (an Azure batch line names its global batch
+    /// deployment).
+    fn body_for<'a>(&'a self, req: &'a ProviderRequest<'a>, model: &'a str) -> ChatRequest<'a> {
         // The schema as this endpoint's dialect takes it; the answer is held to the full
         // schema by our validator.
         let degraded = req.review_depth == ReviewDepth::ChangedHunks;
         ChatRequest {
-            model: &self.model,
+            model,
             temperature: 0,
             max_tokens: if degraded { MAX_OUTPUT_TOKENS_DEGRADED } else { MAX_OUTPUT_TOKENS },
             messages: [
@@ -194,30 +190,27 @@ impl OpenAiProvider {
 
     /// One request line of a batch input file (`/v1/batches`, JSONL): the same body as
     /// the synchronous call — the strict `json_schema` included — under the item's
-    /// `custom_id` (`reviewlane_core::batch::custom_id`).
+    /// `custom_id` (`reviewlane_core::batch::custom_id`). On Azure, the line's URL has
+    /// no version and its model names the global batch deployment.
     pub fn batch_line(&self, custom_id: &str, req: &ProviderRequest<'_>) -> serde_json::Value {
+        let (url, model) = match (self.contract, &self.batch_deployment) {
+            (Contract::Azure, Some(deployment)) => ("/chat/completions", deployment.as_str()),
+            (Contract::Azure, None) => ("/chat/completions", self.model.as_str()),
+            (Contract::OpenAi, _) => ("/v1/chat/completions", self.model.as_str()),
+        };
         serde_json::json!({
             "custom_id": custom_id,
             "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": self.body(req),
+            "url": url,
+            "body": self.body_for(req, model),
         })
     }
 
     async fn call(&self, req: &ProviderRequest<'_>) -> UpstreamOutcome {
         let rb = super::identify(self.http.post(&self.endpoint), req).json(&self.body(req));
-        let rb = match &self.auth {
-            Auth::None => rb,
-            Auth::Bearer(key) => rb.bearer_auth(key.expose_secret()),
-            Auth::ApiKeyHeader(key) => rb.header("api-key", key.expose_secret()),
-            Auth::BearerFile(path) => match tokio::fs::read_to_string(path).await {
-                Ok(token) => rb.bearer_auth(token.trim()),
-                // Being renewed, or not mounted yet: the transient budget decides.
-                Err(_) => {
-                    tracing::warn!("the Azure token file cannot be read");
-                    return UpstreamOutcome::Transient { status_class: "credential" };
-                }
-            },
+        let Ok(rb) = self.auth.apply(rb).await else {
+            // Being renewed, or not mounted yet: the transient budget decides.
+            return UpstreamOutcome::Transient { status_class: "credential" };
         };
         let classify = match self.contract {
             Contract::OpenAi => classify,

@@ -770,10 +770,10 @@ pub fn why_no_batches(
         ProviderConfig::Anthropic { .. } if region == reviewlane_shared::Region::Eu => Some(format!(
             "Anthropic's Message Batches API offers no EU processing location, so batch data could not stay in region {region}"
         )),
-        ProviderConfig::AzureOpenAi(_) => {
-            Some("the Azure OpenAI adapter has no batch client; this region's sweeps run in `lanes` mode".into())
-        }
-        ProviderConfig::OpenAi { .. } | ProviderConfig::Anthropic { .. } => None,
+        ProviderConfig::AzureOpenAi(d) if d.batch_deployment.is_none() => Some(format!(
+            "no Azure global batch deployment is configured for region {region} (REVIEWLANE_AZURE_BATCH_DEPLOYMENT)"
+        )),
+        ProviderConfig::OpenAi { .. } | ProviderConfig::Anthropic { .. } | ProviderConfig::AzureOpenAi(_) => None,
     }
 }
 
@@ -808,5 +808,21 @@ mod tests {
         assert!(why_no_batches(&ProviderConfig::Builtin, Region::Us, &on).is_some());
         let off = BatchSettings { enabled: false, ..on };
         assert!(why_no_batches(&openai(Region::Us), Region::Us, &off).unwrap().contains("off"));
+        // Azure: through its global batch deployment, in the resource's own region.
+        let azure = |batch_deployment: Option<&str>| {
+            ProviderConfig::AzureOpenAi(crate::config::AzureDeployment {
+                endpoint: "http://127.0.0.1:1".into(),
+                deployment: "d".into(),
+                model: "m".into(),
+                api_version: "2024-10-21".into(),
+                auth: crate::config::AzureAuth::ApiKey(None),
+                endpoint_region: Region::Eu,
+                schema_dialect: Default::default(),
+                batch_deployment: batch_deployment.map(str::to_string),
+            })
+        };
+        assert_eq!(why_no_batches(&azure(Some("d-batch")), Region::Eu, &on), None);
+        let none = why_no_batches(&azure(None), Region::Eu, &on).expect("no batch deployment");
+        assert!(none.contains("REVIEWLANE_AZURE_BATCH_DEPLOYMENT"), "{none}");
     }
 }
