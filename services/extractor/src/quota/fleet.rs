@@ -163,7 +163,8 @@ impl Quota {
         let mut windows = subscribe(WINDOW_PREFIX).await.map_err(FleetError::store)?;
         // Every replica's heartbeat, followed as it is written: no replica reads all the
         // others' every period (N² reads a second for the fleet).
-        let mut beats = self.client.subscribe(format!("{prefix}{REPLICA_PREFIX}*")).await.map_err(FleetError::store)?;
+        let mut beats =
+            self.client.subscribe(format!("{prefix}{}*", self.replicas())).await.map_err(FleetError::store)?;
         self.beat().await?;
         self.load_heartbeats().await?;
         self.refresh_live().await;
@@ -197,7 +198,7 @@ impl Quota {
                     }
                     _ = stop.cancelled() => {
                         q.tally.wrote();
-                        let _ = q.kv.delete(format!("{REPLICA_PREFIX}{}", q.me)).await;
+                        let _ = q.kv.delete(format!("{}{}", q.replicas(), q.me)).await;
                         return;
                     }
                 }
@@ -253,8 +254,15 @@ impl Quota {
         let in_flight = self.ledger().in_flight.values().sum();
         let v = serde_json::to_vec(&Heartbeat { at_ms: self.now_ms(), in_flight })?;
         self.tally.wrote();
-        self.kv.put(format!("{REPLICA_PREFIX}{}", self.me), v.into()).await.map_err(FleetError::store)?;
+        self.kv.put(format!("{}{}", self.replicas(), self.me), v.into()).await.map_err(FleetError::store)?;
         Ok(())
+    }
+
+    /// The prefix of the key's heartbeats, `replica.<key>.`: each key counts its own
+    /// replicas (a replica calling several keys beats once on each, with its calls on
+    /// that key).
+    fn replicas(&self) -> String {
+        format!("{REPLICA_PREFIX}{}.", self.key)
     }
 
     /// Reads every replica's heartbeat once (at start; later ones arrive as written).
@@ -264,7 +272,7 @@ impl Quota {
         let mut keys = self.kv.keys().await.map_err(FleetError::store)?;
         while let Some(key) = keys.next().await {
             let key = key.map_err(FleetError::store)?;
-            let Some(id) = key.strip_prefix(REPLICA_PREFIX) else { continue };
+            let Some(id) = key.strip_prefix(&self.replicas()) else { continue };
             self.tally.read();
             let Some(v) = self.kv.get(&key).await.map_err(FleetError::store)? else { continue };
             if let Ok(h) = serde_json::from_slice::<Heartbeat>(&v) {
@@ -276,7 +284,7 @@ impl Quota {
 
     /// A heartbeat written (or removed) by a replica, as `QUOTA_<R>` delivers it.
     fn note_heartbeat(&self, m: &async_nats::Message) {
-        let Some(id) = m.subject.as_str().rsplit_once(REPLICA_PREFIX).map(|(_, id)| id.to_string()) else { return };
+        let Some(id) = m.subject.as_str().rsplit_once(&self.replicas()).map(|(_, id)| id.to_string()) else { return };
         let removed = m
             .headers
             .as_ref()
@@ -316,7 +324,7 @@ impl Quota {
         // Long dead: tidy up (each removal reaches every replica as a delete).
         for id in long_dead {
             self.tally.wrote();
-            let _ = self.kv.delete(format!("{REPLICA_PREFIX}{id}")).await;
+            let _ = self.kv.delete(format!("{}{id}", self.replicas())).await;
         }
         if !live.contains(&self.me) {
             live.push(self.me.clone());
@@ -392,12 +400,12 @@ mod tests {
     }
 
     fn replica(kv: &kv::Store, client: &async_nats::Client, clock: SharedClock) -> Quota {
-        let key = KeyConfig {
-            key: "openai.k".into(),
-            limit: 8,
-            tenant_limits: Default::default(),
-            weights: Default::default(),
-        };
+        replica_of("openai.k", kv, client, clock)
+    }
+
+    fn replica_of(key: &str, kv: &kv::Store, client: &async_nats::Client, clock: SharedClock) -> Quota {
+        let key =
+            KeyConfig { key: key.into(), limit: 8, tenant_limits: Default::default(), weights: Default::default() };
         Quota::new(kv.clone(), client.clone(), key, Duration::from_millis(100), Duration::from_secs(60), clock)
     }
 
@@ -474,5 +482,29 @@ mod tests {
         stop_b.cancel();
         assert!(eventually(|| live(&a) == 1).await, "a stopped replica's heartbeat is removed");
         stop_a.cancel();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_key_counts_only_the_replicas_calling_it() {
+        // One process calling two deployments beats on each key: neither key's window is
+        // shared with the calls of the other.
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let (kv, client) = quota_store(&nats).await;
+        let clock: SharedClock = reviewlane_core::clock::system();
+        let stop = CancellationToken::new();
+        let (a1, a2) =
+            (replica_of("openai.a", &kv, &client, clock.clone()), replica_of("openai.a", &kv, &client, clock.clone()));
+        let b = replica_of("azure.b", &kv, &client, clock.clone());
+        for q in [&a1, &a2, &b] {
+            q.start(stop.clone()).await.unwrap();
+        }
+        let live = |q: &Quota| q.ledger().live.len();
+        assert!(eventually(|| live(&a1) == 2 && live(&a2) == 2).await, "key a: its two replicas");
+        // Heartbeats have gone round several times: b still counts itself alone.
+        let beats = clock.now_ms();
+        assert!(eventually(|| clock.now_ms() >= beats + 300).await);
+        assert_eq!(live(&b), 1, "key b: only its own replica");
+        assert_eq!(live(&a1), 2);
+        stop.cancel();
     }
 }

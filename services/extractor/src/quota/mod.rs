@@ -9,8 +9,10 @@
 //! - `window.<key>`: the key's congestion window (AIMD, see `Window`), shared: a 429
 //!   halves it once for the fleet, growth is written back when its level changes, and
 //!   every replica follows the entry. A new replica starts from the last-learned window.
-//! - `replica.<id>` = `{"at_ms": …}`: heartbeats, followed by every replica as they are
-//!   written (read once at start, never listed again). Each replica may run its share of the
+//! - `replica.<key>.<id>` = `{"at_ms": …, "in_flight": …}`: heartbeats on the key (a
+//!   replica calling several keys beats on each), followed by every replica of the key
+//!   as they are written (read once at start, never listed again). Each replica may run
+//!   its share of the
 //!   window among the live replicas (rank-ordered, so the shares sum to the window, and
 //!   the minimum of one call holds for the fleet, not per replica). A replica whose
 //!   heartbeat expires drops out of the ranks at once: the survivors take its share on
