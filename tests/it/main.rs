@@ -29,6 +29,7 @@ mod list_reviews;
 mod manual;
 mod nats_auth;
 mod pipeline;
+mod pool;
 mod proto_api;
 mod provider_batches;
 mod publish_once;

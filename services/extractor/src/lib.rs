@@ -6,6 +6,7 @@ pub mod batch;
 pub mod config;
 pub mod env;
 pub mod metrics;
+pub mod pool;
 pub mod provider;
 pub mod quota;
 pub mod reconcile;

@@ -242,6 +242,10 @@ impl Backlog {
 pub struct LaneLoop {
     pub lane: Lane,
     pub scope: Scope,
+    /// The other deployments of the class: while one of them can take a review and this
+    /// loop's deployment cannot (paused, its circuit open), the loop pulls nothing and
+    /// hands back at once what it holds.
+    pub others: crate::pool::Others,
     pub consumer: PullConsumer,
     /// The tokens a review's call will be metered for (its prompt, and the output limit
     /// the provider counts at start): what it reserves of the key's budgets.
@@ -408,6 +412,7 @@ pub async fn serve<F, Fut>(
         // ends or their deadline passes.
         let pull_ok = || {
             quota.allowance(&l.scope) > 0
+                && !crate::pool::steps_aside(&quota, &l.others)
                 && (quota.paused_for().is_some()
                     || l.lane == Lane::Interactive
                     || !backlog.get()
@@ -425,6 +430,10 @@ pub async fn serve<F, Fut>(
         };
         // The request expired (or the server ended or lost it): pull again.
         let Some(msg) = msg else { continue };
+        if crate::pool::steps_aside(&quota, &l.others) {
+            ack(&msg, AckKind::Nak(None)).await;
+            continue;
+        }
         if let Some(remaining) = quota.paused_for() {
             match while_paused(deadline_of(&msg), quota.now_ms(), remaining) {
                 WhilePaused::Late => {
@@ -478,6 +487,8 @@ async fn admit(
         // Until a pause ends, or just past the deadline (then ended as late); at once when
         // this replica lost its share (another replica joined): let others take it.
         let back = match quota.paused_for() {
+            // Another deployment of the class takes it now.
+            Some(_) if l.others.can_take() => Some(None),
             Some(remaining) => Some(Some(back_for(&msg, quota, remaining))),
             None => (quota.allowance(&l.scope) == 0).then_some(None),
         };
@@ -509,6 +520,12 @@ async fn admit(
                         // lease taken, no retry spent.
                         Err(wait) => {
                             drop((running, slot));
+                            quota.refused_for(wait);
+                            if l.others.can_take() {
+                                // Another deployment of the class may have the budget.
+                                ack(&msg, AckKind::Nak(None)).await;
+                                return None;
+                            }
                             if quota.fleet_in_flight() == 0 {
                                 ack(&msg, AckKind::Nak(Some(back_for(&msg, quota, wait)))).await;
                                 return None;

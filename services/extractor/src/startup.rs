@@ -21,6 +21,7 @@ use tracing::Instrument;
 
 use crate::config::{ExtractorConfig, ProviderConfig};
 use crate::metrics::Metrics;
+use crate::pool::{Deployment, Others};
 use crate::provider::Provider;
 use crate::provider::builtin::BuiltinAnalyzer;
 use crate::provider::openai::OpenAiProvider;
@@ -33,9 +34,11 @@ pub struct App {
     registry: Arc<Registry>,
     client: async_nats::Client,
     worker: Arc<Worker>,
-    loops: Vec<(LaneLoop, u32)>,
-    /// One quota scope per tenant of the region.
-    scopes: Vec<Scope>,
+    /// Each deployment's lane loops, with their weight.
+    loops: Vec<(LaneLoop, u32, Arc<Deployment>)>,
+    /// The pool: the deployment `REVIEWLANE_PROVIDER` names first, then the file's.
+    deployments: Vec<Arc<Deployment>>,
+    /// The first deployment's key: sweeps pause their batch calls on it.
     quota: Quota,
     /// Drives the region's provider batches while this replica leads (none where the
     /// provider has no batch API this region may use).
@@ -61,13 +64,18 @@ pub async fn build_with_provider(
     crate::config::fit_parts_to_budget(&mut config.parts, &config.quota.budgets, output)
         .map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
     reviewlane_core::findings::warm_up();
-    let provider = provider.unwrap_or_else(|| provider_of(&config));
-    if provider.region() != config.region {
-        return Err(StartError::Other(anyhow::anyhow!(
-            "provider endpoint belongs to region `{}` but this extractor serves `{}`",
-            provider.region(),
-            config.region
-        )));
+    let provider = provider.unwrap_or_else(|| provider_of(&config, &config.provider));
+    let adapters: Vec<Arc<dyn Provider>> = std::iter::once(provider.clone())
+        .chain(config.pool.iter().map(|d| provider_of(&config, &d.provider)))
+        .collect();
+    for adapter in &adapters {
+        if adapter.region() != config.region {
+            return Err(StartError::Other(anyhow::anyhow!(
+                "provider endpoint belongs to region `{}` but this extractor serves `{}`",
+                adapter.region(),
+                config.region
+            )));
+        }
     }
     let batch_api = batch_api_of(&config);
     if let Some(client) = &batch_api
@@ -80,12 +88,9 @@ pub async fn build_with_provider(
         )));
     }
     let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.nats).await?;
-    let (loops, key) = lane_loops(&config, &conn, provider.name()).await?;
+    let (consumers, key) = lane_consumers(&config, &conn, provider.name()).await?;
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry, config.region);
-    for (l, _) in loops.iter().filter(|(l, _)| l.lane == Lane::Interactive) {
-        metrics.known_scope(&l.scope);
-    }
     registry.register_collector(Box::new(reviewlane_shared::admin::NatsConnected(vec![(
         config.region,
         conn.client.clone(),
@@ -97,10 +102,20 @@ pub async fn build_with_provider(
     let clock = reviewlane_core::clock::system();
     let health = reviewlane_shared::store_health::StoreHealth::register(&mut registry, &[config.region], clock.clone());
     let q = &config.quota;
-    let quota =
-        Quota::new(conn.layout.quota.clone(), conn.client.clone(), key, q.heartbeat, q.probe_every, clock.clone())
-            .with_budgets(q.budgets.clone());
-    let scopes = loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.scope.clone()).collect();
+    let quota = Quota::new(
+        conn.layout.quota.clone(),
+        conn.client.clone(),
+        key.clone(),
+        q.heartbeat,
+        q.probe_every,
+        clock.clone(),
+    )
+    .with_budgets(q.budgets.clone());
+    let deployments = pool_of(&config, &quota, &key, adapters);
+    let loops = pool_loops(&deployments, &consumers, &call_cost(&config));
+    for (l, _, _) in loops.iter().filter(|(l, _, _)| l.lane == Lane::Interactive) {
+        metrics.known_scope(&l.scope);
+    }
     let client = conn.client.clone();
     let sweeps =
         reviewlane_shared::sweeps::Sweeps::new(conn.layout.js.clone(), conn.layout.sweeps.clone(), config.region);
@@ -144,8 +159,6 @@ pub async fn build_with_provider(
         region: config.region,
         stores: stores_of(&config, conn, &clock),
         policy: policy_of(&config),
-        provider,
-        quota: quota.clone(),
         metrics,
         health,
         clock,
@@ -153,16 +166,19 @@ pub async fn build_with_provider(
         split_cache: Default::default(),
         abort: CancellationToken::new(),
     });
-    Ok(App { admin, registry: Arc::new(registry), client, worker, loops, scopes, quota, coordinator, config })
+    Ok(App { admin, registry: Arc::new(registry), client, worker, loops, deployments, quota, coordinator, config })
 }
 
 /// How long the coordinator's lead lasts unrenewed: another replica takes over this
 /// long after the leader dies.
 const LEAD_TTL: Duration = Duration::from_secs(10);
 
-/// The Anthropic Messages adapter the config names, if it names one.
-fn anthropic_adapter(config: &ExtractorConfig) -> Option<crate::provider::anthropic::AnthropicProvider> {
-    let ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens } = &config.provider else {
+/// The Anthropic Messages adapter of `provider`, if it is one.
+fn anthropic_adapter(
+    config: &ExtractorConfig,
+    provider: &ProviderConfig,
+) -> Option<crate::provider::anthropic::AnthropicProvider> {
+    let ProviderConfig::Anthropic { base_url, model, api_key, endpoint_region, max_tokens } = provider else {
         return None;
     };
     Some(crate::provider::anthropic::AnthropicProvider::new(
@@ -207,7 +223,7 @@ fn batch_api_of(config: &ExtractorConfig) -> Option<Arc<dyn crate::batch::BatchA
             Some(Arc::new(api))
         }
         ProviderConfig::Anthropic { base_url, api_key, endpoint_region, .. } => {
-            let adapter = Arc::new(anthropic_adapter(config)?);
+            let adapter = Arc::new(anthropic_adapter(config, &config.provider)?);
             Some(Arc::new(AnthropicBatches::new(
                 base_url,
                 api_key.clone(),
@@ -246,29 +262,38 @@ fn over_one_call(
     })
 }
 
-/// The provider adapter the config names.
-fn provider_of(config: &ExtractorConfig) -> Arc<dyn Provider> {
+/// The adapter of `provider` (the config's, or a deployment of its pool).
+fn provider_of(config: &ExtractorConfig, provider: &ProviderConfig) -> Arc<dyn Provider> {
     let (timeout, ceiling, max_body) =
         (config.scheduling.provider_timeout, config.quota.hint_ceiling, config.results.max_response_bytes);
-    match &config.provider {
+    match provider {
         ProviderConfig::Builtin => Arc::new(BuiltinAnalyzer::new(config.region)),
         ProviderConfig::OpenAi { base_url, model, api_key, endpoint_region, schema_dialect } => Arc::new(
             OpenAiProvider::new(base_url, model.clone(), api_key.clone(), *endpoint_region, timeout, ceiling, max_body)
                 .with_schema_dialect(*schema_dialect),
         ),
-        ProviderConfig::Anthropic { .. } => Arc::new(anthropic_adapter(config).expect("an Anthropic provider")),
+        ProviderConfig::Anthropic { .. } => {
+            Arc::new(anthropic_adapter(config, provider).expect("an Anthropic provider"))
+        }
         ProviderConfig::AzureOpenAi(d) => Arc::new(OpenAiProvider::azure(d, timeout, ceiling, max_body)),
     }
 }
 
+/// A lane's durable consumer for one tenant, and the tenant's weight.
+struct LaneConsumer {
+    lane: Lane,
+    tenant: String,
+    consumer: async_nats::jetstream::consumer::PullConsumer,
+    weight: u32,
+}
+
 /// One durable consumer per (lane, tenant of this region), with its tenant's weight;
-/// and the provider key those tenants share, with their limits and weights.
-async fn lane_loops(
+/// and the first deployment's provider key, with the tenants' limits and weights.
+async fn lane_consumers(
     config: &ExtractorConfig,
     conn: &reviewlane_shared::startup::RegionConnection,
     provider: &str,
-) -> Result<(Vec<(LaneLoop, u32)>, KeyConfig), StartError> {
-    let cost = call_cost(config);
+) -> Result<(Vec<LaneConsumer>, KeyConfig), StartError> {
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
     let mut weights = HashMap::new();
@@ -277,11 +302,6 @@ async fn lane_loops(
             limits.insert(tenant.id.clone(), l);
         }
         weights.insert(tenant.id.clone(), tenant.weight);
-        let scope = Scope {
-            provider: provider.to_string(),
-            model_class: config.quota.model_class.clone(),
-            tenant: tenant.id.clone(),
-        };
         for lane in Lane::ALL {
             let consumer = durable_consumer(
                 &conn.layout.js,
@@ -291,7 +311,7 @@ async fn lane_loops(
                 config.scheduling.lease,
             )
             .await?;
-            loops.push((LaneLoop { lane, scope: scope.clone(), consumer, cost: cost.clone() }, tenant.weight));
+            loops.push(LaneConsumer { lane, tenant: tenant.id.clone(), consumer, weight: tenant.weight });
         }
     }
     if loops.is_empty() {
@@ -304,6 +324,65 @@ async fn lane_loops(
         weights,
     };
     Ok((loops, key))
+}
+
+/// The pool: the first deployment (`provider`, on `quota`), then the file's, each on
+/// its own key with the tenants' limits and weights, sharing the replica id.
+fn pool_of(
+    config: &ExtractorConfig,
+    quota: &Quota,
+    key: &KeyConfig,
+    adapters: Vec<Arc<dyn Provider>>,
+) -> Vec<Arc<Deployment>> {
+    let prices = &config.results.prices;
+    let mut adapters = adapters.into_iter();
+    let first = adapters.next().expect("the first deployment's adapter");
+    let mut pool = vec![Arc::new(Deployment {
+        id: first.name().to_string(),
+        class: config.quota.model_class.clone(),
+        provider: first,
+        quota: quota.clone(),
+        price: prices.get(&config.quota.model_class).copied(),
+    })];
+    for (d, provider) in config.pool.iter().zip(adapters) {
+        let key = KeyConfig { key: KeyConfig::token(d.provider.kind(), &d.id), limit: d.key_limit, ..key.clone() };
+        pool.push(Arc::new(Deployment {
+            id: d.id.clone(),
+            class: d.class.clone(),
+            provider,
+            quota: quota.another_key(key, config.quota.probe_every).with_budgets(d.budgets.clone()),
+            price: d.price.or_else(|| prices.get(d.provider.model()).copied()),
+        }));
+    }
+    pool
+}
+
+/// Each deployment's loops on every lane consumer, each knowing the other deployments
+/// of its class (with the tenant's scope there).
+fn pool_loops(
+    deployments: &[Arc<Deployment>],
+    consumers: &[LaneConsumer],
+    cost: &crate::schedule::CallCost,
+) -> Vec<(LaneLoop, u32, Arc<Deployment>)> {
+    let mut loops = Vec::new();
+    for d in deployments {
+        for c in consumers {
+            let others = deployments
+                .iter()
+                .filter(|o| o.class == d.class && o.id != d.id)
+                .map(|o| (o.quota.clone(), o.scope(&c.tenant)))
+                .collect();
+            let l = LaneLoop {
+                lane: c.lane,
+                scope: d.scope(&c.tenant),
+                others: Others::new(others),
+                consumer: c.consumer.clone(),
+                cost: cost.clone(),
+            };
+            loops.push((l, c.weight, d.clone()));
+        }
+    }
+    loops
 }
 
 /// What every call is metered for besides its diff: the instructions and schema it
@@ -360,7 +439,6 @@ fn policy_of(config: &ExtractorConfig) -> crate::worker::WorkPolicy {
         provider_timeout: config.scheduling.provider_timeout,
         circuit_open_for: config.quota.circuit_open_for,
         store_retry: config.retry.store,
-        price: config.results.prices.get(&config.quota.model_class).copied(),
         quarantine_raw_max: config.results.quarantine_raw_max,
         parts: config.parts,
         call_overhead: call_overhead(config),
@@ -380,17 +458,20 @@ impl App {
         // The worker's own: its steps that wait (a keep retried against a full store)
         // give up when the grace is over.
         let abort = self.worker.abort.clone();
-        self.quota.start(stop.clone()).await.map_err(|e| anyhow::anyhow!(e))?;
+        for d in &self.deployments {
+            d.quota.start(stop.clone()).await.map_err(|e| anyhow::anyhow!(e))?;
+        }
         let mut streams: Vec<String> = Lane::ALL.iter().map(|l| layout::lane_stream(self.config.region, *l)).collect();
         streams.push(layout::findings_stream(self.config.region));
         streams.push(format!("KV_{}", layout::jobs_bucket(self.config.region)));
         let nats = reviewlane_shared::admin::nats_ready(self.client.clone(), streams);
         // Ready once NATS is and the replica has warmed up (the others have seen it),
         // while the store takes writes.
-        let (quota, health) = (self.quota.clone(), self.worker.health.clone());
+        let quotas: Vec<Quota> = self.deployments.iter().map(|d| d.quota.clone()).collect();
+        let health = self.worker.health.clone();
         let ready: reviewlane_shared::admin::Ready = std::sync::Arc::new(move || {
-            let (nats, quota, health) = (nats.clone(), quota.clone(), health.clone());
-            Box::pin(async move { quota.warmed_up() && health.ready() && nats().await })
+            let (nats, quotas, health) = (nats.clone(), quotas.clone(), health.clone());
+            Box::pin(async move { quotas.iter().all(Quota::warmed_up) && health.ready() && nats().await })
         });
         let admin = tokio::spawn(self.admin.run(self.registry.clone(), ready, stop.clone()));
         let changed: Arc<Notify> = self.quota.changed.clone();
@@ -400,8 +481,13 @@ impl App {
             Slots::new(self.config.scheduling.concurrency, self.config.scheduling.batch_min_slots, reserve, changed);
         let backlog = Backlog::default();
         let tasks = TaskTracker::new();
-        let interactive: Vec<_> =
-            self.loops.iter().filter(|(l, _)| l.lane == Lane::Interactive).map(|(l, _)| l.consumer.clone()).collect();
+        // One per (interactive lane, tenant): the first deployment's loops name each once.
+        let interactive: Vec<_> = self
+            .loops
+            .iter()
+            .filter(|(l, _, d)| l.lane == Lane::Interactive && Arc::ptr_eq(d, &self.deployments[0]))
+            .map(|(l, _, _)| l.consumer.clone())
+            .collect();
         let monitor = tokio::spawn(watch_interactive_backlog(
             interactive,
             backlog.clone(),
@@ -425,33 +511,39 @@ impl App {
             let c = crate::sweep::Coordinator { interactive: Some(slots.clone()), ..c };
             tokio::spawn(c.run(stop.clone()).instrument(tracing::info_span!("sweeps", region = %self.config.region)))
         });
+        let scopes = self
+            .loops
+            .iter()
+            .filter(|(l, _, _)| l.lane == Lane::Interactive)
+            .map(|(l, _, d)| (d.quota.clone(), l.scope.clone()))
+            .collect();
         let lanes = tokio::spawn(sample(
             async_nats::jetstream::new(self.client.clone()),
             self.config.region,
             self.worker.metrics.clone(),
-            self.quota.clone(),
-            self.scopes.clone(),
+            scopes,
             stop.clone(),
         ));
         let mut handles = Vec::new();
-        for (l, weight) in self.loops {
-            let span = tracing::info_span!("lane", region = %self.config.region, lane = l.lane.as_str(), tenant = %l.scope.tenant);
+        for (l, weight, deployment) in self.loops {
+            let span = tracing::info_span!("lane", region = %self.config.region, lane = l.lane.as_str(), tenant = %l.scope.tenant, deployment = %deployment.id);
             let shared = Arc::new(l);
             for _ in 0..weight {
                 let l = LaneLoop {
                     lane: shared.lane,
                     scope: shared.scope.clone(),
+                    others: shared.others.clone(),
                     consumer: shared.consumer.clone(),
                     cost: shared.cost.clone(),
                 };
                 let puller = reviewlane_shared::pull::Puller::new(shared.consumer.clone(), self.client.clone()).await?;
                 let worker = self.worker.clone();
                 let abort = abort.clone();
+                let (d, others) = (deployment.clone(), shared.others.clone());
                 let run = move |admitted| {
-                    let worker = worker.clone();
-                    let abort = abort.clone();
+                    let (worker, abort, d, others) = (worker.clone(), abort.clone(), d.clone(), others.clone());
                     async move {
-                        worker.process_one(admitted, &abort).await;
+                        worker.process_one(admitted, &d, &others, &abort).await;
                     }
                     .in_current_span()
                 };
@@ -460,7 +552,7 @@ impl App {
                         l,
                         puller,
                         slots.clone(),
-                        self.quota.clone(),
+                        deployment.quota.clone(),
                         backlog.clone(),
                         self.config.scheduling.lease,
                         tasks.clone(),
@@ -504,15 +596,14 @@ async fn sample(
     js: async_nats::jetstream::Context,
     region: reviewlane_shared::Region,
     metrics: crate::metrics::Metrics,
-    quota: Quota,
-    scopes: Vec<Scope>,
+    scopes: Vec<(Quota, Scope)>,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut ticks = 0u64;
     loop {
         tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
-        for scope in &scopes {
+        for (quota, scope) in &scopes {
             metrics.scope(scope, quota.in_flight(scope), quota.fair_share(scope));
         }
         // The account's storage against its limit, every 10 s (when it has one).

@@ -5,6 +5,7 @@
 
 mod batch;
 mod parts;
+mod pool;
 mod provider;
 mod quota;
 mod results;
@@ -22,6 +23,7 @@ use crate::env;
 
 pub use batch::{BatchSettings, ResubmitVia};
 pub use parts::{PartConfig, fit_parts_to_budget};
+pub use pool::DeploymentConfig;
 pub use provider::{AzureAuth, AzureDeployment, Price, ProviderConfig, parse_prices};
 pub use quota::QuotaSettings;
 pub use results::{ReconcileConfig, ResultSettings};
@@ -47,8 +49,11 @@ pub struct ExtractorConfig {
     pub lane_windows: [Duration; 2],
     /// Fault hooks for tests (no-ops unless built with `fault-hooks`).
     pub faults: reviewlane_shared::faults::Faults,
-    /// The provider endpoint this extractor calls.
+    /// The provider endpoint this extractor calls: the pool's first deployment (its
+    /// sweeps' batch API, and the part plan's model).
     pub provider: ProviderConfig,
+    /// The pool's other deployments (`REVIEWLANE_DEPLOYMENTS_FILE`).
+    pub pool: Vec<DeploymentConfig>,
     pub quota: QuotaSettings,
     pub scheduling: SchedulingSettings,
     pub retry: RetrySettings,
@@ -77,6 +82,7 @@ impl ExtractorConfig {
             lane_windows: [Duration::from_secs(60), Duration::from_secs(3600)],
             faults: Default::default(),
             provider,
+            pool: Vec::new(),
             quota: QuotaSettings::for_model(model.clone()),
             scheduling: SchedulingSettings::default(),
             retry: RetrySettings::default(),
@@ -98,6 +104,8 @@ impl ExtractorConfig {
         let provider = provider::read_provider(&mut r, region);
         let model = provider.as_ref().map_or("builtin", ProviderConfig::model).to_string();
         let quota = QuotaSettings::read(&mut r, &model);
+        let first_id = provider.as_ref().map_or("builtin", ProviderConfig::kind);
+        let pool = pool::read_pool(&mut r, region, first_id, (&quota.model_class, quota.key_limit));
         let scheduling = SchedulingSettings::read(&mut r);
         let retry = RetrySettings::read(&mut r);
         let mut parts = parts::read_parts(&mut r, &provider);
@@ -130,6 +138,7 @@ impl ExtractorConfig {
             lane_windows,
             faults: Default::default(),
             provider: provider.expect("checked"),
+            pool,
             quota,
             scheduling,
             retry,
@@ -263,6 +272,90 @@ mod tests {
         let c = azure(&[]).unwrap();
         let ProviderConfig::AzureOpenAi(d) = &c.provider else { unreachable!() };
         assert_eq!(d.batch_deployment, None);
+    }
+
+    #[test]
+    fn a_deployments_file_adds_deployments_each_checked_and_bound_to_the_region() {
+        let dir = std::env::temp_dir().join(format!("reviewlane-x-pool-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("key");
+        std::fs::write(&key, "pool-secret-key\n").unwrap();
+        let file = |text: &str| {
+            let path = dir.join(format!("pool-{}.toml", text.len()));
+            std::fs::write(&path, text.replace("KEY", &key.display().to_string())).unwrap();
+            path.display().to_string()
+        };
+        let config = |path: &str| {
+            ExtractorConfig::from_env(&env(&[
+                (reviewlane_core::env::REGION, "eu"),
+                (reviewlane_core::env::NATS_URL, "nats://x"),
+                (env::PROVIDER, "openai"),
+                (env::OPENAI_BASE_URL, "https://api.example/v1"),
+                (env::OPENAI_MODEL, "gpt-4o-mini"),
+                (env::PROVIDER_REGION, "eu"),
+                (env::MODEL_CLASS, "fast"),
+                (env::KEY_LIMIT, "6"),
+                (env::DEPLOYMENTS_FILE, path),
+            ]))
+        };
+        let two = file(
+            r#"
+[[deployments]]
+id = "azure-eu-1"
+kind = "azure"
+endpoint = "https://reviews-eu.openai.azure.com"
+deployment = "gpt-4o-mini-eu"
+model = "gpt-4o-mini"
+region = "eu"
+api_key_file = "KEY"
+budgets = "rpm=300,tpm=50000"
+
+[[deployments]]
+id = "claude-eu"
+kind = "anthropic"
+class = "deep"
+endpoint = "https://anthropic.example"
+model = "claude-sonnet"
+region = "eu"
+key_limit = 3
+price = "3/15"
+"#,
+        );
+        let c = config(&two).unwrap();
+        assert_eq!(c.pool.len(), 2);
+        let (azure, claude) = (&c.pool[0], &c.pool[1]);
+        assert_eq!((azure.id.as_str(), azure.class.as_str(), azure.key_limit), ("azure-eu-1", "fast", 6), "defaults");
+        assert!(
+            matches!(&azure.provider, ProviderConfig::AzureOpenAi(d) if matches!(d.auth, AzureAuth::ApiKey(Some(_))))
+        );
+        assert_eq!(azure.budgets.len(), 2);
+        assert_eq!((claude.class.as_str(), claude.key_limit), ("deep", 3));
+        assert_eq!(claude.price, Some(Price { input_per_mtok: 3.0, output_per_mtok: 15.0 }));
+
+        let refused = |text: &str, says: &str| {
+            let errs = config(&file(text)).unwrap_err().to_string();
+            assert!(errs.contains(says), "{says}: {errs}");
+            assert!(!errs.contains("pool-secret-key"), "{errs}");
+        };
+        let one = |extra: &str| {
+            format!(
+                "[[deployments]]\nid = \"x-1\"\nkind = \"openai\"\nendpoint = \"https://o.example/v1\"\nmodel = \"m\"\nregion = \"eu\"\napi_key_file = \"KEY\"\n{extra}"
+            )
+        };
+        // Residency: a deployment of another region refuses the start, naming it.
+        refused(
+            &one("").replace("region = \"eu\"", "region = \"us\""),
+            "deployment `x-1`: its endpoint belongs to region `us`",
+        );
+        refused(&format!("{}\n{}", one(""), one("")), "its id is taken");
+        refused(&one("").replace("x-1", "openai"), "its id is taken");
+        refused(&one("").replace("x-1", "a.b"), "its id may hold only");
+        refused(&one("").replace("kind = \"openai\"", "kind = \"bedrock\""), "its kind");
+        refused(&one("budgets = \"rpm=0\""), "its budgets");
+        refused(&one("key_limit = 0"), "key_limit");
+        refused(&one("").replace("\nmodel = \"m\"", ""), "not a deployments file");
+        refused(&one("").replace("kind = \"openai\"", "kind = \"azure\""), "deployment` name");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -81,6 +81,16 @@ impl ProviderConfig {
         }
     }
 
+    /// The provider's kind, as its adapter names itself (`Provider::name`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProviderConfig::Builtin => "builtin",
+            ProviderConfig::OpenAi { .. } => "openai",
+            ProviderConfig::Anthropic { .. } => "anthropic",
+            ProviderConfig::AzureOpenAi(_) => "azure",
+        }
+    }
+
     /// The region the endpoint processes data in (`None`: the built-in analyzer, which
     /// runs in the extractor).
     pub fn endpoint_region(&self) -> Option<Region> {
@@ -99,7 +109,7 @@ pub const AZURE_API_VERSION_DEFAULT: &str = "2024-10-21";
 
 /// Whether `s` may stand in a URL path segment or query value as is: a deployment name
 /// or an API version (letters, digits, `-`, `_`, `.`).
-fn url_safe(s: &str) -> bool {
+pub(super) fn url_safe(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 

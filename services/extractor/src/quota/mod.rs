@@ -85,6 +85,9 @@ pub struct Quota {
     tally: Arc<fleet::KvTally>,
     /// Every replica's last heartbeat, as followed on `QUOTA_<R>`.
     heartbeats: Arc<Mutex<std::collections::BTreeMap<String, fleet::Heartbeat>>>,
+    /// Until when (clock ms) the key's budgets last refused a call here: another
+    /// deployment of the class takes reviews meanwhile.
+    refused_until_ms: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A 429, as the key's quota learns it.
@@ -149,7 +152,47 @@ impl Quota {
             budgets,
             tally,
             heartbeats: Arc::default(),
+            refused_until_ms: Arc::default(),
         }
+    }
+
+    /// The quota of another key this replica calls (another deployment of the pool): its
+    /// own window, pause, circuit and budgets, under the same replica id, and waking the
+    /// same waiters when it changes.
+    pub fn another_key(&self, key: KeyConfig, probe_every: Duration) -> Quota {
+        let ledger = Ledger::new(self.me.clone(), key.limit, key.tenant_limits, key.weights, Window::new(probe_every));
+        let tally = Arc::new(fleet::KvTally::default());
+        let budgets = Budgets::new(self.kv.clone(), key.key.clone(), self.clock.clone(), tally.clone());
+        Quota {
+            kv: self.kv.clone(),
+            client: self.client.clone(),
+            me: self.me.clone(),
+            key: key.key,
+            heartbeat: self.heartbeat,
+            ledger: Arc::new(Mutex::new(ledger)),
+            changed: self.changed.clone(),
+            clock: self.clock.clone(),
+            budgets,
+            tally,
+            heartbeats: Arc::default(),
+            refused_until_ms: Arc::default(),
+        }
+    }
+
+    /// The key's budgets refused a call that would have room after `wait`.
+    pub fn refused_for(&self, wait: Duration) {
+        let until = self.now_ms() + wait.as_millis() as u64;
+        self.refused_until_ms.fetch_max(until, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the key's budgets refused a call here that they have no room for yet.
+    pub fn refusing(&self) -> bool {
+        self.now_ms() < self.refused_until_ms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The key's token, `<provider>.<key id>`.
+    pub fn key(&self) -> &str {
+        &self.key
     }
 
     /// This replica's quota operations on `QUOTA_<R>` so far.

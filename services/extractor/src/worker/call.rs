@@ -73,7 +73,7 @@ impl Worker {
             part: target.part,
         };
         let started_ms = self.clock.now_ms();
-        let in_flight = self.quota.fleet_in_flight();
+        let in_flight = job.deployment.quota.fleet_in_flight();
         // Time the job waited while eligible: since submit, or since its retry delay ended.
         let eligible_at_ms = lease.rec.next_eligible_at_ms.unwrap_or(lease.rec.created_at_ms);
         let attempt = tracing::info_span!(
@@ -81,7 +81,7 @@ impl Worker {
             otel.kind = "client",
             attempt = lease.generation(),
             part = target.part.map(i64::from).unwrap_or(-1),
-            provider = self.provider.name(),
+            provider = job.deployment.provider.name(),
             model_class = %job.scope.model_class,
             queue_wait_ms = started_ms.saturating_sub(eligible_at_ms),
             outcome = Empty,
@@ -92,7 +92,7 @@ impl Worker {
         );
         let started = Instant::now();
         metering.called.store(true, std::sync::atomic::Ordering::Relaxed);
-        let call = tokio::time::timeout(self.policy.provider_timeout, self.provider.review(&req));
+        let call = tokio::time::timeout(self.policy.provider_timeout, job.deployment.provider.review(&req));
         let upstream =
             call.instrument(attempt.clone()).await.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" });
         let took = started.elapsed();

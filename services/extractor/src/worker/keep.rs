@@ -177,7 +177,7 @@ impl Worker {
         let used = lease.rec.attempts.congestion;
         let predicted = match &answer {
             Answer::Upstream { outcome: UpstreamOutcome::RateLimited { retry_after: None, .. }, .. } => {
-                self.quota.budgets().predicted().await
+                job.deployment.quota.budgets().predicted().await
             }
             _ => None,
         };
@@ -185,8 +185,9 @@ impl Worker {
         if let Answer::Upstream { outcome: UpstreamOutcome::ContentFiltered { usage: Some(u) }, .. } = &answer {
             self.paid(job, metering, *u).await;
         }
+        let failover = job.others.can_take();
         let (verdict, effect) =
-            verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted);
+            verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted, failover);
         let decision = match verdict {
             Verdict::Cached(hit) => self.keep(job, lease, hit, 0, None).await,
             Verdict::Usable { output, usage, status } => {
@@ -206,8 +207,8 @@ impl Worker {
         // The readings first: the limits they teach decide whether a headroom pause is
         // needed (a bucket paces an empty dimension exactly; a pause would wait for it
         // to be full).
-        self.quota.budgets().follow_readings(&meter).await;
-        self.learn(effect, &meter).await;
+        job.deployment.quota.budgets().follow_readings(&meter).await;
+        self.learn(&job.deployment.quota, effect, &meter).await;
         decision
     }
 
@@ -220,7 +221,7 @@ impl Worker {
             && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
         {
             let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
-            self.quota.budgets().correct_call(reserved, used).await;
+            job.deployment.quota.budgets().correct_call(reserved, used).await;
         }
     }
 
@@ -248,23 +249,22 @@ impl Worker {
 
     /// Records what the key's shared quota learns (best effort: a failed write is
     /// logged, and the next answer teaches it again).
-    async fn learn(&self, effect: QuotaEffect, meter: &crate::upstream::Meter) {
+    async fn learn(&self, quota: &crate::quota::Quota, effect: QuotaEffect, meter: &crate::upstream::Meter) {
         let written = match effect {
             QuotaEffect::None => return,
             QuotaEffect::Succeeded { started_ms, pause } => {
-                self.quota.succeeded(started_ms).await;
+                quota.succeeded(started_ms).await;
                 match pause {
-                    Some(d) if !self.quota.budgets().paces_every_empty(meter) => {
-                        self.quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e))
+                    Some(d) if !quota.budgets().paces_every_empty(meter) => {
+                        quota.pause(d).await.map_err(|e| ("recording a headroom pause failed", e))
                     }
                     _ => Ok(()),
                 }
             }
             QuotaEffect::RateLimited(limited) => {
-                self.quota.rate_limited(limited).await.map_err(|e| ("recording the scope pause failed", e))
+                quota.rate_limited(limited).await.map_err(|e| ("recording the scope pause failed", e))
             }
-            QuotaEffect::OpenCircuit => self
-                .quota
+            QuotaEffect::OpenCircuit => quota
                 .open_circuit(self.policy.circuit_open_for)
                 .await
                 .map_err(|e| ("recording the open circuit failed", e)),
@@ -317,8 +317,27 @@ pub(super) type Predicted = Option<(reviewlane_core::meter::Dimension, Duration)
 /// retries: a 429 without the provider's hint waits the lane's `backoff` for the next
 /// one (`unit`: uniform in [0, 1), the jitter) — unless the answers `predicted` it: then
 /// the key pauses until the bucket has room and the job goes back to wait for it,
-/// spending no retry.
+/// spending no retry. With `failover` (another deployment of the class can take the
+/// review now), a 429 or `insufficient_quota` still pauses the key or opens its circuit,
+/// but the review goes back at once, spending nothing, for the other to take.
 pub(super) fn verdict(
+    answer: Answer,
+    congestion_used: u32,
+    backoff: &Backoff,
+    unit: f64,
+    predicted: Predicted,
+    failover: bool,
+) -> (Verdict, QuotaEffect) {
+    let (verdict, effect) = verdict_alone(answer, congestion_used, backoff, unit, predicted);
+    let handed_over = matches!(effect, QuotaEffect::RateLimited(_) | QuotaEffect::OpenCircuit);
+    if failover && handed_over {
+        return (Verdict::Decided(Decision::Release(None)), effect);
+    }
+    (verdict, effect)
+}
+
+/// The verdict of a deployment with no other of its class to hand the review to.
+fn verdict_alone(
     answer: Answer,
     congestion_used: u32,
     backoff: &Backoff,
@@ -393,7 +412,7 @@ mod tests {
     const NOW: u64 = 1_000_000;
 
     fn decided(answer: Answer, used: u32, backoff: &Backoff) -> (Decision, QuotaEffect) {
-        match verdict(answer, used, backoff, 0.5, None) {
+        match verdict(answer, used, backoff, 0.5, None, false) {
             (Verdict::Decided(d), effect) => (d, effect),
             (other, _) => panic!("{other:?}"),
         }
@@ -413,7 +432,7 @@ mod tests {
             usage: Some(usage),
             meter: Default::default(),
         };
-        let (v, effect) = verdict(upstream(ok), 0, &Backoff::default(), 0.5, None);
+        let (v, effect) = verdict(upstream(ok), 0, &Backoff::default(), 0.5, None, false);
         assert!(
             matches!(&v, Verdict::Usable { output, usage: Some(u), status: Some(s) } if output == "{}" && *u == usage && s == "2xx"),
             "{v:?}"
@@ -457,11 +476,11 @@ mod tests {
         // spending no retry, and the key pauses as long, for that bucket.
         let requests = reviewlane_core::meter::Dimension::Requests;
         let wait = Duration::from_secs(41);
-        let (v, effect) = verdict(upstream(limited(None, None)), 2, &b, 0.5, Some((requests, wait)));
+        let (v, effect) = verdict(upstream(limited(None, None)), 2, &b, 0.5, Some((requests, wait)), false);
         assert!(matches!(v, Verdict::Decided(Decision::Release(Some(w))) if w == wait), "{v:?}");
         assert_eq!(effect, effect_of(wait, Some(requests)));
         // A hint is the provider's word: it is a congestion retry whatever was predicted.
-        let (v, _) = verdict(upstream(limited(Some(seven), None)), 0, &b, 0.5, Some((requests, wait)));
+        let (v, _) = verdict(upstream(limited(Some(seven), None)), 0, &b, 0.5, Some((requests, wait)), false);
         assert!(matches!(v, Verdict::Decided(Decision::Retry { budget: Budget::Congestion, .. })), "{v:?}");
     }
 
@@ -489,6 +508,33 @@ mod tests {
         let (d, effect) = decided(upstream(paid), 0, &b);
         assert_eq!(d, Decision::Terminal { reason: TerminalReason::ContentFiltered, status: Some("2xx".into()) });
         assert_eq!(effect, QuotaEffect::Succeeded { started_ms: NOW, pause: None });
+    }
+
+    #[test]
+    fn with_another_deployment_free_a_429_or_an_empty_account_hands_the_review_over_at_once() {
+        let b = Backoff::default();
+        let limited = UpstreamOutcome::RateLimited {
+            retry_after: Some(Duration::from_secs(30)),
+            capped: false,
+            dimension: None,
+            meter: Default::default(),
+        };
+        // The key still pauses for the hint (every replica's calls on it wait), and the
+        // review goes back now, spending no retry, for the other deployment.
+        let (v, effect) = verdict(upstream(limited.clone()), 0, &b, 0.5, None, true);
+        assert!(matches!(v, Verdict::Decided(Decision::Release(None))), "{v:?}");
+        assert!(matches!(effect, QuotaEffect::RateLimited(l) if l.pause == Duration::from_secs(30)), "{effect:?}");
+        let (v, effect) = verdict(upstream(UpstreamOutcome::QuotaExhausted), 0, &b, 0.5, None, true);
+        assert!(matches!(v, Verdict::Decided(Decision::Release(None))), "{v:?}");
+        assert_eq!(effect, QuotaEffect::OpenCircuit, "the circuit opens for the fleet");
+        // Alone in its class: the retry and the end, as ever.
+        let (v, _) = verdict(upstream(limited), 0, &b, 0.5, None, false);
+        assert!(matches!(v, Verdict::Decided(Decision::Retry { budget: Budget::Congestion, .. })), "{v:?}");
+        let (v, _) = verdict(upstream(UpstreamOutcome::QuotaExhausted), 0, &b, 0.5, None, false);
+        assert!(matches!(v, Verdict::Decided(Decision::Terminal { reason: TerminalReason::InsufficientQuota, .. })));
+        // Anything else decides the same either way.
+        let (v, _) = verdict(upstream(UpstreamOutcome::Transient { status_class: "5xx" }), 0, &b, 0.5, None, true);
+        assert!(matches!(v, Verdict::Decided(Decision::Retry { budget: Budget::Transient, .. })), "{v:?}");
     }
 
     #[test]

@@ -113,13 +113,13 @@ impl Worker {
             _ => {}
         }
         let event = Event::Leased {
-            owner: reviewlane_core::job::Owner::Replica(self.quota.replica_id().to_string()),
+            owner: reviewlane_core::job::Owner::Replica(job.deployment.quota.replica_id().to_string()),
             lease_expires_at_ms: now + self.policy.lease.as_millis() as u64,
         };
         match self.stores.jobs.apply_tracked(id, Some((rec, revision)), &event, None).await {
             Ok((rec, revision)) => {
                 let lease = Box::new(Lease::written(rec, revision));
-                match self.ends_uncalled(&lease.rec).await? {
+                match self.ends_uncalled(job, &lease.rec).await? {
                     Some(reason) => {
                         Ok(ControlFlow::Break(End::decided(lease, Decision::Terminal { reason, status: None })))
                     }
@@ -144,8 +144,8 @@ impl Worker {
     /// out of money (ended under the lease, so no other holder's job is ended); its
     /// deadline passed while it waited; or it is an item of a cancelled sweep whose call
     /// failed (or whose holder died without keeping an answer).
-    async fn ends_uncalled(&self, rec: &JobRecord) -> Result<Option<TerminalReason>, StoreError> {
-        if self.quota.circuit_open() {
+    async fn ends_uncalled(&self, job: &Job<'_>, rec: &JobRecord) -> Result<Option<TerminalReason>, StoreError> {
+        if job.deployment.quota.circuit_open() {
             return Ok(Some(TerminalReason::InsufficientQuota));
         }
         if rec.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) {

@@ -48,8 +48,8 @@ use tracing::{Instrument, Span};
 
 use crate::config::Budgets;
 use crate::metrics::Metrics;
-use crate::provider::Provider;
-use crate::quota::{Quota, Scope};
+use crate::pool::{Deployment, Others};
+use crate::quota::Scope;
 use crate::schedule::{Admitted, Decoded, More, Place, Work};
 use crate::upstream::Backoff;
 use reviewlane_shared::store::StoreRetry;
@@ -61,8 +61,6 @@ pub struct Worker {
     pub region: Region,
     pub stores: Stores,
     pub policy: WorkPolicy,
-    pub provider: Arc<dyn Provider>,
-    pub quota: Quota,
     pub metrics: Metrics,
     /// What the store refused (counted; a full store makes the replica unready).
     pub health: reviewlane_shared::store_health::StoreHealth,
@@ -96,8 +94,6 @@ pub struct WorkPolicy {
     pub circuit_open_for: Duration,
     /// Retries of a store write once an answer is paid for.
     pub store_retry: StoreRetry,
-    /// The model's price, for the estimated cost of each call (none: cost 0).
-    pub price: Option<crate::config::Price>,
     /// Largest raw item kept with a quarantined finding (its JSON text).
     pub quarantine_raw_max: usize,
     /// Splitting reviews larger than the model's context.
@@ -133,6 +129,11 @@ pub struct Target<'a> {
 pub struct Job<'a> {
     pub msg: &'a jetstream::Message,
     pub review: &'a ReviewMessage,
+    /// The deployment the review was admitted on: its provider is called, its key's
+    /// quota learns from the answers.
+    pub deployment: &'a Deployment,
+    /// The other deployments of its class, which may take it when this one cannot.
+    pub others: &'a Others,
     pub scope: &'a Scope,
     /// The diff, parsed once; `None` when it cannot be read back (never expected: the
     /// ingress validated it).
@@ -341,7 +342,13 @@ impl Worker {
     ///
     /// Runs in a `process` span whose parent is the `enqueue` span of the ingress (the
     /// message's `traceparent`), so each delivery of a job joins the job's trace.
-    pub async fn process_one(&self, work: Work, abort: &CancellationToken) -> Outcome {
+    pub async fn process_one(
+        &self,
+        work: Work,
+        deployment: &Deployment,
+        others: &Others,
+        abort: &CancellationToken,
+    ) -> Outcome {
         let (msg, scope) = match &work {
             Work::Call(a) => (&a.msg, &a.scope),
             Work::Late { msg, scope, .. } => (&**msg, scope),
@@ -362,19 +369,26 @@ impl Worker {
             lane = Empty,
             schema_version = Empty,
             review_depth = Empty,
-            provider = self.provider.name(),
+            provider = deployment.provider.name(),
+            deployment = %deployment.id,
             outcome = Empty,
         );
         reviewlane_shared::telemetry::set_remote_parent(
             &span,
             reviewlane_shared::telemetry::parent_from_nats(msg.headers.as_ref()),
         );
-        let outcome = self.process(work, abort).instrument(span.clone()).await;
+        let outcome = self.process(work, deployment, others, abort).instrument(span.clone()).await;
         span.record("outcome", outcome.as_str());
         outcome
     }
 
-    async fn process(&self, work: Work, abort: &CancellationToken) -> Outcome {
+    async fn process(
+        &self,
+        work: Work,
+        deployment: &Deployment,
+        others: &Others,
+        abort: &CancellationToken,
+    ) -> Outcome {
         // A call holds its slot and the scope's allowance until this returns.
         let (msg, decoded, scope, place, reserved, more) = match work {
             Work::Call(admitted) => {
@@ -402,6 +416,8 @@ impl Worker {
         let job = Job {
             msg: &msg,
             review: &review,
+            deployment,
+            others,
             scope: &scope,
             diff,
             metering: Metering::new(reserved),
@@ -413,24 +429,26 @@ impl Worker {
                 input_digest: &review.input_digest,
                 schema_version: &review.schema_version,
                 review_depth: review.review_depth.as_str(),
-                provider: &scope.provider,
+                // Answers of the same provider kind and class serve each other's
+                // identical reviews, whichever deployment gave them.
+                provider: deployment.provider.name(),
                 model_class: &scope.model_class,
                 prompt_version: crate::provider::PROMPT_VERSION,
             },
         };
         let end = if late { self.late_trip(&job).await } else { self.trip(&job, abort).await };
-        self.release_unused(&job.metering).await;
+        self.release_unused(&job, &job.metering).await;
         self.conclude(&msg, Some(&job), end).await
     }
 
     /// Gives a reservation back to the key's budgets when no call was made for it
     /// (once).
-    async fn release_unused(&self, metering: &Metering) {
+    async fn release_unused(&self, job: &Job<'_>, metering: &Metering) {
         if let Some(reserved) = &metering.reserved
             && !metering.called.load(std::sync::atomic::Ordering::Relaxed)
             && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
         {
-            self.quota.budgets().release_call(reserved).await;
+            job.deployment.quota.budgets().release_call(reserved).await;
         }
     }
 
@@ -438,6 +456,11 @@ impl Worker {
     /// step also finds what the job needs: its cached result (keep), its parts (one
     /// part, then the merge, in `parts`), or nothing more (the end).
     async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<End, StoreError> {
+        // Out of quota here while another deployment of the class can take it: back to
+        // the lane at once, untouched.
+        if crate::pool::steps_aside(&job.deployment.quota, job.others) {
+            return Ok(End::answered(Outcome::Released, AckKind::Nak(None)));
+        }
         let (lease, next) = match self.take(job).await? {
             ControlFlow::Continue(held) => held,
             ControlFlow::Break(end) => return Ok(end),

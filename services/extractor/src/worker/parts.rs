@@ -178,7 +178,7 @@ impl Worker {
         // Parts abandoned before their call give their reservations back.
         let started = job.part_metering.lock().expect("parts lock").clone();
         for metering in started {
-            self.release_unused(&metering).await;
+            self.release_unused(job, &metering).await;
         }
         let (decision, charge) = match ran? {
             Ok(Ok(Ran::Complete(progress))) => (self.merge_parts(job, &lease, &progress).await, None),
@@ -283,7 +283,7 @@ impl Worker {
     ) -> (u32, Result<Decision, StoreError>, Option<Tokens>) {
         let decided = self.answer_part(job, lease, &parts[index as usize], index, &metering).await;
         drop(place);
-        self.release_unused(&metering).await;
+        self.release_unused(job, &metering).await;
         (index, decided, metering.tokens())
     }
 

@@ -91,7 +91,7 @@ impl Worker {
             };
         let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The paid calls are charged to the job in the same write.
-        let charge = charge.map(|t| (t, self.policy.price.map_or(0, |p| p.cost_micro_usd(t))));
+        let charge = charge.map(|t| (t, job.deployment.price.map_or(0, |p| p.cost_micro_usd(t))));
         let write = || async {
             if validated {
                 self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;

@@ -1,0 +1,68 @@
+//! A region's provider deployments: the pool. Each deployment is its own provider key —
+//! its congestion window, pause, circuit and metered budgets, shared by the fleet as for
+//! a single key — and serves one model class.
+//!
+//! A review goes to a deployment of its class. Every deployment runs lane loops on the
+//! same lane consumers, so a deployment with room pulls the next review and one without
+//! room does not: the reviews spread over the deployments that can take them, each
+//! within its own budgets. A deployment that cannot take a review now — paused by a 429,
+//! its circuit open (`insufficient_quota`), its budgets refusing a call they have no
+//! room for yet —
+//! steps aside while another of its class can (`Others::can_take`): its loops pull
+//! nothing, a review it holds goes back to the lane at once (never held through the
+//! pause, never ended for its quota), and the other takes it. A class whose deployments
+//! all cannot behaves as one deployment does: its reviews wait out the pause, or end
+//! `insufficient_quota` while every circuit is open.
+
+use std::sync::Arc;
+
+use crate::config::Price;
+use crate::provider::Provider;
+use crate::quota::{Quota, Scope};
+
+/// One deployment of the pool.
+pub struct Deployment {
+    /// Its name in metrics and quota scopes.
+    pub id: String,
+    /// The model class it serves.
+    pub class: String,
+    pub provider: Arc<dyn Provider>,
+    pub quota: Quota,
+    /// What its tokens cost (none: cost 0).
+    pub price: Option<Price>,
+}
+
+impl Deployment {
+    /// The scope a tenant's reviews take on this deployment.
+    pub fn scope(&self, tenant: &str) -> Scope {
+        Scope { provider: self.id.clone(), model_class: self.class.clone(), tenant: tenant.to_string() }
+    }
+}
+
+/// The other deployments of a class, each with the scope one tenant's reviews take there.
+#[derive(Clone, Default)]
+pub struct Others(Arc<Vec<(Quota, Scope)>>);
+
+impl Others {
+    pub fn new(others: Vec<(Quota, Scope)>) -> Others {
+        Others(Arc::new(others))
+    }
+
+    /// Whether another deployment of the class can take a review of the tenant now: able
+    /// to take one (`open`), with a share of its window for the tenant's scope.
+    pub fn can_take(&self) -> bool {
+        self.0.iter().any(|(q, s)| open(q) && q.allowance(s) > 0)
+    }
+}
+
+/// Whether a deployment's key can take a review now: not paused, its circuit closed,
+/// and its budgets not refusing calls they have no room for yet.
+fn open(q: &Quota) -> bool {
+    q.paused_for().is_none() && !q.circuit_open() && !q.refusing()
+}
+
+/// Whether a deployment whose quota is `own` steps aside for `others`: it cannot take a
+/// review now and another of its class can.
+pub fn steps_aside(own: &Quota, others: &Others) -> bool {
+    !open(own) && others.can_take()
+}

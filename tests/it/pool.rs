@@ -1,0 +1,129 @@
+//! A region's deployments as one pool: two extractor replicas spreading one model class
+//! over two simulated deployments, each within its own budget; an account running out
+//! of quota mid-run, its reviews taken by the other deployment without ending or being
+//! paid twice; and a deployment of another region refusing the start.
+
+use std::time::Duration;
+
+use reviewlane_api::proto::JobState;
+use reviewlane_core::meter::Dimension;
+use reviewlane_extractor::config::{DeploymentConfig, ProviderConfig};
+use reviewlane_shared::Region;
+use reviewlane_testkit::simmeter::SimLimits;
+use reviewlane_testkit::simprovider::{Scripted, SimConfig, SimProvider};
+
+use crate::harness::*;
+
+/// Requests per minute each deployment's account allows.
+const RPM: u64 = 40;
+
+/// The second deployment of the US region's class, at `provider`.
+fn second(stack: &Stack, provider: &SimProvider, region: Region) -> DeploymentConfig {
+    let class = stack.extractor_config(Region::Us).quota.model_class;
+    DeploymentConfig {
+        id: "second".into(),
+        class,
+        provider: ProviderConfig::OpenAi {
+            base_url: provider.base_url(),
+            model: "sim".into(),
+            api_key: None,
+            endpoint_region: region,
+            schema_dialect: Default::default(),
+        },
+        key_limit: 8,
+        budgets: vec![(Dimension::Requests, RPM)],
+        price: None,
+    }
+}
+
+/// A stack whose US region's provider allows `RPM`, with `replicas` extractors that
+/// each call it and a second deployment of the same class allowing as much.
+async fn two_deployments(replicas: usize) -> (Stack, SimProvider) {
+    let limits = SimConfig { limits: Some(SimLimits::openai(Some(RPM), None)), ..Default::default() };
+    let mut stack = Stack::start_with(StackOptions {
+        us_provider: limits.clone(),
+        key_budgets: vec![(Dimension::Requests, RPM)],
+        extractors: 0,
+        ..Default::default()
+    })
+    .await;
+    let other = SimProvider::start(limits).await;
+    for _ in 0..replicas {
+        let mut xc = stack.extractor_config(Region::Us);
+        xc.pool = vec![second(&stack, &other, Region::Us)];
+        stack.start_extractor_with(Region::Us, xc).await;
+    }
+    (stack, other)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_spread_a_class_over_two_deployments_each_within_its_budget() {
+    let (stack, other) = two_deployments(2).await;
+    let mut client = stack.client().await;
+    // More reviews than one account allows in a minute, fewer than both do.
+    let n = RPM as usize + RPM as usize / 2;
+    let mut jobs = Vec::new();
+    for i in 0..n {
+        jobs.push(submit(&mut client, US_KEY, &format!("pool-{i}"), &sample_diff(&format!("pool{i}"))).await);
+    }
+    for job in &jobs {
+        let last = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(40)).await;
+        assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    }
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    // Neither account was asked past its budget: no 429 from either.
+    assert_eq!((first.calls_429, second.calls_429), (0, 0), "{first:?} {second:?}");
+    // Both took a share; each review was paid once, on one of them.
+    assert!(first.total_calls > 0 && second.total_calls > 0, "{} / {}", first.total_calls, second.total_calls);
+    for job in &jobs {
+        let paid = first.paid_by_job.get(&job.job_id).copied().unwrap_or(0)
+            + second.paid_by_job.get(&job.job_id).copied().unwrap_or(0);
+        assert_eq!(paid, 1, "{} paid once", job.job_id);
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_out_of_quota_hands_its_reviews_to_the_other_deployment() {
+    let (stack, other) = two_deployments(2).await;
+    let mut client = stack.client().await;
+    let out_of_quota = || {
+        Scripted::Status {
+        status: 429,
+        headers: vec![],
+        body: r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#.into(),
+    }
+    };
+    stack.us.provider.script((0..500).map(|_| out_of_quota()));
+    let mut jobs = Vec::new();
+    for i in 0..20 {
+        jobs.push(submit(&mut client, US_KEY, &format!("quota-{i}"), &sample_diff(&format!("quota{i}"))).await);
+    }
+    for job in &jobs {
+        let last = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(30)).await;
+        assert_eq!(last.state, JobState::Published as i32, "not ended for one account's quota: {last:?}");
+    }
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    assert!(first.paid_by_job.is_empty(), "the empty account was paid nothing");
+    // Only calls already in flight when its circuit opened reached the empty account:
+    // at most one per call slot of the two replicas.
+    assert!(first.total_calls <= 16, "{} calls to the empty account", first.total_calls);
+    for job in &jobs {
+        assert_eq!(second.paid_by_job.get(&job.job_id), Some(&1), "{} paid once, by the other", job.job_id);
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployment_of_another_region_refuses_the_start() {
+    let stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
+    let us_endpoint = SimProvider::start(SimConfig::default()).await;
+    let mut xc = stack.extractor_config(Region::Eu);
+    xc.pool =
+        vec![DeploymentConfig { class: xc.quota.model_class.clone(), ..second(&stack, &us_endpoint, Region::Us) }];
+    let refused =
+        reviewlane_extractor::build(xc).await.err().expect("an EU pool with a US deployment refuses to start");
+    assert!(refused.to_string().contains("belongs to region `us`"), "{refused}");
+    assert_eq!(us_endpoint.stats().total_calls, 0);
+    stack.shutdown().await;
+}
