@@ -1,7 +1,8 @@
 //! A region's deployments as one pool: two extractor replicas spreading one model class
 //! over two simulated deployments, each within its own budget; an account running out
-//! of quota mid-run, its reviews taken by the other deployment without ending or being
-//! paid twice; and a deployment of another region refusing the start.
+//! of quota mid-run, its key refused or every call failing, its reviews taken by the
+//! other deployment without ending or being paid twice; and a deployment of another
+//! region refusing the start.
 
 use std::time::Duration;
 
@@ -39,9 +40,14 @@ fn second(stack: &Stack, provider: &SimProvider, region: Region) -> DeploymentCo
 /// A stack whose US region's provider allows `RPM`, with `replicas` extractors that
 /// each call it and a second deployment of the same class allowing as much.
 async fn two_deployments(replicas: usize) -> (Stack, SimProvider) {
+    two_deployments_first(replicas, SimConfig::default()).await
+}
+
+/// As `two_deployments`, the first deployment's provider also set by `first`.
+async fn two_deployments_first(replicas: usize, first: SimConfig) -> (Stack, SimProvider) {
     let limits = SimConfig { limits: Some(SimLimits::openai(Some(RPM), None)), ..Default::default() };
     let mut stack = Stack::start_with(StackOptions {
-        us_provider: limits.clone(),
+        us_provider: SimConfig { limits: limits.limits, ..first },
         key_budgets: vec![(Dimension::Requests, RPM)],
         extractors: 0,
         ..Default::default()
@@ -110,6 +116,51 @@ async fn an_account_out_of_quota_hands_its_reviews_to_the_other_deployment() {
     assert!(first.total_calls <= 16, "{} calls to the empty account", first.total_calls);
     for job in &jobs {
         assert_eq!(second.paid_by_job.get(&job.job_id), Some(&1), "{} paid once, by the other", job.job_id);
+    }
+    stack.shutdown().await;
+}
+
+/// Submits `n` reviews and waits for each to be published.
+async fn all_published(stack: &Stack, prefix: &str, n: usize) -> Vec<String> {
+    let mut client = stack.client().await;
+    let mut jobs = Vec::new();
+    for i in 0..n {
+        jobs.push(submit(&mut client, US_KEY, &format!("{prefix}-{i}"), &sample_diff(&format!("{prefix}{i}"))).await);
+    }
+    for job in &jobs {
+        let last = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(30)).await;
+        assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    }
+    jobs.into_iter().map(|j| j.job_id).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_key_takes_its_deployment_out_and_the_other_serves_the_class() {
+    let (stack, other) = two_deployments(2).await;
+    let refused =
+        || Scripted::Status { status: 401, headers: vec![], body: r#"{"error":{"code":"invalid_api_key"}}"#.into() };
+    stack.us.provider.script((0..500).map(|_| refused()));
+    let jobs = all_published(&stack, "key", 20).await;
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    assert!(first.paid_by_job.is_empty());
+    assert!(first.total_calls <= 16, "only the calls in flight when the key was refused: {}", first.total_calls);
+    for job in &jobs {
+        assert_eq!(second.paid_by_job.get(job), Some(&1), "{job} paid once, by the other");
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_deployment_is_taken_out_after_failures_in_a_row() {
+    let (stack, other) = two_deployments_first(2, SimConfig { error_5xx_rate: 1.0, ..Default::default() }).await;
+    let jobs = all_published(&stack, "failing", 20).await;
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    // Five failures in a row on a replica take it out for the fleet: the calls already
+    // in flight, and at most five a replica, reached it.
+    assert!(first.total_calls <= 26, "{} calls to the failing deployment", first.total_calls);
+    assert_eq!(first.calls_5xx, first.total_calls);
+    for job in &jobs {
+        assert_eq!(second.paid_by_job.get(job), Some(&1), "{job} paid once, by the other");
     }
     stack.shutdown().await;
 }

@@ -189,7 +189,10 @@ async fn a_scope_pause_and_an_open_circuit_end_when_the_clock_passes_them() {
     clock.advance(Duration::from_secs(1));
     assert_eq!(quota.paused_for(), None, "the pause ends on the clock, not on a timer");
 
-    quota.open_circuit(Duration::from_secs(600)).await.unwrap();
+    quota
+        .open_circuit(reviewlane_extractor::quota::CircuitCause::InsufficientQuota, Duration::from_secs(600))
+        .await
+        .unwrap();
     assert!(quota.circuit_open());
     clock.advance(Duration::from_secs(600));
     assert!(!quota.circuit_open());

@@ -42,6 +42,14 @@ pub(super) struct Pause {
     pub until_ms: u64,
 }
 
+/// A key's open circuit; an entry without a cause was written for `insufficient_quota`.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct Circuit {
+    pub until_ms: u64,
+    #[serde(default)]
+    pub cause: super::CircuitCause,
+}
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub(super) struct Heartbeat {
     at_ms: u64,
@@ -216,9 +224,13 @@ impl Quota {
     }
 
     fn note_circuit(&self, value: &[u8]) {
-        let Ok(p) = serde_json::from_slice::<Pause>(value) else { return };
+        let Ok(c) = serde_json::from_slice::<Circuit>(value) else { return };
         let mut l = self.ledger();
-        l.circuit_until_ms = l.circuit_until_ms.max(p.until_ms);
+        if c.until_ms >= l.circuit_until_ms {
+            (l.circuit_until_ms, l.circuit_cause) = (c.until_ms, c.cause);
+        }
+        drop(l);
+        self.changed.notify_waiters();
     }
 
     fn note_window(&self, value: &[u8]) {
@@ -229,9 +241,9 @@ impl Quota {
         self.changed.notify_waiters();
     }
 
-    /// Records the key's circuit open until `until_ms` for every replica.
-    pub(super) async fn share_circuit(&self, until_ms: u64) -> Result<(), FleetError> {
-        let value = serde_json::to_vec(&Pause { until_ms })?;
+    /// Records the key's circuit open until `until_ms`, for `cause`, for every replica.
+    pub(super) async fn share_circuit(&self, until_ms: u64, cause: super::CircuitCause) -> Result<(), FleetError> {
+        let value = serde_json::to_vec(&Circuit { until_ms, cause })?;
         self.tally.wrote();
         self.kv.put(format!("{CIRCUIT_PREFIX}{}", self.key), value.clone().into()).await.map_err(FleetError::store)?;
         self.note_circuit(&value);
@@ -457,7 +469,7 @@ mod tests {
         clock.advance(Duration::from_secs(3));
         assert_eq!((a.paused_for(), b.paused_for()), (None, None), "over on the clock, with no message");
 
-        b.open_circuit(Duration::from_secs(60)).await.unwrap();
+        b.open_circuit(super::super::CircuitCause::InsufficientQuota, Duration::from_secs(60)).await.unwrap();
         assert!(eventually(|| a.circuit_open()).await, "a follows b's open circuit");
         // A replica starting later reads what is there.
         let late = replica(&kv, &client, clock.clone());

@@ -18,8 +18,9 @@ pub(super) struct Ledger {
     pub limits: Arc<HashMap<String, u32>>,
     pub weights: Arc<HashMap<String, u32>>,
     pub paused_until_ms: u64,
-    /// The account is out of quota until then: jobs end without a call.
+    /// The key is out of routing until then, for `circuit_cause`.
     pub circuit_until_ms: u64,
+    pub circuit_cause: super::CircuitCause,
     /// The key's fleet window, as last read or written.
     pub window: Window,
     /// Live replicas, sorted (this one included).
@@ -60,6 +61,7 @@ impl Ledger {
             weights: Arc::new(weights),
             paused_until_ms: 0,
             circuit_until_ms: 0,
+            circuit_cause: super::CircuitCause::default(),
             window,
             others_in_flight: 0,
             live_changed_ms: 0,

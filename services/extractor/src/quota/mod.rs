@@ -25,8 +25,11 @@
 //!   whole fleet. A replica takes a slice of it in one compare-and-set and spends it
 //!   call by call without another (`slice`); a provider's reading that lowers it is
 //!   one more. A replica starting adopts the limits the fleet learned.
-//! - `circuit.<key>` = `{"until_ms": …}`: a 429 `insufficient_quota` (the account is out
-//!   of money); until then the key's jobs end at once with that reason.
+//! - `circuit.<key>` = `{"until_ms": …, "cause": …}`: the key out of routing
+//!   (`CircuitCause`): a 429 `insufficient_quota` (the account is out of money), a refused
+//!   key (401/403), or transient failures in a row. Until then another deployment of the
+//!   class takes its reviews (`pool`); with none, a review ends at once for the account
+//!   or the key, and is called as usual (a probe) for a failing deployment.
 //!
 //! Within a replica's share, tenants take calls by weight (`fair_share`): a tenant below
 //! its weighted share is served before one above it, and a tenant alone takes it all.
@@ -88,6 +91,31 @@ pub struct Quota {
     /// Until when (clock ms) the key's budgets last refused a call here: another
     /// deployment of the class takes reviews meanwhile.
     refused_until_ms: Arc<std::sync::atomic::AtomicU64>,
+    /// Transient failures in a row on this replica (a success starts over).
+    failures: Arc<std::sync::atomic::AtomicU32>,
+}
+
+/// Why a key's circuit is open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CircuitCause {
+    /// 429 `insufficient_quota`: the account is out of money.
+    #[default]
+    InsufficientQuota,
+    /// 401 or 403: the key is refused.
+    KeyRefused,
+    /// Transient failures (5xx, timeouts) one after another.
+    Failing,
+}
+
+impl CircuitCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CircuitCause::InsufficientQuota => "insufficient_quota",
+            CircuitCause::KeyRefused => "key_refused",
+            CircuitCause::Failing => "failing",
+        }
+    }
 }
 
 /// A 429, as the key's quota learns it.
@@ -153,6 +181,7 @@ impl Quota {
             tally,
             heartbeats: Arc::default(),
             refused_until_ms: Arc::default(),
+            failures: Arc::default(),
         }
     }
 
@@ -176,6 +205,7 @@ impl Quota {
             tally,
             heartbeats: Arc::default(),
             refused_until_ms: Arc::default(),
+            failures: Arc::default(),
         }
     }
 
@@ -237,15 +267,34 @@ impl Quota {
         self.changed.notify_waiters();
     }
 
-    /// Whether the key's circuit is open (its account is out of quota).
+    /// Whether the key's circuit is open: out of routing for its cause.
     pub fn circuit_open(&self) -> bool {
         self.ledger().circuit_open(self.now_ms())
     }
 
-    /// Opens the key's circuit for `open_for` on every replica: until then its jobs end
-    /// `insufficient_quota` without a call. After it, one call probes the account again.
-    pub async fn open_circuit(&self, open_for: Duration) -> Result<(), FleetError> {
-        self.share_circuit(self.now_ms() + open_for.as_millis() as u64).await
+    /// Why the key's circuit is open, if it is.
+    pub fn circuit_cause(&self) -> Option<CircuitCause> {
+        let l = self.ledger();
+        l.circuit_open(self.now_ms()).then_some(l.circuit_cause)
+    }
+
+    /// Opens the key's circuit for `open_for` on every replica, for `cause`: until then
+    /// another deployment of the class takes its reviews, or — none able — they end
+    /// without a call (`insufficient_quota`, a refused key) or are called as usual (a
+    /// failing deployment: each call a probe). After it, the next call probes it again.
+    pub async fn open_circuit(&self, cause: CircuitCause, open_for: Duration) -> Result<(), FleetError> {
+        self.share_circuit(self.now_ms() + open_for.as_millis() as u64, cause).await
+    }
+
+    /// A call on the key failed transiently (5xx, a timeout, a reset): `true` when it is
+    /// the `threshold`-th in a row on this replica, and the count starts over.
+    pub fn failed_in_a_row(&self, threshold: u32) -> bool {
+        let n = self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if n >= threshold {
+            self.failures.store(0, std::sync::atomic::Ordering::Relaxed);
+            return true;
+        }
+        false
     }
 
     /// How long the key is still paused, if it is.
@@ -337,6 +386,7 @@ impl Quota {
 
     /// A call started at `started_ms` succeeded: the fleet's window may grow.
     pub async fn succeeded(&self, started_ms: u64) {
+        self.failures.store(0, std::sync::atomic::Ordering::Relaxed);
         let now = self.now_ms();
         let cap = self.ledger().key_limit;
         if let Err(e) = self.update_window(|w| w.on_call_success(cap, now, started_ms)).await {

@@ -264,16 +264,29 @@ impl Worker {
             QuotaEffect::RateLimited(limited) => {
                 quota.rate_limited(limited).await.map_err(|e| ("recording the scope pause failed", e))
             }
-            QuotaEffect::OpenCircuit => quota
-                .open_circuit(self.policy.circuit_open_for)
+            QuotaEffect::OpenCircuit(cause) => quota
+                .open_circuit(cause, self.policy.circuit_open_for)
                 .await
                 .map_err(|e| ("recording the open circuit failed", e)),
+            QuotaEffect::Failed if quota.failed_in_a_row(FAILING_IN_A_ROW) => {
+                tracing::warn!(failures = FAILING_IN_A_ROW, "deployment failing; out of routing for a while");
+                quota
+                    .open_circuit(crate::quota::CircuitCause::Failing, FAILING_OUT_FOR)
+                    .await
+                    .map_err(|e| ("recording the open circuit failed", e))
+            }
+            QuotaEffect::Failed => Ok(()),
         };
         if let Err((what, e)) = written {
             tracing::warn!(error = %e, "{what}");
         }
     }
 }
+
+/// Transient failures in a row on one replica that take a deployment out of routing.
+const FAILING_IN_A_ROW: u32 = 5;
+/// How long a failing deployment stays out of routing before a call probes it again.
+const FAILING_OUT_FOR: Duration = Duration::from_secs(30);
 
 // What an answer means: the pure table of step 3.
 
@@ -305,8 +318,11 @@ pub(super) enum QuotaEffect {
     /// A 429: every replica's calls on the key wait its `pause`, as this job does; a
     /// 429 of a metered dimension empties that bucket instead of narrowing the window.
     RateLimited(crate::quota::Limited),
-    /// `insufficient_quota`: the key's circuit opens.
-    OpenCircuit,
+    /// `insufficient_quota` or a refused key: the key's circuit opens for that cause.
+    OpenCircuit(crate::quota::CircuitCause),
+    /// A transient failure (5xx, timeout): counted; enough in a row open the key's
+    /// circuit for a while.
+    Failed,
 }
 
 /// A 429 without a hint that the answers predicted (the last reading of a limited
@@ -329,7 +345,7 @@ pub(super) fn verdict(
     failover: bool,
 ) -> (Verdict, QuotaEffect) {
     let (verdict, effect) = verdict_alone(answer, congestion_used, backoff, unit, predicted);
-    let handed_over = matches!(effect, QuotaEffect::RateLimited(_) | QuotaEffect::OpenCircuit);
+    let handed_over = matches!(effect, QuotaEffect::RateLimited(_) | QuotaEffect::OpenCircuit(_));
     if failover && handed_over {
         return (Verdict::Decided(Decision::Release(None)), effect);
     }
@@ -371,12 +387,17 @@ fn verdict_alone(
                 crate::quota::Limited { pause: delay, started_ms, in_flight: Some(in_flight), bucket: dimension };
             (Verdict::Decided(retry), QuotaEffect::RateLimited(limited))
         }
-        UpstreamOutcome::Transient { .. } => {
-            decided(Decision::Retry { budget: Budget::Transient, hint: None, status, invalid: None })
-        }
+        UpstreamOutcome::Transient { .. } => (
+            Verdict::Decided(Decision::Retry { budget: Budget::Transient, hint: None, status, invalid: None }),
+            QuotaEffect::Failed,
+        ),
         UpstreamOutcome::QuotaExhausted => (
             Verdict::Decided(Decision::Terminal { reason: TerminalReason::InsufficientQuota, status }),
-            QuotaEffect::OpenCircuit,
+            QuotaEffect::OpenCircuit(crate::quota::CircuitCause::InsufficientQuota),
+        ),
+        UpstreamOutcome::Permanent { status: 401 | 403 } => (
+            Verdict::Decided(Decision::Terminal { reason: TerminalReason::UpstreamRejected, status }),
+            QuotaEffect::OpenCircuit(crate::quota::CircuitCause::KeyRefused),
         ),
         UpstreamOutcome::Permanent { .. } => {
             decided(Decision::Terminal { reason: TerminalReason::UpstreamRejected, status })
@@ -492,10 +513,10 @@ mod tests {
             d,
             Decision::Retry { budget: Budget::Transient, hint: None, status: Some("5xx".into()), invalid: None }
         );
-        assert_eq!(effect, QuotaEffect::None);
+        assert_eq!(effect, QuotaEffect::Failed, "counted toward taking a failing deployment out");
         let (d, effect) = decided(upstream(UpstreamOutcome::QuotaExhausted), 0, &b);
         assert_eq!(d, Decision::Terminal { reason: TerminalReason::InsufficientQuota, status: Some("429".into()) });
-        assert_eq!(effect, QuotaEffect::OpenCircuit);
+        assert_eq!(effect, QuotaEffect::OpenCircuit(crate::quota::CircuitCause::InsufficientQuota));
         let (d, effect) = decided(upstream(UpstreamOutcome::Permanent { status: 400 }), 0, &b);
         assert!(matches!(d, Decision::Terminal { reason: TerminalReason::UpstreamRejected, status: Some(_) }), "{d:?}");
         assert_eq!(effect, QuotaEffect::None);
@@ -526,7 +547,17 @@ mod tests {
         assert!(matches!(effect, QuotaEffect::RateLimited(l) if l.pause == Duration::from_secs(30)), "{effect:?}");
         let (v, effect) = verdict(upstream(UpstreamOutcome::QuotaExhausted), 0, &b, 0.5, None, true);
         assert!(matches!(v, Verdict::Decided(Decision::Release(None))), "{v:?}");
-        assert_eq!(effect, QuotaEffect::OpenCircuit, "the circuit opens for the fleet");
+        assert_eq!(
+            effect,
+            QuotaEffect::OpenCircuit(crate::quota::CircuitCause::InsufficientQuota),
+            "the circuit opens for the fleet"
+        );
+        // A refused key: out of routing too, the review handed over.
+        let (v, effect) = verdict(upstream(UpstreamOutcome::Permanent { status: 401 }), 0, &b, 0.5, None, true);
+        assert!(matches!(v, Verdict::Decided(Decision::Release(None))), "{v:?}");
+        assert_eq!(effect, QuotaEffect::OpenCircuit(crate::quota::CircuitCause::KeyRefused));
+        let (v, _) = verdict(upstream(UpstreamOutcome::Permanent { status: 403 }), 0, &b, 0.5, None, false);
+        assert!(matches!(v, Verdict::Decided(Decision::Terminal { reason: TerminalReason::UpstreamRejected, .. })));
         // Alone in its class: the retry and the end, as ever.
         let (v, _) = verdict(upstream(limited), 0, &b, 0.5, None, false);
         assert!(matches!(v, Verdict::Decided(Decision::Retry { budget: Budget::Congestion, .. })), "{v:?}");

@@ -20,6 +20,7 @@ use reviewlane_shared::result_cache::CacheEntry;
 
 use super::parts::Planned;
 use super::{Decision, End, Job, Lease, Outcome, Target, Worker};
+use crate::quota::CircuitCause;
 
 /// Taking the lease: a held lease (and what for, from `take`), or the trip's end.
 type Taken<T> = Result<ControlFlow<End, T>, StoreError>;
@@ -145,8 +146,13 @@ impl Worker {
     /// deadline passed while it waited; or it is an item of a cancelled sweep whose call
     /// failed (or whose holder died without keeping an answer).
     async fn ends_uncalled(&self, job: &Job<'_>, rec: &JobRecord) -> Result<Option<TerminalReason>, StoreError> {
-        if job.deployment.quota.circuit_open() {
-            return Ok(Some(TerminalReason::InsufficientQuota));
+        // No other deployment of the class could take it (it would have been handed
+        // over): the account's or the key's refusal ends it; a failing deployment is
+        // called as usual, each call a probe.
+        match job.deployment.quota.circuit_cause() {
+            Some(CircuitCause::InsufficientQuota) => return Ok(Some(TerminalReason::InsufficientQuota)),
+            Some(CircuitCause::KeyRefused) => return Ok(Some(TerminalReason::UpstreamRejected)),
+            Some(CircuitCause::Failing) | None => {}
         }
         if rec.deadline_ms.is_some_and(|d| self.clock.now_ms() >= d) {
             return Ok(Some(TerminalReason::DeadlineExceeded));
