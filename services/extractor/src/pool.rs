@@ -39,19 +39,20 @@ impl Deployment {
     }
 }
 
-/// The other deployments of a class, each with the scope one tenant's reviews take there.
+/// The other deployments of a class.
 #[derive(Clone, Default)]
-pub struct Others(Arc<Vec<(Quota, Scope)>>);
+pub struct Others(Arc<Vec<Quota>>);
 
 impl Others {
-    pub fn new(others: Vec<(Quota, Scope)>) -> Others {
+    pub fn new(others: Vec<Quota>) -> Others {
         Others(Arc::new(others))
     }
 
-    /// Whether another deployment of the class can take a review of the tenant now: able
-    /// to take one (`open`), with a share of its window for the tenant's scope.
+    /// Whether another deployment of the class can take a review now (`open`). Which
+    /// replica takes it is the fleet's share of that deployment's window: this one may
+    /// have none of it for the moment, another does.
     pub fn can_take(&self) -> bool {
-        self.0.iter().any(|(q, s)| open(q) && q.allowance(s) > 0)
+        self.0.iter().any(open)
     }
 }
 

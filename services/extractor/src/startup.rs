@@ -358,7 +358,7 @@ fn pool_of(
 }
 
 /// Each deployment's loops on every lane consumer, each knowing the other deployments
-/// of its class (with the tenant's scope there).
+/// of its class.
 fn pool_loops(
     deployments: &[Arc<Deployment>],
     consumers: &[LaneConsumer],
@@ -367,11 +367,8 @@ fn pool_loops(
     let mut loops = Vec::new();
     for d in deployments {
         for c in consumers {
-            let others = deployments
-                .iter()
-                .filter(|o| o.class == d.class && o.id != d.id)
-                .map(|o| (o.quota.clone(), o.scope(&c.tenant)))
-                .collect();
+            let others =
+                deployments.iter().filter(|o| o.class == d.class && o.id != d.id).map(|o| o.quota.clone()).collect();
             let l = LaneLoop {
                 lane: c.lane,
                 scope: d.scope(&c.tenant),
