@@ -83,6 +83,21 @@ pub struct StoreLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeploymentLabels {
+    pub region: String,
+    /// The deployment's id (configured, never content).
+    pub deployment: String,
+    pub class: String,
+    /// One of `DEPLOYMENT_STATES`.
+    pub state: String,
+}
+
+/// What a deployment of the pool is doing: `routing` (it takes reviews), `paused` (a
+/// 429), `refusing` (its budgets have no room for a while), or its circuit open:
+/// `out_of_quota`, `key_refused`, `failing`.
+pub const DEPLOYMENT_STATES: [&str; 6] = ["routing", "paused", "refusing", "out_of_quota", "key_refused", "failing"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TokenLabels {
     pub region: String,
     pub tenant: String,
@@ -133,6 +148,8 @@ pub struct Metrics {
     /// How full the region's store is: the JetStream account's storage against its
     /// limit, and each lane against its bound (bytes or messages, the fuller).
     pub store_used: Family<StoreLabels, Gauge<f64, AtomicU64>>,
+    /// Each deployment of the pool: 1 for its state, 0 for the others.
+    pub deployment_state: Family<DeploymentLabels, Gauge>,
 }
 
 impl Metrics {
@@ -167,7 +184,13 @@ impl Metrics {
             reconciled: Family::default(),
             stuck: Family::default(),
             store_used: Family::default(),
+            deployment_state: Family::default(),
         };
+        registry.register(
+            "reviewlane_deployment_state",
+            "Each deployment of the region's pool: 1 for its state (routing, paused, refusing, out_of_quota, key_refused, failing)",
+            m.deployment_state.clone(),
+        );
         registry.register(
             "reviewlane_stale_results",
             "Provider answers discarded because their holder's lease had been taken over",
@@ -353,6 +376,19 @@ impl Metrics {
                 status_class: status_class.into(),
             })
             .observe(took.as_secs_f64());
+    }
+
+    /// Deployment `id` of `class` is in `state` (one of `DEPLOYMENT_STATES`).
+    pub fn deployment(&self, id: &str, class: &str, state: &str) {
+        for s in DEPLOYMENT_STATES {
+            let labels = DeploymentLabels {
+                region: self.region.as_str().into(),
+                deployment: id.into(),
+                class: class.into(),
+                state: s.into(),
+            };
+            self.deployment_state.get_or_create(&labels).set(i64::from(s == state));
+        }
     }
 
     pub fn scope(&self, scope: &Scope, in_flight: u32, limit: u32) {

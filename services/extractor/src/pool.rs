@@ -33,6 +33,19 @@ pub struct Deployment {
 }
 
 impl Deployment {
+    /// What it is doing now (`metrics::DEPLOYMENT_STATES`).
+    pub fn state(&self) -> &'static str {
+        use crate::quota::CircuitCause;
+        match self.quota.circuit_cause() {
+            Some(CircuitCause::InsufficientQuota) => "out_of_quota",
+            Some(CircuitCause::KeyRefused) => "key_refused",
+            Some(CircuitCause::Failing) => "failing",
+            None if self.quota.paused_for().is_some() => "paused",
+            None if self.quota.refusing() => "refusing",
+            None => "routing",
+        }
+    }
+
     /// The scope a tenant's reviews take on this deployment.
     pub fn scope(&self, tenant: &str) -> Scope {
         Scope { provider: self.id.clone(), model_class: self.class.clone(), tenant: tenant.to_string() }

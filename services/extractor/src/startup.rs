@@ -518,7 +518,7 @@ impl App {
             async_nats::jetstream::new(self.client.clone()),
             self.config.region,
             self.worker.metrics.clone(),
-            scopes,
+            (scopes, self.deployments.clone()),
             stop.clone(),
         ));
         let mut handles = Vec::new();
@@ -587,13 +587,14 @@ impl App {
 }
 
 /// Every second: queue age and depth of the region's lanes, from stream metadata (the
-/// oldest message of a work-queue stream is the oldest review not yet done), and each
-/// quota scope's calls in flight against this replica's current limit.
+/// oldest message of a work-queue stream is the oldest review not yet done), each
+/// quota scope's calls in flight against this replica's current limit, and each
+/// deployment's state.
 async fn sample(
     js: async_nats::jetstream::Context,
     region: reviewlane_shared::Region,
     metrics: crate::metrics::Metrics,
-    scopes: Vec<(Quota, Scope)>,
+    (scopes, deployments): (Vec<(Quota, Scope)>, Vec<Arc<Deployment>>),
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -602,6 +603,9 @@ async fn sample(
         tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => return }
         for (quota, scope) in &scopes {
             metrics.scope(scope, quota.in_flight(scope), quota.fair_share(scope));
+        }
+        for d in &deployments {
+            metrics.deployment(&d.id, &d.class, d.state());
         }
         // The account's storage against its limit, every 10 s (when it has one).
         if ticks.is_multiple_of(10)
