@@ -19,6 +19,7 @@
 //! lane_share = 0.5              # optional: share of each lane's bound (default: equal among the region's tenants)
 //! deeper_pass = false           # optional: follow a review admitted at `changed_hunks` with a full-depth review
 //! role = "operator"             # optional: may also list, read and replay every tenant's dead letters of its region
+//! classes = { default = "deep", interactive = "fast" }  # optional: the model class of its reviews, per lane
 //! ```
 
 use std::collections::HashMap;
@@ -153,6 +154,30 @@ pub struct Tenant {
     /// region (an operator's own reviews are still its own).
     #[serde(default)]
     pub role: Role,
+    /// The model class of its reviews, per lane (default: the region's).
+    #[serde(default)]
+    pub classes: Classes,
+}
+
+/// A tenant's model classes: the class of a lane's reviews, else its `default`, else
+/// the region's (`REVIEWLANE_MODEL_CLASS`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Classes {
+    pub default: Option<String>,
+    pub interactive: Option<String>,
+    pub batch: Option<String>,
+}
+
+impl Tenant {
+    /// The model class of this tenant's reviews on `lane`, if the tenant names one.
+    pub fn class_for(&self, lane: crate::region::Lane) -> Option<&str> {
+        let on_lane = match lane {
+            crate::region::Lane::Interactive => &self.classes.interactive,
+            crate::region::Lane::Batch => &self.classes.batch,
+        };
+        on_lane.as_deref().or(self.classes.default.as_deref())
+    }
 }
 
 /// What a key may do beyond its own tenant's reviews.
@@ -283,6 +308,20 @@ mod tests {
         assert_eq!((acme.id.as_str(), acme.region), ("acme", Region::Eu));
         assert!(t.authenticate("k2").is_none());
         assert!(t.authenticate("").is_none());
+    }
+
+    #[test]
+    fn a_tenant_names_its_model_class_per_lane_with_a_default() {
+        use crate::region::Lane;
+        let t = Tenants::parse(
+            "[[tenants]]\nid = \"a\"\nregion = \"eu\"\nclasses = { default = \"deep\", interactive = \"fast\" }\n\n[[tenants]]\nid = \"b\"\nregion = \"eu\"\n",
+        )
+        .unwrap();
+        let a = t.get("a").unwrap();
+        assert_eq!((a.class_for(Lane::Interactive), a.class_for(Lane::Batch)), (Some("fast"), Some("deep")));
+        let b = t.get("b").unwrap();
+        assert_eq!(b.class_for(Lane::Interactive), None, "the region's class");
+        assert!(Tenants::parse("[[tenants]]\nid = \"c\"\nregion = \"eu\"\nclasses = { sweeps = \"x\" }\n").is_err());
     }
 
     #[test]

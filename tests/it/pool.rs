@@ -200,3 +200,41 @@ async fn a_deployment_of_another_region_refuses_the_start() {
     assert_eq!(us_endpoint.stats().total_calls, 0);
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_names_the_class_of_each_lane_and_only_that_class_serves_it() {
+    const KEY: &str = "classy-key";
+    let tenant = format!(
+        "[[tenants]]\nid = \"classy\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ interactive = \"fast\" }}\n",
+        reviewlane_core::tenants::hash_api_key(KEY)
+    );
+    let mut stack =
+        Stack::start_with(StackOptions { extractors: 0, extra_tenants: tenant, ..Default::default() }).await;
+    let fast = SimProvider::start(SimConfig::default()).await;
+    let mut xc = stack.extractor_config(Region::Us);
+    xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
+    stack.start_extractor_with(Region::Us, xc).await;
+    let mut client = stack.client().await;
+    let interactive = submit(&mut client, KEY, "classy-i", &sample_diff("ci")).await;
+    let batch = submit_batch(&mut client, KEY, "classy-b", &sample_diff("cb")).await;
+    for job in [&interactive, &batch] {
+        let last = wait_final(&mut client, KEY, &job.job_id).await;
+        assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    }
+    let (default_class, fast_class) = (stack.us.provider.stats(), fast.stats());
+    // Interactive reviews use `fast`, the only deployment of it; batch reviews the
+    // region's class, on the first deployment.
+    assert_eq!(fast_class.paid_by_job.keys().collect::<Vec<_>>(), vec![&interactive.job_id]);
+    assert_eq!(default_class.paid_by_job.keys().collect::<Vec<_>>(), vec![&batch.job_id]);
+    stack.shutdown().await;
+
+    // A class no deployment serves refuses the start, naming tenant, lane and class.
+    let tenant = format!(
+        "[[tenants]]\nid = \"deep\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ batch = \"deep\" }}\n",
+        reviewlane_core::tenants::hash_api_key("deep-key")
+    );
+    let stack = Stack::start_with(StackOptions { extractors: 0, extra_tenants: tenant, ..Default::default() }).await;
+    let refused = reviewlane_extractor::build(stack.extractor_config(Region::Us)).await.err().expect("refused");
+    assert!(refused.to_string().contains("tenant `deep`'s batch reviews use model class `deep`"), "{refused}");
+    stack.shutdown().await;
+}

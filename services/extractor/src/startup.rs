@@ -112,6 +112,15 @@ pub async fn build_with_provider(
     )
     .with_budgets(q.budgets.clone());
     let deployments = pool_of(&config, &quota, &key, adapters);
+    if let Some(c) = consumers.iter().find(|c| !deployments.iter().any(|d| d.class == c.class)) {
+        return Err(StartError::Other(anyhow::anyhow!(
+            "tenant `{}`'s {} reviews use model class `{}`, which no deployment of region `{}` serves",
+            c.tenant,
+            c.lane.as_str(),
+            c.class,
+            config.region
+        )));
+    }
     let loops = pool_loops(&deployments, &consumers, &call_cost(&config));
     for (l, _, _) in loops.iter().filter(|(l, _, _)| l.lane == Lane::Interactive) {
         metrics.known_scope(&l.scope);
@@ -279,10 +288,12 @@ fn provider_of(config: &ExtractorConfig, provider: &ProviderConfig) -> Arc<dyn P
     }
 }
 
-/// A lane's durable consumer for one tenant, and the tenant's weight.
+/// A lane's durable consumer for one tenant, the model class of its reviews, and the
+/// tenant's weight.
 struct LaneConsumer {
     lane: Lane,
     tenant: String,
+    class: String,
     consumer: async_nats::jetstream::consumer::PullConsumer,
     weight: u32,
 }
@@ -311,7 +322,8 @@ async fn lane_consumers(
                 config.scheduling.lease,
             )
             .await?;
-            loops.push(LaneConsumer { lane, tenant: tenant.id.clone(), consumer, weight: tenant.weight });
+            let class = tenant.class_for(lane).unwrap_or(&config.quota.model_class).to_string();
+            loops.push(LaneConsumer { lane, tenant: tenant.id.clone(), class, consumer, weight: tenant.weight });
         }
     }
     if loops.is_empty() {
@@ -357,8 +369,8 @@ fn pool_of(
     pool
 }
 
-/// Each deployment's loops on every lane consumer, each knowing the other deployments
-/// of its class.
+/// Each deployment's loops on the lane consumers of its class, each knowing the other
+/// deployments of that class.
 fn pool_loops(
     deployments: &[Arc<Deployment>],
     consumers: &[LaneConsumer],
@@ -366,7 +378,7 @@ fn pool_loops(
 ) -> Vec<(LaneLoop, u32, Arc<Deployment>)> {
     let mut loops = Vec::new();
     for d in deployments {
-        for c in consumers {
+        for c in consumers.iter().filter(|c| c.class == d.class) {
             let others =
                 deployments.iter().filter(|o| o.class == d.class && o.id != d.id).map(|o| o.quota.clone()).collect();
             let l = LaneLoop {
@@ -478,11 +490,12 @@ impl App {
             Slots::new(self.config.scheduling.concurrency, self.config.scheduling.batch_min_slots, reserve, changed);
         let backlog = Backlog::default();
         let tasks = TaskTracker::new();
-        // One per (interactive lane, tenant): the first deployment's loops name each once.
+        // One per (interactive lane, tenant), whichever deployments serve it.
+        let mut seen = std::collections::HashSet::new();
         let interactive: Vec<_> = self
             .loops
             .iter()
-            .filter(|(l, _, d)| l.lane == Lane::Interactive && Arc::ptr_eq(d, &self.deployments[0]))
+            .filter(|(l, _, _)| l.lane == Lane::Interactive && seen.insert(l.scope.tenant.clone()))
             .map(|(l, _, _)| l.consumer.clone())
             .collect();
         let monitor = tokio::spawn(watch_interactive_backlog(
