@@ -1,5 +1,5 @@
 //! reviewlane's load generator (`load`, `corpus`) and load scenarios (`scenarios`,
-//! `chaos`, `replicas`, `large`, `tpm`, `sweep`, `gateway`, `quota_fleet`), run by `cargo run --release -p loadtest -- <scenario>`.
+//! `chaos`, `replicas`, `large`, `tpm`, `sweep`, `gateway`, `quota_fleet`, `pool`), run by `cargo run --release -p loadtest -- <scenario>`.
 //! What they run against — the stack, the simulated provider, the webhook receiver, the
 //! fake GitHub — is the test kit (`reviewlane-testkit`), re-exported here by name.
 
@@ -8,6 +8,7 @@ pub mod corpus;
 pub mod gateway;
 pub mod large;
 pub mod load;
+pub mod pool;
 pub mod quota_fleet;
 pub mod replicas;
 pub mod scenarios;

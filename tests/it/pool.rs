@@ -117,28 +117,31 @@ async fn an_account_out_of_quota_hands_its_reviews_to_the_other_deployment() {
     for job in &jobs {
         assert_eq!(second.paid_by_job.get(&job.job_id), Some(&1), "{} paid once, by the other", job.job_id);
     }
-    // Operators see it: the first deployment out of quota, the other routing.
-    let admin = stack.extractor_admin[0].1;
-    let state = |deployment: &str, state: &str| {
-        format!(
-            "reviewlane_deployment_state{{region=\"us\",deployment=\"{deployment}\",class=\"sim\",state=\"{state}\"}} 1"
-        )
-    };
-    let seen = poll_until(Duration::from_secs(5), || async {
-        let page = http_get(admin, "/metrics").await;
-        (page.contains(&state("openai", "out_of_quota")) && page.contains(&state("second", "routing"))).then_some(())
-    })
-    .await;
-    assert!(
-        seen.is_some(),
-        "{}",
-        http_get(admin, "/metrics")
-            .await
-            .lines()
-            .filter(|l| l.contains("deployment_state"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    // Operators see it on every replica (the circuit is the fleet's): the first
+    // deployment out of quota, the other routing.
+    for (_, admin) in stack.extractor_admin.clone() {
+        let state = |deployment: &str, state: &str| {
+            format!(
+                "reviewlane_deployment_state{{region=\"us\",deployment=\"{deployment}\",class=\"sim\",state=\"{state}\"}} 1"
+            )
+        };
+        let seen = poll_until(Duration::from_secs(5), || async {
+            let page = http_get(admin, "/metrics").await;
+            (page.contains(&state("openai", "out_of_quota")) && page.contains(&state("second", "routing")))
+                .then_some(())
+        })
+        .await;
+        assert!(
+            seen.is_some(),
+            "{}",
+            http_get(admin, "/metrics")
+                .await
+                .lines()
+                .filter(|l| l.contains("deployment_state"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
     stack.shutdown().await;
 }
 

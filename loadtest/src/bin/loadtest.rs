@@ -29,7 +29,7 @@ use loadtest::stack::Stack;
 fn usage() -> String {
     let names: Vec<&str> = Scenario::ALL.iter().map(|s| s.name()).collect();
     format!(
-        "usage: loadtest <{}|chaos|replicas [--key-limit N] [--variant alive|killed|tenants]|large|sweep|tpm [variant]|gateway|quota-fleet> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
+        "usage: loadtest <{}|chaos|replicas [--key-limit N] [--variant alive|killed|tenants]|large|sweep|tpm [variant]|gateway|quota-fleet|pool> [--jobs N] [--secs N] [--in-process] [--provider openai|anthropic]",
         names.join("|")
     )
 }
@@ -91,6 +91,21 @@ async fn gateway() -> anyhow::Result<()> {
     loadtest::gateway::print(&report);
     println!("{}", serde_json::to_string(&report)?);
     if !report.ok() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// `pool`: one class over two deployments, then the larger one out of quota mid-run.
+async fn pool() -> anyhow::Result<()> {
+    let cfg = loadtest::pool::PoolRun::full();
+    loadtest::procs::ensure_nats_server()?;
+    let normal = loadtest::pool::run(&cfg, false).await?;
+    loadtest::pool::print("normal", &normal);
+    let failover = loadtest::pool::run(&cfg, true).await?;
+    loadtest::pool::print("failover", &failover);
+    println!("{}", serde_json::json!({ "normal": normal, "failover": failover }));
+    if normal.lost + failover.lost > 0 {
         std::process::exit(1);
     }
     Ok(())
@@ -188,6 +203,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.first().map(String::as_str) == Some("gateway") {
         return gateway().await;
+    }
+    if args.first().map(String::as_str) == Some("pool") {
+        return pool().await;
     }
     if args.first().map(String::as_str) == Some("large") {
         return large().await;

@@ -67,6 +67,13 @@ impl Others {
     pub fn can_take(&self) -> bool {
         self.0.iter().any(open)
     }
+
+    /// Whether another deployment of the class is in routing at all: its circuit closed,
+    /// though it may be paused or at its budgets for a moment. A review this deployment
+    /// cannot serve waits for it rather than end.
+    pub fn alive(&self) -> bool {
+        self.0.iter().any(|q| !q.circuit_open())
+    }
 }
 
 /// Whether a deployment's key can take a review now: not paused, its circuit closed,
@@ -75,8 +82,9 @@ fn open(q: &Quota) -> bool {
     q.paused_for().is_none() && !q.circuit_open() && !q.refusing()
 }
 
-/// Whether a deployment whose quota is `own` steps aside for `others`: it cannot take a
-/// review now and another of its class can.
+/// Whether a deployment whose quota is `own` steps aside for `others`: it is out of
+/// routing (its circuit open) and another of its class is in it, or it cannot take a
+/// review now and another can.
 pub fn steps_aside(own: &Quota, others: &Others) -> bool {
-    !open(own) && others.can_take()
+    (own.circuit_open() && others.alive()) || (!open(own) && others.can_take())
 }

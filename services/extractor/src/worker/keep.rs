@@ -185,7 +185,7 @@ impl Worker {
         if let Answer::Upstream { outcome: UpstreamOutcome::ContentFiltered { usage: Some(u) }, .. } = &answer {
             self.paid(job, metering, *u).await;
         }
-        let failover = job.others.can_take();
+        let failover = job.others.alive();
         let (verdict, effect) =
             verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted, failover);
         let decision = match verdict {
@@ -333,9 +333,10 @@ pub(super) type Predicted = Option<(reviewlane_core::meter::Dimension, Duration)
 /// retries: a 429 without the provider's hint waits the lane's `backoff` for the next
 /// one (`unit`: uniform in [0, 1), the jitter) — unless the answers `predicted` it: then
 /// the key pauses until the bucket has room and the job goes back to wait for it,
-/// spending no retry. With `failover` (another deployment of the class can take the
-/// review now), a 429 or `insufficient_quota` still pauses the key or opens its circuit,
-/// but the review goes back at once, spending nothing, for the other to take.
+/// spending no retry. With `failover` (another deployment of the class is in routing),
+/// a 429, `insufficient_quota` or a refused key still pauses the key or opens its
+/// circuit, but the review goes back at once, spending nothing, for the other to take
+/// (it waits there if the other is paused for a moment).
 pub(super) fn verdict(
     answer: Answer,
     congestion_used: u32,

@@ -120,6 +120,11 @@ impl Worker {
         match self.stores.jobs.apply_tracked(id, Some((rec, revision)), &event, None).await {
             Ok((rec, revision)) => {
                 let lease = Box::new(Lease::written(rec, revision));
+                // The deployment left routing while the lease was written: hand over.
+                if crate::pool::steps_aside(&job.deployment.quota, job.others) {
+                    let delay = (!job.others.can_take()).then_some(super::HAND_OVER_WAIT);
+                    return Ok(ControlFlow::Break(End::decided(lease, Decision::Release(delay))));
+                }
                 match self.ends_uncalled(job, &lease.rec).await? {
                     Some(reason) => {
                         Ok(ControlFlow::Break(End::decided(lease, Decision::Terminal { reason, status: None })))

@@ -153,6 +153,10 @@ pub struct Job<'a> {
     pub cache_key: reviewlane_shared::result_cache::CacheKey<'a>,
 }
 
+/// How long a review this deployment cannot serve goes back for while the other
+/// deployments of its class are paused or at their budgets.
+pub(super) const HAND_OVER_WAIT: Duration = Duration::from_millis(500);
+
 /// One call's reservation in the key's budgets: corrected to the usage of its answer,
 /// kept when a call was made without one, given back when no call was made; and the
 /// tokens its answer reported, charged to the job with the decision's write.
@@ -456,10 +460,12 @@ impl Worker {
     /// step also finds what the job needs: its cached result (keep), its parts (one
     /// part, then the merge, in `parts`), or nothing more (the end).
     async fn trip(&self, job: &Job<'_>, abort: &CancellationToken) -> Result<End, StoreError> {
-        // Out of quota here while another deployment of the class can take it: back to
-        // the lane at once, untouched.
+        // Out of routing here while another deployment of the class is in it: back to
+        // the lane, untouched — at once if another can take it now, else after a short
+        // wait (it is paused or at its budgets for a moment).
         if crate::pool::steps_aside(&job.deployment.quota, job.others) {
-            return Ok(End::answered(Outcome::Released, AckKind::Nak(None)));
+            let delay = (!job.others.can_take()).then_some(HAND_OVER_WAIT);
+            return Ok(End::answered(Outcome::Released, AckKind::Nak(delay)));
         }
         let (lease, next) = match self.take(job).await? {
             ControlFlow::Continue(held) => held,
