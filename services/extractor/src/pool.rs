@@ -5,16 +5,17 @@
 //! A review goes to a deployment of its class. Every deployment runs lane loops on the
 //! same lane consumers, so a deployment with room pulls the next review and one without
 //! room does not: the reviews spread over the deployments that can take them, each
-//! within its own budgets. A deployment that cannot take a review now — paused by a 429,
-//! its circuit open (`insufficient_quota`), its budgets refusing a call they have no
-//! room for yet —
-//! steps aside while another of its class can (`Others::can_take`): its loops pull
-//! nothing, a review it holds goes back to the lane at once (never held through the
-//! pause, never ended for its quota), and the other takes it. A class whose deployments
-//! all cannot behaves as one deployment does: its reviews wait out the pause, or end
-//! `insufficient_quota` while every circuit is open.
+//! within its own budgets. A deployment steps aside (`steps_aside`) while its circuit is
+//! open and another of its class is in routing (`Others::alive`), or while it cannot
+//! take a review now — paused by a 429, its budgets refusing a call they have no room
+//! for yet — and another can (`Others::can_take`). Its loops then pull nothing and a
+//! review it holds goes back to the lane (`hand_over_delay`): never held through its
+//! pause, never ended for its account or key. A class whose deployments all cannot
+//! behaves as one deployment does: its reviews wait out the pause, or end while every
+//! circuit is open.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::config::Price;
 use crate::provider::Provider;
@@ -81,6 +82,16 @@ impl Others {
 fn open(q: &Quota) -> bool {
     q.paused_for().is_none() && !q.circuit_open() && !q.refusing()
 }
+
+/// How long a review goes back to its lane when its deployment steps aside: not at all
+/// when another deployment of the class can take it now, a moment when the others are
+/// paused or at their budgets (the review waits for them rather than end).
+pub fn hand_over_delay(others: &Others) -> Option<Duration> {
+    (!others.can_take()).then_some(HAND_OVER_WAIT)
+}
+
+/// See `hand_over_delay`.
+const HAND_OVER_WAIT: Duration = Duration::from_millis(500);
 
 /// Whether a deployment whose quota is `own` steps aside for `others`: it is out of
 /// routing (its circuit open) and another of its class is in it, or it cannot take a

@@ -242,9 +242,8 @@ impl Backlog {
 pub struct LaneLoop {
     pub lane: Lane,
     pub scope: Scope,
-    /// The other deployments of the class: while one of them can take a review and this
-    /// loop's deployment cannot (paused, its circuit open), the loop pulls nothing and
-    /// hands back at once what it holds.
+    /// The other deployments of the class: while this loop's deployment steps aside for
+    /// them (`pool::steps_aside`), the loop pulls nothing and hands back what it holds.
     pub others: crate::pool::Others,
     pub consumer: PullConsumer,
     /// The tokens a review's call will be metered for (its prompt, and the output limit
@@ -431,7 +430,7 @@ pub async fn serve<F, Fut>(
         // The request expired (or the server ended or lost it): pull again.
         let Some(msg) = msg else { continue };
         if crate::pool::steps_aside(&quota, &l.others) {
-            ack(&msg, AckKind::Nak(None)).await;
+            ack(&msg, AckKind::Nak(crate::pool::hand_over_delay(&l.others))).await;
             continue;
         }
         if let Some(remaining) = quota.paused_for() {

@@ -122,7 +122,7 @@ impl Worker {
                 let lease = Box::new(Lease::written(rec, revision));
                 // The deployment left routing while the lease was written: hand over.
                 if crate::pool::steps_aside(&job.deployment.quota, job.others) {
-                    let delay = (!job.others.can_take()).then_some(super::HAND_OVER_WAIT);
+                    let delay = crate::pool::hand_over_delay(job.others);
                     return Ok(ControlFlow::Break(End::decided(lease, Decision::Release(delay))));
                 }
                 match self.ends_uncalled(job, &lease.rec).await? {

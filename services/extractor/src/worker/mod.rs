@@ -153,10 +153,6 @@ pub struct Job<'a> {
     pub cache_key: reviewlane_shared::result_cache::CacheKey<'a>,
 }
 
-/// How long a review this deployment cannot serve goes back for while the other
-/// deployments of its class are paused or at their budgets.
-pub(super) const HAND_OVER_WAIT: Duration = Duration::from_millis(500);
-
 /// One call's reservation in the key's budgets: corrected to the usage of its answer,
 /// kept when a call was made without one, given back when no call was made; and the
 /// tokens its answer reported, charged to the job with the decision's write.
@@ -464,7 +460,7 @@ impl Worker {
         // the lane, untouched — at once if another can take it now, else after a short
         // wait (it is paused or at its budgets for a moment).
         if crate::pool::steps_aside(&job.deployment.quota, job.others) {
-            let delay = (!job.others.can_take()).then_some(HAND_OVER_WAIT);
+            let delay = crate::pool::hand_over_delay(job.others);
             return Ok(End::answered(Outcome::Released, AckKind::Nak(delay)));
         }
         let (lease, next) = match self.take(job).await? {
