@@ -276,6 +276,8 @@ pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
         sweep_id: rec.sweep_id.clone().unwrap_or_default(),
         deeper_of: rec.deeper_of.clone().unwrap_or_default(),
         deeper_review_id: rec.deeper_review.clone().unwrap_or_default(),
+        model_class: rec.served_by.as_ref().map(|s| s.model_class.clone()).unwrap_or_default(),
+        deployment: rec.served_by.as_ref().map(|s| s.deployment.clone()).unwrap_or_default(),
     }
 }
 

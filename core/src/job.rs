@@ -307,6 +307,27 @@ pub struct JobRecord {
     /// The full-depth review that follows this degraded one (tenant option `deeper_pass`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deeper_review: Option<String>,
+    /// The deployment and model class that answered the job's last paid call (none
+    /// before one is paid).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_by: Option<ServedBy>,
+}
+
+/// Which deployment of the region's pool answered a call, and its model class: both
+/// configured names, never content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServedBy {
+    pub deployment: String,
+    pub model_class: String,
+}
+
+/// One paid call as charged to its job: the tokens the provider counted, their
+/// estimated cost at the deployment's price, and who answered it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    pub tokens: Tokens,
+    pub cost_micro_usd: u64,
+    pub served_by: ServedBy,
 }
 
 /// A publisher's claim on a job's delivery: one holder at a time until it expires (a
@@ -377,11 +398,12 @@ impl JobRecord {
         self.owner.as_ref() == Some(owner)
     }
 
-    /// Adds one call's tokens and their estimated cost.
-    pub fn charge(&mut self, tokens: Tokens, cost_micro_usd: u64) {
-        self.tokens.input = self.tokens.input.saturating_add(tokens.input);
-        self.tokens.output = self.tokens.output.saturating_add(tokens.output);
-        self.cost_micro_usd = self.cost_micro_usd.saturating_add(cost_micro_usd);
+    /// Adds one call's tokens and their estimated cost, and names who answered it.
+    pub fn charge(&mut self, charge: &Charge) {
+        self.tokens.input = self.tokens.input.saturating_add(charge.tokens.input);
+        self.tokens.output = self.tokens.output.saturating_add(charge.tokens.output);
+        self.cost_micro_usd = self.cost_micro_usd.saturating_add(charge.cost_micro_usd);
+        self.served_by = Some(charge.served_by.clone());
     }
 }
 
@@ -526,6 +548,7 @@ impl JobRecord {
             sweep_id: None,
             deeper_of: None,
             deeper_review: None,
+            served_by: None,
         }
     }
 }
@@ -706,6 +729,21 @@ mod tests {
 
     fn apply(r: &JobRecord, e: Event) -> JobRecord {
         transition(r, &e, 100).unwrap()
+    }
+
+    #[test]
+    fn a_charge_adds_up_and_names_the_deployment_of_the_last_paid_call() {
+        let mut r = rec();
+        let by = |d: &str, c: &str| ServedBy { deployment: d.into(), model_class: c.into() };
+        r.charge(&Charge { tokens: Tokens { input: 100, output: 10 }, cost_micro_usd: 7, served_by: by("a", "fast") });
+        r.charge(&Charge { tokens: Tokens { input: 50, output: 5 }, cost_micro_usd: 3, served_by: by("b", "fast") });
+        assert_eq!((r.tokens, r.cost_micro_usd), (Tokens { input: 150, output: 15 }, 10));
+        assert_eq!(r.served_by, Some(by("b", "fast")));
+        // Records written before the field read back without it, and it round-trips.
+        let mut old = serde_json::to_value(rec()).unwrap();
+        assert!(old.get("served_by").is_none());
+        old["served_by"] = serde_json::json!({"deployment": "b", "model_class": "fast"});
+        assert_eq!(serde_json::from_value::<JobRecord>(old).unwrap().served_by, Some(by("b", "fast")));
     }
 
     fn lease(owner: &str, until: u64) -> Event {

@@ -159,7 +159,7 @@ impl JobStore {
         job_id: &str,
         known: Option<(JobRecord, u64)>,
         event: &Event,
-        charge: Option<(reviewlane_core::job::Tokens, u64)>,
+        charge: Option<&reviewlane_core::job::Charge>,
     ) -> Result<JobRecord, StoreError> {
         self.apply_tracked(job_id, known, event, charge).await.map(|(rec, _)| rec)
     }
@@ -173,7 +173,7 @@ impl JobStore {
         job_id: &str,
         mut known: Option<(JobRecord, u64)>,
         event: &Event,
-        charge: Option<(reviewlane_core::job::Tokens, u64)>,
+        charge: Option<&reviewlane_core::job::Charge>,
     ) -> Result<(JobRecord, u64), StoreError> {
         for _ in 0..CAS_TRIES {
             let (from_known, (rec, revision)) = match known.take() {
@@ -185,8 +185,8 @@ impl JobStore {
                 Err(_) if from_known => continue,
                 Err(e) => return Err(StoreError::Transition(e, Box::new(rec))),
             };
-            if let Some((tokens, cost)) = charge {
-                next.charge(tokens, cost);
+            if let Some(charge) = charge {
+                next.charge(charge);
             }
             let bytes = serde_json::to_vec(&next).expect("job record serializes");
             match self.kv.update(job_id, bytes.into(), revision).await {

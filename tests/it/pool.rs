@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use reviewlane_api::proto::JobState;
 use reviewlane_core::meter::Dimension;
-use reviewlane_extractor::config::{DeploymentConfig, ProviderConfig};
+use reviewlane_extractor::config::{DeploymentConfig, Price, ProviderConfig};
 use reviewlane_shared::Region;
 use reviewlane_testkit::simmeter::SimLimits;
 use reviewlane_testkit::simprovider::{Scripted, SimConfig, SimProvider};
@@ -33,9 +33,12 @@ fn second(stack: &Stack, provider: &SimProvider, region: Region) -> DeploymentCo
         },
         key_limit: 8,
         budgets: vec![(Dimension::Requests, RPM)],
-        price: None,
+        price: Some(SECOND_PRICE),
     }
 }
+
+/// The second deployment's price: dearer than any model's, so its cost is its own.
+const SECOND_PRICE: Price = Price { input_per_mtok: 1000.0, output_per_mtok: 2000.0 };
 
 /// A stack whose US region's provider allows `RPM`, with `replicas` extractors that
 /// each call it and a second deployment of the same class allowing as much.
@@ -72,9 +75,11 @@ async fn two_replicas_spread_a_class_over_two_deployments_each_within_its_budget
     for i in 0..n {
         jobs.push(submit(&mut client, US_KEY, &format!("pool-{i}"), &sample_diff(&format!("pool{i}"))).await);
     }
+    let mut finals = Vec::new();
     for job in &jobs {
         let last = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(40)).await;
         assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+        finals.push(last);
     }
     let (first, second) = (stack.us.provider.stats(), other.stats());
     // Neither account was asked past its budget: no 429 from either.
@@ -86,6 +91,34 @@ async fn two_replicas_spread_a_class_over_two_deployments_each_within_its_budget
             + second.paid_by_job.get(&job.job_id).copied().unwrap_or(0);
         assert_eq!(paid, 1, "{} paid once", job.job_id);
     }
+    // Each review names the deployment that answered it and its class, and is costed
+    // at that deployment's price; the replicas count each deployment's tokens.
+    let mut second_tokens = 0;
+    for r in &finals {
+        let by_second = second.paid_by_job.contains_key(&r.job_id);
+        assert_eq!(r.deployment, if by_second { "second" } else { "openai" }, "{r:?}");
+        assert_eq!(r.model_class, "sim");
+        let t = r.tokens.expect("tokens");
+        assert!(t.input > 0, "{r:?}");
+        if by_second {
+            second_tokens += t.input;
+            let cost = (t.input as f64 * SECOND_PRICE.input_per_mtok + t.output as f64 * SECOND_PRICE.output_per_mtok)
+                .round()
+                / 1e6;
+            assert!((r.estimated_cost_usd - cost).abs() < 1e-9, "{} against {cost}", r.estimated_cost_usd);
+        }
+    }
+    let mut counted = 0;
+    for (_, admin) in stack.extractor_admin.clone() {
+        let page = http_get(admin, "/metrics").await;
+        let series =
+            "reviewlane_deployment_tokens_total{region=\"us\",deployment=\"second\",class=\"sim\",direction=\"in\"} ";
+        counted += page.lines().find_map(|l| l.strip_prefix(series)).map_or(0, |v| v.parse::<u64>().expect("a count"));
+        assert!(
+            page.contains("reviewlane_deployment_cost_usd_total{region=\"us\",deployment=\"second\",class=\"sim\"}")
+        );
+    }
+    assert_eq!(counted, second_tokens, "input tokens paid to the second deployment, over the replicas");
     stack.shutdown().await;
 }
 

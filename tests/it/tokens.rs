@@ -38,6 +38,17 @@ async fn each_paid_call_is_charged_to_its_job_and_counted() {
         "reviewlane_tokens_total{region=\"us\",tenant=\"acme\",model_class=\"sim\",direction=\"in\"}",
     );
     assert_eq!(counted, 300.0, "{page}");
+    // The same calls by the deployment that answered them, with their cost.
+    assert_eq!((one.deployment.as_str(), one.model_class.as_str()), ("openai", "sim"));
+    let by_deployment = |series: &str| metric_sum(&page, series);
+    assert_eq!(
+        by_deployment(
+            "reviewlane_deployment_tokens_total{region=\"us\",deployment=\"openai\",class=\"sim\",direction=\"out\"}"
+        ),
+        150.0
+    );
+    let cost = by_deployment("reviewlane_deployment_cost_usd_total{region=\"us\",deployment=\"openai\",class=\"sim\"}");
+    assert!((cost - 0.0006).abs() < 1e-12, "{cost}");
 
     // The same review again: a result-cache hit, no call, no tokens charged; the tokens
     // it saved are counted.

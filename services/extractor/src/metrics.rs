@@ -83,6 +83,23 @@ pub struct StoreLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PaidLabels {
+    pub region: String,
+    /// The deployment's id (configured, never content).
+    pub deployment: String,
+    pub class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PaidTokenLabels {
+    pub region: String,
+    pub deployment: String,
+    pub class: String,
+    /// `in`, `out`.
+    pub direction: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DeploymentLabels {
     pub region: String,
     /// The deployment's id (configured, never content).
@@ -150,6 +167,8 @@ pub struct Metrics {
     pub store_used: Family<StoreLabels, Gauge<f64, AtomicU64>>,
     /// Each deployment of the pool: 1 for its state, 0 for the others.
     pub deployment_state: Family<DeploymentLabels, Gauge>,
+    deployment_tokens: Family<PaidTokenLabels, Counter>,
+    deployment_cost: Family<PaidLabels, Counter<f64, AtomicU64>>,
 }
 
 impl Metrics {
@@ -185,7 +204,19 @@ impl Metrics {
             stuck: Family::default(),
             store_used: Family::default(),
             deployment_state: Family::default(),
+            deployment_tokens: Family::default(),
+            deployment_cost: Family::default(),
         };
+        registry.register(
+            "reviewlane_deployment_tokens",
+            "Provider tokens paid, by the deployment that answered, its model class and direction",
+            m.deployment_tokens.clone(),
+        );
+        registry.register(
+            "reviewlane_deployment_cost_usd",
+            "Estimated cost of the paid calls in US dollars at the deployment's price (batch price for a sweep's lines), by deployment and model class",
+            m.deployment_cost.clone(),
+        );
         registry.register(
             "reviewlane_deployment_state",
             "Each deployment of the region's pool: 1 for its state (routing, paused, refusing, out_of_quota, key_refused, failing)",
@@ -378,6 +409,23 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
+    /// A paid call, by the deployment that answered it: its tokens and estimated cost.
+    pub fn charged(&self, c: &reviewlane_core::job::Charge) {
+        let (deployment, class) = (&c.served_by.deployment, &c.served_by.model_class);
+        for (direction, n) in [("in", c.tokens.input), ("out", c.tokens.output)] {
+            let labels = PaidTokenLabels {
+                region: self.region.as_str().into(),
+                deployment: deployment.clone(),
+                class: class.clone(),
+                direction: direction.into(),
+            };
+            self.deployment_tokens.get_or_create(&labels).inc_by(n);
+        }
+        let labels =
+            PaidLabels { region: self.region.as_str().into(), deployment: deployment.clone(), class: class.clone() };
+        self.deployment_cost.get_or_create(&labels).inc_by(c.cost_micro_usd as f64 / 1e6);
+    }
+
     /// Deployment `id` of `class` is in `state` (one of `DEPLOYMENT_STATES`).
     pub fn deployment(&self, id: &str, class: &str, state: &str) {
         for s in DEPLOYMENT_STATES {
@@ -389,6 +437,9 @@ impl Metrics {
             };
             self.deployment_state.get_or_create(&labels).set(i64::from(s == state));
         }
+        // Exposed at zero from the start, so a panel or a rate sees the series.
+        let paid = PaidLabels { region: self.region.as_str().into(), deployment: id.into(), class: class.into() };
+        let _ = self.deployment_cost.get_or_create(&paid);
     }
 
     pub fn scope(&self, scope: &Scope, in_flight: u32, limit: u32) {

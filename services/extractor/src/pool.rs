@@ -17,6 +17,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use reviewlane_core::job::{Charge, ServedBy, Tokens};
+
 use crate::config::Price;
 use crate::provider::Provider;
 use crate::quota::{Quota, Scope};
@@ -44,6 +46,15 @@ impl Deployment {
             None if self.quota.paused_for().is_some() => "paused",
             None if self.quota.refusing() => "refusing",
             None => "routing",
+        }
+    }
+
+    /// A paid call of this deployment as charged to its job: `tokens` at its price.
+    pub fn charge(&self, tokens: Tokens) -> Charge {
+        Charge {
+            tokens,
+            cost_micro_usd: self.price.map_or(0, |p| p.cost_micro_usd(tokens)),
+            served_by: ServedBy { deployment: self.id.clone(), model_class: self.class.clone() },
         }
     }
 

@@ -154,6 +154,10 @@ pub async fn build_with_provider(
         owner: format!("replica-{:016x}", rand::random::<u64>()),
         lead_ttl: LEAD_TTL,
         price: config.results.prices.get(&config.quota.model_class).copied(),
+        served_by: reviewlane_core::job::ServedBy {
+            deployment: provider.name().to_string(),
+            model_class: config.quota.model_class.clone(),
+        },
         budgets: config.retry.budgets,
         quarantine_raw_max: config.results.quarantine_raw_max,
         tokens_of: item_tokens(&config),

@@ -7,7 +7,7 @@
 //! the cost of the line at the batch price.
 
 use reviewlane_core::batch::{self, ChunkRecord, ItemFate, LineResult};
-use reviewlane_core::job::{Budget, Event, JobRecord, JobState, Owner, TerminalReason, Tokens};
+use reviewlane_core::job::{Budget, Charge, Event, JobRecord, JobState, Owner, TerminalReason, Tokens};
 use reviewlane_core::messages::FindingsMessage;
 use reviewlane_core::sweep::{SweepRecord, SweepState};
 use reviewlane_shared::job_store::StoreError;
@@ -199,7 +199,11 @@ impl Coordinator {
     ) -> Result<(), RoundError> {
         let job_id = read.0.job_id.clone();
         let generation = read.0.generation();
-        let charge = usage.map(|t| (t, self.cost(t)));
+        let charge = usage.map(|t| self.charge(t));
+        let charge = charge.as_ref();
+        if let Some(c) = charge {
+            self.metrics.charged(c);
+        }
         let Some(review) = self.review(&sweep.sweep_id, &job_id).await? else {
             return self.end(sweep, read, TerminalReason::Lost, charge).await;
         };
@@ -242,7 +246,7 @@ impl Coordinator {
         sweep: &SweepRecord,
         read: (JobRecord, u64),
         reason: TerminalReason,
-        charge: Option<(Tokens, u64)>,
+        charge: Option<&Charge>,
     ) -> Result<(), RoundError> {
         let job_id = read.0.job_id.clone();
         let event =
@@ -265,7 +269,7 @@ impl Coordinator {
         job_id: &str,
         read: (JobRecord, u64),
         event: &Event,
-        charge: Option<(Tokens, u64)>,
+        charge: Option<&Charge>,
     ) -> Result<(), RoundError> {
         match self.jobs.apply_charging(job_id, Some(read), event, charge).await {
             Ok(_) | Err(StoreError::Transition(..)) => Ok(()),
@@ -282,9 +286,12 @@ impl Coordinator {
         }
     }
 
-    /// A line's cost at the batch price.
-    fn cost(&self, t: Tokens) -> u64 {
-        self.price.map_or(0, |p| p.cost_micro_usd(t) * u64::from(self.settings.price_percent) / 100)
+    /// A line's tokens as charged to its item: at the batch price, by the deployment
+    /// whose batch API ran it.
+    fn charge(&self, tokens: Tokens) -> Charge {
+        let cost_micro_usd =
+            self.price.map_or(0, |p| p.cost_micro_usd(tokens) * u64::from(self.settings.price_percent) / 100);
+        Charge { tokens, cost_micro_usd, served_by: self.served_by.clone() }
     }
 }
 

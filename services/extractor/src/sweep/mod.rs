@@ -63,6 +63,9 @@ pub struct Coordinator {
     pub lead_ttl: Duration,
     /// The synchronous price of the model (the batch price is `settings.price_percent`).
     pub price: Option<crate::config::Price>,
+    /// The deployment whose batch API runs the sweeps, and its class: what an item's
+    /// record names as having answered it.
+    pub served_by: reviewlane_core::job::ServedBy,
     pub budgets: crate::config::Budgets,
     pub quarantine_raw_max: usize,
     /// Tokens an item's call is metered for: its prompt's and the call's overhead.

@@ -216,6 +216,7 @@ impl Worker {
     /// correcting the call's reservation in the key's budgets (once).
     async fn paid(&self, job: &Job<'_>, metering: &Metering, u: Tokens) {
         self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
+        self.metrics.charged(&job.deployment.charge(u));
         *metering.tokens.lock().expect("tokens lock") = Some(u);
         if let Some(reserved) = &metering.reserved
             && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)

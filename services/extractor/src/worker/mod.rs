@@ -223,7 +223,7 @@ impl Lease {
         &self,
         jobs: &JobStore,
         event: &reviewlane_core::job::Event,
-        charge: Option<(Tokens, u64)>,
+        charge: Option<&reviewlane_core::job::Charge>,
     ) -> Result<JobRecord, StoreError> {
         let known = self.known.lock().expect("known lock").take();
         let (rec, revision) = jobs.apply_tracked(&self.rec.job_id, known, event, charge).await?;

@@ -91,12 +91,12 @@ impl Worker {
             };
         let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The paid calls are charged to the job in the same write.
-        let charge = charge.map(|t| (t, job.deployment.price.map_or(0, |p| p.cost_micro_usd(t))));
+        let charge = charge.map(|t| job.deployment.charge(t));
         let write = || async {
             if validated {
                 self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
             }
-            lease.apply(&self.stores.jobs, &event, charge).await
+            lease.apply(&self.stores.jobs, &event, charge.as_ref()).await
         };
         let retried = |e: &StoreError, attempt, delay| self.store_retried(job, "record", e, attempt, delay);
         let applied = self.policy.store_retry.run(write, retried).await;
