@@ -342,6 +342,16 @@ impl ProcStack {
     /// `extractor-<r>-<n>`; it calls the provider with key `sk-load-<n>`, so the provider
     /// can tell the replicas apart); its name.
     pub fn spawn_extractor(&mut self, region: Region) -> anyhow::Result<String> {
+        self.spawn_extractor_with(region, |_| Vec::new())
+    }
+
+    /// `spawn_extractor`, its environment extended with `more(n)` for the `n`-th extractor
+    /// of the region (its own deployments file, say).
+    pub fn spawn_extractor_with(
+        &mut self,
+        region: Region,
+        more: impl FnOnce(usize) -> Vec<(&'static str, String)>,
+    ) -> anyhow::Result<String> {
         let r = region.as_str();
         let n = *self.extractors_started.entry(region).and_modify(|n| *n += 1).or_insert(0);
         let name = format!("extractor-{r}{}", if n == 0 { String::new() } else { format!("-{n}") });
@@ -351,6 +361,7 @@ impl ProcStack {
             self.extractor_env[&region].iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         env.push(("REVIEWLANE_ADMIN_ADDR", admin.to_string()));
         env.push(("REVIEWLANE_OPENAI_API_KEY", format!("sk-load-{n}")));
+        env.extend(more(n));
         let log = self.work.path().join(format!("extractor-{r}-{n}.log"));
         self.services.push(Service::start(&self.bins.join("reviewlane-extractor"), &name, &env, &log)?);
         Ok(name)
@@ -383,6 +394,10 @@ impl ProcStack {
 
     async fn extractors_ready(&self) -> bool {
         for (region, rs) in [(Region::Us, &self.us), (Region::Eu, &self.eu)] {
+            // None started yet (`extractors: 0`): the caller starts its own.
+            if !self.extractors_started.contains_key(&region) {
+                continue;
+            }
             let Ok(client) = async_nats::connect(rs.nats.url()).await else { return false };
             let js = async_nats::jetstream::new(client);
             let lane = reviewlane_shared::layout::lane_stream(region, reviewlane_shared::Lane::Interactive);

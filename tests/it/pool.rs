@@ -1,7 +1,8 @@
 //! A region's deployments as one pool: two extractor replicas spreading one model class
 //! over two simulated deployments, each within its own budget; an account running out
 //! of quota mid-run, its key refused or every call failing, its reviews taken by the
-//! other deployment without ending or being paid twice; and a deployment of another
+//! other deployment without ending or being paid twice, even with a replica killed
+//! (`kill -9`) at the failure; and a deployment of another
 //! region refusing the start.
 
 use std::time::Duration;
@@ -273,4 +274,113 @@ async fn a_tenant_names_the_class_of_each_lane_and_only_that_class_serves_it() {
     let refused = reviewlane_extractor::build(stack.extractor_config(Region::Us)).await.err().expect("refused");
     assert!(refused.to_string().contains("tenant `deep`'s batch reviews use model class `deep`"), "{refused}");
     stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_failover_leaves_nothing_lost_and_nothing_paid_twice_but_its_calls() {
+    use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+    ensure_nats_server().expect("nats-server");
+    ensure_built().expect("service binaries build");
+    // Two extractor processes route one class over two accounts; calls take 300 ms, so
+    // calls are in flight on both replicas when the first account runs out of money and
+    // when one replica is killed right after.
+    let sim = |latency| SimConfig { latency, limits: Some(SimLimits::openai(Some(600), None)), ..Default::default() };
+    let latency = Duration::from_millis(300);
+    let mut stack = ProcStack::start(StackOptions {
+        extractors: 0,
+        us_provider: sim(latency),
+        key_budgets: vec![(Dimension::Requests, 600)],
+        lease: Duration::from_secs(2),
+        ..Default::default()
+    })
+    .await
+    .expect("stack starts");
+    let other = SimProvider::start(sim(latency)).await;
+    let dir = stack.log_dir().to_path_buf();
+    for n in 0..2 {
+        // Each replica calls the second account with a key of its own, so the account
+        // tells the replicas' calls apart.
+        let key = dir.join(format!("second-{n}.key"));
+        std::fs::write(&key, format!("sk-second-{n}")).unwrap();
+        let file = dir.join(format!("deployments-{n}.toml"));
+        std::fs::write(
+            &file,
+            format!(
+                "[[deployments]]\nid = \"second\"\nkind = \"openai\"\nendpoint = \"{}\"\nmodel = \"sim\"\nregion = \"us\"\napi_key_file = \"{}\"\nbudgets = \"rpm=600\"\n",
+                other.base_url(),
+                key.display()
+            ),
+        )
+        .unwrap();
+    }
+    for _ in 0..2 {
+        let name = stack
+            .spawn_extractor_with(Region::Us, |n| {
+                vec![("REVIEWLANE_DEPLOYMENTS_FILE", dir.join(format!("deployments-{n}.toml")).display().to_string())]
+            })
+            .expect("extractor starts");
+        stack.wait_ready(&name).await.expect("extractor ready");
+    }
+    let mut client =
+        reviewlane_api::proto::review_service_client::ReviewServiceClient::connect(format!("http://{}", stack.ingress))
+            .await
+            .unwrap();
+    let n = 40;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        ids.push(submit(&mut client, US_KEY, &format!("kill-{i}"), &sample_diff(&format!("kill{i}"))).await.job_id);
+    }
+    // A few answered, then the first account is out of quota ...
+    let some_paid = poll_until(Duration::from_secs(30), || async {
+        (stack.us.provider.stats().paid_by_job.len() + other.stats().paid_by_job.len() >= 6).then_some(())
+    })
+    .await;
+    assert!(some_paid.is_some(), "reviews were answered");
+    let out_of_quota = || {
+        Scripted::Status {
+        status: 429,
+        headers: vec![],
+        body: r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#.into(),
+    }
+    };
+    stack.us.provider.script((0..10_000).map(|_| out_of_quota()));
+    // ... and at its first such answer, the first replica dies.
+    let failed =
+        poll_until(Duration::from_secs(20), || async { (stack.us.provider.stats().calls_429 > 0).then_some(()) }).await;
+    assert!(failed.is_some(), "the first account answered insufficient_quota");
+    let failed_ms = stack.us.provider.epoch().elapsed().as_millis() as u64;
+    let killed_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    stack.service("extractor-us").expect("the first replica").signal("KILL").unwrap();
+
+    for id in &ids {
+        let last = wait_final_within(&mut client, US_KEY, id, Duration::from_secs(60)).await;
+        assert_eq!(last.state, JobState::Published as i32, "not lost: {last:?}");
+    }
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    let _ = stack.shutdown();
+    // Paid twice only where the killed replica had a call in flight: its answer was
+    // paid but never recorded, and the other replica called again. Nothing else.
+    let killed_keys = ["sk-load-0", "sk-second-0"];
+    let mut paid: std::collections::BTreeMap<&str, Vec<&reviewlane_testkit::simprovider::PaidCall>> =
+        Default::default();
+    for c in first.paid_calls.iter().chain(second.paid_calls.iter()) {
+        paid.entry(c.job.as_str()).or_default().push(c);
+    }
+    assert_eq!(paid.len(), n, "every review paid for");
+    let twice: Vec<_> = paid.iter().filter(|(_, calls)| calls.len() > 1).collect();
+    for (job, calls) in &twice {
+        assert_eq!(calls.len(), 2, "{job}: {calls:?}");
+        assert!(
+            calls.iter().any(|c| killed_keys.contains(&c.key.as_str()) && c.started_unix_ms <= killed_at),
+            "{job} paid twice without a call of the killed replica in flight: {calls:?}"
+        );
+    }
+    assert!(twice.len() <= 8, "at most the killed replica's calls in flight: {}", twice.len());
+    // Once out of quota, the first account was paid nothing more; and whether the dead
+    // replica opened its circuit before dying or not, the surviving one sent it nothing
+    // a second after the first such answer (its own answer opens it, fleet-wide).
+    let after: Vec<_> = first.paid_calls.iter().filter(|c| c.started_unix_ms > killed_at).collect();
+    assert!(after.is_empty(), "{after:?}");
+    let late = first.call_times_by_key.get("sk-load-1").into_iter().flatten().filter(|t| **t > failed_ms + 1_000);
+    assert_eq!(late.count(), 0, "calls to the account out of quota");
 }
