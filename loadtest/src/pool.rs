@@ -133,14 +133,7 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
         }
         pending = still;
         if failover && failed_at.is_none() && published >= cfg.reviews / 3 {
-            let out_of_quota = || {
-                Scripted::Status {
-                status: 429,
-                headers: vec![],
-                body: r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#.into(),
-            }
-            };
-            stack.us.provider.script((0..10_000).map(|_| out_of_quota()));
+            stack.us.provider.script((0..10_000).map(|_| Scripted::insufficient_quota()));
             failed_at = Some((Instant::now(), cfg.reviews - published));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;

@@ -47,6 +47,17 @@ pub enum Scripted {
     Output(String),
 }
 
+impl Scripted {
+    /// OpenAI's answer for an account out of money: 429 `insufficient_quota`.
+    pub fn insufficient_quota() -> Scripted {
+        Scripted::Status {
+            status: 429,
+            headers: vec![],
+            body: r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#.into(),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SimConfig {
     pub latency: Duration,

@@ -127,14 +127,7 @@ async fn two_replicas_spread_a_class_over_two_deployments_each_within_its_budget
 async fn an_account_out_of_quota_hands_its_reviews_to_the_other_deployment() {
     let (stack, other) = two_deployments(2).await;
     let mut client = stack.client().await;
-    let out_of_quota = || {
-        Scripted::Status {
-        status: 429,
-        headers: vec![],
-        body: r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#.into(),
-    }
-    };
-    stack.us.provider.script((0..500).map(|_| out_of_quota()));
+    stack.us.provider.script((0..500).map(|_| Scripted::insufficient_quota()));
     let mut jobs = Vec::new();
     for i in 0..20 {
         jobs.push(submit(&mut client, US_KEY, &format!("quota-{i}"), &sample_diff(&format!("quota{i}"))).await);
@@ -336,14 +329,7 @@ async fn a_replica_killed_mid_failover_leaves_nothing_lost_and_nothing_paid_twic
     })
     .await;
     assert!(some_paid.is_some(), "reviews were answered");
-    let out_of_quota = || {
-        Scripted::Status {
-        status: 429,
-        headers: vec![],
-        body: r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#.into(),
-    }
-    };
-    stack.us.provider.script((0..10_000).map(|_| out_of_quota()));
+    stack.us.provider.script((0..10_000).map(|_| Scripted::insufficient_quota()));
     // ... and at its first such answer, the first replica dies.
     let failed =
         poll_until(Duration::from_secs(20), || async { (stack.us.provider.stats().calls_429 > 0).then_some(()) }).await;
