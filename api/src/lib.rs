@@ -247,6 +247,32 @@ pub fn parts_progress(rec: &JobRecord) -> (u32, u32) {
 }
 
 /// The API view of a job; `findings` is given for a validated or published job.
+/// A deployment of a region's pool as its extractors last saw it.
+pub fn deployment_to_proto(
+    region: reviewlane_core::region::Region,
+    s: reviewlane_core::pool_status::DeploymentStatus,
+) -> proto::DeploymentStatus {
+    proto::DeploymentStatus {
+        region: region.as_str().to_string(),
+        deployment: s.deployment,
+        kind: s.kind,
+        model: s.model,
+        model_class: s.model_class,
+        state: s.state,
+        in_flight: s.in_flight,
+        window: s.window,
+        budgets: s
+            .budgets
+            .into_iter()
+            .map(|b| proto::BudgetRoom { dimension: b.dimension, limit: b.limit, room: b.room })
+            .collect(),
+        paused_for: s
+            .paused_for_ms
+            .map(|ms| prost_types::Duration { seconds: (ms / 1000) as i64, nanos: ((ms % 1000) * 1_000_000) as i32 }),
+        observed_at: Some(timestamp(s.observed_at_ms)),
+    }
+}
+
 pub fn review(rec: &JobRecord, findings: &[Finding]) -> proto::Review {
     proto::Review {
         job_id: rec.job_id.clone(),

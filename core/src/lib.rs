@@ -22,6 +22,7 @@ pub mod job_id;
 pub mod messages;
 pub mod meter;
 pub mod parts;
+pub mod pool_status;
 pub mod region;
 pub mod retry_hint;
 pub mod schema_dialect;

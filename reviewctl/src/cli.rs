@@ -97,6 +97,12 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The provider deployments serving your region: class, state, calls in flight, room in each budget (operator keys)
+    Pool {
+        /// One JSON object a line instead of a table
+        #[arg(long)]
+        json: bool,
+    },
     /// Review a repository at a revision as one sweep: each text file one item
     Sweep(SweepArgs),
     /// Follow, read and cancel sweeps (`batch` is an old name for it)

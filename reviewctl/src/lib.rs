@@ -164,6 +164,21 @@ async fn commands(cli: Cli, settings: &Settings, key: &Auth) -> Result<u8, Failu
             }
             Ok(exit::CLEAN)
         }
+        Command::Pool { json } => {
+            let pool =
+                client.list_deployments(authed(key, proto::ListDeploymentsRequest {})).await?.into_inner().deployments;
+            let now = std::time::SystemTime::now();
+            if !json {
+                println!("{}", output::DEPLOYMENT_HEADER);
+            }
+            for d in &pool {
+                println!(
+                    "{}",
+                    if json { output::deployment_json(d).to_string() } else { output::deployment_line(d, now) }
+                );
+            }
+            Ok(exit::CLEAN)
+        }
         Command::Sweep(args) => sweep::sweep(&mut client, key, args).await,
         Command::Sweeps(cmd) => sweep::sweeps(&mut client, key, cmd).await,
         Command::Completions { .. } => unreachable!("handled before connecting"),

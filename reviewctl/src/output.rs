@@ -86,6 +86,47 @@ pub fn lane_json(l: &proto::LaneStatus) -> Value {
     })
 }
 
+pub const DEPLOYMENT_HEADER: &str =
+    "region  class       deployment        kind       state         in flight  room                       seen";
+
+/// One deployment in the `pool` table: its budgets' room as `room/limit` each, and how
+/// long ago an extractor looked.
+pub fn deployment_line(d: &proto::DeploymentStatus, now: std::time::SystemTime) -> String {
+    let room: Vec<String> = d.budgets.iter().map(|b| format!("{} {}/{}", b.dimension, b.room, b.limit)).collect();
+    let room = if room.is_empty() { "-".to_string() } else { room.join(", ") };
+    let state = match secs(d.paused_for) {
+        Some(s) => format!("{} {s:.0}s", d.state),
+        None => d.state.clone(),
+    };
+    let seen = d
+        .observed_at
+        .and_then(|t| now.duration_since(std::time::UNIX_EPOCH).ok().map(|n| n.as_secs_f64() - t.seconds as f64))
+        .map_or("-".to_string(), |ago| format!("{:.0}s ago", ago.max(0.0)));
+    let in_flight = format!("{}/{}", d.in_flight, d.window);
+    format!(
+        "{:<6}  {:<10}  {:<16}  {:<9}  {state:<12}  {in_flight:>9}  {room:<25}  {seen}",
+        d.region, d.model_class, d.deployment, d.kind
+    )
+}
+
+pub fn deployment_json(d: &proto::DeploymentStatus) -> Value {
+    let budgets: Vec<Value> =
+        d.budgets.iter().map(|b| json!({"dimension": b.dimension, "limit": b.limit, "room": b.room})).collect();
+    json!({
+        "region": d.region,
+        "deployment": d.deployment,
+        "kind": d.kind,
+        "model": d.model,
+        "model_class": d.model_class,
+        "state": d.state,
+        "in_flight": d.in_flight,
+        "window": d.window,
+        "budgets": budgets,
+        "paused_for_secs": secs(d.paused_for),
+        "observed_at": d.observed_at.map(|t| t.seconds),
+    })
+}
+
 /// A dead letter as JSON.
 pub fn dead_letter_json(d: &proto::DeadLetter) -> Value {
     let attempts = d.attempts.unwrap_or_default();
@@ -207,6 +248,33 @@ mod tests {
         let order: Vec<usize> =
             ["a.rs", "first", "second", "b.rs", "third"].iter().map(|s| plain.find(s).unwrap()).collect();
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{plain}");
+    }
+
+    #[test]
+    fn a_deployment_line_shows_state_pause_room_and_age() {
+        let d = proto::DeploymentStatus {
+            region: "eu".into(),
+            deployment: "azure-eu-1".into(),
+            kind: "azure".into(),
+            model_class: "fast".into(),
+            state: "paused".into(),
+            in_flight: 3,
+            window: 8,
+            budgets: vec![
+                proto::BudgetRoom { dimension: "rpm".into(), limit: 300, room: 120 },
+                proto::BudgetRoom { dimension: "tpm".into(), limit: 50_000, room: 900 },
+            ],
+            paused_for: Some(prost_types::Duration { seconds: 4, nanos: 0 }),
+            observed_at: Some(prost_types::Timestamp { seconds: 1_000, nanos: 0 }),
+            ..Default::default()
+        };
+        let now = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_003);
+        let line = deployment_line(&d, now);
+        for part in ["eu", "fast", "azure-eu-1", "azure", "paused 4s", "3/8", "rpm 120/300, tpm 900/50000", "3s ago"] {
+            assert!(line.contains(part), "{part} in {line}");
+        }
+        let j = deployment_json(&d);
+        assert_eq!((j["budgets"][1]["room"].as_u64(), j["paused_for_secs"].as_f64()), (Some(900), Some(4.0)));
     }
 
     #[test]

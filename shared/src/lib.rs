@@ -14,6 +14,7 @@ pub mod job_store;
 pub mod lanes;
 pub mod layout;
 pub mod nats_client;
+pub mod pool_status;
 pub mod pull;
 pub mod result_cache;
 pub mod results;

@@ -169,6 +169,32 @@ async fn an_account_out_of_quota_hands_its_reviews_to_the_other_deployment() {
                 .join("\n")
         );
     }
+    // An operator sees the pool over the API: each deployment, its class, state and
+    // room; a tenant key may not look.
+    use reviewlane_api::proto::ListDeploymentsRequest;
+    let seen = poll_until(Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move {
+            let pool = client
+                .list_deployments(authed(OPERATOR_KEY, ListDeploymentsRequest {}))
+                .await
+                .expect("an operator lists the pool")
+                .into_inner()
+                .deployments;
+            let state = |id: &str| pool.iter().find(|d| d.deployment == id).map(|d| d.state.clone());
+            (state("openai").as_deref() == Some("out_of_quota") && state("second").as_deref() == Some("routing"))
+                .then_some(pool)
+        }
+    })
+    .await
+    .expect("both deployments listed with their states");
+    let second = seen.iter().find(|d| d.deployment == "second").unwrap();
+    assert_eq!((second.region.as_str(), second.kind.as_str(), second.model_class.as_str()), ("us", "openai", "sim"));
+    assert_eq!(second.budgets.len(), 1, "{second:?}");
+    assert_eq!((second.budgets[0].dimension.as_str(), second.budgets[0].limit), ("rpm", RPM));
+    assert!(second.budgets[0].room <= RPM && second.window > 0 && second.observed_at.is_some(), "{second:?}");
+    let denied = client.list_deployments(authed(US_KEY, ListDeploymentsRequest {})).await.unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
     stack.shutdown().await;
 }
 

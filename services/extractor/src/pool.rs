@@ -29,6 +29,9 @@ pub struct Deployment {
     pub id: String,
     /// The model class it serves.
     pub class: String,
+    /// Its provider's kind (`Provider::name`) and the model it calls.
+    pub kind: &'static str,
+    pub model: String,
     pub provider: Arc<dyn Provider>,
     pub quota: Quota,
     /// What its tokens cost (none: cost 0).
@@ -46,6 +49,30 @@ impl Deployment {
             None if self.quota.paused_for().is_some() => "paused",
             None if self.quota.refusing() => "refusing",
             None => "routing",
+        }
+    }
+
+    /// What this replica sees of it now, for operators (`pool_status`).
+    pub async fn status(&self) -> reviewlane_shared::pool_status::DeploymentStatus {
+        use reviewlane_shared::pool_status::{BudgetRoom, DeploymentStatus};
+        let mut budgets = Vec::new();
+        for (dim, limit) in self.quota.budgets().limits() {
+            // A bucket that cannot be read now is left out of this look.
+            if let Ok(level) = self.quota.budgets().bucket_level(dim, limit).await {
+                budgets.push(BudgetRoom { dimension: dim.short().to_string(), limit, room: level.max(0.0) as u64 });
+            }
+        }
+        DeploymentStatus {
+            deployment: self.id.clone(),
+            kind: self.kind.to_string(),
+            model: self.model.clone(),
+            model_class: self.class.clone(),
+            state: self.state().to_string(),
+            in_flight: self.quota.fleet_in_flight(),
+            window: self.quota.fleet_window(),
+            budgets,
+            paused_for_ms: self.quota.paused_for().map(|d| d.as_millis() as u64),
+            observed_at_ms: self.quota.now_ms(),
         }
     }
 

@@ -356,6 +356,8 @@ fn pool_of(
     let mut pool = vec![Arc::new(Deployment {
         id: first.name().to_string(),
         class: config.quota.model_class.clone(),
+        kind: config.provider.kind(),
+        model: config.provider.model().to_string(),
         provider: first,
         quota: quota.clone(),
         price: prices.get(&config.quota.model_class).copied(),
@@ -365,6 +367,8 @@ fn pool_of(
         pool.push(Arc::new(Deployment {
             id: d.id.clone(),
             class: d.class.clone(),
+            kind: d.provider.kind(),
+            model: d.provider.model().to_string(),
             provider,
             quota: quota.another_key(key, config.quota.probe_every).with_budgets(d.budgets.clone()),
             price: d.price.or_else(|| prices.get(d.provider.model()).copied()),
@@ -623,6 +627,16 @@ async fn sample(
         }
         for d in &deployments {
             metrics.deployment(&d.id, &d.class, d.state());
+        }
+        // What operators see of the pool (`ListDeployments`), every 5 s.
+        if ticks.is_multiple_of(5)
+            && let Ok(kv) = js.get_key_value(layout::quota_bucket(region)).await
+        {
+            for d in &deployments {
+                if let Err(e) = reviewlane_shared::pool_status::put(&kv, &d.status().await).await {
+                    tracing::debug!(kind = e.kind(), "writing a deployment's status failed");
+                }
+            }
         }
         // The account's storage against its limit, every 10 s (when it has one).
         if ticks.is_multiple_of(10)

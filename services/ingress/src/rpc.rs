@@ -17,7 +17,7 @@ use tonic::Status;
 use tracing::field::Empty;
 
 /// The review service's methods; anything else is `unknown` in a span name.
-const METHODS: [&str; 17] = [
+const METHODS: [&str; 18] = [
     "SubmitReview",
     "GetReview",
     "WatchReview",
@@ -27,6 +27,7 @@ const METHODS: [&str; 17] = [
     "GetDeadLetter",
     "ReplayDeadLetter",
     "ListLanes",
+    "ListDeployments",
     "CreateSweep",
     "AddSweepItems",
     "SealSweep",

@@ -1,5 +1,7 @@
 //! `ListLanes`: each lane of the operator's region as it stands — depth and bound, the
-//! oldest review's age, throughput, the predicted wait.
+//! oldest review's age, throughput, the predicted wait; `ListDeployments`: what serves
+//! those lanes, each provider deployment of the region's pool as its extractors last
+//! saw it.
 
 use super::*;
 
@@ -33,5 +35,12 @@ impl ReviewApi {
             });
         }
         Ok(out)
+    }
+
+    /// Each deployment of `region`'s pool, as its extractors last wrote it.
+    pub(super) async fn deployments(&self, region: Region) -> Result<Vec<proto::DeploymentStatus>, ApiError> {
+        let handle = self.region(region)?;
+        let seen = reviewlane_shared::pool_status::list(&handle.layout.quota).await?;
+        Ok(seen.into_iter().map(|s| api::deployment_to_proto(region, s)).collect())
     }
 }

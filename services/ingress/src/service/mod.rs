@@ -17,10 +17,11 @@ use reviewlane_api::proto::{
     self, AddSweepItemsRequest, AddSweepItemsResponse, CancelReviewRequest, CancelReviewResponse, CancelSweepRequest,
     CancelSweepResponse, CreateSweepRequest, CreateSweepResponse, GetDeadLetterRequest, GetDeadLetterResponse,
     GetReviewRequest, GetReviewResponse, GetSweepRequest, GetSweepResponse, ListDeadLettersRequest,
-    ListDeadLettersResponse, ListLanesRequest, ListLanesResponse, ListReviewsRequest, ListReviewsResponse,
-    ListSweepItemsRequest, ListSweepItemsResponse, ListSweepsRequest, ListSweepsResponse, ReplayDeadLetterRequest,
-    ReplayDeadLetterResponse, SealSweepRequest, SealSweepResponse, SubmitReviewRequest, SubmitReviewResponse,
-    WatchReviewRequest, WatchReviewResponse, WatchSweepRequest, review_service_server::ReviewService,
+    ListDeadLettersResponse, ListDeploymentsRequest, ListDeploymentsResponse, ListLanesRequest, ListLanesResponse,
+    ListReviewsRequest, ListReviewsResponse, ListSweepItemsRequest, ListSweepItemsResponse, ListSweepsRequest,
+    ListSweepsResponse, ReplayDeadLetterRequest, ReplayDeadLetterResponse, SealSweepRequest, SealSweepResponse,
+    SubmitReviewRequest, SubmitReviewResponse, WatchReviewRequest, WatchReviewResponse, WatchSweepRequest,
+    review_service_server::ReviewService,
 };
 use reviewlane_core::clock::SharedClock;
 use reviewlane_core::diff;
@@ -353,13 +354,19 @@ impl ReviewService for ReviewApi {
 
     async fn list_lanes(&self, req: Request<ListLanesRequest>) -> Result<Response<ListLanesResponse>, Status> {
         self.call("ListLanes", req, |caller, _| async move {
-            if caller.role != Role::Operator {
-                return Err(ApiError::PermissionDenied {
-                    reason: Reason::OperatorRoleRequired,
-                    what: "listing lanes needs an operator key",
-                });
-            }
+            operator_only(&caller, "listing lanes needs an operator key")?;
             Ok(ListLanesResponse { lanes: self.lanes(caller.region).await? })
+        })
+        .await
+    }
+
+    async fn list_deployments(
+        &self,
+        req: Request<ListDeploymentsRequest>,
+    ) -> Result<Response<ListDeploymentsResponse>, Status> {
+        self.call("ListDeployments", req, |caller, _| async move {
+            operator_only(&caller, "listing the pool's deployments needs an operator key")?;
+            Ok(ListDeploymentsResponse { deployments: self.deployments(caller.region).await? })
         })
         .await
     }
@@ -425,6 +432,14 @@ impl ReviewService for ReviewApi {
         })
         .await
     }
+}
+
+/// `PERMISSION_DENIED` unless `caller` holds an operator key; `what` says what needs one.
+fn operator_only(caller: &Tenant, what: &'static str) -> Result<(), ApiError> {
+    if caller.role == Role::Operator {
+        return Ok(());
+    }
+    Err(ApiError::PermissionDenied { reason: Reason::OperatorRoleRequired, what })
 }
 
 #[cfg(test)]
