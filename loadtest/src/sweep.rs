@@ -122,7 +122,7 @@ impl SweepReport {
     }
 }
 
-fn item(round: &str, i: usize) -> SweepItem {
+pub(crate) fn item(round: &str, i: usize) -> SweepItem {
     let path = format!("src/{round}/file_{i:05}.rs");
     SweepItem {
         item_key: path.clone(),

@@ -6,13 +6,13 @@
 //! same lane consumers, so a deployment with room pulls the next review and one without
 //! room does not: the reviews spread over the deployments that can take them, each
 //! within its own budgets. A deployment steps aside (`steps_aside`) while its circuit is
-//! open and another of its class is in routing (`Others::alive`), or while it cannot
-//! take a review now — paused by a 429, its budgets refusing a call they have no room
-//! for yet — and another can (`Others::can_take`). Its loops then pull nothing and a
-//! review it holds goes back to the lane (`hand_over_delay`): never held through its
-//! pause, never ended for its account or key. A class whose deployments all cannot
-//! behaves as one deployment does: its reviews wait out the pause, or end while every
-//! circuit is open.
+//! open or a 429 pauses it and another of its class is in routing (`Others::alive`), or
+//! while its budgets refuse a call they have no room for yet and another can take it
+//! (`Others::can_take`). Its loops then pull nothing and a review it holds goes back to
+//! the lane (`hand_over_delay`) for whichever has room first: never held through its
+//! pause, never ended for its account or key. While every deployment of a class is
+//! paused, its reviews wait on the lane for the first pause to end; a class whose
+//! circuits are all open behaves as one deployment does.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,6 +32,9 @@ pub struct Deployment {
     /// Its provider's kind (`Provider::name`) and the model it calls.
     pub kind: &'static str,
     pub model: String,
+    /// The most output tokens its calls ask for: what a tokens-per-minute budget counts
+    /// at a call's start.
+    pub output_reserve: u32,
     pub provider: Arc<dyn Provider>,
     pub quota: Quota,
     /// What its tokens cost (none: cost 0).
@@ -100,25 +103,50 @@ impl Others {
         Others(Arc::new(others))
     }
 
-    /// Whether another deployment of the class can take a review now (`open`). Which
-    /// replica takes it is the fleet's share of that deployment's window: this one may
-    /// have none of it for the moment, another does.
+    /// Whether another deployment of the class can take a review now (`Look::open`).
+    /// Which replica takes it is the fleet's share of that deployment's window: this one
+    /// may have none of it for the moment, another does.
     pub fn can_take(&self) -> bool {
-        self.0.iter().any(open)
+        self.looks().any(Look::open)
     }
 
     /// Whether another deployment of the class is in routing at all: its circuit closed,
     /// though it may be paused or at its budgets for a moment. A review this deployment
     /// cannot serve waits for it rather than end.
     pub fn alive(&self) -> bool {
-        self.0.iter().any(|q| !q.circuit_open())
+        self.looks().any(Look::alive)
+    }
+
+    fn looks(&self) -> impl Iterator<Item = Look> + '_ {
+        self.0.iter().map(Look::of)
     }
 }
 
-/// Whether a deployment's key can take a review now: not paused, its circuit closed,
-/// and its budgets not refusing calls they have no room for yet.
-fn open(q: &Quota) -> bool {
-    q.paused_for().is_none() && !q.circuit_open() && !q.refusing()
+/// What a deployment's key looks like now, as routing sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Look {
+    /// Out of routing: `insufficient_quota`, a refused key, failing.
+    pub circuit_open: bool,
+    /// Waiting out a 429's pause.
+    pub paused: bool,
+    /// Its budgets refused a call they have no room for yet.
+    pub refusing: bool,
+}
+
+impl Look {
+    fn of(q: &Quota) -> Look {
+        Look { circuit_open: q.circuit_open(), paused: q.paused_for().is_some(), refusing: q.refusing() }
+    }
+
+    /// It can take a review now.
+    fn open(self) -> bool {
+        !self.circuit_open && !self.paused && !self.refusing
+    }
+
+    /// It is in routing, though it may be paused or at its budgets for a moment.
+    fn alive(self) -> bool {
+        !self.circuit_open
+    }
 }
 
 /// How long a review goes back to its lane when its deployment steps aside: not at all
@@ -131,9 +159,62 @@ pub fn hand_over_delay(others: &Others) -> Option<Duration> {
 /// See `hand_over_delay`.
 const HAND_OVER_WAIT: Duration = Duration::from_millis(500);
 
-/// Whether a deployment whose quota is `own` steps aside for `others`: it is out of
-/// routing (its circuit open) and another of its class is in it, or it cannot take a
-/// review now and another can.
+/// Whether a deployment whose quota is `own` steps aside for `others` (`steps_aside_for`).
 pub fn steps_aside(own: &Quota, others: &Others) -> bool {
-    (own.circuit_open() && others.alive()) || (!open(own) && others.can_take())
+    steps_aside_for(Look::of(own), others.looks())
+}
+
+/// Whether a deployment that looks like `own` steps aside for the others of its class:
+/// it is out of routing (its circuit open) or paused, and another is in routing — the
+/// others wait out its pause for it, the review does not —; or it cannot take a review
+/// now (its budgets refusing for a moment) and another can. A deployment alone in its
+/// class never steps aside.
+pub fn steps_aside_for(own: Look, others: impl Iterator<Item = Look>) -> bool {
+    let (alive, can_take) = others.fold((false, false), |(a, c), o| (a || o.alive(), c || o.open()));
+    ((own.circuit_open || own.paused) && alive) || (!own.open() && can_take)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPEN: Look = Look { circuit_open: false, paused: false, refusing: false };
+    const PAUSED: Look = Look { paused: true, ..OPEN };
+    const REFUSING: Look = Look { refusing: true, ..OPEN };
+    const OUT: Look = Look { circuit_open: true, ..OPEN };
+
+    fn aside(own: Look, others: &[Look]) -> bool {
+        steps_aside_for(own, others.iter().copied())
+    }
+
+    #[test]
+    fn a_deployment_that_can_take_reviews_or_is_alone_never_steps_aside() {
+        for others in [&[][..], &[OPEN], &[PAUSED], &[REFUSING], &[OUT]] {
+            assert!(!aside(OPEN, others), "{others:?}");
+        }
+        for own in [PAUSED, REFUSING, OUT] {
+            assert!(!aside(own, &[]), "{own:?} alone");
+        }
+    }
+
+    #[test]
+    fn a_paused_or_failed_deployment_steps_aside_for_any_other_in_routing() {
+        // Even one that cannot take a review this moment: the review waits on the lane
+        // for whichever has room first, not through this one's pause.
+        for own in [PAUSED, OUT] {
+            for other in [OPEN, PAUSED, REFUSING] {
+                assert!(aside(own, &[other]), "{own:?} for {other:?}");
+            }
+            assert!(!aside(own, &[OUT]), "{own:?}: the class is out, it is called as one");
+        }
+    }
+
+    #[test]
+    fn a_deployment_at_its_budgets_steps_aside_only_for_one_that_can_take_now() {
+        assert!(aside(REFUSING, &[OPEN]));
+        assert!(aside(REFUSING, &[OUT, OPEN]));
+        for other in [PAUSED, REFUSING, OUT] {
+            assert!(!aside(REFUSING, &[other]), "{other:?}: its budgets have room again first");
+        }
+    }
 }

@@ -486,8 +486,8 @@ async fn admit(
         // Until a pause ends, or just past the deadline (then ended as late); at once when
         // this replica lost its share (another replica joined): let others take it.
         let back = match quota.paused_for() {
-            // Another deployment of the class takes it now.
-            Some(_) if l.others.can_take() => Some(None),
+            // Another deployment of the class takes it: at once, or when it has room.
+            _ if crate::pool::steps_aside(quota, &l.others) => Some(crate::pool::hand_over_delay(&l.others)),
             Some(remaining) => Some(Some(back_for(&msg, quota, remaining))),
             None => (quota.allowance(&l.scope) == 0).then_some(None),
         };

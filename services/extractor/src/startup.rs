@@ -63,6 +63,11 @@ pub async fn build_with_provider(
     let output = config.provider.output_reserve();
     crate::config::fit_parts_to_budget(&mut config.parts, &config.quota.budgets, output)
         .map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
+    // A part fits one call on every deployment it may go to.
+    for d in &config.pool {
+        crate::config::fit_parts_to_budget(&mut config.parts, &d.budgets, d.provider.output_reserve())
+            .map_err(|e| StartError::Other(anyhow::anyhow!("deployment `{}`: {e}", d.id)))?;
+    }
     reviewlane_core::findings::warm_up();
     let provider = provider.unwrap_or_else(|| provider_of(&config, &config.provider));
     let adapters: Vec<Arc<dyn Provider>> = std::iter::once(provider.clone())
@@ -110,7 +115,8 @@ pub async fn build_with_provider(
         q.probe_every,
         clock.clone(),
     )
-    .with_budgets(q.budgets.clone());
+    .with_budgets(q.budgets.clone())
+    .enforced_over(config.provider.enforced_windows());
     let deployments = pool_of(&config, &quota, &key, adapters);
     if let Some(c) = consumers.iter().find(|c| !deployments.iter().any(|d| d.class == c.class)) {
         return Err(StartError::Other(anyhow::anyhow!(
@@ -121,7 +127,7 @@ pub async fn build_with_provider(
             config.region
         )));
     }
-    let loops = pool_loops(&deployments, &consumers, &call_cost(&config));
+    let loops = pool_loops(&deployments, &consumers, |d| call_cost(&config, d.output_reserve));
     for (l, _, _) in loops.iter().filter(|(l, _, _)| l.lane == Lane::Interactive) {
         metrics.known_scope(&l.scope);
     }
@@ -358,6 +364,7 @@ fn pool_of(
         class: config.quota.model_class.clone(),
         kind: config.provider.kind(),
         model: config.provider.model().to_string(),
+        output_reserve: config.provider.output_reserve(),
         provider: first,
         quota: quota.clone(),
         price: prices.get(&config.quota.model_class).copied(),
@@ -369,8 +376,12 @@ fn pool_of(
             class: d.class.clone(),
             kind: d.provider.kind(),
             model: d.provider.model().to_string(),
+            output_reserve: d.provider.output_reserve(),
             provider,
-            quota: quota.another_key(key, config.quota.probe_every).with_budgets(d.budgets.clone()),
+            quota: quota
+                .another_key(key, config.quota.probe_every)
+                .with_budgets(d.budgets.clone())
+                .enforced_over(d.provider.enforced_windows()),
             price: d.price.or_else(|| prices.get(d.provider.model()).copied()),
         }));
     }
@@ -382,10 +393,11 @@ fn pool_of(
 fn pool_loops(
     deployments: &[Arc<Deployment>],
     consumers: &[LaneConsumer],
-    cost: &crate::schedule::CallCost,
+    cost_on: impl Fn(&Deployment) -> crate::schedule::CallCost,
 ) -> Vec<(LaneLoop, u32, Arc<Deployment>)> {
     let mut loops = Vec::new();
     for d in deployments {
+        let cost = cost_on(d);
         for c in consumers.iter().filter(|c| c.class == d.class) {
             let others =
                 deployments.iter().filter(|o| o.class == d.class && o.id != d.id).map(|o| o.quota.clone()).collect();
@@ -402,21 +414,26 @@ fn pool_loops(
     loops
 }
 
-/// What every call is metered for besides its diff: the instructions and schema it
-/// sends, and the output limit the provider counts when the call starts.
-fn call_overhead(config: &ExtractorConfig) -> reviewlane_core::meter::Cost {
-    let tokenizer = config.parts.plan.tokenizer;
-    let fixed = crate::tokenizer::counter(tokenizer).tokens(&crate::provider::fixed_prompt()) as u64;
-    reviewlane_core::meter::Cost { input: fixed, output: u64::from(config.provider.output_reserve()) }
+/// The tokens every call sends besides its diff: the instructions and schema.
+fn fixed_tokens(config: &ExtractorConfig) -> u64 {
+    crate::tokenizer::counter(config.parts.plan.tokenizer).tokens(&crate::provider::fixed_prompt()) as u64
 }
 
-/// What a review message's first call is metered for: its input — the prompt's tokens
-/// (one part's at most: a split review reserves each other part as it starts it) and
-/// the call's overhead — and the output limit the provider counts when the call starts.
-fn call_cost(config: &ExtractorConfig) -> crate::schedule::CallCost {
+/// What every call of the first deployment is metered for besides its diff: the
+/// instructions and schema it sends, and the output limit the provider counts when the
+/// call starts.
+fn call_overhead(config: &ExtractorConfig) -> reviewlane_core::meter::Cost {
+    reviewlane_core::meter::Cost { input: fixed_tokens(config), output: u64::from(config.provider.output_reserve()) }
+}
+
+/// What a review message's first call on a deployment whose calls ask for at most
+/// `output` tokens is metered for: its input — the prompt's tokens (one part's at most:
+/// a split review reserves each other part as it starts it) and the call's overhead —
+/// and that output limit, which the provider counts when the call starts.
+fn call_cost(config: &ExtractorConfig, output: u32) -> crate::schedule::CallCost {
     use reviewlane_core::meter::Cost;
     let plan = config.parts.plan;
-    let Cost { input: fixed, output } = call_overhead(config);
+    let (fixed, output) = (fixed_tokens(config), u64::from(output));
     Arc::new(move |decoded: Option<&crate::schedule::Decoded>| {
         let at_most = Cost { input: fixed + plan.limits.budget() as u64, output };
         let Some(crate::schedule::Decoded { review, diff: Some(diff) }) = decoded else { return at_most };
@@ -458,7 +475,7 @@ fn policy_of(config: &ExtractorConfig) -> crate::worker::WorkPolicy {
         store_retry: config.retry.store,
         quarantine_raw_max: config.results.quarantine_raw_max,
         parts: config.parts,
-        call_overhead: call_overhead(config),
+        call_overhead: fixed_tokens(config),
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 use http::HeaderMap;
 
 use reviewlane_core::meter::Dimension;
-use reviewlane_core::retry_hint::{headroom_pause, retry_hint};
+use reviewlane_core::retry_hint::{Hint, HintSource, headroom_pause, retry_hint};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamOutcome {
@@ -148,10 +148,16 @@ fn rate_limited(headers: &HeaderMap, body: &[u8], now: SystemTime, ceiling: Dura
         _ => error["error"]["message"].as_str().and_then(Dimension::named_in),
     };
     let empty = || meter.iter().find(|(_, r)| r.remaining == Some(0)).map(|(d, _)| *d);
+    let dimension = named.or_else(empty);
+    // A reset header says when the provider's bucket is full again, not when the next
+    // call fits: with the dimension known, its bucket (emptied by the 429) paces the next
+    // calls, as after a 2xx that reports it empty. Only an explicit `retry-after` pauses.
+    let explicit = |h: &Hint| matches!(h.source, HintSource::RetryAfterMs | HintSource::RetryAfter);
+    let hint = hint.filter(|h| dimension.is_none() || explicit(h));
     UpstreamOutcome::RateLimited {
         retry_after: hint.map(|h| h.delay),
         capped: hint.is_some_and(|h| h.capped),
-        dimension: named.or_else(empty),
+        dimension,
         meter,
     }
 }
@@ -357,6 +363,25 @@ mod tests {
         assert_eq!(dimension(&none, b"{}"), None);
         let UpstreamOutcome::RateLimited { meter, .. } = classify(429, &empty, b"{}") else { unreachable!() };
         assert_eq!(meter[&Dimension::Tokens].remaining, Some(0), "its readings are kept for the buckets");
+    }
+
+    #[test]
+    fn a_bucket_429_pauses_only_for_an_explicit_retry_after_not_for_the_time_to_full() {
+        let hint = |h: &HeaderMap, body: &[u8]| match classify(429, h, body) {
+            UpstreamOutcome::RateLimited { retry_after, .. } => retry_after,
+            other => panic!("{other:?}"),
+        };
+        let tokens = br#"{"error":{"message":"Rate limit reached","type":"tokens","code":"rate_limit_exceeded"}}"#;
+        // OpenAI's reset is when the bucket is full again: the emptied bucket paces.
+        let reset = headers(&[("x-ratelimit-remaining-tokens", "0"), ("x-ratelimit-reset-tokens", "59.5s")]);
+        assert_eq!(hint(&reset, tokens), None);
+        assert_eq!(hint(&reset, b"{}"), None, "the headers name the empty bucket");
+        // An explicit retry-after is the provider's word: kept.
+        let explicit = headers(&[("retry-after", "7"), ("x-ratelimit-reset-tokens", "59.5s")]);
+        assert_eq!(hint(&explicit, tokens), Some(Duration::from_secs(7)));
+        // No bucket named: the reset is all there is to go by.
+        let unnamed = headers(&[("x-ratelimit-remaining-tokens", "12"), ("x-ratelimit-reset-tokens", "3s")]);
+        assert_eq!(hint(&unnamed, b"{}"), Some(Duration::from_secs(3)));
     }
 
     #[test]

@@ -71,6 +71,18 @@ impl ProviderConfig {
         }
     }
 
+    /// The dimensions this provider enforces over a shorter window than their period.
+    /// Azure OpenAI: "the rate of incoming requests over a small period of time,
+    /// typically 1 or 10 seconds" (its quota documentation) — rpm / 6 requests per 10 s.
+    pub fn enforced_windows(&self) -> Vec<(reviewlane_core::meter::Dimension, std::time::Duration)> {
+        match self {
+            ProviderConfig::AzureOpenAi(_) => {
+                vec![(reviewlane_core::meter::Dimension::Requests, std::time::Duration::from_secs(10))]
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// The model called (`builtin` for the built-in analyzer).
     pub fn model(&self) -> &str {
         match self {

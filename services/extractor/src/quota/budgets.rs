@@ -27,6 +27,11 @@ use super::slice::Slice;
 /// A replica follows a dimension's readings at most this often.
 const FOLLOW_EVERY_MS: u64 = 1_000;
 
+/// How long before the end of a provider's short window (`Budgets::windows`) no call
+/// is reserved in it: what a reserved call may take to reach the provider.
+const WINDOW_MARGIN_MS: u64 = 250;
+const MIN_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// `bucket.<key>.<dimension>`: one metered dimension of the key, for the whole fleet.
 pub(super) const BUCKET_PREFIX: &str = "bucket.";
 
@@ -52,6 +57,11 @@ pub struct Budgets {
     taking: Arc<tokio::sync::Mutex<()>>,
     /// When this replica last followed each dimension's reading.
     followed_ms: Arc<Mutex<BTreeMap<Dimension, u64>>>,
+    /// Dimensions the provider enforces over a window shorter than their period (Azure
+    /// OpenAI evaluates requests per minute over 10 s): their bucket holds that window's
+    /// share of the limit and refills over it, so a burst never exceeds what one window
+    /// allows.
+    windows: Arc<BTreeMap<Dimension, std::time::Duration>>,
 }
 
 impl Budgets {
@@ -66,6 +76,25 @@ impl Budgets {
             slices: Arc::default(),
             taking: Arc::default(),
             followed_ms: Arc::default(),
+            windows: Arc::default(),
+        }
+    }
+
+    /// Enforces each `(dimension, window)` over that window (see `windows`).
+    pub(super) fn enforce_over(&mut self, windows: Vec<(Dimension, std::time::Duration)>) {
+        self.windows = Arc::new(windows.into_iter().collect());
+    }
+
+    /// The bucket of a limit of `capacity` per `dim`'s period: that, or the share of it
+    /// the provider allows within its window, refilling at the same pace.
+    fn shape(&self, dim: Dimension, capacity: u64) -> (u64, u64) {
+        let period_ms = dim.period().as_millis() as u64;
+        match self.windows.get(&dim) {
+            Some(w) if (w.as_millis() as u64) < period_ms => {
+                let window_ms = w.as_millis() as u64;
+                ((capacity.saturating_mul(window_ms) / period_ms).max(1), window_ms)
+            }
+            _ => (capacity, period_ms),
         }
     }
 
@@ -99,9 +128,9 @@ impl Budgets {
     /// The bucket as stored, at `capacity`; a full one when there is none yet. A lower
     /// limit keeps what is left, up to it; a higher one adds the difference at once
     /// (what the provider's own bucket gained).
-    fn at_capacity(stored: Option<Bucket>, dim: Dimension, capacity: u64, now_ms: u64) -> Bucket {
-        let period_ms = dim.period().as_millis() as u64;
-        match stored {
+    fn at_capacity(&self, stored: Option<Bucket>, dim: Dimension, capacity: u64, now_ms: u64) -> Bucket {
+        let (capacity, period_ms) = self.shape(dim, capacity);
+        let mut b = match stored {
             Some(b) if b.capacity == capacity && b.period_ms == period_ms => b,
             Some(b) => Bucket {
                 capacity,
@@ -111,7 +140,28 @@ impl Budgets {
                 refills_at_ms: b.refills_at_ms,
             },
             None => Bucket::full_over(capacity, period_ms, now_ms),
+        };
+        // A dimension enforced over a short window refills at that window's end, the
+        // windows falling on the clock's marks (every 10 s from the minute) as the
+        // provider's do: a continuous bucket would let through more than one window
+        // allows where two windows meet.
+        if b.refills_at_ms.is_none() {
+            b.refills_at_ms = self.window_end(dim, now_ms);
         }
+        b
+    }
+
+    /// The end of the provider's window `now_ms` is in, for a dimension it enforces over
+    /// a short window (`windows`): the next mark of the clock.
+    fn window_end(&self, dim: Dimension, now_ms: u64) -> Option<u64> {
+        let window_ms = self.windows.get(&dim)?.as_millis().max(1) as u64;
+        Some((now_ms / window_ms + 1) * window_ms)
+    }
+
+    /// The start of that window: the last mark.
+    fn window_start(&self, dim: Dimension, now_ms: u64) -> Option<u64> {
+        let window_ms = self.windows.get(&dim)?.as_millis().max(1) as u64;
+        Some(now_ms / window_ms * window_ms)
     }
 
     /// Reserves `cost` of `dim` (a bucket of `capacity` per period) for the whole fleet.
@@ -120,7 +170,7 @@ impl Budgets {
         let now = self.now_ms();
         let mut refused = None;
         cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
-            let mut b = Budgets::at_capacity(stored, dim, capacity, now);
+            let mut b = self.at_capacity(stored, dim, capacity, now);
             match b.reserve(cost, now) {
                 Ok(()) => {
                     refused = None;
@@ -150,7 +200,7 @@ impl Budgets {
         let now = self.now_ms();
         let mut outcome = Err(Refused::Wait(std::time::Duration::ZERO));
         cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
-            let mut b = Budgets::at_capacity(stored, dim, capacity, now);
+            let mut b = self.at_capacity(stored, dim, capacity, now);
             b.give(returned, now);
             // The whole slice, or nothing until the bucket holds it: a replica spending
             // at the bucket's pace takes a slice per span, not a call at a time.
@@ -165,7 +215,7 @@ impl Budgets {
     pub async fn correct(&self, dim: Dimension, capacity: u64, reserved: u64, used: u64) -> Result<(), FleetError> {
         let now = self.now_ms();
         cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
-            let mut b = Budgets::at_capacity(stored, dim, capacity, now);
+            let mut b = self.at_capacity(stored, dim, capacity, now);
             b.correct(reserved, used, now);
             Some(b)
         })
@@ -177,9 +227,16 @@ impl Budgets {
     pub async fn follow(&self, dim: Dimension, capacity: u64, reading: &Reading) -> Result<(), FleetError> {
         let now = self.now_ms();
         cas_spread::<Bucket>(&self.kv, &self.tally, &self.bucket_key(dim), |stored| {
-            let mut b = Budgets::at_capacity(stored, dim, capacity, now);
+            let mut b = self.at_capacity(stored, dim, capacity, now);
             let before = b;
             b.follow(reading, now);
+            if self.windows.contains_key(&dim) {
+                // Its windows are the provider's marks, whatever a reading suggests, and
+                // a reading only lowers it: one that shows more left was read before
+                // the calls reserved since reached the provider.
+                b.refills_at_ms = before.refills_at_ms;
+                b.level = b.level.min(before.level_at(now));
+            }
             // Written only when the reading changed what the bucket holds or how it
             // refills (bringing its time forward alone is no change).
             let changed = b.level_at(now) != before.level_at(now) || b.refills_at_ms != before.refills_at_ms;
@@ -195,7 +252,7 @@ impl Budgets {
         self.tally.read();
         let stored = self.kv.get(self.bucket_key(dim)).await.map_err(FleetError::store)?;
         let stored = stored.and_then(|v| serde_json::from_slice::<Bucket>(&v).ok());
-        Ok(Budgets::at_capacity(stored, dim, capacity, now).level_at(now))
+        Ok(self.at_capacity(stored, dim, capacity, now).level_at(now))
     }
 
     /// Adopts the limits other replicas learned: the capacity of each bucket the fleet
@@ -256,6 +313,13 @@ impl Budgets {
         // The bucket's refill over a second: one replica alone takes a slice a second,
         // and the fleet's bucket never waits long to gather one.
         let most = capacity as f64 * 1_000.0 / dim.period().as_millis() as f64;
+        // Near the end of a provider's short window, a call reserved now would reach it
+        // in the next one, which the bucket does not count it in: it waits for the mark.
+        if let Some(end) = self.window_end(dim, self.now_ms())
+            && self.now_ms() + WINDOW_MARGIN_MS >= end
+        {
+            return Ok(Err(Refused::Wait(std::time::Duration::from_millis(end - self.now_ms()).max(MIN_WAIT))));
+        }
         if let Some(done) = self.spend_or_refused(dim, capacity, cost, self.now_ms()) {
             return Ok(done);
         }
@@ -268,7 +332,12 @@ impl Budgets {
         let (want, returned) = {
             let mut slices = self.slices_lock();
             let slice = slices.entry(dim).or_default();
-            (slice.wanted(cost, most, now), slice.hand_back())
+            let taken_in_a_past_window = self.window_start(dim, now).is_some_and(|start| slice.until_ms <= start);
+            let returned = slice.hand_back();
+            // What a provider's short window let through lapsed with it: left in a slice
+            // of a past window, it is not handed to the next (a debt still is).
+            let returned = if taken_in_a_past_window { returned.min(0.0) } else { returned };
+            (slice.wanted(cost, most, now), returned)
         };
         let took = self.take(dim, capacity, want, returned).await;
         let mut slices = self.slices_lock();
@@ -276,6 +345,10 @@ impl Budgets {
         match took {
             Ok(Ok(units)) => {
                 slice.taken(units, now);
+                if let Some(end) = self.window_end(dim, now) {
+                    // Not spent past the provider's window it was taken in.
+                    slice.until_ms = slice.until_ms.min(end.saturating_sub(WINDOW_MARGIN_MS));
+                }
                 let spent = slice.spend(cost, now);
                 debug_assert!(spent, "a slice of at least the call");
                 Ok(Ok(()))
@@ -305,8 +378,8 @@ impl Budgets {
     }
 
     /// A reserved call that was answered: each budget is corrected to what it `used`
-    /// (its request stays spent, and so does the output limit tokens per minute count
-    /// at start; output tokens per minute are counted as produced).
+    /// (its request stays spent, and so does all tokens per minute reserved, which the
+    /// provider counted at start; output tokens per minute are counted as produced).
     pub async fn correct_call(&self, reserved: &Reservation, used: Cost) {
         self.give_back(reserved, used, false).await
     }
@@ -325,9 +398,13 @@ impl Budgets {
                 let used = match dim {
                     _ if release => 0,
                     Dimension::Requests => 1,
-                    // Tokens per minute count the output limit when the call starts
-                    // (OpenAI): only the prompt's estimate is corrected.
-                    Dimension::Tokens => used.input + used.output.max(reserved.cost.output),
+                    // Tokens per minute are charged when the call starts, the prompt
+                    // estimated from its characters and the output limit (OpenAI), and
+                    // never corrected by the usage: nothing is given back, and a call
+                    // that used more than reserved takes the rest.
+                    Dimension::Tokens => {
+                        (used.input + used.output.max(reserved.cost.output)).max(dim.of(reserved.cost))
+                    }
                     _ => dim.of(used),
                 };
                 let unused = dim.of(reserved.cost) as f64 - used as f64;
@@ -389,7 +466,7 @@ impl Budgets {
                 None
             }
         };
-        let mut b = Budgets::at_capacity(stored, dim, capacity, now);
+        let mut b = self.at_capacity(stored, dim, capacity, now);
         b.follow(&Reading { remaining: Some(0), ..Default::default() }, now);
         let wait = match b.reserve(1, now) {
             Err(Refused::Wait(d)) => d,
@@ -460,11 +537,10 @@ mod tests {
         let nats = NatsServer::start_provisioned(Region::Us).await;
         let kv = quota_kv(&nats).await;
         let clock = ManualClock::at(1_000_000);
-        // 600 requests and 600,000 tokens a minute: ten calls a second.
-        let (b, tally) = replica(&kv, &clock, vec![(Dimension::Requests, 600), (Dimension::Tokens, 600_000)]);
+        // 600 requests and 1,200,000 tokens a minute: ten calls a second, half the tokens.
+        let (b, tally) = replica(&kv, &clock, vec![(Dimension::Requests, 600), (Dimension::Tokens, 1_200_000)]);
         for _ in 0..100 {
             let r = b.reserve_call(CALL).await.expect("within the budgets");
-            // Each uses less than it reserved: what it did not use stays in the slice.
             b.correct_call(&r, Cost { input: 500, output: 100 }).await;
             clock.advance(Duration::from_millis(100));
         }
@@ -473,6 +549,53 @@ mod tests {
         // The fleet's buckets were charged for every slice taken, the calls within them.
         let requests = b.bucket_level(Dimension::Requests, 600).await.unwrap();
         assert!(requests <= 600.0 - 100.0 + 10.0 * 10.0, "{requests}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tokens_per_minute_reserved_are_spent_whatever_the_usage_says() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let kv = quota_kv(&nats).await;
+        // The clock stands still: nothing refills. Two calls fill 2,000 tokens a minute.
+        let clock = ManualClock::at(1_000_000);
+        let (b, _) = replica(&kv, &clock, vec![(Dimension::Tokens, 2_000)]);
+        for _ in 0..2 {
+            let r = b.reserve_call(CALL).await.expect("within the budget");
+            // The answer says it used almost nothing; OpenAI counted the call at start.
+            b.correct_call(&r, Cost { input: 10, output: 5 }).await;
+        }
+        assert!(b.reserve_call(CALL).await.is_err(), "nothing given back for a third call");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_enforced_over_ten_seconds_allow_a_sixth_of_the_minute_per_window_on_the_marks() {
+        let nats = NatsServer::start_provisioned(Region::Us).await;
+        let kv = quota_kv(&nats).await;
+        // 60 requests a minute, enforced over 10 s windows on the clock's marks.
+        let clock = ManualClock::at(1_000_000);
+        let (mut b, _) = replica(&kv, &clock, vec![(Dimension::Requests, 60)]);
+        b.enforce_over(vec![(Dimension::Requests, Duration::from_secs(10))]);
+        for window in 0..3 {
+            let mut made = 0;
+            // Calls come every 100 ms through the window: ten go, at its start.
+            for _ in 0..97 {
+                if let Ok(r) = b.reserve_call(CALL).await {
+                    made += 1;
+                    b.correct_call(&r, CALL).await;
+                }
+                clock.advance(Duration::from_millis(100));
+            }
+            assert_eq!(made, 10, "window {window}");
+            // The window's last 250 ms: nothing is reserved, even with room.
+            match b.reserve_call(CALL).await {
+                Err(Refused::Wait(w)) => assert!(w <= Duration::from_millis(300), "{w:?}"),
+                other => panic!("{other:?}"),
+            }
+            clock.advance(Duration::from_millis(300));
+        }
+        // A call refused by the provider (a 429) was not counted there: its unit is back.
+        let r = b.reserve_call(CALL).await.unwrap();
+        b.release_call(&r).await;
+        assert!(b.reserve_call(CALL).await.is_ok());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -237,6 +237,13 @@ impl Quota {
         self
     }
 
+    /// The dimensions the provider enforces over a shorter window than their period
+    /// (`Budgets::windows`); before any call is made.
+    pub fn enforced_over(mut self, windows: Vec<(reviewlane_core::meter::Dimension, Duration)>) -> Quota {
+        self.budgets.enforce_over(windows);
+        self
+    }
+
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
         self.ledger.lock().expect("quota lock")
     }

@@ -98,16 +98,15 @@ pub struct WorkPolicy {
     pub quarantine_raw_max: usize,
     /// Splitting reviews larger than the model's context.
     pub parts: crate::config::PartConfig,
-    /// What every call is metered for besides its diff: the instructions and schema it
-    /// sends, and the output limit the provider counts at start.
-    pub call_overhead: reviewlane_core::meter::Cost,
+    /// The tokens every call sends besides its diff: the instructions and schema.
+    pub call_overhead: u64,
 }
 
 impl WorkPolicy {
-    /// What a call for one part of a split review is metered for.
-    pub fn part_cost(&self, part: &reviewlane_core::parts::Part) -> reviewlane_core::meter::Cost {
-        let overhead = self.call_overhead;
-        reviewlane_core::meter::Cost { input: overhead.input + part.tokens as u64, output: overhead.output }
+    /// What a call for one part of a split review is metered for on a deployment whose
+    /// calls ask for at most `output` tokens (counted at start where the budget does).
+    pub fn part_cost(&self, part: &reviewlane_core::parts::Part, output: u32) -> reviewlane_core::meter::Cost {
+        reviewlane_core::meter::Cost { input: self.call_overhead + part.tokens as u64, output: u64::from(output) }
     }
 
     /// The backoff of `lane` without a provider's hint.

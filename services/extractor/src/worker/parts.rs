@@ -220,7 +220,9 @@ impl Worker {
                 && let Some(&index) = pending.front()
                 && let Some(more) = &job.more
             {
-                let Some((place, reserved)) = more.try_take(self.policy.part_cost(&parts[index as usize])).await else {
+                let Some((place, reserved)) =
+                    more.try_take(self.policy.part_cost(&parts[index as usize], job.deployment.output_reserve)).await
+                else {
                     break;
                 };
                 pending.pop_front();
