@@ -149,6 +149,7 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
             key_limit: 8,
             budgets: vec![(Dimension::Tokens, cfg.tpm)],
             price: None,
+            preference: 0,
         },
         DeploymentConfig {
             id: AZURE.into(),
@@ -166,6 +167,7 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
             key_limit: 8,
             budgets: vec![(Dimension::Requests, u64::from(cfg.rpm))],
             price: None,
+            preference: 0,
         },
     ];
     stack.start_extractor_with(Region::Us, xc).await;

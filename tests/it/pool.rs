@@ -35,6 +35,7 @@ fn second(stack: &Stack, provider: &SimProvider, region: Region) -> DeploymentCo
         key_limit: 8,
         budgets: vec![(Dimension::Requests, RPM)],
         price: Some(SECOND_PRICE),
+        preference: 0,
     }
 }
 
@@ -395,4 +396,29 @@ async fn a_replica_killed_mid_failover_leaves_nothing_lost_and_nothing_paid_twic
     assert!(after.is_empty(), "{after:?}");
     let late = first.call_times_by_key.get("sk-load-1").into_iter().flatten().filter(|t| **t > failed_ms + 1_000);
     assert_eq!(late.count(), 0, "calls to the account out of quota");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cheaper_deployment_takes_what_it_has_room_for_and_the_dearer_the_rest() {
+    // The second deployment is priced far above the first (which has no price): while
+    // the first can take a review, the second pulls none.
+    let (stack, other) = two_deployments(1).await;
+    let mut client = stack.client().await;
+    for i in 0..8 {
+        let job = submit(&mut client, US_KEY, &format!("cheap-{i}"), &sample_diff(&format!("cheap{i}"))).await;
+        let last = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(20)).await;
+        assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+        assert_eq!(last.deployment, "openai", "{last:?}");
+    }
+    assert_eq!(other.stats().total_calls, 0, "the dearer deployment was not called");
+    // More at once than the first's budget allows in a minute: the rest go to the second.
+    let jobs = all_published(&stack, "spill", RPM as usize).await;
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    assert!(second.total_calls > 0, "the dearer deployment took what the first could not");
+    assert_eq!(first.calls_429 + second.calls_429, 0);
+    for job in &jobs {
+        let paid = first.paid_by_job.get(job).copied().unwrap_or(0) + second.paid_by_job.get(job).copied().unwrap_or(0);
+        assert_eq!(paid, 1, "{job} paid once");
+    }
+    stack.shutdown().await;
 }

@@ -8,7 +8,8 @@
 //! within its own budgets. A deployment steps aside (`steps_aside`) while its circuit is
 //! open or a 429 pauses it and another of its class is in routing (`Others::alive`), or
 //! while its budgets refuse a call they have no room for yet and another can take it
-//! (`Others::can_take`). Its loops then pull nothing and a review it holds goes back to
+//! (`Others::can_take`), or while one ranked ahead of it (`Rank`: a preference, then the
+//! price) can take a review and has room. Its loops then pull nothing and a review it holds goes back to
 //! the lane (`hand_over_delay`) for whichever has room first: never held through its
 //! pause, never ended for its account or key. While every deployment of a class is
 //! paused, its reviews wait on the lane for the first pause to end; a class whose
@@ -39,6 +40,8 @@ pub struct Deployment {
     pub quota: Quota,
     /// What its tokens cost (none: cost 0).
     pub price: Option<Price>,
+    /// Where it goes among its class's deployments.
+    pub rank: Rank,
 }
 
 impl Deployment {
@@ -94,31 +97,54 @@ impl Deployment {
     }
 }
 
-/// The other deployments of a class.
+/// Which of a class's deployments goes first: the lower `preference`, then the cheaper
+/// (input and output price per million tokens together; none: free). Deployments of
+/// the same rank compete for reviews; one ranked behind takes what those ahead cannot.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Rank {
+    pub preference: u32,
+    pub price: f64,
+}
+
+impl Rank {
+    pub fn of(preference: u32, price: Option<Price>) -> Rank {
+        Rank { preference, price: price.map_or(0.0, |p| p.input_per_mtok + p.output_per_mtok) }
+    }
+
+    /// Whether a deployment of this rank goes before one of `other`'s.
+    fn ahead_of(self, other: Rank) -> bool {
+        (self.preference, self.price).partial_cmp(&(other.preference, other.price)) == Some(std::cmp::Ordering::Less)
+    }
+}
+
+/// The other deployments of a class, with their ranks, and this one's rank.
 #[derive(Clone, Default)]
-pub struct Others(Arc<Vec<Quota>>);
+pub struct Others {
+    own: Rank,
+    others: Arc<Vec<(Quota, Rank)>>,
+}
 
 impl Others {
-    pub fn new(others: Vec<Quota>) -> Others {
-        Others(Arc::new(others))
+    pub fn new(own: Rank, others: Vec<(Quota, Rank)>) -> Others {
+        Others { own, others: Arc::new(others) }
     }
 
     /// Whether another deployment of the class can take a review now (`Look::open`).
     /// Which replica takes it is the fleet's share of that deployment's window: this one
     /// may have none of it for the moment, another does.
     pub fn can_take(&self) -> bool {
-        self.looks().any(Look::open)
+        self.looks().any(|(o, _)| o.open())
     }
 
     /// Whether another deployment of the class is in routing at all: its circuit closed,
     /// though it may be paused or at its budgets for a moment. A review this deployment
     /// cannot serve waits for it rather than end.
     pub fn alive(&self) -> bool {
-        self.looks().any(Look::alive)
+        self.looks().any(|(o, _)| o.alive())
     }
 
-    fn looks(&self) -> impl Iterator<Item = Look> + '_ {
-        self.0.iter().map(Look::of)
+    fn looks(&self) -> impl Iterator<Item = (Look, Rank)> + '_ {
+        self.others.iter().map(|(q, r)| (Look::of(q), *r))
     }
 }
 
@@ -131,11 +157,18 @@ pub struct Look {
     pub paused: bool,
     /// Its budgets refused a call they have no room for yet.
     pub refusing: bool,
+    /// The fleet's calls in flight on it are below its window: it could start another.
+    pub room: bool,
 }
 
 impl Look {
     fn of(q: &Quota) -> Look {
-        Look { circuit_open: q.circuit_open(), paused: q.paused_for().is_some(), refusing: q.refusing() }
+        Look {
+            circuit_open: q.circuit_open(),
+            paused: q.paused_for().is_some(),
+            refusing: q.refusing(),
+            room: q.fleet_in_flight() < q.fleet_window(),
+        }
     }
 
     /// It can take a review now.
@@ -161,30 +194,65 @@ const HAND_OVER_WAIT: Duration = Duration::from_millis(500);
 
 /// Whether a deployment whose quota is `own` steps aside for `others` (`steps_aside_for`).
 pub fn steps_aside(own: &Quota, others: &Others) -> bool {
-    steps_aside_for(Look::of(own), others.looks())
+    steps_aside_for((Look::of(own), others.own), others.looks())
 }
 
-/// Whether a deployment that looks like `own` steps aside for the others of its class:
-/// it is out of routing (its circuit open) or paused, and another is in routing — the
-/// others wait out its pause for it, the review does not —; or it cannot take a review
-/// now (its budgets refusing for a moment) and another can. A deployment alone in its
-/// class never steps aside.
-pub fn steps_aside_for(own: Look, others: impl Iterator<Item = Look>) -> bool {
-    let (alive, can_take) = others.fold((false, false), |(a, c), o| (a || o.alive(), c || o.open()));
-    ((own.circuit_open || own.paused) && alive) || (!own.open() && can_take)
+/// Whether a deployment that looks like `own` (of its rank) steps aside for the others
+/// of its class:
+/// - it is out of routing (its circuit open) or paused, and another is in routing — the
+///   others wait out its pause for it, the review does not;
+/// - it cannot take a review now (its budgets refusing for a moment) and another can;
+/// - another ranked ahead of it can take a review now and has room in its window: the
+///   preferred (or cheaper) deployment is used up to what it allows, this one for the
+///   rest.
+///
+/// A deployment alone in its class never steps aside.
+pub fn steps_aside_for((own, rank): (Look, Rank), others: impl Iterator<Item = (Look, Rank)>) -> bool {
+    let (mut alive, mut can_take, mut ahead) = (false, false, false);
+    for (o, r) in others {
+        alive |= o.alive();
+        can_take |= o.open();
+        ahead |= o.open() && o.room && r.ahead_of(rank);
+    }
+    ((own.circuit_open || own.paused) && alive) || (!own.open() && can_take) || ahead
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const OPEN: Look = Look { circuit_open: false, paused: false, refusing: false };
+    const OPEN: Look = Look { circuit_open: false, paused: false, refusing: false, room: true };
     const PAUSED: Look = Look { paused: true, ..OPEN };
     const REFUSING: Look = Look { refusing: true, ..OPEN };
     const OUT: Look = Look { circuit_open: true, ..OPEN };
+    const FULL: Look = Look { room: false, ..OPEN };
 
     fn aside(own: Look, others: &[Look]) -> bool {
-        steps_aside_for(own, others.iter().copied())
+        steps_aside_for((own, Rank::default()), others.iter().map(|o| (*o, Rank::default())))
+    }
+
+    fn ranked(own: Rank, others: &[(Look, Rank)]) -> bool {
+        steps_aside_for((OPEN, own), others.iter().copied())
+    }
+
+    #[test]
+    fn a_deployment_ranked_behind_takes_only_what_those_ahead_cannot() {
+        let (cheap, dear) = (Rank { preference: 0, price: 0.75 }, Rank { preference: 0, price: 12.0 });
+        let preferred = Rank { preference: 0, price: 30.0 };
+        let fallback = Rank { preference: 1, price: 0.1 };
+        // The cheaper one has room: the dearer waits; not the other way round.
+        assert!(ranked(dear, &[(OPEN, cheap)]));
+        assert!(!ranked(cheap, &[(OPEN, dear)]));
+        // The cheaper one is full, paused, at its budgets or out: the dearer takes reviews.
+        for other in [FULL, PAUSED, REFUSING, OUT] {
+            assert!(!ranked(dear, &[(other, cheap)]), "{other:?}");
+        }
+        // A preference goes before any price; the same rank competes.
+        assert!(ranked(fallback, &[(OPEN, preferred)]));
+        assert!(!ranked(preferred, &[(OPEN, fallback)]));
+        assert!(!ranked(cheap, &[(OPEN, cheap)]));
+        // Without prices or preferences every deployment ranks the same.
+        assert_eq!(Rank::of(0, None), Rank::default());
     }
 
     #[test]

@@ -368,6 +368,7 @@ fn pool_of(
         provider: first,
         quota: quota.clone(),
         price: prices.get(&config.quota.model_class).copied(),
+        rank: crate::pool::Rank::of(0, prices.get(&config.quota.model_class).copied()),
     })];
     for (d, provider) in config.pool.iter().zip(adapters) {
         let key = KeyConfig { key: KeyConfig::token(d.provider.kind(), &d.id), limit: d.key_limit, ..key.clone() };
@@ -383,6 +384,7 @@ fn pool_of(
                 .with_budgets(d.budgets.clone())
                 .enforced_over(d.provider.enforced_windows()),
             price: d.price.or_else(|| prices.get(d.provider.model()).copied()),
+            rank: crate::pool::Rank::of(d.preference, d.price.or_else(|| prices.get(d.provider.model()).copied())),
         }));
     }
     pool
@@ -399,12 +401,15 @@ fn pool_loops(
     for d in deployments {
         let cost = cost_on(d);
         for c in consumers.iter().filter(|c| c.class == d.class) {
-            let others =
-                deployments.iter().filter(|o| o.class == d.class && o.id != d.id).map(|o| o.quota.clone()).collect();
+            let others = deployments
+                .iter()
+                .filter(|o| o.class == d.class && o.id != d.id)
+                .map(|o| (o.quota.clone(), o.rank))
+                .collect();
             let l = LaneLoop {
                 lane: c.lane,
                 scope: d.scope(&c.tenant),
-                others: Others::new(others),
+                others: Others::new(d.rank, others),
                 consumer: c.consumer.clone(),
                 cost: cost.clone(),
             };

@@ -15,6 +15,7 @@
 //! key_limit = 8                  # default: REVIEWLANE_KEY_LIMIT
 //! budgets = "rpm=300,tpm=50000"  # default: learned from the answers
 //! price = "0.15/0.60"            # dollars per million tokens in/out; default: REVIEWLANE_MODEL_PRICES
+//! preference = 1                 # lower goes first in its class (default 0); then the cheaper
 //! ```
 
 use std::collections::HashSet;
@@ -41,6 +42,9 @@ pub struct DeploymentConfig {
     pub budgets: Vec<(Dimension, u64)>,
     /// Its price, when the file gives one (else the prices table's, by model).
     pub price: Option<Price>,
+    /// Lower goes first among its class's deployments (default 0, the first
+    /// deployment's); at the same preference the cheaper goes first.
+    pub preference: u32,
 }
 
 #[derive(Deserialize)]
@@ -68,6 +72,7 @@ struct Entry {
     key_limit: Option<u32>,
     budgets: Option<String>,
     price: Option<String>,
+    preference: Option<u32>,
 }
 
 /// The deployments `REVIEWLANE_DEPLOYMENTS_FILE` lists (none when it is not set). Each
@@ -201,5 +206,6 @@ fn deployment(e: Entry, region: Option<Region>, (class, key_limit): (&str, u32))
         key_limit,
         budgets,
         price,
+        preference: e.preference.unwrap_or(0),
     })
 }
