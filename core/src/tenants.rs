@@ -20,6 +20,7 @@
 //! deeper_pass = false           # optional: follow a review admitted at `changed_hunks` with a full-depth review
 //! role = "operator"             # optional: may also list, read and replay every tenant's dead letters of its region
 //! classes = { default = "deep", interactive = "fast" }  # optional: the model class of its reviews, per lane
+//! #   (changed_hunks = "fast": the class of its reviews admitted at depth `changed_hunks`, on any lane)
 //! ```
 
 use std::collections::HashMap;
@@ -30,6 +31,7 @@ use secrecy::SecretString;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use crate::job::ReviewDepth;
 use crate::region::Region;
 
 #[derive(Debug, Clone, Deserialize)]
@@ -159,24 +161,37 @@ pub struct Tenant {
     pub classes: Classes,
 }
 
-/// A tenant's model classes: the class of a lane's reviews, else its `default`, else
-/// the region's (`REVIEWLANE_MODEL_CLASS`).
+/// A tenant's model classes: the class of its reviews admitted at depth
+/// `changed_hunks` (on either lane), else the class of a lane's reviews, else its
+/// `default`, else the region's (`REVIEWLANE_MODEL_CLASS`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Classes {
     pub default: Option<String>,
     pub interactive: Option<String>,
     pub batch: Option<String>,
+    pub changed_hunks: Option<String>,
 }
 
 impl Tenant {
-    /// The model class of this tenant's reviews on `lane`, if the tenant names one.
-    pub fn class_for(&self, lane: crate::region::Lane) -> Option<&str> {
+    /// The model class of this tenant's reviews of `depth` on `lane`, if the tenant
+    /// names one.
+    pub fn class_for(&self, lane: crate::region::Lane, depth: ReviewDepth) -> Option<&str> {
         let on_lane = match lane {
             crate::region::Lane::Interactive => &self.classes.interactive,
             crate::region::Lane::Batch => &self.classes.batch,
         };
-        on_lane.as_deref().or(self.classes.default.as_deref())
+        let at_depth = match depth {
+            ReviewDepth::ChangedHunks => self.classes.changed_hunks.as_deref(),
+            ReviewDepth::Full => None,
+        };
+        at_depth.or(on_lane.as_deref()).or(self.classes.default.as_deref())
+    }
+
+    /// Whether its reviews at depth `changed_hunks` have a class of their own, and so
+    /// a lane consumer of their own (`layout::lane_depth_filter`).
+    pub fn splits_depth(&self) -> bool {
+        self.classes.changed_hunks.is_some()
     }
 }
 
@@ -318,10 +333,30 @@ mod tests {
         )
         .unwrap();
         let a = t.get("a").unwrap();
-        assert_eq!((a.class_for(Lane::Interactive), a.class_for(Lane::Batch)), (Some("fast"), Some("deep")));
+        assert_eq!(
+            (a.class_for(Lane::Interactive, ReviewDepth::Full), a.class_for(Lane::Batch, ReviewDepth::Full)),
+            (Some("fast"), Some("deep"))
+        );
+        assert_eq!(a.class_for(Lane::Batch, ReviewDepth::ChangedHunks), Some("deep"), "no class of its own");
+        assert!(!a.splits_depth());
         let b = t.get("b").unwrap();
-        assert_eq!(b.class_for(Lane::Interactive), None, "the region's class");
+        assert_eq!(b.class_for(Lane::Interactive, ReviewDepth::Full), None, "the region's class");
         assert!(Tenants::parse("[[tenants]]\nid = \"c\"\nregion = \"eu\"\nclasses = { sweeps = \"x\" }\n").is_err());
+    }
+
+    #[test]
+    fn reviews_admitted_at_changed_hunks_may_name_a_class_of_their_own() {
+        use crate::region::Lane;
+        let t = Tenants::parse(
+            "[[tenants]]\nid = \"a\"\nregion = \"eu\"\nclasses = { default = \"deep\", changed_hunks = \"fast\" }\n",
+        )
+        .unwrap();
+        let a = t.get("a").unwrap();
+        assert!(a.splits_depth());
+        for lane in Lane::ALL {
+            assert_eq!(a.class_for(lane, ReviewDepth::ChangedHunks), Some("fast"), "{lane:?}");
+            assert_eq!(a.class_for(lane, ReviewDepth::Full), Some("deep"), "{lane:?}");
+        }
     }
 
     #[test]

@@ -13,12 +13,12 @@ use reviewlane_core::job::JobRecord;
 /// gone is skipped.
 pub async fn drop_content(layout: &RegionLayout, rec: &JobRecord) -> Result<(), StoreError> {
     let (r, tenant, id) = (rec.region, rec.tenant.as_str(), rec.job_id.as_str());
-    let purges = [
-        (layout::lane_stream(r, rec.lane), layout::lane_subject(r, rec.lane, tenant, id)),
+    let lane = crate::lanes::subjects(rec).map(|s| (layout::lane_stream(r, rec.lane), s));
+    let purges = lane.chain([
         (layout::findings_stream(r), format!("findings.{}.{tenant}.{id}.>", r.as_str())),
         (layout::parts_stream(r), format!("parts.{}.{tenant}.{id}.>", r.as_str())),
         (layout::deadletter_content_stream(r), layout::deadletter_content_subject(r, tenant, id)),
-    ];
+    ]);
     for (stream, subject) in purges {
         let s = layout.js.get_stream(&stream).await.map_err(StoreError::other)?;
         s.purge().filter(subject).await.map_err(StoreError::other)?;

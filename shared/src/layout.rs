@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, object_store, stream};
 
+use reviewlane_core::job::ReviewDepth;
 use reviewlane_core::region::{Lane, Region};
 
 pub const IDENTITY_KEY: &str = "identity";
@@ -21,15 +22,37 @@ pub fn lane_stream(r: Region, lane: Lane) -> String {
 pub fn lane_filter(r: Region, lane: Lane, tenant: &str) -> String {
     format!("reviews.{}.{}.{}.>", r.as_str(), lane.as_str(), tenant)
 }
-/// `reviews.<r>.<lane>.<tenant>.<job id>`: one subject per job, so the reconciler can
-/// tell with one look-up whether a job still has its message on the lane.
-pub fn lane_subject(r: Region, lane: Lane, tenant: &str, job_id: &str) -> String {
-    format!("reviews.{}.{}.{}.{}", r.as_str(), lane.as_str(), tenant, job_id)
+/// One tenant's reviews of one depth on a lane, for a tenant whose reviews at depth
+/// `changed_hunks` have a model class of their own (`Tenant::splits_depth`): full
+/// depth `reviews.<r>.<lane>.<tenant>.*`, the other `...<tenant>.changed_hunks.*`.
+pub fn lane_depth_filter(r: Region, lane: Lane, tenant: &str, depth: ReviewDepth) -> String {
+    match depth {
+        ReviewDepth::Full => format!("reviews.{}.{}.{}.*", r.as_str(), lane.as_str(), tenant),
+        ReviewDepth::ChangedHunks => format!("reviews.{}.{}.{}.changed_hunks.*", r.as_str(), lane.as_str(), tenant),
+    }
 }
-/// The extractor's durable consumer of one tenant's reviews on a lane; the ingress reads
-/// its counts (waiting, in progress) for per-tenant admission.
+/// `reviews.<r>.<lane>.<tenant>.<job id>` (`...<tenant>.changed_hunks.<job id>` for a
+/// review admitted at that depth): one subject per job, so the reconciler can tell with
+/// one look-up whether a job still has its message on the lane.
+pub fn lane_subject(r: Region, lane: Lane, tenant: &str, depth: ReviewDepth, job_id: &str) -> String {
+    match depth {
+        ReviewDepth::Full => format!("reviews.{}.{}.{}.{}", r.as_str(), lane.as_str(), tenant, job_id),
+        ReviewDepth::ChangedHunks => {
+            format!("reviews.{}.{}.{}.changed_hunks.{}", r.as_str(), lane.as_str(), tenant, job_id)
+        }
+    }
+}
+/// The extractor's durable consumer of one tenant's reviews on a lane (of its full-depth
+/// reviews where `lane_depth_consumer` takes the others); the ingress reads its counts
+/// (waiting, in progress) for per-tenant admission.
 pub fn lane_consumer(lane: Lane, tenant: &str) -> String {
     format!("extractor-{}-{}", lane.as_str(), tenant)
+}
+/// The extractor's durable consumer of one tenant's reviews at depth `changed_hunks` on a
+/// lane, where they have a class of their own. Its second word is never a lane's, so it
+/// never names another tenant's `lane_consumer`.
+pub fn lane_depth_consumer(lane: Lane, tenant: &str) -> String {
+    format!("extractor-changed_hunks-{}-{}", lane.as_str(), tenant)
 }
 pub fn findings_stream(r: Region) -> String {
     format!("FINDINGS_{}", r.upper())
@@ -706,7 +729,21 @@ mod tests {
     fn names_follow_the_design() {
         assert_eq!(lane_stream(Region::Eu, Lane::Interactive), "REVIEWS_EU_INTERACTIVE");
         assert_eq!(lane_filter(Region::Us, Lane::Batch, "acme"), "reviews.us.batch.acme.>");
-        assert_eq!(lane_subject(Region::Us, Lane::Batch, "acme", "us_1"), "reviews.us.batch.acme.us_1");
+        assert_eq!(
+            lane_subject(Region::Us, Lane::Batch, "acme", ReviewDepth::Full, "us_1"),
+            "reviews.us.batch.acme.us_1"
+        );
+        assert_eq!(
+            lane_subject(Region::Us, Lane::Batch, "acme", ReviewDepth::ChangedHunks, "us_1"),
+            "reviews.us.batch.acme.changed_hunks.us_1"
+        );
+        assert_eq!(lane_depth_filter(Region::Us, Lane::Batch, "acme", ReviewDepth::Full), "reviews.us.batch.acme.*");
+        assert_eq!(
+            lane_depth_filter(Region::Us, Lane::Batch, "acme", ReviewDepth::ChangedHunks),
+            "reviews.us.batch.acme.changed_hunks.*"
+        );
+        assert_eq!(lane_consumer(Lane::Batch, "acme"), "extractor-batch-acme");
+        assert_eq!(lane_depth_consumer(Lane::Batch, "acme"), "extractor-changed_hunks-batch-acme");
         assert_eq!(findings_subject(Region::Eu, "t", "eu_1", 2), "findings.eu.t.eu_1.2");
         assert_eq!(parts_subject(Region::Us, "t", "us_1", 3), "parts.us.t.us_1.3");
         assert_eq!(jobs_bucket(Region::Us), "JOBS_US");

@@ -48,7 +48,8 @@ pub fn log_notices(notices: &[String]) {
 
 /// A durable pull consumer with explicit acks whose ack wait is the lease. Delivery is
 /// unlimited (`max_deliver` -1): retry budgets live in the job record, and naks must
-/// not run into a cap.
+/// not run into a cap. One that exists with another filter is given this one in place
+/// (its messages and their deliveries stay).
 pub async fn durable_consumer(
     js: &jetstream::Context,
     stream: &str,
@@ -57,21 +58,22 @@ pub async fn durable_consumer(
     lease: Duration,
 ) -> Result<consumer::PullConsumer, StartError> {
     let stream = js.get_stream_no_info(stream).await.map_err(|e| StartError::Other(e.into()))?;
-    stream
-        .get_or_create_consumer(
-            name,
-            consumer::pull::Config {
-                durable_name: Some(name.to_string()),
-                filter_subject: filter_subject.unwrap_or_default(),
-                ack_policy: consumer::AckPolicy::Explicit,
-                ack_wait: lease,
-                max_deliver: -1,
-                max_ack_pending: 10_000,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| StartError::Other(e.into()))
+    let config = consumer::pull::Config {
+        durable_name: Some(name.to_string()),
+        filter_subject: filter_subject.unwrap_or_default(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: lease,
+        max_deliver: -1,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    };
+    let found: consumer::PullConsumer =
+        stream.get_or_create_consumer(name, config.clone()).await.map_err(|e| StartError::Other(e.into()))?;
+    if found.cached_info().config.filter_subject == config.filter_subject {
+        return Ok(found);
+    }
+    // Without an action, the server creates or updates: an update here.
+    stream.create_consumer(config).await.map_err(|e| StartError::Other(e.into()))
 }
 
 /// A connection to one region's NATS, its identity verified and its layout in place.

@@ -65,6 +65,22 @@ pub struct BatchCapability {
     /// Why not, when it is not: said to a caller asking for `provider_batch`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub why_not: Option<String>,
+    /// The model class of the deployment whose batch API runs the sweeps: the region's
+    /// (`REVIEWLANE_MODEL_CLASS`). Absent from an older extractor's announcement, which
+    /// took every tenant's sweeps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+}
+
+impl BatchCapability {
+    /// Whether it runs the sweeps of a tenant whose batch reviews use `class` (`None`:
+    /// the region's class).
+    pub fn serves(&self, class: Option<&str>) -> bool {
+        match (self.class.as_deref(), class) {
+            (Some(ours), Some(theirs)) => ours == theirs,
+            _ => true,
+        }
+    }
 }
 
 /// Which replica drives the region's provider batches, until when.
@@ -353,4 +369,27 @@ async fn read<T: serde::de::DeserializeOwned>(kv: &kv::Store, key: &str) -> Resu
     }
     let value = serde_json::from_slice(&entry.value).map_err(|_| StoreError::Corrupt)?;
     Ok(Some((value, entry.revision)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BatchCapability;
+
+    #[test]
+    fn a_batch_path_runs_the_sweeps_of_its_class_and_of_the_region_class() {
+        let of = |class: Option<&str>| BatchCapability {
+            provider: "openai".into(),
+            available: true,
+            why_not: None,
+            class: class.map(String::from),
+        };
+        let deep = of(Some("deep"));
+        assert!(deep.serves(Some("deep")));
+        assert!(deep.serves(None), "a tenant naming no class uses the region's, the batch path's");
+        assert!(!deep.serves(Some("fast")));
+        // An announcement without a class (an older extractor) took every sweep.
+        let older: BatchCapability =
+            serde_json::from_str(r#"{"provider":"openai","available":true}"#).expect("an older announcement");
+        assert!(older.serves(Some("fast")));
+    }
 }

@@ -36,7 +36,13 @@ async fn cancel_before_the_provider_call_and_after_publication() {
     // nothing of it reaches the dead letters (a cancel is not a failure to look into).
     let url = stack.us.nats.url().to_string();
     let lane = stream_messages(&url, &layout::lane_stream(Region::Us, reviewlane_shared::Lane::Interactive)).await;
-    let b_subject = layout::lane_subject(Region::Us, reviewlane_shared::Lane::Interactive, "acme", &b.job_id);
+    let b_subject = layout::lane_subject(
+        Region::Us,
+        reviewlane_shared::Lane::Interactive,
+        "acme",
+        reviewlane_core::job::ReviewDepth::Full,
+        &b.job_id,
+    );
     assert!(lane.iter().all(|(s, _, _)| *s != b_subject), "cancelled review still on the lane");
     assert_eq!(wait_final(&mut client, US_KEY, &a.job_id).await.state, JobState::Published as i32);
     assert!(stream_messages(&url, &layout::deadletter_stream(Region::Us)).await.is_empty());

@@ -422,3 +422,163 @@ async fn the_cheaper_deployment_takes_what_it_has_room_for_and_the_dearer_the_re
     }
     stack.shutdown().await;
 }
+
+/// A tenant whose reviews admitted at `changed_hunks` use class `fast`, its others the
+/// region's class.
+fn tiered_tenant(key: &str) -> String {
+    format!(
+        "[[tenants]]\nid = \"tiered\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ changed_hunks = \"fast\" }}\n",
+        reviewlane_core::tenants::hash_api_key(key)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reviews_admitted_at_changed_hunks_go_to_the_class_their_tenant_names_for_them() {
+    use reviewlane_api::proto::ReviewDepth;
+    const KEY: &str = "tiered-key";
+    // The slow lane of the scheduling tests (one call at a time of 400 ms on the
+    // region's class, a 1 s window): a steady stream of submits is degraded.
+    let mut stack = Stack::start_with(StackOptions {
+        extractors: 0,
+        extra_tenants: tiered_tenant(KEY),
+        ..crate::scheduling::slow_lane_options()
+    })
+    .await;
+    let fast = SimProvider::start(SimConfig::default()).await;
+    let mut xc = stack.extractor_config(Region::Us);
+    let region_class = xc.quota.model_class.clone();
+    xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
+    stack.start_extractor_with(Region::Us, xc).await;
+    let mut client = stack.client().await;
+    let (mut full, mut hunks) = (Vec::new(), Vec::new());
+    for i in 0..80 {
+        let r = submit(&mut client, KEY, &format!("tier-{i}"), &sample_diff(&format!("tier{i}"))).await;
+        match r.review_depth {
+            d if d == ReviewDepth::ChangedHunks as i32 => hunks.push(r.job_id),
+            _ => full.push(r.job_id),
+        }
+        if hunks.len() >= 3 {
+            break;
+        }
+        // The pace of arrivals, not a wait for a condition.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert!(!full.is_empty() && hunks.len() >= 3, "{} full, {} changed_hunks", full.len(), hunks.len());
+    for (jobs, class, deployment) in [(&full, region_class.as_str(), "openai"), (&hunks, "fast", "second")] {
+        for job in jobs {
+            let last = wait_final_within(&mut client, KEY, job, Duration::from_secs(60)).await;
+            assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+            assert_eq!((last.model_class.as_str(), last.deployment.as_str()), (class, deployment), "{last:?}");
+        }
+    }
+    let (region_calls, fast_calls) = (stack.us.provider.stats(), fast.stats());
+    let mut paid_fast: Vec<_> = fast_calls.paid_by_job.keys().cloned().collect();
+    paid_fast.sort();
+    hunks.sort();
+    assert_eq!(paid_fast, hunks, "the fast class paid for exactly the changed_hunks reviews");
+    for job in &full {
+        assert_eq!(region_calls.paid_by_job.get(job), Some(&1), "{job}: paid once, by the region's class");
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_depth_class_named_or_dropped_reshapes_the_lane_consumers_in_place() {
+    use async_nats::jetstream::consumer::PullConsumer;
+    use reviewlane_shared::{Lane, layout};
+    let stack = Stack::start_with(StackOptions { extractors: 0, ..Default::default() }).await;
+    let fast = SimProvider::start(SimConfig::default()).await;
+    let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
+    let stream = js.get_stream(layout::lane_stream(Region::Us, Lane::Interactive)).await.unwrap();
+    let filter_of = |name: String| {
+        let stream = stream.clone();
+        async move {
+            let found: Result<PullConsumer, _> = stream.get_consumer(&name).await;
+            found.ok().map(|c| c.cached_info().config.filter_subject.clone())
+        }
+    };
+    let (main, by_depth) =
+        (layout::lane_consumer(Lane::Interactive, "tiered"), layout::lane_depth_consumer(Lane::Interactive, "tiered"));
+    for (splits, main_filter, depth_filter) in [
+        (true, "reviews.us.interactive.tiered.*", Some("reviews.us.interactive.tiered.changed_hunks.*")),
+        (false, "reviews.us.interactive.tiered.>", None),
+        (true, "reviews.us.interactive.tiered.*", Some("reviews.us.interactive.tiered.changed_hunks.*")),
+    ] {
+        let mut xc = stack.extractor_config(Region::Us);
+        let tenant = if splits {
+            tiered_tenant("tiered-key")
+        } else {
+            tiered_tenant("tiered-key").replace("classes = { changed_hunks = \"fast\" }\n", "")
+        };
+        let text = format!("{}\n{tenant}", reviewlane_testkit::stack::tenants_toml("http://127.0.0.1:9/"));
+        xc.tenants = std::sync::Arc::new(reviewlane_core::tenants::Tenants::parse(&text).unwrap());
+        xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
+        let app = reviewlane_extractor::build(xc).await.unwrap_or_else(|e| panic!("splits {splits}: {e}"));
+        drop(app);
+        assert_eq!(filter_of(main.clone()).await.as_deref(), Some(main_filter), "splits {splits}");
+        assert_eq!(filter_of(by_depth.clone()).await.as_deref(), depth_filter, "splits {splits}");
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_of_a_class_the_batch_api_does_not_serve_runs_on_the_lanes_of_its_class() {
+    use reviewlane_api::proto::{
+        AddSweepItemsRequest, CreateSweepRequest, GetSweepRequest, SealSweepRequest, SweepItem, SweepMode,
+    };
+    const KEY: &str = "batchy-key";
+    let tenant = format!(
+        "[[tenants]]\nid = \"batchy\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ batch = \"fast\" }}\n",
+        reviewlane_core::tenants::hash_api_key(KEY)
+    );
+    // The region's first deployment (its class the region's) has a batch API.
+    let mut stack =
+        Stack::start_with(StackOptions { extractors: 0, extra_tenants: tenant, ..Default::default() }).await;
+    let fast = SimProvider::start(SimConfig::default()).await;
+    let mut xc = stack.extractor_config(Region::Us);
+    let region_class = xc.quota.model_class.clone();
+    xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
+    stack.start_extractor_with(Region::Us, xc).await;
+    let mut client = stack.client().await;
+    let create = |name: &str, mode: SweepMode| CreateSweepRequest {
+        idempotency_key: name.into(),
+        mode: mode as i32,
+        ..Default::default()
+    };
+    let refused = client.create_sweep(authed(KEY, create("forced", SweepMode::ProviderBatch))).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    let why = refused.message();
+    assert!(why.contains(&format!("serves model class `{region_class}`")) && why.contains("use `fast`"), "{why}");
+    let sweep = client.create_sweep(authed(KEY, create("auto", SweepMode::Auto))).await.unwrap().into_inner().sweep;
+    let sweep = sweep.unwrap();
+    assert_eq!(sweep.runs_on, SweepMode::Lanes as i32, "{sweep:?}");
+    let items = (0..3)
+        .map(|i| SweepItem {
+            item_key: format!("f{i}"),
+            diff: sample_diff(&format!("batchy{i}")),
+            ..Default::default()
+        })
+        .collect();
+    let page = AddSweepItemsRequest { sweep_id: sweep.sweep_id.clone(), items };
+    client.add_sweep_items(authed(KEY, page)).await.unwrap();
+    client.seal_sweep(authed(KEY, SealSweepRequest { sweep_id: sweep.sweep_id.clone() })).await.unwrap();
+    let id = sweep.sweep_id.clone();
+    let done = poll_until(Duration::from_secs(30), || {
+        let mut client = client.clone();
+        let id = id.clone();
+        async move {
+            let s = client.get_sweep(authed(KEY, GetSweepRequest { sweep_id: id })).await.ok()?.into_inner().sweep?;
+            (s.percent_done == 100.0).then_some(s)
+        }
+    })
+    .await
+    .expect("every item final in time");
+    let published = done.items.iter().find(|c| c.state == reviewlane_api::proto::SweepItemState::Published as i32);
+    assert_eq!(published.map(|c| c.count), Some(3), "{done:?}");
+    // Its items were paid by the class it names, on the lanes; nothing reached the
+    // other class's batch API or its model.
+    assert_eq!(fast.stats().paid_by_job.len(), 3);
+    assert_eq!(stack.us.provider.batch_stats().batches_created, 0);
+    assert_eq!(stack.us.provider.stats().total_calls, 0);
+    stack.shutdown().await;
+}

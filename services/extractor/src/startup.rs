@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
+use reviewlane_core::job::ReviewDepth;
 use reviewlane_core::region::Lane;
 use reviewlane_shared::admin::Admin;
 use reviewlane_shared::job_store::JobStore;
@@ -142,6 +143,7 @@ pub async fn build_with_provider(
         provider: provider.name().to_string(),
         available: why_not.is_none(),
         why_not: why_not.clone(),
+        class: Some(config.quota.model_class.clone()),
     };
     sweeps.announce(&capability).await.map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
     let coordinator = batch_api.filter(|_| why_not.is_none()).map(|client| crate::sweep::Coordinator {
@@ -324,16 +326,17 @@ async fn lane_consumers(
         }
         weights.insert(tenant.id.clone(), tenant.weight);
         for lane in Lane::ALL {
-            let consumer = durable_consumer(
-                &conn.layout.js,
-                &layout::lane_stream(config.region, lane),
-                &consumer_name(lane, &tenant.id),
-                Some(layout::lane_filter(config.region, lane, &tenant.id)),
-                config.scheduling.lease,
-            )
-            .await?;
-            let class = tenant.class_for(lane).unwrap_or(&config.quota.model_class).to_string();
-            loops.push(LaneConsumer { lane, tenant: tenant.id.clone(), class, consumer, weight: tenant.weight });
+            let stream = layout::lane_stream(config.region, lane);
+            for (name, filter, depth) in lane_consumer_plan(config.region, lane, tenant) {
+                if filter.is_none() {
+                    drop_consumer(&conn.layout.js, &stream, &name).await?;
+                    continue;
+                }
+                let consumer =
+                    durable_consumer(&conn.layout.js, &stream, &name, filter, config.scheduling.lease).await?;
+                let class = tenant.class_for(lane, depth).unwrap_or(&config.quota.model_class).to_string();
+                loops.push(LaneConsumer { lane, tenant: tenant.id.clone(), class, consumer, weight: tenant.weight });
+            }
         }
     }
     if loops.is_empty() {
@@ -346,6 +349,57 @@ async fn lane_consumers(
         weights,
     };
     Ok((loops, key))
+}
+
+/// A (lane, tenant)'s consumers in the order they are put in place, each with its filter
+/// and the depth its class is taken at: one for all its reviews; or, for a tenant whose
+/// reviews at `changed_hunks` have a class of their own, one for its full-depth reviews
+/// and one for the others. A filter of `None` is a consumer that must not exist (it is
+/// removed before the consumer that takes its reviews widens its filter: filters on a
+/// work-queue stream may not overlap).
+fn lane_consumer_plan(
+    region: reviewlane_core::region::Region,
+    lane: Lane,
+    tenant: &reviewlane_core::tenants::Tenant,
+) -> [(String, Option<String>, ReviewDepth); 2] {
+    let (main, by_depth) = (consumer_name(lane, &tenant.id), layout::lane_depth_consumer(lane, &tenant.id));
+    if tenant.splits_depth() {
+        [
+            (main, Some(layout::lane_depth_filter(region, lane, &tenant.id, ReviewDepth::Full)), ReviewDepth::Full),
+            (
+                by_depth,
+                Some(layout::lane_depth_filter(region, lane, &tenant.id, ReviewDepth::ChangedHunks)),
+                ReviewDepth::ChangedHunks,
+            ),
+        ]
+    } else {
+        [
+            (by_depth, None, ReviewDepth::ChangedHunks),
+            (main, Some(layout::lane_filter(region, lane, &tenant.id)), ReviewDepth::Full),
+        ]
+    }
+}
+
+/// Removes a durable consumer if it exists; its unacknowledged reviews stay on the
+/// work-queue stream for the consumer whose filter takes them.
+async fn drop_consumer(js: &async_nats::jetstream::Context, stream: &str, name: &str) -> Result<(), StartError> {
+    let stream = js.get_stream_no_info(stream).await.map_err(|e| StartError::Other(e.into()))?;
+    match stream.delete_consumer(name).await {
+        Ok(_) => {
+            tracing::info!(
+                consumer = name,
+                "a depth's own lane consumer removed: its tenant no longer names its class"
+            );
+            Ok(())
+        }
+        Err(e)
+            if matches!(e.kind(), async_nats::jetstream::stream::ConsumerErrorKind::JetStream(j)
+                if j.error_code() == async_nats::jetstream::ErrorCode::CONSUMER_NOT_FOUND) =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(StartError::Other(e.into())),
+    }
 }
 
 /// The pool: the first deployment (`provider`, on `quota`), then the file's, each on

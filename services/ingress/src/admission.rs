@@ -172,12 +172,14 @@ impl Sampler {
     }
 
     /// Samples every lane of `region`, and each of `tenants`' reviews on it (from the
-    /// extractor's consumer of that tenant), every `period` until `stop`.
+    /// extractor's consumer of that tenant, and its consumer of reviews at depth
+    /// `changed_hunks` for a tenant that gives them a class of their own: the `bool`),
+    /// every `period` until `stop`.
     pub async fn run(
         self,
         region: Region,
         js: jetstream::Context,
-        tenants: Vec<String>,
+        tenants: Vec<(String, bool)>,
         period: Duration,
         stop: CancellationToken,
     ) {
@@ -192,15 +194,21 @@ impl Sampler {
                             let bound = u64::try_from(info.config.max_messages).unwrap_or(u64::MAX);
                             self.bounds.lock().expect("sampler lock").insert((region, lane), bound);
                         }
-                        for tenant in &tenants {
-                            let Ok(mut c) = s
-                                .get_consumer::<jetstream::consumer::pull::Config>(&layout::lane_consumer(lane, tenant))
-                                .await
-                            else {
-                                continue;
-                            };
-                            if let Ok(info) = c.info().await {
-                                let waiting = info.num_pending + info.num_ack_pending as u64;
+                        for (tenant, splits_depth) in &tenants {
+                            let mut names = vec![layout::lane_consumer(lane, tenant)];
+                            if *splits_depth {
+                                names.push(layout::lane_depth_consumer(lane, tenant));
+                            }
+                            let mut waiting = None;
+                            for name in names {
+                                let Ok(mut c) = s.get_consumer::<jetstream::consumer::pull::Config>(&name).await else {
+                                    continue;
+                                };
+                                if let Ok(info) = c.info().await {
+                                    *waiting.get_or_insert(0) += info.num_pending + info.num_ack_pending as u64;
+                                }
+                            }
+                            if let Some(waiting) = waiting {
                                 self.tenants
                                     .lock()
                                     .expect("sampler lock")

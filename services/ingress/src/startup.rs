@@ -74,7 +74,8 @@ pub async fn build_with_clock(config: IngressConfig, clock: SharedClock) -> Resu
     let shutdown = CancellationToken::new();
     let sampler = Sampler::default();
     for (region, handle) in &regions {
-        let tenants = config.tenants.iter().filter(|t| t.region == *region).map(|t| t.id.clone()).collect();
+        let tenants =
+            config.tenants.iter().filter(|t| t.region == *region).map(|t| (t.id.clone(), t.splits_depth())).collect();
         let js = handle.layout.js.clone();
         tokio::spawn(sampler.clone().run(*region, js, tenants, config.admission_sample, shutdown.clone()));
     }

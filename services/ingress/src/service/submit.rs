@@ -286,7 +286,7 @@ pub(super) fn check(mut req: SubmitReviewRequest, limits: &Limits, now_ms: u64) 
     lane = msg.lane.as_str(),
     messaging.system = "nats",
     messaging.operation.type = "publish",
-    messaging.destination.name = %layout::lane_subject(msg.region, msg.lane, &msg.tenant, &msg.job_id),
+    messaging.destination.name = %layout::lane_subject(msg.region, msg.lane, &msg.tenant, msg.review_depth, &msg.job_id),
 ))]
 pub(super) async fn enqueue(handle: &RegionHandle, msg: &ReviewMessage, payload: Vec<u8>) -> Result<(), ApiError> {
     match reviewlane_shared::lanes::put(&handle.layout.js, msg, payload).await {

@@ -91,15 +91,25 @@ impl ReviewApi {
         let region = tenant.region;
         // Where it runs: the provider's batch API when the region's extractor announced
         // one it may use, else the lanes (`provider_batch` asked for is refused, with why).
+        // A tenant whose batch reviews use another model class than the batch path's
+        // has its sweeps run on the lanes, by the deployments of its class.
         let capability = sweeps(handle).capability().await?;
+        let class = tenant.class_for(reviewlane_core::region::Lane::Batch, ReviewDepth::Full);
         let runs_on = match (mode, &capability) {
             (SweepMode::Lanes, _) => SweepMode::Lanes,
-            (_, Some(c)) if c.available => SweepMode::ProviderBatch,
+            (_, Some(c)) if c.available && c.serves(class) => SweepMode::ProviderBatch,
             (SweepMode::Auto, _) => SweepMode::Lanes,
             (_, _) => {
-                let why = capability
-                    .and_then(|c| c.why_not)
-                    .unwrap_or_else(|| "no extractor of the region has announced a batch path".into());
+                let why = match &capability {
+                    Some(c) if c.available => format!(
+                        "the region's batch API serves model class `{}`; this tenant's batch reviews use `{}`",
+                        c.class.as_deref().unwrap_or_default(),
+                        class.unwrap_or_default()
+                    ),
+                    _ => capability
+                        .and_then(|c| c.why_not)
+                        .unwrap_or_else(|| "no extractor of the region has announced a batch path".into()),
+                };
                 return Err(ApiError::FailedPrecondition {
                     reason: Reason::ProviderBatchUnavailable,
                     what: why.into(),
