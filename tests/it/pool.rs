@@ -582,3 +582,55 @@ async fn a_sweep_of_a_class_the_batch_api_does_not_serve_runs_on_the_lanes_of_it
     assert_eq!(stack.us.provider.stats().total_calls, 0);
     stack.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_reviews_parts_run_on_another_deployment_of_its_class_when_its_own_has_no_room() {
+    use reviewlane_core::parts::{self, PartLimits, Tokenizer};
+    // Calls long enough to overlap; the admitting deployment takes 2 at once, the
+    // second (dearer, so ranked behind) 4.
+    let latency = SimConfig { latency: Duration::from_millis(200), ..Default::default() };
+    let mut stack = Stack::start_with(StackOptions {
+        extractors: 0,
+        max_diff_bytes: 4 * 1024 * 1024,
+        key_limit: 2,
+        us_provider: latency.clone(),
+        ..Default::default()
+    })
+    .await;
+    let other = SimProvider::start(latency).await;
+    let mut xc = stack.extractor_config(Region::Us);
+    xc.pool = vec![DeploymentConfig { key_limit: 4, budgets: Vec::new(), ..second(&stack, &other, Region::Us) }];
+    stack.start_extractor_with(Region::Us, xc).await;
+    let mut client = stack.client().await;
+    let diff = reviewlane_testkit::diffs::large(40, 1000);
+    let limits = PartLimits { max_tokens: 100_000, ..Default::default() };
+    let count = reviewlane_extractor::tokenizer::counter(Tokenizer::default());
+    let n = parts::split(&reviewlane_core::diff::parse(&diff).unwrap(), &limits, count.as_ref()).len();
+    assert!(n >= 8, "{n} parts");
+    let job = submit(&mut client, US_KEY, "split-pool", &diff).await;
+    let done = wait_final_within(&mut client, US_KEY, &job.job_id, Duration::from_secs(90)).await;
+    assert_eq!(done.state, JobState::Published as i32, "{done:?}");
+    assert_eq!((done.parts_total, done.parts_done), (n as u32, n as u32));
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    let on = |s: &reviewlane_testkit::simprovider::Stats| {
+        s.paid_by_part.iter().filter(|(k, _)| k.starts_with(&job.job_id)).map(|(_, v)| *v).collect::<Vec<_>>()
+    };
+    let (on_first, on_second) = (on(&first), on(&second));
+    // Every part paid once, on one deployment or the other; both took some.
+    assert_eq!(on_first.len() + on_second.len(), n, "{on_first:?} {on_second:?}");
+    assert!(on_first.iter().chain(&on_second).all(|v| *v == 1), "{on_first:?} {on_second:?}");
+    assert!(!on_first.is_empty() && !on_second.is_empty(), "{on_first:?} {on_second:?}");
+    // Each within its own window.
+    assert!(
+        first.max_concurrent <= 2 && second.max_concurrent <= 4,
+        "{} / {}",
+        first.max_concurrent,
+        second.max_concurrent
+    );
+    // Each part charged at the price of the deployment that answered it (100 tokens in,
+    // 50 out a call in the simulation; the first deployment has no price).
+    let per_call = (100.0 * SECOND_PRICE.input_per_mtok + 50.0 * SECOND_PRICE.output_per_mtok) / 1e6;
+    let want = per_call * on_second.len() as f64;
+    assert!((done.estimated_cost_usd - want).abs() < 1e-9, "{} against {want}", done.estimated_cost_usd);
+    stack.shutdown().await;
+}

@@ -113,8 +113,23 @@ impl Rank {
 
     /// Whether a deployment of this rank goes before one of `other`'s.
     fn ahead_of(self, other: Rank) -> bool {
-        (self.preference, self.price).partial_cmp(&(other.preference, other.price)) == Some(std::cmp::Ordering::Less)
+        self.cmp_order(other) == std::cmp::Ordering::Less
     }
+
+    /// The order of two deployments' turns: `Less` when this one goes first.
+    pub fn cmp_order(self, other: Rank) -> std::cmp::Ordering {
+        (self.preference, self.price).partial_cmp(&(other.preference, other.price)).unwrap_or(std::cmp::Ordering::Equal)
+    }
+}
+
+/// Where one call goes when it is not the deployment that admitted its review: another
+/// deployment of the class, with the tenant's scope on it and the class's others as it
+/// sees them. A split review's part runs there when the admitting one has no room.
+#[derive(Clone)]
+pub struct Callee {
+    pub deployment: Arc<Deployment>,
+    pub others: Others,
+    pub scope: Scope,
 }
 
 /// The other deployments of a class, with their ranks, and this one's rank.

@@ -249,6 +249,9 @@ pub struct LaneLoop {
     /// The tokens a review's call will be metered for (its prompt, and the output limit
     /// the provider counts at start): what it reserves of the key's budgets.
     pub cost: CallCost,
+    /// The class's other deployments, in rank order, for this loop's tenant: where a
+    /// split review's parts also run when this deployment has no room for one.
+    pub siblings: Arc<Vec<crate::pool::Callee>>,
 }
 
 /// What a review's call will be metered for (`None`: a message that does not decode,
@@ -299,30 +302,67 @@ pub struct More {
     lane: Lane,
     scope: Scope,
     quota: Quota,
+    siblings: Arc<Vec<crate::pool::Callee>>,
     /// Shutdown: no new calls (those in flight finish, the message goes back).
     stop: CancellationToken,
 }
 
+/// Where one more call of a delivery may start: its place, its reservation, and the
+/// deployment it goes to when not the admitting one.
+pub type Taken = (Place, Option<Reservation>, Option<crate::pool::Callee>);
+
 impl More {
     fn new(slots: &Arc<Slots>, l: &LaneLoop, quota: &Quota, stop: &CancellationToken) -> More {
         let (slots, scope, quota, stop) = (slots.clone(), l.scope.clone(), quota.clone(), stop.clone());
-        More { slots, lane: l.lane, scope, quota, stop }
+        More { slots, lane: l.lane, scope, quota, siblings: l.siblings.clone(), stop }
     }
 
-    /// A place and a reservation for one more call costing `cost`, if it may start now:
-    /// the key is not paused, a slot is free that no waiting message is in line for, the
-    /// scope has room (its share of the window, its tenant's fair share and cap), and
-    /// the key's budgets have room for it. Never waits and never queues, so the parts
-    /// of one review take no place that another message waits for.
-    pub async fn try_take(&self, cost: reviewlane_core::meter::Cost) -> Option<(Place, Option<Reservation>)> {
-        if self.stop.is_cancelled() || self.quota.paused_for().is_some() || !self.quota.has_room(&self.scope) {
+    /// A place and a reservation for one more call, if it may start now: a slot is free
+    /// that no waiting message is in line for, and a deployment of the class can take
+    /// the call — the admitting one first (`own`), then the others in rank order. One
+    /// can when it is in routing and not paused, the tenant's scope on it has room (its
+    /// share of the window, its tenant's fair share and cap), and its budgets have room
+    /// for the call (`cost_on` that deployment). Never waits and never queues, so the
+    /// parts of one review take no place that another message waits for.
+    pub async fn try_take(
+        &self,
+        own: &crate::pool::Deployment,
+        cost_on: impl Fn(&crate::pool::Deployment) -> reviewlane_core::meter::Cost,
+    ) -> Option<Taken> {
+        let open = |quota: &Quota, scope: &Scope| quota.paused_for().is_none() && quota.has_room(scope);
+        let own_open = open(&self.quota, &self.scope);
+        let siblings: Vec<_> = self
+            .siblings
+            .iter()
+            .filter(|c| !c.deployment.quota.circuit_open() && open(&c.deployment.quota, &c.scope))
+            .collect();
+        if self.stop.is_cancelled() || (!own_open && siblings.is_empty()) {
             return None;
         }
         let slot = self.slots.take_free(self.lane)?;
-        let running = self.quota.try_start(&self.scope)?;
-        let reserved = reserve(&self.quota, || cost).await.ok()?;
-        Some((Place { slot, running }, reserved))
+        if own_open && let Some((running, reserved)) = take_on(&self.quota, &self.scope, || cost_on(own)).await {
+            return Some((Place { slot, running }, reserved, None));
+        }
+        for sibling in siblings {
+            let quota = &sibling.deployment.quota;
+            if let Some((running, reserved)) = take_on(quota, &sibling.scope, || cost_on(&sibling.deployment)).await {
+                return Some((Place { slot, running }, reserved, Some(sibling.clone())));
+            }
+        }
+        None
     }
+}
+
+/// The scope's allowance and a reservation on one deployment's key, if its budgets
+/// have room for the call now.
+async fn take_on(
+    quota: &Quota,
+    scope: &Scope,
+    cost: impl FnOnce() -> reviewlane_core::meter::Cost,
+) -> Option<(ScopeGuard, Option<Reservation>)> {
+    let running = quota.try_start(scope)?;
+    let reserved = reserve(quota, cost).await.ok()?;
+    Some((running, reserved))
 }
 
 /// What a loop hands the worker.

@@ -444,6 +444,26 @@ fn pool_of(
     pool
 }
 
+/// The other deployments of `d`'s class in rank order (then as configured), each with
+/// `tenant`'s scope on it and the others of the class as it sees them: where `d`'s
+/// split reviews may also run their parts.
+fn siblings(deployments: &[Arc<Deployment>], d: &Deployment, tenant: &str) -> Vec<crate::pool::Callee> {
+    let of_class = || deployments.iter().filter(|o| o.class == d.class);
+    let mut siblings: Vec<_> = of_class()
+        .filter(|o| o.id != d.id)
+        .map(|o| crate::pool::Callee {
+            deployment: o.clone(),
+            others: Others::new(
+                o.rank,
+                of_class().filter(|x| x.id != o.id).map(|x| (x.quota.clone(), x.rank)).collect(),
+            ),
+            scope: o.scope(tenant),
+        })
+        .collect();
+    siblings.sort_by(|a, b| a.deployment.rank.cmp_order(b.deployment.rank));
+    siblings
+}
+
 /// Each deployment's loops on the lane consumers of its class, each knowing the other
 /// deployments of that class.
 fn pool_loops(
@@ -466,6 +486,7 @@ fn pool_loops(
                 others: Others::new(d.rank, others),
                 consumer: c.consumer.clone(),
                 cost: cost.clone(),
+                siblings: Arc::new(siblings(deployments, d, &c.tenant)),
             };
             loops.push((l, c.weight, d.clone()));
         }
@@ -629,6 +650,7 @@ impl App {
                     others: shared.others.clone(),
                     consumer: shared.consumer.clone(),
                     cost: shared.cost.clone(),
+                    siblings: shared.siblings.clone(),
                 };
                 let puller = reviewlane_shared::pull::Puller::new(shared.consumer.clone(), self.client.clone()).await?;
                 let worker = self.worker.clone();

@@ -72,8 +72,9 @@ impl Worker {
             review_depth: job.review.review_depth,
             part: target.part,
         };
+        let (deployment, _, scope) = job.callee(metering);
         let started_ms = self.clock.now_ms();
-        let in_flight = job.deployment.quota.fleet_in_flight();
+        let in_flight = deployment.quota.fleet_in_flight();
         // Time the job waited while eligible: since submit, or since its retry delay ended.
         let eligible_at_ms = lease.rec.next_eligible_at_ms.unwrap_or(lease.rec.created_at_ms);
         let attempt = tracing::info_span!(
@@ -81,8 +82,8 @@ impl Worker {
             otel.kind = "client",
             attempt = lease.generation(),
             part = target.part.map(i64::from).unwrap_or(-1),
-            provider = job.deployment.provider.name(),
-            model_class = %job.scope.model_class,
+            provider = deployment.provider.name(),
+            model_class = %scope.model_class,
             queue_wait_ms = started_ms.saturating_sub(eligible_at_ms),
             outcome = Empty,
             status_class = Empty,
@@ -92,7 +93,7 @@ impl Worker {
         );
         let started = Instant::now();
         metering.called.store(true, std::sync::atomic::Ordering::Relaxed);
-        let call = tokio::time::timeout(self.policy.provider_timeout, job.deployment.provider.review(&req));
+        let call = tokio::time::timeout(self.policy.provider_timeout, deployment.provider.review(&req));
         let upstream =
             call.instrument(attempt.clone()).await.unwrap_or(UpstreamOutcome::Transient { status_class: "timeout" });
         let took = started.elapsed();
@@ -105,7 +106,7 @@ impl Worker {
             UpstreamOutcome::Permanent { .. } => "rejected",
             UpstreamOutcome::ContentFiltered { .. } => "content_filtered",
         };
-        self.metrics.upstream(job.scope, outcome_class, upstream.status_class(), took);
+        self.metrics.upstream(scope, outcome_class, upstream.status_class(), took);
         attempt.record("outcome", outcome_class).record("status_class", upstream.status_class());
         let charged = match &upstream {
             UpstreamOutcome::RateLimited { .. } => Some(reviewlane_core::job::Budget::Congestion),

@@ -169,6 +169,7 @@ impl Worker {
         answer: Answer,
     ) -> Decision {
         self.note(&answer);
+        let (deployment, others, _) = job.callee(metering);
         let meter = match &answer {
             Answer::Upstream { outcome: UpstreamOutcome::Ok { meter, .. }, .. }
             | Answer::Upstream { outcome: UpstreamOutcome::RateLimited { meter, .. }, .. } => meter.clone(),
@@ -177,7 +178,7 @@ impl Worker {
         let used = lease.rec.attempts.congestion;
         let predicted = match &answer {
             Answer::Upstream { outcome: UpstreamOutcome::RateLimited { retry_after: None, .. }, .. } => {
-                job.deployment.quota.budgets().predicted().await
+                deployment.quota.budgets().predicted().await
             }
             _ => None,
         };
@@ -185,7 +186,7 @@ impl Worker {
         if let Answer::Upstream { outcome: UpstreamOutcome::ContentFiltered { usage: Some(u) }, .. } = &answer {
             self.paid(job, metering, *u).await;
         }
-        let failover = job.others.alive();
+        let failover = others.alive();
         let (verdict, effect) =
             verdict(answer, used, self.policy.backoff(job.review.lane), rand::random::<f64>(), predicted, failover);
         let decision = match verdict {
@@ -207,22 +208,23 @@ impl Worker {
         // The readings first: the limits they teach decide whether a headroom pause is
         // needed (a bucket paces an empty dimension exactly; a pause would wait for it
         // to be full).
-        job.deployment.quota.budgets().follow_readings(&meter).await;
-        self.learn(&job.deployment.quota, effect, &meter).await;
+        deployment.quota.budgets().follow_readings(&meter).await;
+        self.learn(&deployment.quota, effect, &meter).await;
         decision
     }
 
     /// A paid answer's usage: counted, charged to the job with the decision's write, and
     /// correcting the call's reservation in the key's budgets (once).
     async fn paid(&self, job: &Job<'_>, metering: &Metering, u: Tokens) {
+        let deployment = job.callee(metering).0;
         self.metrics.tokens(&job.review.tenant, &job.scope.model_class, u);
-        self.metrics.charged(&job.deployment.charge(u));
+        self.metrics.charged(&deployment.charge(u));
         *metering.tokens.lock().expect("tokens lock") = Some(u);
         if let Some(reserved) = &metering.reserved
             && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
         {
             let used = reviewlane_core::meter::Cost { input: u.input, output: u.output };
-            job.deployment.quota.budgets().correct_call(reserved, used).await;
+            deployment.quota.budgets().correct_call(reserved, used).await;
         }
     }
 

@@ -155,9 +155,12 @@ pub struct Job<'a> {
 /// One call's reservation in the key's budgets: corrected to the usage of its answer,
 /// kept when a call was made without one, given back when no call was made; and the
 /// tokens its answer reported, charged to the job with the decision's write.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Metering {
     pub reserved: Option<crate::quota::Reservation>,
+    /// The deployment the call goes to when it is not the one that admitted the review
+    /// (a split review's part on another of its class): its key holds the reservation.
+    pub callee: Option<crate::pool::Callee>,
     /// A provider call was made for it.
     pub called: std::sync::atomic::AtomicBool,
     /// Its answer's usage corrected it, or it was given back unused.
@@ -171,6 +174,11 @@ impl Metering {
         Arc::new(Metering { reserved, ..Default::default() })
     }
 
+    /// A reservation on `callee`'s key (`None`: the admitting deployment's).
+    pub fn on(reserved: Option<crate::quota::Reservation>, callee: Option<crate::pool::Callee>) -> Arc<Metering> {
+        Arc::new(Metering { reserved, callee, ..Default::default() })
+    }
+
     pub fn tokens(&self) -> Option<Tokens> {
         *self.tokens.lock().expect("tokens lock")
     }
@@ -179,6 +187,21 @@ impl Metering {
 impl Job<'_> {
     pub fn id(&self) -> &str {
         &self.review.job_id
+    }
+
+    /// Where the call of `m` goes: the deployment, the others of its class as it sees
+    /// them, and the tenant's scope on it.
+    pub fn callee<'m>(&'m self, m: &'m Metering) -> (&'m Deployment, &'m Others, &'m Scope) {
+        match &m.callee {
+            Some(c) => (&c.deployment, &c.others, &c.scope),
+            None => (self.deployment, self.others, self.scope),
+        }
+    }
+
+    /// The call of `m` as charged to the job: its answer's tokens at the price of the
+    /// deployment that answered (`None`: no paid answer).
+    pub fn charge_of(&self, m: &Metering) -> Option<reviewlane_core::job::Charge> {
+        m.tokens().map(|t| self.callee(m).0.charge(t))
     }
 
     /// Whether this delivery made a provider call (a cache hit, an open circuit or a
@@ -316,7 +339,7 @@ impl Outcome {
 pub enum End {
     /// The lease's decision: recorded (fenced by its generation) with the tokens of the
     /// paid calls it charges, then the message answered as its settlement says.
-    Decided { lease: Box<Lease>, decision: Decision, charge: Option<Tokens> },
+    Decided { lease: Box<Lease>, decision: Decision, charge: Option<reviewlane_core::job::Charge> },
     /// Nothing (more) to record: the message is answered with `ack` (`None`: left
     /// alone), after a dead letter for `dead_letter`.
     Answered { outcome: Outcome, ack: Option<AckKind>, dead_letter: Option<TerminalReason> },
@@ -447,7 +470,7 @@ impl Worker {
             && !metering.called.load(std::sync::atomic::Ordering::Relaxed)
             && !metering.corrected.swap(true, std::sync::atomic::Ordering::Relaxed)
         {
-            job.deployment.quota.budgets().release_call(reserved).await;
+            job.callee(metering).0.quota.budgets().release_call(reserved).await;
         }
     }
 
@@ -476,7 +499,7 @@ impl Worker {
         };
         let answer = self.call(job, &lease, &whole, &job.metering, abort).await?;
         let decision = self.decide(job, &lease, &whole, &job.metering, answer).await;
-        Ok(End::Decided { lease, decision, charge: job.metering.tokens() })
+        Ok(End::Decided { lease, decision, charge: job.charge_of(&job.metering) })
     }
 
     /// Between two tries of a store write: counted, logged, and the lease kept alive

@@ -23,7 +23,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use reviewlane_core::diff;
 use reviewlane_core::findings::Validated;
-use reviewlane_core::job::{Event, JobState, Parts, TerminalReason, Tokens, TransitionError};
+use reviewlane_core::job::{Charge, Event, JobState, Parts, TerminalReason, Tokens, TransitionError};
 use reviewlane_core::messages::FindingsMessage;
 use reviewlane_core::parts::{self as diff_parts, Part};
 use reviewlane_core::{aggregate, job::ReviewDepth};
@@ -50,9 +50,9 @@ enum Ran {
     /// Every part is recorded: the merge follows.
     Complete(Parts),
     /// To be settled now that the parts in flight are recorded: a part's retry or end,
-    /// or a hand-back when no part could start; with the tokens of the paid calls whose
-    /// decision this is (charged with it).
-    Decided(Decision, Option<Tokens>),
+    /// or a hand-back when no part could start; with the paid calls whose decision this
+    /// is (charged with it).
+    Decided(Decision, Option<Charge>),
     /// Recording a part came to this (the lease taken over, the job ended, the store):
     /// the trip ends with it, the message answered with `ack` (`None`: left alone).
     Ended(Outcome, Option<async_nats::jetstream::AckKind>),
@@ -71,9 +71,15 @@ fn graver(first: Decision, other: Decision) -> Decision {
     if rank(&other) > rank(&first) { other } else { first }
 }
 
-fn sum(a: Option<Tokens>, b: Option<Tokens>) -> Option<Tokens> {
+/// Two parts' paid calls as one charge: their tokens and costs added, named after the
+/// later's deployment.
+fn sum(a: Option<Charge>, b: Option<Charge>) -> Option<Charge> {
     match (a, b) {
-        (Some(a), Some(b)) => Some(Tokens { input: a.input + b.input, output: a.output + b.output }),
+        (Some(a), Some(b)) => Some(Charge {
+            tokens: Tokens { input: a.tokens.input + b.tokens.input, output: a.tokens.output + b.tokens.output },
+            cost_micro_usd: a.cost_micro_usd + b.cost_micro_usd,
+            served_by: b.served_by,
+        }),
         (a, b) => a.or(b),
     }
 }
@@ -212,7 +218,7 @@ impl Worker {
             let place = job.place.lock().expect("place lock").take();
             flight.push(self.run_part(job, lease, parts, index, place, job.metering.clone()));
         }
-        let mut stop: Option<(Decision, Option<Tokens>)> = None;
+        let mut stop: Option<(Decision, Option<Charge>)> = None;
         let mut failed: Option<StoreError> = None;
         loop {
             while stop.is_none()
@@ -220,13 +226,16 @@ impl Worker {
                 && let Some(&index) = pending.front()
                 && let Some(more) = &job.more
             {
-                let Some((place, reserved)) =
-                    more.try_take(self.policy.part_cost(&parts[index as usize], job.deployment.output_reserve)).await
-                else {
+                let part = &parts[index as usize];
+                let cost_on = |d: &crate::pool::Deployment| self.policy.part_cost(part, d.output_reserve);
+                let Some((place, reserved, callee)) = more.try_take(job.deployment, cost_on).await else {
                     break;
                 };
                 pending.pop_front();
-                let metering = Metering::new(reserved);
+                if let Some(c) = &callee {
+                    tracing::debug!(part = index, deployment = %c.deployment.id, "part runs on another deployment of the class");
+                }
+                let metering = Metering::on(reserved, callee);
                 job.part_metering.lock().expect("parts lock").push(metering.clone());
                 flight.push(self.run_part(job, lease, parts, index, Some(place), metering));
             }
@@ -282,11 +291,11 @@ impl Worker {
         index: u32,
         place: Option<crate::schedule::Place>,
         metering: std::sync::Arc<Metering>,
-    ) -> (u32, Result<Decision, StoreError>, Option<Tokens>) {
+    ) -> (u32, Result<Decision, StoreError>, Option<Charge>) {
         let decided = self.answer_part(job, lease, &parts[index as usize], index, &metering).await;
         drop(place);
         self.release_unused(job, &metering).await;
-        (index, decided, metering.tokens())
+        (index, decided, job.charge_of(&metering))
     }
 
     async fn answer_part(

@@ -63,11 +63,11 @@ impl Worker {
         job: &Job<'_>,
         lease: &Lease,
         decision: Decision,
-        charge: Option<Tokens>,
+        charge: Option<reviewlane_core::job::Charge>,
     ) -> Result<(Outcome, Option<AckKind>), StoreError> {
         let generation = lease.generation();
-        let view =
-            LeaseView { generation, attempts: lease.rec.attempts, deadline_ms: lease.rec.deadline_ms, tokens: charge };
+        let tokens = charge.as_ref().map(|c| c.tokens);
+        let view = LeaseView { generation, attempts: lease.rec.attempts, deadline_ms: lease.rec.deadline_ms, tokens };
         let policy = Policy { budgets: self.policy.budgets, backoff: self.policy.backoff(job.review.lane) };
         let (event, outcome, ack_kind) =
             match settlement(decision, &view, &policy, self.clock.now_ms(), rand::random::<f64>()) {
@@ -91,7 +91,6 @@ impl Worker {
             };
         let validated = matches!(event, Event::Validated { .. } | Event::PartDone { .. });
         // The paid calls are charged to the job in the same write.
-        let charge = charge.map(|t| job.deployment.charge(t));
         let write = || async {
             if validated {
                 self.faults.check(point::EXTRACTOR_RECORD_VALIDATED)?;
