@@ -65,20 +65,58 @@ pub struct BatchCapability {
     /// Why not, when it is not: said to a caller asking for `provider_batch`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub why_not: Option<String>,
-    /// The model class of the deployment whose batch API runs the sweeps: the region's
-    /// (`REVIEWLANE_MODEL_CLASS`). Absent from an older extractor's announcement, which
-    /// took every tenant's sweeps.
+    /// The model classes with a batch path: each runs its sweeps through the batch API
+    /// of one of its deployments. Empty in an older extractor's announcement, whose
+    /// one batch path took every tenant's sweeps.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<String>,
+    /// The region's class (`REVIEWLANE_MODEL_CLASS`): a tenant naming none uses it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub class: Option<String>,
+    pub region_class: Option<String>,
 }
 
 impl BatchCapability {
-    /// Whether it runs the sweeps of a tenant whose batch reviews use `class` (`None`:
-    /// the region's class).
+    /// Whether a batch path runs the sweeps of a tenant whose batch reviews use `class`
+    /// (`None`: the region's class).
     pub fn serves(&self, class: Option<&str>) -> bool {
-        match (self.class.as_deref(), class) {
-            (Some(ours), Some(theirs)) => ours == theirs,
+        if !self.available {
+            return false;
+        }
+        match class.or(self.region_class.as_deref()) {
+            Some(class) if !self.classes.is_empty() => self.classes.iter().any(|c| c == class),
             _ => true,
+        }
+    }
+}
+
+impl BatchCapability {
+    /// Why the sweeps of a tenant whose batch reviews use `class` (`None`: the region's)
+    /// cannot run through a batch API: the reason the region's first deployment has none,
+    /// for the region's class; else that no deployment of the class has one.
+    pub fn why_not_for(&self, class: Option<&str>) -> String {
+        let class = class.or(self.region_class.as_deref()).unwrap_or_default();
+        match &self.why_not {
+            Some(why) if self.region_class.as_deref().is_none_or(|r| r == class) => why.clone(),
+            _ => format!(
+                "no deployment of model class `{class}` has a batch API this region may use (classes that do: {})",
+                if self.classes.is_empty() { "none".to_string() } else { self.classes.join(", ") }
+            ),
+        }
+    }
+}
+
+/// The KV key of the lead of one class's provider batches: `coordinator` for the
+/// region's class (the key every earlier extractor leads under), `coordinator.<class>`
+/// for another (characters a key may not hold become `_`).
+pub fn lead_key(class: Option<&str>) -> String {
+    match class {
+        None => COORDINATOR.to_string(),
+        Some(c) => {
+            let safe: String = c
+                .chars()
+                .map(|ch| if ch.is_ascii_alphanumeric() || ch == '-' || ch == '_' { ch } else { '_' })
+                .collect();
+            format!("{COORDINATOR}.{safe}")
         }
     }
 }
@@ -277,22 +315,16 @@ impl Sweeps {
     /// Takes or keeps the lead of the region's provider batches for `owner` until
     /// `now_ms + ttl_ms`: whether it is `owner`'s (another's lead that has not run out
     /// is left alone). A compare-and-set on the lead as read.
-    pub async fn lead(&self, owner: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+    pub async fn lead(&self, key: &str, owner: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
         let mine = Lead { owner: owner.to_string(), until_ms: now_ms.saturating_add(ttl_ms) };
         let bytes: bytes::Bytes = serde_json::to_vec(&mine).expect("lead serializes").into();
-        let written = match read::<Lead>(&self.kv, COORDINATOR).await {
+        let written = match read::<Lead>(&self.kv, key).await {
             Ok(Some((held, _))) if held.owner != owner && held.until_ms > now_ms => return Ok(false),
-            Ok(Some((_, revision))) => {
-                self.kv.update(COORDINATOR, bytes, revision).await.map_err(StoreError::kv_update)
-            }
-            Ok(None) | Err(StoreError::Corrupt) => {
-                match self.kv.entry(COORDINATOR).await.map_err(StoreError::kv_entry)? {
-                    Some(entry) => {
-                        self.kv.update(COORDINATOR, bytes, entry.revision).await.map_err(StoreError::kv_update)
-                    }
-                    None => self.kv.create(COORDINATOR, bytes).await.map_err(StoreError::kv_create),
-                }
-            }
+            Ok(Some((_, revision))) => self.kv.update(key, bytes, revision).await.map_err(StoreError::kv_update),
+            Ok(None) | Err(StoreError::Corrupt) => match self.kv.entry(key).await.map_err(StoreError::kv_entry)? {
+                Some(entry) => self.kv.update(key, bytes, entry.revision).await.map_err(StoreError::kv_update),
+                None => self.kv.create(key, bytes).await.map_err(StoreError::kv_create),
+            },
             Err(e) => return Err(e),
         };
         match written {
@@ -303,13 +335,13 @@ impl Sweeps {
     }
 
     /// Gives the lead up (at shutdown), if it is `owner`'s.
-    pub async fn resign(&self, owner: &str) -> Result<(), StoreError> {
-        if let Some((held, revision)) = read::<Lead>(&self.kv, COORDINATOR).await?
+    pub async fn resign(&self, key: &str, owner: &str) -> Result<(), StoreError> {
+        if let Some((held, revision)) = read::<Lead>(&self.kv, key).await?
             && held.owner == owner
         {
             let gone = Lead { owner: String::new(), until_ms: 0 };
             let bytes = serde_json::to_vec(&gone).expect("lead serializes");
-            let _ = self.kv.update(COORDINATOR, bytes.into(), revision).await;
+            let _ = self.kv.update(key, bytes.into(), revision).await;
         }
         Ok(())
     }
@@ -376,20 +408,42 @@ mod tests {
     use super::BatchCapability;
 
     #[test]
-    fn a_batch_path_runs_the_sweeps_of_its_class_and_of_the_region_class() {
-        let of = |class: Option<&str>| BatchCapability {
+    fn a_sweep_runs_through_a_batch_path_of_its_tenants_class() {
+        let of = |classes: &[&str], region: &str| BatchCapability {
             provider: "openai".into(),
-            available: true,
+            available: !classes.is_empty(),
             why_not: None,
-            class: class.map(String::from),
+            classes: classes.iter().map(|c| c.to_string()).collect(),
+            region_class: Some(region.into()),
         };
-        let deep = of(Some("deep"));
+        let deep = of(&["deep"], "deep");
         assert!(deep.serves(Some("deep")));
-        assert!(deep.serves(None), "a tenant naming no class uses the region's, the batch path's");
+        assert!(deep.serves(None), "a tenant naming no class uses the region's");
         assert!(!deep.serves(Some("fast")));
-        // An announcement without a class (an older extractor) took every sweep.
+        // Another class's batch path, the region's class having none.
+        let fast_only = of(&["fast"], "deep");
+        assert!(fast_only.serves(Some("fast")));
+        assert!(!fast_only.serves(None));
+        assert!(!of(&[], "deep").serves(None), "no batch path at all");
+        assert_eq!(
+            fast_only.why_not_for(Some("deep")),
+            "no deployment of model class `deep` has a batch API this region may use (classes that do: fast)"
+        );
+        let why = "the built-in analyzer has no batch API";
+        let region_without = BatchCapability { why_not: Some(why.into()), ..fast_only.clone() };
+        assert_eq!(region_without.why_not_for(None), why, "the region's class: its first deployment's reason");
+        assert_eq!(region_without.why_not_for(Some("deep")), why);
+        // An announcement without classes (an older extractor) took every sweep.
         let older: BatchCapability =
             serde_json::from_str(r#"{"provider":"openai","available":true}"#).expect("an older announcement");
         assert!(older.serves(Some("fast")));
+    }
+
+    #[test]
+    fn each_class_leads_its_batches_under_its_own_key_the_regions_under_the_old_one() {
+        use super::lead_key;
+        assert_eq!(lead_key(None), "coordinator");
+        assert_eq!(lead_key(Some("fast")), "coordinator.fast");
+        assert_eq!(lead_key(Some("gpt 4.1")), "coordinator.gpt_4_1");
     }
 }

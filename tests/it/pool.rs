@@ -522,64 +522,76 @@ async fn a_depth_class_named_or_dropped_reshapes_the_lane_consumers_in_place() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sweep_of_a_class_the_batch_api_does_not_serve_runs_on_the_lanes_of_its_class() {
+async fn a_sweep_runs_through_the_batch_api_of_a_deployment_of_its_tenants_class() {
     use reviewlane_api::proto::{
-        AddSweepItemsRequest, CreateSweepRequest, GetSweepRequest, SealSweepRequest, SweepItem, SweepMode,
+        AddSweepItemsRequest, CreateSweepRequest, GetSweepRequest, SealSweepRequest, SweepItem, SweepItemState,
+        SweepMode,
     };
     const KEY: &str = "batchy-key";
     let tenant = format!(
         "[[tenants]]\nid = \"batchy\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ batch = \"fast\" }}\n",
         reviewlane_core::tenants::hash_api_key(KEY)
     );
-    // The region's first deployment (its class the region's) has a batch API.
+    // Both classes' deployments have a batch API: the region's class its first
+    // deployment's, `fast` the second's.
     let mut stack =
         Stack::start_with(StackOptions { extractors: 0, extra_tenants: tenant, ..Default::default() }).await;
     let fast = SimProvider::start(SimConfig::default()).await;
     let mut xc = stack.extractor_config(Region::Us);
-    let region_class = xc.quota.model_class.clone();
     xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
     stack.start_extractor_with(Region::Us, xc).await;
     let mut client = stack.client().await;
-    let create = |name: &str, mode: SweepMode| CreateSweepRequest {
-        idempotency_key: name.into(),
-        mode: mode as i32,
-        ..Default::default()
-    };
-    let refused = client.create_sweep(authed(KEY, create("forced", SweepMode::ProviderBatch))).await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
-    let why = refused.message();
-    assert!(why.contains(&format!("serves model class `{region_class}`")) && why.contains("use `fast`"), "{why}");
-    let sweep = client.create_sweep(authed(KEY, create("auto", SweepMode::Auto))).await.unwrap().into_inner().sweep;
-    let sweep = sweep.unwrap();
-    assert_eq!(sweep.runs_on, SweepMode::Lanes as i32, "{sweep:?}");
-    let items = (0..3)
-        .map(|i| SweepItem {
-            item_key: format!("f{i}"),
-            diff: sample_diff(&format!("batchy{i}")),
-            ..Default::default()
-        })
-        .collect();
-    let page = AddSweepItemsRequest { sweep_id: sweep.sweep_id.clone(), items };
-    client.add_sweep_items(authed(KEY, page)).await.unwrap();
-    client.seal_sweep(authed(KEY, SealSweepRequest { sweep_id: sweep.sweep_id.clone() })).await.unwrap();
-    let id = sweep.sweep_id.clone();
-    let done = poll_until(Duration::from_secs(30), || {
+    let sweep_of = |key: &'static str, name: &'static str| {
         let mut client = client.clone();
-        let id = id.clone();
         async move {
-            let s = client.get_sweep(authed(KEY, GetSweepRequest { sweep_id: id })).await.ok()?.into_inner().sweep?;
-            (s.percent_done == 100.0).then_some(s)
+            let create = CreateSweepRequest {
+                idempotency_key: name.into(),
+                mode: SweepMode::ProviderBatch as i32,
+                ..Default::default()
+            };
+            let sweep = client.create_sweep(authed(key, create)).await.unwrap().into_inner().sweep.unwrap();
+            assert_eq!(sweep.runs_on, SweepMode::ProviderBatch as i32, "{sweep:?}");
+            let items = (0..3)
+                .map(|i| SweepItem {
+                    item_key: format!("f{i}"),
+                    diff: sample_diff(&format!("{name}{i}")),
+                    ..Default::default()
+                })
+                .collect();
+            let page = AddSweepItemsRequest { sweep_id: sweep.sweep_id.clone(), items };
+            client.add_sweep_items(authed(key, page)).await.unwrap();
+            client.seal_sweep(authed(key, SealSweepRequest { sweep_id: sweep.sweep_id.clone() })).await.unwrap();
+            sweep.sweep_id
         }
-    })
-    .await
-    .expect("every item final in time");
-    let published = done.items.iter().find(|c| c.state == reviewlane_api::proto::SweepItemState::Published as i32);
-    assert_eq!(published.map(|c| c.count), Some(3), "{done:?}");
-    // Its items were paid by the class it names, on the lanes; nothing reached the
-    // other class's batch API or its model.
-    assert_eq!(fast.stats().paid_by_job.len(), 3);
-    assert_eq!(stack.us.provider.batch_stats().batches_created, 0);
-    assert_eq!(stack.us.provider.stats().total_calls, 0);
+    };
+    let (ours, regions) = (sweep_of(KEY, "batchy").await, sweep_of(US_KEY, "acme").await);
+    for (key, id) in [(KEY, &ours), (US_KEY, &regions)] {
+        let done = poll_until(Duration::from_secs(60), || {
+            let mut client = client.clone();
+            let id = id.clone();
+            async move {
+                let req = authed(key, GetSweepRequest { sweep_id: id });
+                let s = client.get_sweep(req).await.ok()?.into_inner().sweep?;
+                (s.percent_done == 100.0).then_some(s)
+            }
+        })
+        .await
+        .expect("every item final in time");
+        let published = done.items.iter().find(|c| c.state == SweepItemState::Published as i32);
+        assert_eq!(published.map(|c| c.count), Some(3), "{done:?}");
+    }
+    // Each sweep's three lines ran through its class's batch API, none on the lanes.
+    let (first, second) = (stack.us.provider.batch_stats(), fast.batch_stats());
+    assert_eq!(first.paid_lines.len(), 3, "{first:?}");
+    assert_eq!(second.paid_lines.len(), 3, "{second:?}");
+    assert_eq!(stack.us.provider.stats().total_calls + fast.stats().total_calls, 0);
+    let items = reviewlane_api::proto::ListSweepItemsRequest { sweep_id: ours, page_size: 10, ..Default::default() };
+    let items = client.list_sweep_items(authed(KEY, items)).await.unwrap().into_inner().items;
+    for item in items {
+        let review = client.get_review(authed(KEY, reviewlane_api::proto::GetReviewRequest { job_id: item.job_id }));
+        let review = review.await.unwrap().into_inner().review.unwrap();
+        assert_eq!((review.deployment.as_str(), review.model_class.as_str()), ("second", "fast"), "{review:?}");
+    }
     stack.shutdown().await;
 }
 

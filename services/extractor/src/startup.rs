@@ -39,11 +39,11 @@ pub struct App {
     loops: Vec<(LaneLoop, u32, Arc<Deployment>)>,
     /// The pool: the deployment `REVIEWLANE_PROVIDER` names first, then the file's.
     deployments: Vec<Arc<Deployment>>,
-    /// The first deployment's key: sweeps pause their batch calls on it.
+    /// The first deployment's key: the replica's slots wake on its changes.
     quota: Quota,
-    /// Drives the region's provider batches while this replica leads (none where the
-    /// provider has no batch API this region may use).
-    coordinator: Option<crate::sweep::Coordinator>,
+    /// Drive each class's provider batches while this replica leads them: one per class
+    /// with a batch path (none where no deployment has a batch API this region may use).
+    coordinators: Vec<crate::sweep::Coordinator>,
     config: ExtractorConfig,
 }
 
@@ -82,16 +82,6 @@ pub async fn build_with_provider(
                 config.region
             )));
         }
-    }
-    let batch_api = batch_api_of(&config);
-    if let Some(client) = &batch_api
-        && client.region() != config.region
-    {
-        return Err(StartError::Other(anyhow::anyhow!(
-            "the provider's batch endpoint belongs to region `{}` but this extractor serves `{}`",
-            client.region(),
-            config.region
-        )));
     }
     let conn = connect_region(&config.nats_url, config.region, "reviewlane-extractor", &config.nats).await?;
     let (consumers, key) = lane_consumers(&config, &conn, provider.name()).await?;
@@ -135,47 +125,77 @@ pub async fn build_with_provider(
     let client = conn.client.clone();
     let sweeps =
         reviewlane_shared::sweeps::Sweeps::new(conn.layout.js.clone(), conn.layout.sweeps.clone(), config.region);
-    let why_not = crate::sweep::why_no_batches(&config.provider, config.region, &config.batch);
+    let region_class = config.quota.model_class.clone();
+    // The tenants' batch classes. Each class's sweeps go to its batch path; the region's
+    // class also takes those of a class that has lost its path (it took every sweep
+    // before). A path no tenant's class uses is not run, but the region's.
+    let batch_class: HashMap<String, String> = config
+        .tenants
+        .iter()
+        .filter(|t| t.region == config.region)
+        .map(|t| {
+            let class = t.class_for(Lane::Batch, ReviewDepth::Full).unwrap_or(&region_class);
+            (t.id.clone(), class.to_string())
+        })
+        .collect();
+    let mut paths = batch_paths(&config, &deployments)?;
+    paths.retain(|(d, _)| d.class == region_class || batch_class.values().any(|c| *c == d.class));
+    let batch_class = Arc::new(batch_class);
+    let why_not = (!paths.iter().any(|(d, _)| d.class == region_class))
+        .then(|| crate::sweep::why_no_batches(&config.provider, config.region, &config.batch))
+        .flatten();
     if let Some(why) = &why_not {
-        tracing::info!(region = %config.region, "sweeps of this region run on the lanes: {why}");
+        tracing::info!(region = %config.region, "sweeps of the region's class run on the lanes: {why}");
     }
+    let classes: Vec<String> = paths.iter().map(|(d, _)| d.class.clone()).collect();
     let capability = reviewlane_shared::sweeps::BatchCapability {
         provider: provider.name().to_string(),
-        available: why_not.is_none(),
+        available: !paths.is_empty(),
         why_not: why_not.clone(),
-        class: Some(config.quota.model_class.clone()),
+        classes: classes.clone(),
+        region_class: Some(region_class.clone()),
     };
     sweeps.announce(&capability).await.map_err(|e| StartError::Other(anyhow::anyhow!(e)))?;
-    let coordinator = batch_api.filter(|_| why_not.is_none()).map(|client| crate::sweep::Coordinator {
-        region: config.region,
-        sweeps: sweeps.clone(),
-        jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
-        results: Results::new(
-            conn.layout.clone(),
-            config.results.inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout)),
-        ),
-        index: reviewlane_shared::job_index::JobIndex::new(conn.layout.js.clone(), config.region),
-        dead_letters: reviewlane_shared::dead_letters::DeadLetters::new(conn.layout.js.clone(), config.region),
-        client,
-        settings: config.batch,
-        clock: clock.clone(),
-        owner: format!("replica-{:016x}", rand::random::<u64>()),
-        lead_ttl: LEAD_TTL,
-        price: config.results.prices.get(&config.quota.model_class).copied(),
-        served_by: reviewlane_core::job::ServedBy {
-            deployment: provider.name().to_string(),
-            model_class: config.quota.model_class.clone(),
-        },
-        budgets: config.retry.budgets,
-        quarantine_raw_max: config.results.quarantine_raw_max,
-        tokens_of: item_tokens(&config),
-        too_large: over_one_call(&config),
-        js: conn.layout.js.clone(),
-        faults: config.faults.clone(),
-        metrics: metrics.clone(),
-        quota: quota.clone(),
-        interactive: None,
-    });
+    let coordinators: Vec<crate::sweep::Coordinator> = paths
+        .into_iter()
+        .map(|(d, client)| {
+            let (batch_class, classes, region) = (batch_class.clone(), classes.clone(), region_class.clone());
+            let ours = d.class.clone();
+            let serves = move |tenant: &str| match batch_class.get(tenant) {
+                Some(c) if classes.contains(c) => *c == ours,
+                _ => ours == region,
+            };
+            crate::sweep::Coordinator {
+                region: config.region,
+                sweeps: sweeps.clone(),
+                jobs: JobStore::new(conn.layout.jobs.clone(), conn.client.clone()).with_clock(clock.clone()),
+                results: Results::new(
+                    conn.layout.clone(),
+                    config.results.inline_max.unwrap_or_else(|| message_max(&conn.client, &conn.layout)),
+                ),
+                index: reviewlane_shared::job_index::JobIndex::new(conn.layout.js.clone(), config.region),
+                dead_letters: reviewlane_shared::dead_letters::DeadLetters::new(conn.layout.js.clone(), config.region),
+                client,
+                settings: config.batch,
+                clock: clock.clone(),
+                owner: format!("replica-{:016x}", rand::random::<u64>()),
+                lead_ttl: LEAD_TTL,
+                price: d.price,
+                served_by: reviewlane_core::job::ServedBy { deployment: d.id.clone(), model_class: d.class.clone() },
+                budgets: config.retry.budgets,
+                quarantine_raw_max: config.results.quarantine_raw_max,
+                tokens_of: item_tokens(&config),
+                too_large: over_one_call(&config),
+                js: conn.layout.js.clone(),
+                faults: config.faults.clone(),
+                metrics: metrics.clone(),
+                quota: d.quota.clone(),
+                interactive: None,
+                lead_key: reviewlane_shared::sweeps::lead_key((d.class != region_class).then_some(d.class.as_str())),
+                serves: Arc::new(serves),
+            }
+        })
+        .collect();
     let worker = Arc::new(Worker {
         region: config.region,
         stores: stores_of(&config, conn, &clock),
@@ -187,7 +207,7 @@ pub async fn build_with_provider(
         split_cache: Default::default(),
         abort: CancellationToken::new(),
     });
-    Ok(App { admin, registry: Arc::new(registry), client, worker, loops, deployments, quota, coordinator, config })
+    Ok(App { admin, registry: Arc::new(registry), client, worker, loops, deployments, quota, coordinators, config })
 }
 
 /// How long the coordinator's lead lasts unrenewed: another replica takes over this
@@ -216,12 +236,46 @@ fn anthropic_adapter(
     ))
 }
 
-/// The batch API of the configured provider, if it has one.
-fn batch_api_of(config: &ExtractorConfig) -> Option<Arc<dyn crate::batch::BatchApi>> {
+/// Each class's batch path: the first of its deployments in rank order (then as
+/// configured) whose provider has a batch API this region may use, with that API. A
+/// batch endpoint of another region refuses the start.
+#[allow(clippy::type_complexity)]
+fn batch_paths(
+    config: &ExtractorConfig,
+    deployments: &[Arc<Deployment>],
+) -> Result<Vec<(Arc<Deployment>, Arc<dyn crate::batch::BatchApi>)>, StartError> {
+    let providers = std::iter::once(&config.provider).chain(config.pool.iter().map(|d| &d.provider));
+    let mut ranked: Vec<_> = deployments.iter().zip(providers).collect();
+    ranked.sort_by(|(a, _), (b, _)| a.rank.cmp_order(b.rank));
+    let mut paths: Vec<(Arc<Deployment>, Arc<dyn crate::batch::BatchApi>)> = Vec::new();
+    for (d, provider) in ranked {
+        if paths.iter().any(|(p, _)| p.class == d.class)
+            || crate::sweep::why_no_batches(provider, config.region, &config.batch).is_some()
+        {
+            continue;
+        }
+        let Some(client) = batch_api_of(config, provider) else { continue };
+        if client.region() != config.region {
+            return Err(StartError::Other(anyhow::anyhow!(
+                "the batch endpoint of deployment `{}` belongs to region `{}` but this extractor serves `{}`",
+                d.id,
+                client.region(),
+                config.region
+            )));
+        }
+        paths.push((d.clone(), client));
+    }
+    // The region's class first: its coordinator is the one earlier extractors ran.
+    paths.sort_by_key(|(d, _)| d.class != config.quota.model_class);
+    Ok(paths)
+}
+
+/// The batch API of `provider`, if it has one.
+fn batch_api_of(config: &ExtractorConfig, provider: &ProviderConfig) -> Option<Arc<dyn crate::batch::BatchApi>> {
     use crate::batch::{anthropic::AnthropicBatches, openai::OpenAiBatches};
     let (timeout, ceiling, max_body) =
         (config.scheduling.provider_timeout, config.quota.hint_ceiling, config.results.max_response_bytes);
-    match &config.provider {
+    match provider {
         ProviderConfig::Builtin => None,
         ProviderConfig::AzureOpenAi(d) => {
             d.batch_deployment.as_ref()?;
@@ -244,7 +298,7 @@ fn batch_api_of(config: &ExtractorConfig) -> Option<Arc<dyn crate::batch::BatchA
             Some(Arc::new(api))
         }
         ProviderConfig::Anthropic { base_url, api_key, endpoint_region, .. } => {
-            let adapter = Arc::new(anthropic_adapter(config, &config.provider)?);
+            let adapter = Arc::new(anthropic_adapter(config, provider)?);
             Some(Arc::new(AnthropicBatches::new(
                 base_url,
                 api_key.clone(),
@@ -622,10 +676,16 @@ impl App {
                 .run(self.config.results.reconcile.every, stop.clone())
                 .instrument(tracing::info_span!("reconcile", region = %self.config.region)),
         );
-        let coordinating = self.coordinator.map(|c| {
-            let c = crate::sweep::Coordinator { interactive: Some(slots.clone()), ..c };
-            tokio::spawn(c.run(stop.clone()).instrument(tracing::info_span!("sweeps", region = %self.config.region)))
-        });
+        let coordinating: Vec<_> = self
+            .coordinators
+            .into_iter()
+            .map(|c| {
+                let span =
+                    tracing::info_span!("sweeps", region = %self.config.region, deployment = %c.served_by.deployment);
+                let c = crate::sweep::Coordinator { interactive: Some(slots.clone()), ..c };
+                tokio::spawn(c.run(stop.clone()).instrument(span))
+            })
+            .collect();
         let scopes = self
             .loops
             .iter()
@@ -689,7 +749,7 @@ impl App {
         let _ = monitor.await;
         let _ = lanes.await;
         let _ = reconciling.await;
-        if let Some(c) = coordinating {
+        for c in coordinating {
             let _ = c.await;
         }
         let _ = admin.await;

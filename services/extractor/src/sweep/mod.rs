@@ -84,6 +84,12 @@ pub struct Coordinator {
     /// calls for its hint, for the fleet, as a lane call's does; no batch call is made
     /// while it is paused.
     pub quota: crate::quota::Quota,
+    /// The KV key its lead is held under: one per class with a batch path
+    /// (`reviewlane_shared::sweeps::lead_key`).
+    pub lead_key: String,
+    /// Whether it drives the provider-batch sweeps of a tenant: those whose batch
+    /// reviews use its class.
+    pub serves: Arc<dyn Fn(&str) -> bool + Send + Sync>,
 }
 
 /// What the leader remembers between rounds (all of it can be rebuilt from the store).
@@ -148,7 +154,7 @@ impl Coordinator {
             tokio::select! { _ = tick.tick() => {}, _ = stop.cancelled() => break }
             if led_at.is_none_or(|at| at.elapsed() >= self.lead_ttl / 3) {
                 let now = self.clock.now_ms();
-                match self.sweeps.lead(&self.owner, now, self.lead_ttl.as_millis() as u64).await {
+                match self.sweeps.lead(&self.lead_key, &self.owner, now, self.lead_ttl.as_millis() as u64).await {
                     Ok(true) => {
                         if led_at.is_none() {
                             tracing::info!("leading the region's provider batches");
@@ -182,7 +188,7 @@ impl Coordinator {
                 Ok(()) => {}
             }
         }
-        let _ = self.sweeps.resign(&self.owner).await;
+        let _ = self.sweeps.resign(&self.lead_key, &self.owner).await;
     }
 
     async fn round(&self, memory: &mut Memory, stop: &CancellationToken) -> Result<(), RoundError> {
@@ -192,6 +198,7 @@ impl Coordinator {
             .await?
             .into_iter()
             .filter(|s| s.runs_on == SweepMode::ProviderBatch && s.state != SweepState::Open && !s.finished)
+            .filter(|s| (self.serves)(&s.tenant))
             .collect();
         let mut chunks = HashMap::new();
         for s in &sweeps {
@@ -463,7 +470,8 @@ impl Coordinator {
     /// Renews the lead before a step that must happen under it (anything sent to create
     /// a batch): a round that outlived its lead stops.
     async fn still_leading(&self) -> Result<(), RoundError> {
-        match self.sweeps.lead(&self.owner, self.clock.now_ms(), self.lead_ttl.as_millis() as u64).await? {
+        let ttl = self.lead_ttl.as_millis() as u64;
+        match self.sweeps.lead(&self.lead_key, &self.owner, self.clock.now_ms(), ttl).await? {
             true => Ok(()),
             false => Err(RoundError::LeadLost),
         }

@@ -97,18 +97,12 @@ impl ReviewApi {
         let class = tenant.class_for(reviewlane_core::region::Lane::Batch, ReviewDepth::Full);
         let runs_on = match (mode, &capability) {
             (SweepMode::Lanes, _) => SweepMode::Lanes,
-            (_, Some(c)) if c.available && c.serves(class) => SweepMode::ProviderBatch,
+            (_, Some(c)) if c.serves(class) => SweepMode::ProviderBatch,
             (SweepMode::Auto, _) => SweepMode::Lanes,
             (_, _) => {
-                let why = match &capability {
-                    Some(c) if c.available => format!(
-                        "the region's batch API serves model class `{}`; this tenant's batch reviews use `{}`",
-                        c.class.as_deref().unwrap_or_default(),
-                        class.unwrap_or_default()
-                    ),
-                    _ => capability
-                        .and_then(|c| c.why_not)
-                        .unwrap_or_else(|| "no extractor of the region has announced a batch path".into()),
+                let why = match capability {
+                    Some(c) => c.why_not_for(class),
+                    None => "no extractor of the region has announced a batch path".into(),
                 };
                 return Err(ApiError::FailedPrecondition {
                     reason: Reason::ProviderBatchUnavailable,
