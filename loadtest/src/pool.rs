@@ -68,6 +68,10 @@ pub struct PoolReport {
     pub in_flight_at_failure: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_quota_to_last_call_s: Option<f64>,
+    /// How far into Azure's 10-s window the run started, and the calls Azure let through
+    /// in each window from then on: where a window went unused.
+    pub azure_phase_at_start_s: f64,
+    pub azure_calls_by_window: Vec<u64>,
     pub sweep: SweepOutcome,
 }
 
@@ -173,9 +177,16 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
     stack.start_extractor_with(Region::Us, xc).await;
 
     let epoch = fast_openai.epoch();
+    // Every run starts its reviews the same way into Azure's window, 1 s after a mark:
+    // started at random, a run begun in a window's last moments is credited that window
+    // by the physical limit, though no call reaches it in time (the requests bucket
+    // lends nothing in a window's last 250 ms).
+    let unix_ms =
+        || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+    let to_phase = (AZURE_WINDOW_MS + START_PHASE_MS - unix_ms() % AZURE_WINDOW_MS) % AZURE_WINDOW_MS;
+    tokio::time::sleep(Duration::from_millis(to_phase)).await;
     let started = Instant::now();
-    let started_unix_ms =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+    let started_unix_ms = unix_ms();
     let mut client = stack.client().await;
     let mut ids = Vec::new();
     for i in 0..cfg.reviews {
@@ -184,7 +195,7 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
     let sweep_id = sealed_sweep(&mut client, cfg.sweep_items).await?;
     let sealed = Instant::now();
     // The failover: once a third are published, the OpenAI account is out of money.
-    let mut failed_at: Option<(Instant, usize)> = None;
+    let mut failed_at: Option<Instant> = None;
     let mut published = 0;
     let mut pending = ids.clone();
     let mut makespan = None;
@@ -209,7 +220,7 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
         }
         if failover && failed_at.is_none() && published >= cfg.reviews / 3 {
             fast_openai.script((0..10_000).map(|_| Scripted::insufficient_quota()));
-            failed_at = Some((Instant::now(), cfg.reviews - published));
+            failed_at = Some(Instant::now());
         }
         if sweep_done.is_none() {
             let got = client.get_sweep(authed(KEY, GetSweepRequest { sweep_id: sweep_id.clone() })).await;
@@ -228,7 +239,7 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
 
     let second_calls = second.deployments[AZURE].calls;
     let second_429 = second.deployments[AZURE].rate_limited;
-    let scripted_ms = failed_at.map(|(at, _)| at.duration_since(epoch).as_millis() as u64);
+    let scripted_ms = failed_at.map(|at| at.duration_since(epoch).as_millis() as u64);
     let quota_answers = scripted_ms.map_or(0, |ms| first.call_spans_ms.iter().filter(|(b, _)| *b >= ms).count() as u64);
     let first_429 = first.calls_429.saturating_sub(quota_answers);
     let mut paid: BTreeMap<&String, u64> = BTreeMap::new();
@@ -246,19 +257,28 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
     let phase_ms = (started_unix_ms % AZURE_WINDOW_MS) as f64;
     let per_window = f64::from(cfg.rpm) / 6.0;
     let physical = match failed_at {
-        None => physical_limit(cfg.reviews as f64, (burst, rate_first), (per_window, phase_ms / 1000.0)),
-        // From the failure on, what was left on Azure alone.
-        Some((at, left)) => {
+        None => physical_limit(cfg.reviews as f64, (burst, rate_first), (per_window, phase_ms / 1000.0, 0.0)),
+        // From the failure on, the calls not yet started on Azure alone: what its window
+        // at the failure had not let through yet, then a full window at each mark.
+        Some(at) => {
             let f = at.duration_since(started).as_secs_f64();
             let phase = (phase_ms / 1000.0 + f) % (AZURE_WINDOW_MS as f64 / 1000.0);
-            f + physical_limit(left as f64, (0.0, 0.0), (per_window, phase))
+            let failed_unix_ms = started_unix_ms + at.duration_since(started).as_millis() as u64;
+            let window_start = failed_unix_ms - failed_unix_ms % AZURE_WINDOW_MS;
+            let through = |c: &&simazure::AzureCall| c.status != 429 && c.at_ms < failed_unix_ms;
+            let used = second.calls.iter().filter(through).filter(|c| c.at_ms >= window_start).count() as f64;
+            let scripted_ms = at.duration_since(epoch).as_millis() as u64;
+            let started_calls = first.call_spans_ms.iter().filter(|(b, _)| *b < scripted_ms).count()
+                + second.calls.iter().filter(through).count();
+            let left = cfg.reviews.saturating_sub(started_calls);
+            f + physical_limit(left as f64, (0.0, 0.0), (per_window, phase, used.min(per_window)))
         }
     };
     let total_calls = first.total_calls + second_calls;
     let round = |x: f64| (x * 1000.0).round() / 1000.0;
     let (in_flight_at_failure, first_quota_to_last_call_s) = match failed_at {
         None => (None, None),
-        Some((at, _)) => {
+        Some(at) => {
             // Calls that reached the account after it ran out were answered
             // insufficient_quota; the first answer is the failure.
             let scripted_ms = at.duration_since(epoch).as_millis() as u64;
@@ -323,6 +343,8 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
         ratio_to_physical: round(makespan.as_secs_f64() / physical),
         in_flight_at_failure,
         first_quota_to_last_call_s,
+        azure_phase_at_start_s: round(phase_ms / 1000.0),
+        azure_calls_by_window: by_window(&second.deployments[AZURE].requests_by_window, started_unix_ms),
         sweep,
     })
 }
@@ -330,13 +352,25 @@ pub async fn run(cfg: &PoolRun, failover: bool) -> anyhow::Result<PoolReport> {
 /// Azure's requests window (`simazure`'s default).
 const AZURE_WINDOW_MS: u64 = 10_000;
 
+/// How far into Azure's window a run starts its reviews.
+const START_PHASE_MS: u64 = 1_000;
+
+/// The calls let through in each window (keyed by its start, ms by the clock), from the
+/// window running at `from_ms` to the last, an unused window as 0.
+fn by_window(windows: &BTreeMap<u64, u64>, from_ms: u64) -> Vec<u64> {
+    let first = from_ms - from_ms % AZURE_WINDOW_MS;
+    let last = windows.keys().next_back().copied().unwrap_or(first).max(first);
+    (first..=last).step_by(AZURE_WINDOW_MS as usize).map(|w| windows.get(&w).copied().unwrap_or(0)).collect()
+}
+
 /// The earliest time, in seconds from the start, by which two deployments can have
 /// started `calls` calls: the OpenAI-style account's `(burst, rate per s)`, and Azure's
-/// `(per window, phase)` — `per_window` calls at the start and at each 10-s mark, the
-/// first mark `10 - phase` s in.
-fn physical_limit(calls: f64, (burst, rate): (f64, f64), (per_window, phase): (f64, f64)) -> f64 {
+/// `(per window, phase, used)` — `per_window` calls at each 10-s mark, the first mark
+/// `10 - phase` s in, and at the start what the window then running has left
+/// (`per_window - used`).
+fn physical_limit(calls: f64, (burst, rate): (f64, f64), (per_window, phase, used): (f64, f64, f64)) -> f64 {
     let window = AZURE_WINDOW_MS as f64 / 1000.0;
-    let azure = |t: f64| per_window * (1.0 + ((t + phase) / window).floor());
+    let azure = |t: f64| per_window * (1.0 + ((t + phase) / window).floor()) - used;
     let mut t = 0.0;
     while burst + rate * t + azure(t) < calls && t < 3_600.0 {
         t += 0.01;
@@ -396,4 +430,22 @@ pub fn print(name: &str, r: &PoolReport) {
         s.deep_lane_calls,
         s.fast_calls_for_items
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::physical_limit;
+
+    #[test]
+    fn azure_alone_lets_a_window_through_at_each_mark_and_what_the_running_one_has_left() {
+        let close = |a: f64, b: f64| (a - b).abs() < 0.02;
+        // A fresh window at the start: 10 at once, 10 more at the first mark.
+        assert!(close(physical_limit(10.0, (0.0, 0.0), (10.0, 0.0, 0.0)), 0.01));
+        assert!(close(physical_limit(20.0, (0.0, 0.0), (10.0, 0.0, 0.0)), 10.0));
+        // 4 s into a window 7 of whose 10 calls were taken: 3 now, the next 10 at 6 s.
+        assert!(close(physical_limit(3.0, (0.0, 0.0), (10.0, 4.0, 7.0)), 0.01));
+        assert!(close(physical_limit(13.0, (0.0, 0.0), (10.0, 4.0, 7.0)), 6.0));
+        // The account's burst and refill beside it.
+        assert!(close(physical_limit(15.0, (10.0, 1.0), (10.0, 0.0, 10.0)), 5.0));
+    }
 }
