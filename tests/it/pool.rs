@@ -1,9 +1,10 @@
-//! A region's deployments as one pool: two extractor replicas spreading one model class
-//! over two simulated deployments, each within its own budget; an account running out
-//! of quota mid-run, its key refused or every call failing, its reviews taken by the
-//! other deployment without ending or being paid twice, even with a replica killed
-//! (`kill -9`) at the failure; and a deployment of another
-//! region refusing the start.
+//! A region's deployments as one pool: two extractor replicas (and two processes)
+//! spreading one model class over two simulated deployments, each within its own
+//! budget; an account running out of quota mid-run, its key refused or every call
+//! failing, its reviews taken by the other deployment without ending or being paid
+//! twice, even with a replica killed (`kill -9`) at the failure; classes per lane and
+//! per depth; a split review's parts and a sweep's items on the deployments of their
+//! class; and a deployment of another region refusing the start.
 
 use std::time::Duration;
 
@@ -296,6 +297,35 @@ async fn a_tenant_names_the_class_of_each_lane_and_only_that_class_serves_it() {
     stack.shutdown().await;
 }
 
+/// Starts two US extractor processes, each with the second deployment at `other`
+/// (`rpm` requests a minute) beside the first, and waits until both are ready. Each
+/// calls the second account with a key of its own (`sk-second-<n>`), so the account
+/// tells the processes' calls apart.
+async fn two_extractor_processes(stack: &mut reviewlane_testkit::procs::ProcStack, other: &SimProvider, rpm: u64) {
+    let dir = stack.log_dir().to_path_buf();
+    for n in 0..2 {
+        let key = dir.join(format!("second-{n}.key"));
+        std::fs::write(&key, format!("sk-second-{n}")).unwrap();
+        std::fs::write(
+            dir.join(format!("deployments-{n}.toml")),
+            format!(
+                "[[deployments]]\nid = \"second\"\nkind = \"openai\"\nendpoint = \"{}\"\nmodel = \"sim\"\nregion = \"us\"\napi_key_file = \"{}\"\nbudgets = \"rpm={rpm}\"\n",
+                other.base_url(),
+                key.display()
+            ),
+        )
+        .unwrap();
+    }
+    for _ in 0..2 {
+        let name = stack
+            .spawn_extractor_with(Region::Us, |n| {
+                vec![("REVIEWLANE_DEPLOYMENTS_FILE", dir.join(format!("deployments-{n}.toml")).display().to_string())]
+            })
+            .expect("extractor starts");
+        stack.wait_ready(&name).await.expect("extractor ready");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_failover_leaves_nothing_lost_and_nothing_paid_twice_but_its_calls() {
     use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
@@ -316,31 +346,7 @@ async fn a_replica_killed_mid_failover_leaves_nothing_lost_and_nothing_paid_twic
     .await
     .expect("stack starts");
     let other = SimProvider::start(sim(latency)).await;
-    let dir = stack.log_dir().to_path_buf();
-    for n in 0..2 {
-        // Each replica calls the second account with a key of its own, so the account
-        // tells the replicas' calls apart.
-        let key = dir.join(format!("second-{n}.key"));
-        std::fs::write(&key, format!("sk-second-{n}")).unwrap();
-        let file = dir.join(format!("deployments-{n}.toml"));
-        std::fs::write(
-            &file,
-            format!(
-                "[[deployments]]\nid = \"second\"\nkind = \"openai\"\nendpoint = \"{}\"\nmodel = \"sim\"\nregion = \"us\"\napi_key_file = \"{}\"\nbudgets = \"rpm=600\"\n",
-                other.base_url(),
-                key.display()
-            ),
-        )
-        .unwrap();
-    }
-    for _ in 0..2 {
-        let name = stack
-            .spawn_extractor_with(Region::Us, |n| {
-                vec![("REVIEWLANE_DEPLOYMENTS_FILE", dir.join(format!("deployments-{n}.toml")).display().to_string())]
-            })
-            .expect("extractor starts");
-        stack.wait_ready(&name).await.expect("extractor ready");
-    }
+    two_extractor_processes(&mut stack, &other, 600).await;
     let mut client =
         reviewlane_api::proto::review_service_client::ReviewServiceClient::connect(format!("http://{}", stack.ingress))
             .await
@@ -645,4 +651,51 @@ async fn a_split_reviews_parts_run_on_another_deployment_of_its_class_when_its_o
     let want = per_call * on_second.len() as f64;
     assert!((done.estimated_cost_usd - want).abs() < 1e-9, "{} against {want}", done.estimated_cost_usd);
     stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_extractor_processes_route_a_class_over_two_deployments_each_within_its_budget() {
+    use reviewlane_testkit::procs::{ProcStack, ensure_built, ensure_nats_server};
+    ensure_nats_server().expect("nats-server");
+    ensure_built().expect("service binaries build");
+    // Each account allows `RPM` requests a minute, and each deployment is configured
+    // with that budget; the two processes share it through `QUOTA_US`.
+    let sim = || SimConfig { limits: Some(SimLimits::openai(Some(RPM), None)), ..Default::default() };
+    let mut stack = ProcStack::start(StackOptions {
+        extractors: 0,
+        us_provider: sim(),
+        key_budgets: vec![(Dimension::Requests, RPM)],
+        ..Default::default()
+    })
+    .await
+    .expect("stack starts");
+    let other = SimProvider::start(sim()).await;
+    two_extractor_processes(&mut stack, &other, RPM).await;
+    let mut client =
+        reviewlane_api::proto::review_service_client::ReviewServiceClient::connect(format!("http://{}", stack.ingress))
+            .await
+            .unwrap();
+    // More than one account allows in a minute, fewer than both do.
+    let n = RPM as usize + RPM as usize / 2;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        ids.push(submit(&mut client, US_KEY, &format!("procs-{i}"), &sample_diff(&format!("procs{i}"))).await.job_id);
+    }
+    for id in &ids {
+        let last = wait_final_within(&mut client, US_KEY, id, Duration::from_secs(60)).await;
+        assert_eq!(last.state, JobState::Published as i32, "{last:?}");
+    }
+    let (first, second) = (stack.us.provider.stats(), other.stats());
+    let _ = stack.shutdown();
+    // Neither account was asked past its budget, though both processes called both.
+    assert_eq!((first.calls_429, second.calls_429), (0, 0), "{first:?} {second:?}");
+    for (stats, keys) in [(&first, ["sk-load-0", "sk-load-1"]), (&second, ["sk-second-0", "sk-second-1"])] {
+        for key in keys {
+            assert!(stats.call_times_by_key.get(key).is_some_and(|t| !t.is_empty()), "no call with {key}");
+        }
+    }
+    for id in &ids {
+        let paid = first.paid_by_job.get(id).copied().unwrap_or(0) + second.paid_by_job.get(id).copied().unwrap_or(0);
+        assert_eq!(paid, 1, "{id} paid once");
+    }
 }
