@@ -259,19 +259,31 @@ async fn a_deployment_of_another_region_refuses_the_start() {
     stack.shutdown().await;
 }
 
+/// A tenant `id` under `key` whose reviews use `classes` (a TOML inline table's body).
+fn tenant_with_classes(id: &str, key: &str, classes: &str) -> String {
+    format!(
+        "[[tenants]]\nid = \"{id}\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ {classes} }}\n",
+        reviewlane_core::tenants::hash_api_key(key)
+    )
+}
+
+/// Starts the US extractor with a second deployment, serving class `fast`, beside the
+/// region's first: the second's provider.
+async fn start_with_fast_class(stack: &mut Stack) -> SimProvider {
+    let fast = SimProvider::start(SimConfig::default()).await;
+    let mut xc = stack.extractor_config(Region::Us);
+    xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(stack, &fast, Region::Us) }];
+    stack.start_extractor_with(Region::Us, xc).await;
+    fast
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_names_the_class_of_each_lane_and_only_that_class_serves_it() {
     const KEY: &str = "classy-key";
-    let tenant = format!(
-        "[[tenants]]\nid = \"classy\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ interactive = \"fast\" }}\n",
-        reviewlane_core::tenants::hash_api_key(KEY)
-    );
+    let tenant = tenant_with_classes("classy", KEY, "interactive = \"fast\"");
     let mut stack =
         Stack::start_with(StackOptions { extractors: 0, extra_tenants: tenant, ..Default::default() }).await;
-    let fast = SimProvider::start(SimConfig::default()).await;
-    let mut xc = stack.extractor_config(Region::Us);
-    xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
-    stack.start_extractor_with(Region::Us, xc).await;
+    let fast = start_with_fast_class(&mut stack).await;
     let mut client = stack.client().await;
     let interactive = submit(&mut client, KEY, "classy-i", &sample_diff("ci")).await;
     let batch = submit_batch(&mut client, KEY, "classy-b", &sample_diff("cb")).await;
@@ -287,10 +299,7 @@ async fn a_tenant_names_the_class_of_each_lane_and_only_that_class_serves_it() {
     stack.shutdown().await;
 
     // A class no deployment serves refuses the start, naming tenant, lane and class.
-    let tenant = format!(
-        "[[tenants]]\nid = \"deep\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ batch = \"deep\" }}\n",
-        reviewlane_core::tenants::hash_api_key("deep-key")
-    );
+    let tenant = tenant_with_classes("deep", "deep-key", "batch = \"deep\"");
     let stack = Stack::start_with(StackOptions { extractors: 0, extra_tenants: tenant, ..Default::default() }).await;
     let refused = reviewlane_extractor::build(stack.extractor_config(Region::Us)).await.err().expect("refused");
     assert!(refused.to_string().contains("tenant `deep`'s batch reviews use model class `deep`"), "{refused}");
@@ -432,10 +441,7 @@ async fn the_cheaper_deployment_takes_what_it_has_room_for_and_the_dearer_the_re
 /// A tenant whose reviews admitted at `changed_hunks` use class `fast`, its others the
 /// region's class.
 fn tiered_tenant(key: &str) -> String {
-    format!(
-        "[[tenants]]\nid = \"tiered\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ changed_hunks = \"fast\" }}\n",
-        reviewlane_core::tenants::hash_api_key(key)
-    )
+    tenant_with_classes("tiered", key, "changed_hunks = \"fast\"")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -450,11 +456,8 @@ async fn reviews_admitted_at_changed_hunks_go_to_the_class_their_tenant_names_fo
         ..crate::scheduling::slow_lane_options()
     })
     .await;
-    let fast = SimProvider::start(SimConfig::default()).await;
-    let mut xc = stack.extractor_config(Region::Us);
-    let region_class = xc.quota.model_class.clone();
-    xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
-    stack.start_extractor_with(Region::Us, xc).await;
+    let region_class = stack.extractor_config(Region::Us).quota.model_class;
+    let fast = start_with_fast_class(&mut stack).await;
     let mut client = stack.client().await;
     let (mut full, mut hunks) = (Vec::new(), Vec::new());
     for i in 0..80 {
@@ -534,18 +537,12 @@ async fn a_sweep_runs_through_the_batch_api_of_a_deployment_of_its_tenants_class
         SweepMode,
     };
     const KEY: &str = "batchy-key";
-    let tenant = format!(
-        "[[tenants]]\nid = \"batchy\"\nregion = \"us\"\napi_key_sha256 = [\"{}\"]\nclasses = {{ batch = \"fast\" }}\n",
-        reviewlane_core::tenants::hash_api_key(KEY)
-    );
+    let tenant = tenant_with_classes("batchy", KEY, "batch = \"fast\"");
     // Both classes' deployments have a batch API: the region's class its first
     // deployment's, `fast` the second's.
     let mut stack =
         Stack::start_with(StackOptions { extractors: 0, extra_tenants: tenant, ..Default::default() }).await;
-    let fast = SimProvider::start(SimConfig::default()).await;
-    let mut xc = stack.extractor_config(Region::Us);
-    xc.pool = vec![DeploymentConfig { class: "fast".into(), ..second(&stack, &fast, Region::Us) }];
-    stack.start_extractor_with(Region::Us, xc).await;
+    let fast = start_with_fast_class(&mut stack).await;
     let mut client = stack.client().await;
     let sweep_of = |key: &'static str, name: &'static str| {
         let mut client = client.clone();

@@ -330,20 +330,17 @@ impl More {
         cost_on: impl Fn(&crate::pool::Deployment) -> reviewlane_core::meter::Cost,
     ) -> Option<Taken> {
         let open = |quota: &Quota, scope: &Scope| quota.paused_for().is_none() && quota.has_room(scope);
+        let sibling_open =
+            |c: &&crate::pool::Callee| !c.deployment.quota.circuit_open() && open(&c.deployment.quota, &c.scope);
         let own_open = open(&self.quota, &self.scope);
-        let siblings: Vec<_> = self
-            .siblings
-            .iter()
-            .filter(|c| !c.deployment.quota.circuit_open() && open(&c.deployment.quota, &c.scope))
-            .collect();
-        if self.stop.is_cancelled() || (!own_open && siblings.is_empty()) {
+        if self.stop.is_cancelled() || (!own_open && !self.siblings.iter().any(|c| sibling_open(&c))) {
             return None;
         }
         let slot = self.slots.take_free(self.lane)?;
         if own_open && let Some((running, reserved)) = take_on(&self.quota, &self.scope, || cost_on(own)).await {
             return Some((Place { slot, running }, reserved, None));
         }
-        for sibling in siblings {
+        for sibling in self.siblings.iter().filter(sibling_open) {
             let quota = &sibling.deployment.quota;
             if let Some((running, reserved)) = take_on(quota, &sibling.scope, || cost_on(&sibling.deployment)).await {
                 return Some((Place { slot, running }, reserved, Some(sibling.clone())));

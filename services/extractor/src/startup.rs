@@ -374,6 +374,12 @@ async fn lane_consumers(
     let mut loops = Vec::new();
     let mut limits = HashMap::new();
     let mut weights = HashMap::new();
+    // Each lane stream's consumers, listed once: a depth consumer no longer asked for is
+    // removed only where it exists.
+    let mut existing = HashMap::new();
+    for lane in Lane::ALL {
+        existing.insert(lane, consumer_names(&conn.layout.js, &layout::lane_stream(config.region, lane)).await?);
+    }
     for tenant in config.tenants.iter().filter(|t| t.region == config.region) {
         if let Some(l) = tenant.scope_limit {
             limits.insert(tenant.id.clone(), l);
@@ -383,7 +389,9 @@ async fn lane_consumers(
             let stream = layout::lane_stream(config.region, lane);
             for (name, filter, depth) in lane_consumer_plan(config.region, lane, tenant) {
                 if filter.is_none() {
-                    drop_consumer(&conn.layout.js, &stream, &name).await?;
+                    if existing[&lane].contains(&name) {
+                        drop_consumer(&conn.layout.js, &stream, &name).await?;
+                    }
                     continue;
                 }
                 let consumer =
@@ -432,6 +440,16 @@ fn lane_consumer_plan(
             (main, Some(layout::lane_filter(region, lane, &tenant.id)), ReviewDepth::Full),
         ]
     }
+}
+
+/// The names of a stream's consumers.
+async fn consumer_names(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+) -> Result<std::collections::HashSet<String>, StartError> {
+    use futures::TryStreamExt;
+    let stream = js.get_stream_no_info(stream).await.map_err(|e| StartError::Other(e.into()))?;
+    stream.consumer_names().try_collect().await.map_err(|e| StartError::Other(e.into()))
 }
 
 /// Removes a durable consumer if it exists; its unacknowledged reviews stay on the
@@ -498,19 +516,22 @@ fn pool_of(
     pool
 }
 
+/// The other deployments of `d`'s class, as `d` sees them.
+fn others_of(deployments: &[Arc<Deployment>], d: &Deployment) -> Others {
+    let others = deployments.iter().filter(|o| o.class == d.class && o.id != d.id);
+    Others::new(d.rank, others.map(|o| (o.quota.clone(), o.rank)).collect())
+}
+
 /// The other deployments of `d`'s class in rank order (then as configured), each with
 /// `tenant`'s scope on it and the others of the class as it sees them: where `d`'s
 /// split reviews may also run their parts.
 fn siblings(deployments: &[Arc<Deployment>], d: &Deployment, tenant: &str) -> Vec<crate::pool::Callee> {
-    let of_class = || deployments.iter().filter(|o| o.class == d.class);
-    let mut siblings: Vec<_> = of_class()
-        .filter(|o| o.id != d.id)
+    let mut siblings: Vec<_> = deployments
+        .iter()
+        .filter(|o| o.class == d.class && o.id != d.id)
         .map(|o| crate::pool::Callee {
             deployment: o.clone(),
-            others: Others::new(
-                o.rank,
-                of_class().filter(|x| x.id != o.id).map(|x| (x.quota.clone(), x.rank)).collect(),
-            ),
+            others: others_of(deployments, o),
             scope: o.scope(tenant),
         })
         .collect();
@@ -529,15 +550,10 @@ fn pool_loops(
     for d in deployments {
         let cost = cost_on(d);
         for c in consumers.iter().filter(|c| c.class == d.class) {
-            let others = deployments
-                .iter()
-                .filter(|o| o.class == d.class && o.id != d.id)
-                .map(|o| (o.quota.clone(), o.rank))
-                .collect();
             let l = LaneLoop {
                 lane: c.lane,
                 scope: d.scope(&c.tenant),
-                others: Others::new(d.rank, others),
+                others: others_of(deployments, d),
                 consumer: c.consumer.clone(),
                 cost: cost.clone(),
                 siblings: Arc::new(siblings(deployments, d, &c.tenant)),
