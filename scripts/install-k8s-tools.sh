@@ -16,7 +16,7 @@ if ! command -v kubectl >/dev/null 2>&1 && ! command -v kustomize >/dev/null 2>&
   && [ ! -x "$tools/usr/bin/kustomize" ]; then
   command -v apt-get >/dev/null || { log "need kubectl or kustomize on PATH, or apt-get to fetch kustomize"; exit 1; }
   log "fetching Debian trixie's kustomize into $tools"
-  bash "$root/scripts/fetch-debian-trixie.sh" kustomize
+  bash "$root/scripts/fetch-debian.sh" trixie kustomize
 fi
 
 venv="$tools/venv"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: installs nats-server 2.10+, promtool, kustomize, checkov,
+# The whole test suite: installs nats-server 2.12+, promtool, kustomize, checkov,
 # kubernetes-validate and buf if missing, checks
 # formatting and lints, checks and unit-tests the Prometheus alert rules, then runs
 # every unit and integration test (real nats-server processes on free loopback ports;

@@ -54,6 +54,13 @@ impl NatsServer {
     }
 }
 
+/// How the Go runtime of the servers started here collects, unless the environment
+/// says otherwise: a soft heap limit of 80 MiB, and a collection each time the heap has
+/// grown by a quarter since the last. Sized for a server beside one Redis in
+/// `loadtest`'s comparisons (docs/operations.md, "NATS memory", has the measured cost
+/// of each setting); tests write far less.
+const GO_RUNTIME: [(&str, &str); 2] = [("GOMEMLIMIT", "80MiB"), ("GOGC", "25")];
+
 fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
     let conf = dir.join("nats.conf");
     // max_payload: a 1 MiB diff plus its JSON envelope exceeds the 1 MiB default.
@@ -68,7 +75,13 @@ fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
         ),
     )
     .expect("write nats.conf");
-    let child = Command::new(nats_server_bin())
+    let mut command = Command::new(nats_server_bin());
+    for (name, value) in GO_RUNTIME {
+        if std::env::var_os(name).is_none() {
+            command.env(name, value);
+        }
+    }
+    let child = command
         .arg("-c")
         .arg(&conf)
         .stdout(Stdio::null())

@@ -134,7 +134,7 @@ pub fn bin_dir() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Installs nats-server 2.10+ into the checkout's `.tools/` when the machine has none
+/// Installs nats-server 2.12+ into the checkout's `.tools/` when the machine has none
 /// (`scripts/install-deps.sh`; skipped when `NATS_SERVER_BIN` names one).
 pub fn ensure_nats_server() -> anyhow::Result<()> {
     if std::env::var_os("NATS_SERVER_BIN").is_some() {
@@ -147,7 +147,7 @@ pub fn ensure_nats_server() -> anyhow::Result<()> {
         .output()
         .context("running scripts/install-deps.sh")?;
     if !out.status.success() {
-        bail!("scripts/install-deps.sh failed: no nats-server 2.10+");
+        bail!("scripts/install-deps.sh failed: no nats-server");
     }
     Ok(())
 }

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Unpacks Debian trixie's package <name> into .tools/ of this checkout, through a private
-# apt sources list (the system's sources and installed packages are not touched): for
-# tools whose Debian 12 package is too old or missing (nats-server, kustomize).
+# Usage: fetch-debian.sh <suite> <package>
+# Unpacks Debian <suite>'s package <package> into .tools/ of this checkout, through a
+# private apt sources list (the system's sources and installed packages are not
+# touched): for tools whose Debian 12 package is too old or missing (nats-server from
+# forky, kustomize from trixie). Both are static Go binaries.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tools="$root/.tools"
-pkg="$1"
-apt_dir="$tools/apt"
+suite="$1"
+pkg="$2"
+apt_dir="$tools/apt-$suite"
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial"
-echo "deb http://deb.debian.org/debian trixie main" > "$apt_dir/sources.list"
+echo "deb http://deb.debian.org/debian $suite main" > "$apt_dir/sources.list"
 opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
       -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache::archives=$apt_dir/archives"
       -o "APT::Get::List-Cleanup=0")
