@@ -81,7 +81,7 @@ fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
             command.env(name, value);
         }
     }
-    let child = command
+    let mut child = command
         .arg("-c")
         .arg(&conf)
         .stdout(Stdio::null())
@@ -90,19 +90,32 @@ fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
         .unwrap_or_else(|e| {
             panic!("cannot start nats-server ({}): {e}; run scripts/install-deps.sh", nats_server_bin().display())
         });
-    let ports = dir.join(format!("nats-server_{}.ports", child.id()));
     let deadline = Instant::now() + Duration::from_secs(10);
     let url = loop {
-        if let Ok(text) = std::fs::read_to_string(&ports)
-            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
-            && let Some(u) = v["nats"][0].as_str()
-        {
-            break u.to_string();
+        if let Some(url) = reported_url(dir, child.id()) {
+            break url;
         }
-        assert!(Instant::now() < deadline, "nats-server did not report its port in 10 s");
+        if Instant::now() >= deadline {
+            // Not left running behind the panic.
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("nats-server did not report its port in 10 s");
+        }
         std::thread::sleep(Duration::from_millis(20));
     };
     (child, url)
+}
+
+/// The client URL a server wrote to `<dir>/<its program's name>_<pid>.ports`.
+fn reported_url(dir: &Path, pid: u32) -> Option<String> {
+    let suffix = format!("_{pid}.ports");
+    let ports = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(&suffix)))?;
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ports).ok()?).ok()?;
+    v["nats"][0].as_str().map(str::to_string)
 }
 
 impl NatsServer {
@@ -281,4 +294,23 @@ pub fn capture() -> &'static Captured {
         std::mem::forget(provider);
         Captured { logs, spans }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reported_url;
+
+    /// A server names its ports file after its program, which need not be called
+    /// `nats-server`: it is found by its process id alone.
+    #[test]
+    fn a_server_is_found_by_its_pid_whatever_its_program_is_called() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("nats-2.10.27_41.ports"), r#"{"nats":["nats://127.0.0.1:5000"]}"#).unwrap();
+        std::fs::write(dir.path().join("nats-server_7.ports"), r#"{"nats":["nats://127.0.0.1:6000"]}"#).unwrap();
+        assert_eq!(reported_url(dir.path(), 41).as_deref(), Some("nats://127.0.0.1:5000"));
+        assert_eq!(reported_url(dir.path(), 7).as_deref(), Some("nats://127.0.0.1:6000"));
+        assert_eq!(reported_url(dir.path(), 1), None, "pid 1 is not pid 41");
+        std::fs::write(dir.path().join("nats-server_8.ports"), "{").unwrap();
+        assert_eq!(reported_url(dir.path(), 8), None, "a file still being written");
+    }
 }
