@@ -54,13 +54,6 @@ impl NatsServer {
     }
 }
 
-/// How the Go runtime of the servers started here collects, unless the environment
-/// says otherwise: a soft heap limit of 80 MiB, and a collection each time the heap has
-/// grown by a quarter since the last. Sized for a server beside one Redis in
-/// `loadtest`'s comparisons (docs/operations.md, "NATS memory", has the measured cost
-/// of each setting); tests write far less.
-const GO_RUNTIME: [(&str, &str); 2] = [("GOMEMLIMIT", "80MiB"), ("GOGC", "25")];
-
 fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
     let conf = dir.join("nats.conf");
     // max_payload: a 1 MiB diff plus its JSON envelope exceeds the 1 MiB default.
@@ -75,13 +68,9 @@ fn launch(dir: &Path, port: &str, extra: &str) -> (Child, String) {
         ),
     )
     .expect("write nats.conf");
-    let mut command = Command::new(nats_server_bin());
-    for (name, value) in GO_RUNTIME {
-        if std::env::var_os(name).is_none() {
-            command.env(name, value);
-        }
-    }
-    let mut child = command
+    // The Go runtime's settings (`GOGC`, `GOMEMLIMIT`) come from the environment, as the
+    // comparisons in docs/operations.md ("NATS memory") set them.
+    let mut child = Command::new(nats_server_bin())
         .arg("-c")
         .arg(&conf)
         .stdout(Stdio::null())
