@@ -223,11 +223,17 @@ async fn git_ranges_failures_and_unknown_keys_have_their_exit_codes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_exits_3_with_the_retry_delay() {
-    // Two messages fill the lane while the one being processed is not yet acked.
+    // Two messages fill the lane while the one being processed is not yet acked. The
+    // admission makes no prediction here (it would refuse the third as over the lane's
+    // window once its sample saw the two waiting, depending on when it sampled), so the
+    // refusal is the full lane's.
+    let interactive = reviewlane_ingress::config::IngressConfig::default_policies().0;
+    let policy = reviewlane_ingress::admission::LanePolicy { min_waiting: u64::MAX, ..interactive };
     let stack = Stack::start_with(StackOptions {
         lane_max_messages: Some(2),
         extractor_concurrency: 1,
         us_provider: SimConfig { latency: Duration::from_millis(3000), ..Default::default() },
+        interactive_policy: Some((policy, Duration::from_millis(500))),
         ..Default::default()
     })
     .await;
