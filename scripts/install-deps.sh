@@ -11,12 +11,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tools="$root/.tools"
 mkdir -p "$tools"
 
+at_least() { # MAJOR MINOR LOWEST_MINOR_OF_2: is MAJOR.MINOR at least 2.LOWEST?
+  [ "$1" -gt 2 ] || { [ "$1" -eq 2 ] && [ "$2" -ge "$3" ]; }
+}
+
 version_ok() { # $1 = path to nats-server, $2 = lowest minor of 2.x (default 12)
-  local v min="${2:-12}"
+  local v
   v="$("$1" --version 2>/dev/null | sed -n 's/.*v\([0-9][0-9]*\)\.\([0-9][0-9]*\).*/\1 \2/p')"
   [ -n "$v" ] || return 1
-  set -- $v
-  [ "$1" -gt 2 ] || { [ "$1" -eq 2 ] && [ "$2" -ge "$min" ]; }
+  at_least $v "${2:-12}"
 }
 
 log() { echo "install-deps: $*" >&2; }
@@ -46,7 +49,7 @@ SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 # The distribution's own package first, when it is new enough.
 $SUDO apt-get update -qq >&2 || true
 cand="$(apt-cache policy nats-server 2>/dev/null | sed -n 's/.*Candidate: *\([0-9][0-9]*\)\.\([0-9][0-9]*\).*/\1 \2/p')"
-if [ -n "$cand" ] && { set -- $cand; [ "$1" -gt 2 ] || { [ "$1" -eq 2 ] && [ "$2" -ge 12 ]; }; }; then
+if [ -n "$cand" ] && at_least $cand 12; then
   log "installing nats-server from the distribution"
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nats-server >&2
   dirname "$(command -v nats-server)"; exit 0
