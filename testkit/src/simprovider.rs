@@ -314,7 +314,7 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
         || path.starts_with("/v1/files")
         || path.starts_with("/v1/messages/batches")
     {
-        return Ok(batches(&st, req).await);
+        return Ok(batches(st, req).await);
     }
     // OpenAI-compatible chat completions, or Anthropic's Messages API (the answer then
     // comes as a `tool_use` block, the key as `x-api-key`).
@@ -525,7 +525,10 @@ async fn handle(st: Arc<State>, req: Request<Incoming>) -> Result<Response<Full<
 /// The batch endpoints (`simbatch`): OpenAI's Batch API (an upload is read before the
 /// files are locked) and Anthropic's Message Batches; each line is answered as the
 /// provider's synchronous endpoint would. A scripted 429 comes before anything else.
-async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
+/// The batch work (a poll that ends a batch answers every line of it) runs on the
+/// blocking pool: a provider's batches do not hold up its synchronous endpoint, and
+/// here they would hold a worker of the runtime the chat calls are served on.
+async fn batches(st: Arc<State>, req: Request<Incoming>) -> Response<Full<Bytes>> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or_default().to_string();
@@ -540,14 +543,6 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
         return st.batches.lock().expect("batches lock").upload(upload);
     }
     let anthropic = path.starts_with("/v1/messages/batches");
-    let answer = |request: &serde_json::Value| {
-        let prompt = request["messages"]
-            .as_array()
-            .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
-            .and_then(|m| m["content"].as_str())
-            .unwrap_or_default();
-        model_output(st, request, anthropic, prompt)
-    };
     let create = method == hyper::Method::POST && (path == "/v1/batches" || path == "/v1/messages/batches");
     let released = st.batch_gate.notified();
     tokio::pin!(released);
@@ -571,7 +566,17 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
         *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
         return r;
     }
-    let answered = {
+    let work = Arc::clone(&st);
+    let answered = tokio::task::spawn_blocking(move || {
+        let st = &*work;
+        let answer = |request: &serde_json::Value| {
+            let prompt = request["messages"]
+                .as_array()
+                .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+                .and_then(|m| m["content"].as_str())
+                .unwrap_or_default();
+            model_output(st, request, anthropic, prompt)
+        };
         let mut batches = st.batches.lock().expect("batches lock");
         if anthropic {
             let base = format!("http://{host}");
@@ -579,7 +584,9 @@ async fn batches(st: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
         } else {
             batches.handle(&method, &path, &query, body, &answer)
         }
-    };
+    })
+    .await
+    .expect("the batch endpoints do not panic");
     if hold == Some(crate::simbatch::HoldCreate::After) {
         released.await;
     }
