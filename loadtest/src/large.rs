@@ -11,8 +11,8 @@
 
 use std::time::{Duration, Instant};
 
-use reviewlane_api::proto::JobState;
 use reviewlane_api::proto::review_service_client::ReviewServiceClient;
+use reviewlane_api::proto::{self, JobState};
 use serde::Serialize;
 use tonic::transport::Channel;
 
@@ -94,13 +94,102 @@ pub struct LargeRun {
 }
 
 /// The other tenants' small reviews: how many, how many published, their
-/// submit-to-published times.
+/// submit-to-published times, and the p99 of each stage of it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Interactive {
     pub reviews: usize,
     pub published: usize,
     pub p50_secs: f64,
     pub p99_secs: f64,
+    pub stages_p99_secs: Stages,
+    /// The mean stages of the reviews at or above the p99: where the slowest went.
+    pub slowest_stages_secs: Stages,
+}
+
+/// Where a review's time went, as its `WatchReview` saw the states come: `submit` the
+/// submit's answer; `waiting` from it to `running` first seen (the lane, the pull, the
+/// lease); `call` from there to `validated` (the provider call, the result kept and
+/// validated); `delivery` from there to `published` (the publisher, the sink). A state
+/// the watch did not show starts when the next one seen does.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Stages {
+    pub submit: f64,
+    pub waiting: f64,
+    pub call: f64,
+    pub delivery: f64,
+}
+
+impl Stages {
+    /// The mean of each stage over `some`.
+    fn mean(some: &[Stages]) -> Stages {
+        let n = some.len().max(1) as f64;
+        let m = |f: fn(&Stages) -> f64| some.iter().map(f).sum::<f64>() / n;
+        Stages { submit: m(|s| s.submit), waiting: m(|s| s.waiting), call: m(|s| s.call), delivery: m(|s| s.delivery) }
+    }
+
+    /// The p99 of each stage over `all` (each stage's own quantile).
+    fn p99(all: &[Stages]) -> Stages {
+        let q = |f: fn(&Stages) -> f64| {
+            let mut v: Vec<f64> = all.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            percentile(&v, 0.99)
+        };
+        Stages { submit: q(|s| s.submit), waiting: q(|s| s.waiting), call: q(|s| s.call), delivery: q(|s| s.delivery) }
+    }
+}
+
+/// Submits one small review and follows it to a final state (at most `limit`): whether
+/// it was published, and its stages.
+async fn submit_and_follow(
+    client: &mut ReviewServiceClient<Channel>,
+    key: &str,
+    idem: &str,
+    diff: &str,
+    limit: Duration,
+) -> (bool, Stages) {
+    let started = Instant::now();
+    let job = submit(client, key, idem, diff).await;
+    let answered = Instant::now();
+    let deadline = tokio::time::Instant::now() + limit;
+    let req = crate::stack::authed(key, proto::WatchReviewRequest { job_id: job.job_id.clone() });
+    let mut stream = client.watch_review(req).await.expect("watch starts").into_inner();
+    // First seen: running (or later), validated (or published), published.
+    let mut seen: [Option<Instant>; 3] = [None; 3];
+    let mut last = job.state;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.message()).await {
+            Ok(Ok(Some(m))) => {
+                let Some(r) = m.review else { continue };
+                let now = Instant::now();
+                let reached = [
+                    [JobState::Running, JobState::RetryScheduled, JobState::Validated, JobState::Published]
+                        .map(|s| s as i32)
+                        .contains(&r.state),
+                    [JobState::Validated, JobState::Published].map(|s| s as i32).contains(&r.state),
+                    r.state == JobState::Published as i32,
+                ];
+                for (at, hit) in seen.iter_mut().zip(reached) {
+                    if hit && at.is_none() {
+                        *at = Some(now);
+                    }
+                }
+                last = r.state;
+            }
+            Ok(Ok(None)) => break,
+            Ok(Err(e)) => panic!("watching job {} failed: {e}", job.job_id),
+            Err(_) => panic!("job {} did not reach a final state within {limit:?}", job.job_id),
+        }
+    }
+    let end = Instant::now();
+    let at = |i: usize| seen[i..].iter().flatten().next().copied().unwrap_or(end);
+    let secs = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
+    let stages = Stages {
+        submit: secs(started, answered),
+        waiting: secs(answered, at(0)),
+        call: secs(at(0), at(1)),
+        delivery: secs(at(1), at(2)),
+    };
+    (last == JobState::Published as i32, stages)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -196,26 +285,32 @@ pub async fn interactive_reviews(
             let idem = format!("{round}-{i}");
             followers.spawn(async move {
                 let started = Instant::now();
-                let job = submit(&mut client, key, &idem, &diff).await;
-                let done = wait_final_within(&mut client, key, &job.job_id, Duration::from_secs(120)).await;
-                (done.state == JobState::Published as i32, started.elapsed().as_secs_f64())
+                let (published, stages) =
+                    submit_and_follow(&mut client, key, &idem, &diff, Duration::from_secs(120)).await;
+                (published, started.elapsed().as_secs_f64(), stages)
             });
         }
         i += 1;
     }
-    let mut times = Vec::new();
+    let mut runs = Vec::new();
     let mut published = 0;
     while let Some(r) = followers.join_next().await {
-        let (ok, secs) = r.expect("follower runs");
+        let (ok, secs, stages) = r.expect("follower runs");
         published += usize::from(ok);
-        times.push(secs);
+        runs.push((secs, stages));
     }
-    times.sort_by(f64::total_cmp);
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let times: Vec<f64> = runs.iter().map(|r| r.0).collect();
+    let stages: Vec<Stages> = runs.iter().map(|r| r.1).collect();
+    let p99 = percentile(&times, 0.99);
+    let slowest: Vec<Stages> = runs.iter().filter(|r| r.0 >= p99).map(|r| r.1).collect();
     Interactive {
         reviews: times.len(),
         published,
         p50_secs: percentile(&times, 0.5),
-        p99_secs: percentile(&times, 0.99),
+        p99_secs: p99,
+        stages_p99_secs: Stages::p99(&stages),
+        slowest_stages_secs: Stages::mean(&slowest),
     }
 }
 
@@ -271,9 +366,10 @@ pub fn print(r: &LargeReport) {
         );
     }
     for (name, i) in [("alone", &r.alone), ("beside", &r.beside_large)] {
+        let s = &i.stages_p99_secs;
         println!(
-            "  other tenants' reviews {name:<7} {} ({} published)  p50 {:.2} s  p99 {:.2} s",
-            i.reviews, i.published, i.p50_secs, i.p99_secs
+            "  other tenants' reviews {name:<7} {} ({} published)  p50 {:.2} s  p99 {:.2} s  (stages' p99: submit {:.3}, waiting {:.3}, call {:.3}, delivery {:.3})",
+            i.reviews, i.published, i.p50_secs, i.p99_secs, s.submit, s.waiting, s.call, s.delivery
         );
     }
     println!("  p50 beside the large review / alone: {:.3}", r.p50_ratio);

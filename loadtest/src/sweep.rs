@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use reviewlane_api::proto::review_service_client::ReviewServiceClient;
 use reviewlane_api::proto::{
     self, AddSweepItemsRequest, CreateSweepRequest, GetSweepRequest, SealSweepRequest, SweepItem, SweepItemState,
-    SweepMode,
+    SweepMode, WatchSweepRequest,
 };
 use serde::Serialize;
 use tonic::transport::Channel;
@@ -92,6 +92,8 @@ pub struct SweepRun {
     pub upload_secs: f64,
     /// From the seal to every item final.
     pub reconcile_secs: f64,
+    /// One `GetSweep` of the finished sweep (it reads every item's job record).
+    pub get_sweep_secs: f64,
     /// Lines (or calls) paid for, and lines sent again.
     pub paid: u64,
     pub resubmitted: u64,
@@ -137,6 +139,33 @@ fn count(sweep: &proto::Sweep, state: SweepItemState) -> u64 {
     sweep.items.iter().find(|c| c.state == state as i32).map_or(0, |c| c.count)
 }
 
+/// The sweep's view once every item is final, followed as a caller follows it
+/// (`WatchSweep`, as `reviewctl sweep watch` does): one read of every item, then only
+/// what changed. Polling `GetSweep` instead reads every item's job each time, which is
+/// load of its own beside the interactive reviews. At the deadline, the last view.
+async fn until_done(
+    client: &mut ReviewServiceClient<Channel>,
+    id: &str,
+    deadline: tokio::time::Instant,
+) -> anyhow::Result<proto::Sweep> {
+    let mut last = None;
+    while tokio::time::Instant::now() < deadline {
+        let req = WatchSweepRequest { sweep_id: id.to_string() };
+        let mut stream = client.watch_sweep(authed(US_KEY, req)).await?.into_inner();
+        // Until the stream ends (the sweep done, or the server going): then open again.
+        while let Ok(Ok(Some(m))) = tokio::time::timeout_at(deadline, stream.message()).await {
+            let sweep = m.sweep.expect("a sweep");
+            let done = sweep.percent_done == 100.0;
+            last = Some(sweep);
+            if done {
+                return Ok(last.expect("just set"));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    last.ok_or_else(|| anyhow::anyhow!("no view of sweep {id} before the deadline"))
+}
+
 async fn one_sweep(
     stack: &ProcStack,
     channel: &Channel,
@@ -160,16 +189,12 @@ async fn one_sweep(
     client.seal_sweep(authed(US_KEY, SealSweepRequest { sweep_id: id.clone() })).await?;
     let upload = started.elapsed();
     let sealed = Instant::now();
-    let deadline = Instant::now() + Duration::from_secs(1800);
-    let done = loop {
-        let s = client.get_sweep(authed(US_KEY, GetSweepRequest { sweep_id: id.clone() })).await?.into_inner().sweep;
-        let s = s.expect("a sweep");
-        if s.percent_done == 100.0 || Instant::now() > deadline {
-            break s;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    let done = until_done(&mut client, &id, tokio::time::Instant::now() + Duration::from_secs(1800)).await?;
     let reconcile = sealed.elapsed();
+    // One read of the whole sweep, as `GetSweep` makes it: every item's job.
+    let read = Instant::now();
+    client.get_sweep(authed(US_KEY, GetSweepRequest { sweep_id: id.clone() })).await?;
+    let get_sweep_secs = read.elapsed().as_secs_f64();
     let after = stack.us.provider.batch_stats();
     let (published, failed) = (count(&done, SweepItemState::Published), count(&done, SweepItemState::Failed));
     let paid = match mode {
@@ -184,6 +209,7 @@ async fn one_sweep(
         lost: done.items_total - published - failed,
         upload_secs: upload.as_secs_f64(),
         reconcile_secs: reconcile.as_secs_f64(),
+        get_sweep_secs,
         paid,
         resubmitted: (after.lines_received - before.lines_received).saturating_sub(match mode {
             SweepMode::ProviderBatch => done.items_total,
@@ -226,7 +252,7 @@ pub async fn run(stack: &ProcStack, cfg: &SweepConfig) -> anyhow::Result<SweepRe
 pub fn print(r: &SweepReport) {
     for run in [&r.batch, &r.lanes] {
         println!(
-            "sweep via {:<6} {} items: published {} failed {} lost {}; upload {:.2} s, seal -> reconciled {:.2} s; paid {} (resubmitted {}), provider batches {}, cost {:.4} USD",
+            "sweep via {:<6} {} items: published {} failed {} lost {}; upload {:.2} s, seal -> reconciled {:.2} s (one GetSweep {:.3} s); paid {} (resubmitted {}), provider batches {}, cost {:.4} USD",
             run.mode,
             run.items,
             run.published,
@@ -234,6 +260,7 @@ pub fn print(r: &SweepReport) {
             run.lost,
             run.upload_secs,
             run.reconcile_secs,
+            run.get_sweep_secs,
             run.paid,
             run.resubmitted,
             run.provider_batches,
@@ -241,9 +268,10 @@ pub fn print(r: &SweepReport) {
         );
     }
     for (name, i) in [("alone", &r.alone), ("beside", &r.beside_sweep)] {
+        let s = &i.stages_p99_secs;
         println!(
-            "  interactive reviews {name:<7} {} ({} published)  p50 {:.3} s  p99 {:.3} s",
-            i.reviews, i.published, i.p50_secs, i.p99_secs
+            "  interactive reviews {name:<7} {} ({} published)  p50 {:.3} s  p99 {:.3} s  (stages' p99: submit {:.3}, waiting {:.3}, call {:.3}, delivery {:.3})",
+            i.reviews, i.published, i.p50_secs, i.p99_secs, s.submit, s.waiting, s.call, s.delivery
         );
     }
     println!(
