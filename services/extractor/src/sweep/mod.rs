@@ -488,6 +488,8 @@ impl Coordinator {
     ) -> Result<(), RoundError> {
         let span = tracing::info_span!("batch.chunk", chunk = chunk.seq, provider = self.client.provider());
         async {
+            // The request lines built while leasing, sent at the intent that follows.
+            let mut built = None;
             loop {
                 let fresh = memory.fresh.contains(&chunk.chunk_id);
                 match chunk.step {
@@ -495,7 +497,9 @@ impl Coordinator {
                         let job_ids = self.lease(sweep, chunk).await?;
                         let (mut input_digest, mut newest_before) = (String::new(), None);
                         if !job_ids.is_empty() {
-                            input_digest = digest(&self.lines(sweep, &job_ids).await?);
+                            let lines;
+                            (lines, input_digest) = digested(self.lines(sweep, &job_ids).await?).await;
+                            built = Some(lines);
                             newest_before = self.client.mark().await?;
                         }
                         self.step(chunk, revision, ChunkEvent::Leased { job_ids, input_digest, newest_before }).await?;
@@ -508,10 +512,18 @@ impl Coordinator {
                     }
                     ChunkStep::Intent => {
                         self.still_leading().await?;
-                        let lines = self.lines(sweep, &chunk.job_ids).await?;
-                        if chunk.input_digest.as_deref() != Some(digest(&lines).as_str()) {
-                            tracing::warn!("a chunk's request lines differ from its intent; sent as they now are");
-                        }
+                        let lines = match built.take() {
+                            Some(lines) => lines,
+                            None => {
+                                let (lines, now) = digested(self.lines(sweep, &chunk.job_ids).await?).await;
+                                if chunk.input_digest.as_deref() != Some(now.as_str()) {
+                                    tracing::warn!(
+                                        "a chunk's request lines differ from its intent; sent as they now are"
+                                    );
+                                }
+                                lines
+                            }
+                        };
                         let sent = self.client.send(chunk, &lines).await?;
                         self.sent(chunk, revision, sent).await?;
                     }
@@ -756,6 +768,18 @@ impl Coordinator {
         }
         Ok(out)
     }
+}
+
+/// The lines with their digest, worked out on the blocking pool: a chunk's lines are
+/// tens of MB of JSON, and the runtime's workers also pull and lease interactive
+/// reviews.
+async fn digested(lines: Vec<serde_json::Value>) -> (Vec<serde_json::Value>, String) {
+    tokio::task::spawn_blocking(move || {
+        let d = digest(&lines);
+        (lines, d)
+    })
+    .await
+    .expect("a digest does not panic")
 }
 
 /// The digest of a chunk's request lines, in order.
