@@ -10,10 +10,12 @@
 //! extractor runs provider batches (and why not); `coordinator`, which of its replicas
 //! drives them.
 
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv};
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use reviewlane_core::batch::ChunkRecord;
 use reviewlane_core::region::Region;
 use reviewlane_core::sweep::{ItemEntry, SweepError, SweepEvent, SweepRecord};
@@ -154,7 +156,7 @@ impl Sweeps {
     /// Every tenant's sweeps (the coordinator's round).
     pub async fn all(&self) -> Result<Vec<SweepRecord>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
-        let entries = self.last_of(format!("$KV.{bucket}.sweep.>"), false).await?;
+        let entries = self.last_of(format!("$KV.{bucket}.sweep.>")).await?;
         entries
             .into_iter()
             .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
@@ -164,7 +166,7 @@ impl Sweeps {
     /// The tenant's sweeps, newest first.
     pub async fn list(&self, tenant: &str) -> Result<Vec<SweepRecord>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
-        let entries = self.last_of(format!("$KV.{bucket}.sweep.{tenant}.*"), false).await?;
+        let entries = self.last_of(format!("$KV.{bucket}.sweep.{tenant}.*")).await?;
         let mut out = entries
             .into_iter()
             .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
@@ -244,21 +246,28 @@ impl Sweeps {
         Ok(())
     }
 
-    /// The job ids of the sweep's items, in the order they were added (headers only:
-    /// no review is read).
+    /// The job ids of the sweep's items, sorted: the stream's own count of the keys
+    /// (no entry is read).
     pub async fn item_ids(&self, sweep_id: &str) -> Result<Vec<String>, StoreError> {
         let prefix = format!("$KV.{}.item.{sweep_id}.", layout::sweeps_bucket(self.region));
-        let entries = self.last_of(self.items_filter(sweep_id), true).await?;
-        Ok(entries.into_iter().filter_map(|(subject, ..)| subject.strip_prefix(&prefix).map(str::to_string)).collect())
+        let subjects = self.subjects(&self.items_filter(sweep_id)).await?;
+        let mut ids: Vec<String> =
+            subjects.iter().filter_map(|subject| subject.strip_prefix(&prefix).map(str::to_string)).collect();
+        ids.sort_unstable();
+        Ok(ids)
     }
 
     /// The sweep's items with what their entries hold (their reviews, until handed over).
     pub async fn items(&self, sweep_id: &str) -> Result<Vec<ItemEntry>, StoreError> {
-        let entries = self.last_of(self.items_filter(sweep_id), false).await?;
-        entries
+        let entries = self.last_of(self.items_filter(sweep_id)).await?;
+        let mut items = entries
             .into_iter()
             .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
-            .collect()
+            .collect::<Result<Vec<ItemEntry>, _>>()?;
+        // In the order they were added: stripping an item's review rewrites its entry,
+        // and must not move it between pages.
+        items.sort_by(|a, b| a.added_at_ms.cmp(&b.added_at_ms).then_with(|| a.job_id.cmp(&b.job_id)));
+        Ok(items)
     }
 
     /// Stores a chunk's record unless its key exists; as it then stands, with its
@@ -289,7 +298,7 @@ impl Sweeps {
     pub async fn chunks(&self, sweep_id: &str) -> Result<Vec<(ChunkRecord, u64)>, StoreError> {
         let filter = format!("$KV.{}.batch.{sweep_id}.*", layout::sweeps_bucket(self.region));
         let mut out = self
-            .last_of(filter, false)
+            .last_of(filter)
             .await?
             .into_iter()
             .map(|(_, payload, revision)| {
@@ -350,35 +359,71 @@ impl Sweeps {
         format!("$KV.{}.item.{sweep_id}.*", layout::sweeps_bucket(self.region))
     }
 
-    /// The last entry of each key under `filter`: (subject, payload — none with
-    /// `headers_only` — and revision). Every one, or an error: a listing that stalls is not cut short
-    /// (a seal would leave the items past the cut unrun).
-    async fn last_of(
-        &self,
-        filter: String,
-        headers_only: bool,
-    ) -> Result<Vec<(String, bytes::Bytes, u64)>, StoreError> {
+    /// The keys under `filter` as the stream counts them now: its subject index, one
+    /// request, exact whatever is being written meanwhile.
+    async fn subjects(&self, filter: &str) -> Result<HashSet<String>, StoreError> {
+        let stream = self.stream().await?;
+        let mut info = stream.info_with_subjects(filter).await.map_err(StoreError::other)?;
+        let mut out = HashSet::new();
+        while let Some((subject, _)) = info.try_next().await.map_err(StoreError::other)? {
+            out.insert(subject);
+        }
+        Ok(out)
+    }
+
+    async fn stream(&self) -> Result<jetstream::stream::Stream, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
-        let stream = self.js.get_stream(format!("KV_{bucket}")).await.map_err(StoreError::other)?;
+        self.js.get_stream(format!("KV_{bucket}")).await.map_err(StoreError::other)
+    }
+
+    /// The last entry of each key under `filter`: (subject, payload, revision), oldest
+    /// revision first. Every key the stream holds when the listing starts, or an error:
+    /// a listing that stalls is not cut short (a seal would leave the items past the
+    /// cut unrun).
+    ///
+    /// The keys come from the stream's subject index, and the consumer is read until
+    /// each has been seen. Its pending count is no bound: a key rewritten while the
+    /// consumer starts (a stripped item, a batch's next step) can be left out of it,
+    /// and the listing would end one key short.
+    async fn last_of(&self, filter: String) -> Result<Vec<(String, bytes::Bytes, u64)>, StoreError> {
+        let keys = self.subjects(&filter).await?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let stream = self.stream().await?;
         let config = consumer::pull::OrderedConfig {
             filter_subject: filter,
             deliver_policy: consumer::DeliverPolicy::LastPerSubject,
-            headers_only,
             ..Default::default()
         };
-        let mut consumer = stream.create_consumer(config).await.map_err(StoreError::other)?;
-        let pending = consumer.info().await.map_err(StoreError::other)?.num_pending as usize;
+        let consumer = stream.create_consumer(config).await.map_err(StoreError::other)?;
         let mut messages = consumer.messages().await.map_err(StoreError::other)?;
-        let mut out = Vec::with_capacity(pending);
-        while out.len() < pending {
+        let mut last: HashMap<String, (bytes::Bytes, u64)> = HashMap::with_capacity(keys.len());
+        let mut unseen = keys.len();
+        while unseen > 0 {
             let msg = match tokio::time::timeout(LIST_WAIT, messages.next()).await {
                 Ok(Some(msg)) => msg.map_err(StoreError::other)?,
                 Ok(None) => return Err(StoreError::other("the listing ended early")),
                 Err(_) => return Err(StoreError::Timeout("the listing stalled".into())),
             };
             let revision = msg.info().map_err(StoreError::other)?.stream_sequence;
-            out.push((msg.subject.to_string(), msg.payload.clone(), revision));
+            match last.entry(msg.subject.to_string()) {
+                Entry::Occupied(mut seen) => {
+                    if revision > seen.get().1 {
+                        seen.insert((msg.payload.clone(), revision));
+                    }
+                }
+                Entry::Vacant(new) => {
+                    if keys.contains(new.key()) {
+                        unseen -= 1;
+                    }
+                    new.insert((msg.payload.clone(), revision));
+                }
+            }
         }
+        let mut out: Vec<_> =
+            last.into_iter().map(|(subject, (payload, revision))| (subject, payload, revision)).collect();
+        out.sort_unstable_by_key(|e| e.2);
         Ok(out)
     }
 }

@@ -233,3 +233,55 @@ async fn an_item_called_when_its_sweep_is_cancelled_is_not_called_again_after_it
     assert_eq!((count(&swept, SweepItemState::Cancelled), swept.percent_done), (1, 100.0));
     stack.shutdown().await;
 }
+
+/// A sweep's manifest listed while its items' entries are being rewritten (each item's
+/// review stripped once it is handed over, as the extractor does): every listing holds
+/// every item once. Progress, cancellation and a coordinator's round read these; a
+/// listing one item short ended a sweep at 100 % with that item still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manifest_listed_while_its_items_are_rewritten_holds_every_item_once() {
+    use reviewlane_core::region::Region;
+    use reviewlane_core::sweep::ItemEntry;
+    use reviewlane_shared::layout::{self, LayoutConfig};
+    use reviewlane_shared::sweeps::Sweeps;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let nats = reviewlane_shared::testing::NatsServer::start();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let layout = layout::ensure(&js, Region::Us, &LayoutConfig::default()).await.unwrap();
+    let store = Sweeps::new(js.clone(), layout.sweeps.clone(), Region::Us);
+    let n = 50;
+    let items: Vec<ItemEntry> = (0..n)
+        .map(|i| ItemEntry {
+            job_id: format!("us_job{i:04}"),
+            item_key: format!("k{i}"),
+            request_digest: "d".into(),
+            added_at_ms: i as u64,
+            review: None,
+        })
+        .collect();
+    for item in &items {
+        store.add_item("s1", item).await.unwrap();
+    }
+    let (stop, rewrites) = (std::sync::Arc::new(AtomicBool::new(false)), std::sync::Arc::new(AtomicUsize::new(0)));
+    let writer = {
+        let (store, items) = (Sweeps::new(js.clone(), layout.sweeps.clone(), Region::Us), items.clone());
+        let (stop, rewrites) = (stop.clone(), rewrites.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let i = rewrites.fetch_add(1, Ordering::Relaxed);
+                store.strip_item("s1", &items[i % items.len()]).await.unwrap();
+            }
+        })
+    };
+    let want: Vec<String> = items.iter().map(|i| i.job_id.clone()).collect();
+    for round in 0..200 {
+        let mut ids = store.item_ids("s1").await.unwrap();
+        ids.sort();
+        assert_eq!(ids, want, "ids, listing {round}");
+        let listed: Vec<String> = store.items("s1").await.unwrap().into_iter().map(|i| i.job_id).collect();
+        assert_eq!(listed, want, "entries in the order added, listing {round}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.await.unwrap();
+    assert!(rewrites.load(Ordering::Relaxed) > 200, "the entries were rewritten throughout");
+}
