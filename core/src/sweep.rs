@@ -168,6 +168,9 @@ pub struct ItemEntry {
     /// Of the item's review: what makes a same-key item the same one.
     pub request_digest: String,
     pub added_at_ms: u64,
+    /// Its place in the page that added it: the items of one page share `added_at_ms`.
+    #[serde(default)]
+    pub position: u32,
     /// The review, until it is enqueued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub review: Option<ReviewMessage>,

@@ -250,7 +250,7 @@ impl Sweeps {
     /// (no entry is read).
     pub async fn item_ids(&self, sweep_id: &str) -> Result<Vec<String>, StoreError> {
         let prefix = format!("$KV.{}.item.{sweep_id}.", layout::sweeps_bucket(self.region));
-        let subjects = self.subjects(&self.items_filter(sweep_id)).await?;
+        let subjects = self.keys(&self.items_filter(sweep_id)).await?;
         let mut ids: Vec<String> =
             subjects.iter().filter_map(|subject| subject.strip_prefix(&prefix).map(str::to_string)).collect();
         ids.sort_unstable();
@@ -264,9 +264,10 @@ impl Sweeps {
             .into_iter()
             .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
             .collect::<Result<Vec<ItemEntry>, _>>()?;
-        // In the order they were added: stripping an item's review rewrites its entry,
-        // and must not move it between pages.
-        items.sort_by(|a, b| a.added_at_ms.cmp(&b.added_at_ms).then_with(|| a.job_id.cmp(&b.job_id)));
+        // In the order they were added (by the time the ingress took their page, then
+        // their place in it), not by when each entry was last written: stripping an
+        // item's review rewrites its entry, and must not move it between pages.
+        items.sort_by(|a, b| (a.added_at_ms, a.position, &a.job_id).cmp(&(b.added_at_ms, b.position, &b.job_id)));
         Ok(items)
     }
 
@@ -359,10 +360,10 @@ impl Sweeps {
         format!("$KV.{}.item.{sweep_id}.*", layout::sweeps_bucket(self.region))
     }
 
-    /// The keys under `filter` as the stream counts them now: its subject index, one
-    /// request, exact whatever is being written meanwhile.
-    async fn subjects(&self, filter: &str) -> Result<HashSet<String>, StoreError> {
-        let stream = self.stream().await?;
+    /// The keys under `filter` as the stream counts them now, from its subject index:
+    /// exact whatever is being written meanwhile (one request, and one more for the
+    /// empty page that ends it). A deleted key keeps its subject until it is purged.
+    async fn subjects<I>(stream: &jetstream::stream::Stream<I>, filter: &str) -> Result<HashSet<String>, StoreError> {
         let mut info = stream.info_with_subjects(filter).await.map_err(StoreError::other)?;
         let mut out = HashSet::new();
         while let Some((subject, _)) = info.try_next().await.map_err(StoreError::other)? {
@@ -371,58 +372,82 @@ impl Sweeps {
         Ok(out)
     }
 
-    async fn stream(&self) -> Result<jetstream::stream::Stream, StoreError> {
+    async fn stream(&self) -> Result<jetstream::stream::Stream<()>, StoreError> {
         let bucket = layout::sweeps_bucket(self.region);
-        self.js.get_stream(format!("KV_{bucket}")).await.map_err(StoreError::other)
+        self.js.get_stream_no_info(format!("KV_{bucket}")).await.map_err(StoreError::other)
+    }
+
+    /// The keys under `filter`.
+    async fn keys(&self, filter: &str) -> Result<HashSet<String>, StoreError> {
+        Self::subjects(&self.stream().await?, filter).await
     }
 
     /// The last entry of each key under `filter`: (subject, payload, revision), oldest
-    /// revision first. Every key the stream holds when the listing starts, or an error:
-    /// a listing that stalls is not cut short (a seal would leave the items past the
-    /// cut unrun).
+    /// revision first; a deleted key is left out. Every key the stream holds when the
+    /// listing starts, or an error: a listing that stalls is not cut short (a seal
+    /// would leave the items past the cut unrun).
     ///
     /// The keys come from the stream's subject index, and the consumer is read until
-    /// each has been seen. Its pending count is no bound: a key rewritten while the
-    /// consumer starts (a stripped item, a batch's next step) can be left out of it,
-    /// and the listing would end one key short.
+    /// each has been seen. Its pending count is no bound: a key rewritten while it is
+    /// read is delivered again, and its count drops at the rewrite before it rises for
+    /// the new entry, so a listing that stopped at the count ended keys short. A key
+    /// whose entry ages out before the consumer reaches it is never delivered: after a
+    /// stall the keys are listed again, and the listing ends if only such keys were
+    /// left.
     async fn last_of(&self, filter: String) -> Result<Vec<(String, bytes::Bytes, u64)>, StoreError> {
-        let keys = self.subjects(&filter).await?;
+        let stream = self.stream().await?;
+        let mut keys = Self::subjects(&stream, &filter).await?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let stream = self.stream().await?;
         let config = consumer::pull::OrderedConfig {
-            filter_subject: filter,
+            filter_subject: filter.clone(),
             deliver_policy: consumer::DeliverPolicy::LastPerSubject,
             ..Default::default()
         };
         let consumer = stream.create_consumer(config).await.map_err(StoreError::other)?;
         let mut messages = consumer.messages().await.map_err(StoreError::other)?;
-        let mut last: HashMap<String, (bytes::Bytes, u64)> = HashMap::with_capacity(keys.len());
+        // By key: its entry (none: deleted) and revision.
+        let mut last: HashMap<String, (Option<bytes::Bytes>, u64)> = HashMap::with_capacity(keys.len());
         let mut unseen = keys.len();
         while unseen > 0 {
             let msg = match tokio::time::timeout(LIST_WAIT, messages.next()).await {
                 Ok(Some(msg)) => msg.map_err(StoreError::other)?,
                 Ok(None) => return Err(StoreError::other("the listing ended early")),
-                Err(_) => return Err(StoreError::Timeout("the listing stalled".into())),
+                Err(_) => {
+                    let now = Self::subjects(&stream, &filter).await?;
+                    keys.retain(|k| last.contains_key(k) || now.contains(k));
+                    if keys.iter().all(|k| last.contains_key(k)) {
+                        break;
+                    }
+                    return Err(StoreError::Timeout("the listing stalled".into()));
+                }
             };
             let revision = msg.info().map_err(StoreError::other)?.stream_sequence;
+            let deleted = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+            let entry = (!deleted).then(|| msg.payload.clone());
             match last.entry(msg.subject.to_string()) {
                 Entry::Occupied(mut seen) => {
                     if revision > seen.get().1 {
-                        seen.insert((msg.payload.clone(), revision));
+                        seen.insert((entry, revision));
                     }
                 }
                 Entry::Vacant(new) => {
                     if keys.contains(new.key()) {
                         unseen -= 1;
                     }
-                    new.insert((msg.payload.clone(), revision));
+                    new.insert((entry, revision));
                 }
             }
         }
-        let mut out: Vec<_> =
-            last.into_iter().map(|(subject, (payload, revision))| (subject, payload, revision)).collect();
+        let mut out: Vec<_> = last
+            .into_iter()
+            .filter_map(|(subject, (entry, revision))| entry.map(|payload| (subject, payload, revision)))
+            .collect();
         out.sort_unstable_by_key(|e| e.2);
         Ok(out)
     }

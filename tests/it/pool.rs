@@ -705,3 +705,51 @@ async fn two_extractor_processes_route_a_class_over_two_deployments_each_within_
         assert_eq!(paid, 1, "{id} paid once");
     }
 }
+
+/// The pool's statuses listed while every replica rewrites them (each does every few
+/// seconds): each listing names every deployment once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pools_statuses_listed_while_they_are_rewritten_name_every_deployment_once() {
+    use reviewlane_core::region::Region;
+    use reviewlane_shared::layout::{self, LayoutConfig};
+    use reviewlane_shared::pool_status::{self, DeploymentStatus};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let nats = reviewlane_shared::testing::NatsServer::start();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let layout = layout::ensure(&js, Region::Us, &LayoutConfig::default()).await.unwrap();
+    let status = |i: usize| DeploymentStatus {
+        deployment: format!("dep-{i:02}"),
+        kind: "openai".into(),
+        model: "m".into(),
+        model_class: "fast".into(),
+        state: "routing".into(),
+        in_flight: 0,
+        window: 4,
+        budgets: Vec::new(),
+        paused_for_ms: None,
+        observed_at_ms: 0,
+    };
+    let n = 20;
+    for i in 0..n {
+        pool_status::put(&layout.quota, &status(i)).await.unwrap();
+    }
+    let (stop, rewrites) = (std::sync::Arc::new(AtomicBool::new(false)), std::sync::Arc::new(AtomicUsize::new(0)));
+    let writer = {
+        let (kv, stop, rewrites) = (layout.quota.clone(), stop.clone(), rewrites.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let i = rewrites.fetch_add(1, Ordering::Relaxed);
+                pool_status::put(&kv, &DeploymentStatus { observed_at_ms: i as u64, ..status(i % n) }).await.unwrap();
+            }
+        })
+    };
+    let want: Vec<String> = (0..n).map(|i| status(i).deployment).collect();
+    for round in 0..200 {
+        let listed: Vec<String> =
+            pool_status::list(&layout.quota).await.unwrap().into_iter().map(|s| s.deployment).collect();
+        assert_eq!(listed, want, "listing {round}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.await.unwrap();
+    assert!(rewrites.load(Ordering::Relaxed) > 200, "the statuses were rewritten throughout");
+}

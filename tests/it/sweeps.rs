@@ -249,13 +249,16 @@ async fn a_manifest_listed_while_its_items_are_rewritten_holds_every_item_once()
     let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     let layout = layout::ensure(&js, Region::Us, &LayoutConfig::default()).await.unwrap();
     let store = Sweeps::new(js.clone(), layout.sweeps.clone(), Region::Us);
+    // Five pages of ten, in the order added; their job ids (digests, in production)
+    // sort the other way.
     let n = 50;
     let items: Vec<ItemEntry> = (0..n)
         .map(|i| ItemEntry {
-            job_id: format!("us_job{i:04}"),
+            job_id: format!("us_job{:04}", n - i),
             item_key: format!("k{i}"),
             request_digest: "d".into(),
-            added_at_ms: i as u64,
+            added_at_ms: 1_000 + (i / 10) as u64,
+            position: (i % 10) as u32,
             review: None,
         })
         .collect();
@@ -274,14 +277,20 @@ async fn a_manifest_listed_while_its_items_are_rewritten_holds_every_item_once()
         })
     };
     let want: Vec<String> = items.iter().map(|i| i.job_id.clone()).collect();
+    let mut sorted = want.clone();
+    sorted.sort();
     for round in 0..200 {
         let mut ids = store.item_ids("s1").await.unwrap();
         ids.sort();
-        assert_eq!(ids, want, "ids, listing {round}");
+        assert_eq!(ids, sorted, "ids, listing {round}");
         let listed: Vec<String> = store.items("s1").await.unwrap().into_iter().map(|i| i.job_id).collect();
         assert_eq!(listed, want, "entries in the order added, listing {round}");
     }
     stop.store(true, Ordering::Relaxed);
     writer.await.unwrap();
     assert!(rewrites.load(Ordering::Relaxed) > 200, "the entries were rewritten throughout");
+    // An entry deleted by hand (an operator's `nats kv del`) is no item.
+    layout.sweeps.delete(format!("item.s1.{}", want[0])).await.unwrap();
+    let listed: Vec<String> = store.items("s1").await.unwrap().into_iter().map(|i| i.job_id).collect();
+    assert_eq!(listed, want[1..], "a deleted entry is left out");
 }

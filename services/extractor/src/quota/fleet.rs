@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_nats::jetstream::kv;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -278,15 +278,18 @@ impl Quota {
     }
 
     /// Reads every replica's heartbeat once (at start; later ones arrive as written).
-    /// A partial read fails the start rather than shrink the ranks.
+    /// A failed read fails the start rather than shrink the ranks. The keys come from
+    /// the stream's subject index: a listing by consumer (`keys()`) stops at its
+    /// pending count, which a heartbeat rewritten meanwhile leaves short.
     async fn load_heartbeats(&self) -> Result<(), FleetError> {
         self.tally.read();
-        let mut keys = self.kv.keys().await.map_err(FleetError::store)?;
-        while let Some(key) = keys.next().await {
-            let key = key.map_err(FleetError::store)?;
+        let filter = format!("{}{}>", self.kv.prefix, self.replicas());
+        let mut subjects = self.kv.stream.info_with_subjects(filter).await.map_err(FleetError::store)?;
+        while let Some((subject, _)) = subjects.try_next().await.map_err(FleetError::store)? {
+            let Some(key) = subject.strip_prefix(self.kv.prefix.as_str()) else { continue };
             let Some(id) = key.strip_prefix(&self.replicas()) else { continue };
             self.tally.read();
-            let Some(v) = self.kv.get(&key).await.map_err(FleetError::store)? else { continue };
+            let Some(v) = self.kv.get(key).await.map_err(FleetError::store)? else { continue };
             if let Ok(h) = serde_json::from_slice::<Heartbeat>(&v) {
                 self.heartbeats.lock().expect("heartbeats lock").entry(id.to_string()).or_insert(h);
             }

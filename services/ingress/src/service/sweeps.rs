@@ -177,6 +177,7 @@ impl ReviewApi {
             item_key: first.job_id.clone(),
             request_digest,
             added_at_ms: now,
+            position: 0,
             review: Some(review),
         };
         match store.add_item(&rec.sweep_id, &entry).await? {
@@ -235,11 +236,11 @@ impl ReviewApi {
         };
         let now = self.clock.now_ms();
         let mut entries = Vec::with_capacity(req.items.len());
-        for item in req.items {
+        for (position, item) in (0u32..).zip(req.items) {
             if item.item_key.is_empty() || item.item_key.len() > MAX_KEY {
                 return Err(ApiError::invalid("items.item_key", format!("required, at most {MAX_KEY} bytes")));
             }
-            entries.push(self.item_entry(tenant, handle, &rec, item, &limits, now)?);
+            entries.push(ItemEntry { position, ..self.item_entry(tenant, handle, &rec, item, &limits, now)? });
         }
         let (mut added, mut present) = (0u32, 0u32);
         // A sealed or cancelled sweep takes no item; a page it has already (a retry) is
@@ -330,7 +331,14 @@ impl ReviewApi {
         };
         // Refused now, not at the seal, when the lane would not take it.
         super::submit::encode(handle, &review)?;
-        Ok(ItemEntry { job_id, item_key: item.item_key, request_digest, added_at_ms: now, review: Some(review) })
+        Ok(ItemEntry {
+            job_id,
+            item_key: item.item_key,
+            request_digest,
+            added_at_ms: now,
+            position: 0,
+            review: Some(review),
+        })
     }
 
     /// Seals the sweep and hands every item not yet handed over to the batch lane.
