@@ -11,6 +11,7 @@ pub mod faults;
 pub mod job_index;
 pub mod job_metrics;
 pub mod job_store;
+pub mod kv_listing;
 pub mod lanes;
 pub mod layout;
 pub mod nats_client;

@@ -6,7 +6,6 @@
 //! and their limits, never content or keys.
 
 use async_nats::jetstream::kv;
-use futures::TryStreamExt;
 pub use reviewlane_core::pool_status::{BudgetRoom, DeploymentStatus};
 
 use crate::store::StoreError;
@@ -20,18 +19,10 @@ pub async fn put(kv: &kv::Store, status: &DeploymentStatus) -> Result<(), StoreE
     Ok(())
 }
 
-/// Every deployment of the region's pool, as last written, by id. The keys come from
-/// the stream's subject index: a listing by consumer (`keys()`) stops at its pending
-/// count, which a status rewritten meanwhile leaves short, and gives such a key twice.
+/// Every deployment of the region's pool, as last written, by id (its keys from the
+/// stream's subject index: `kv_listing`).
 pub async fn list(kv: &kv::Store) -> Result<Vec<DeploymentStatus>, StoreError> {
-    let mut subjects =
-        kv.stream.info_with_subjects(format!("{}{PREFIX}>", kv.prefix)).await.map_err(StoreError::other)?;
-    let mut keys = std::collections::BTreeSet::new();
-    while let Some((subject, _)) = subjects.try_next().await.map_err(StoreError::other)? {
-        if let Some(key) = subject.strip_prefix(kv.prefix.as_str()) {
-            keys.insert(key.to_string());
-        }
-    }
+    let keys = crate::kv_listing::keys(kv, &format!("{PREFIX}>")).await?;
     let mut out = Vec::new();
     for key in keys {
         if let Some(v) = kv.get(&key).await.map_err(StoreError::other)?

@@ -10,18 +10,17 @@
 //! extractor runs provider batches (and why not); `coordinator`, which of its replicas
 //! drives them.
 
+use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv};
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use reviewlane_core::batch::ChunkRecord;
-use reviewlane_core::region::Region;
 use reviewlane_core::sweep::{ItemEntry, SweepError, SweepEvent, SweepRecord};
 use serde::{Deserialize, Serialize};
 
-use crate::layout;
+use crate::kv_listing;
 use crate::store::StoreError;
 
 /// How a create came out.
@@ -36,7 +35,6 @@ pub enum Made<T> {
 pub struct Sweeps {
     kv: kv::Store,
     js: jetstream::Context,
-    region: Region,
 }
 
 /// Longest wait for the next entry of a listing.
@@ -131,8 +129,8 @@ struct Lead {
 }
 
 impl Sweeps {
-    pub fn new(js: jetstream::Context, kv: kv::Store, region: Region) -> Sweeps {
-        Sweeps { kv, js, region }
+    pub fn new(js: jetstream::Context, kv: kv::Store) -> Sweeps {
+        Sweeps { kv, js }
     }
 
     /// Creates the sweep unless its id exists.
@@ -155,21 +153,19 @@ impl Sweeps {
 
     /// Every tenant's sweeps (the coordinator's round).
     pub async fn all(&self) -> Result<Vec<SweepRecord>, StoreError> {
-        let bucket = layout::sweeps_bucket(self.region);
-        let entries = self.last_of(format!("$KV.{bucket}.sweep.>")).await?;
+        let entries = self.last_of("sweep.>").await?;
         entries
             .into_iter()
-            .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
+            .map(|(payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
             .collect()
     }
 
     /// The tenant's sweeps, newest first.
     pub async fn list(&self, tenant: &str) -> Result<Vec<SweepRecord>, StoreError> {
-        let bucket = layout::sweeps_bucket(self.region);
-        let entries = self.last_of(format!("$KV.{bucket}.sweep.{tenant}.*")).await?;
+        let entries = self.last_of(&format!("sweep.{tenant}.*")).await?;
         let mut out = entries
             .into_iter()
-            .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
+            .map(|(payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
             .collect::<Result<Vec<SweepRecord>, _>>()?;
         out.sort_by(|a, b| b.created_at_ms.cmp(&a.created_at_ms).then_with(|| a.sweep_id.cmp(&b.sweep_id)));
         Ok(out)
@@ -246,23 +242,20 @@ impl Sweeps {
         Ok(())
     }
 
-    /// The job ids of the sweep's items, sorted: the stream's own count of the keys
-    /// (no entry is read).
+    /// The job ids of the sweep's items, sorted (its keys from the stream's subject
+    /// index: no entry is read).
     pub async fn item_ids(&self, sweep_id: &str) -> Result<Vec<String>, StoreError> {
-        let prefix = format!("$KV.{}.item.{sweep_id}.", layout::sweeps_bucket(self.region));
-        let subjects = self.keys(&self.items_filter(sweep_id)).await?;
-        let mut ids: Vec<String> =
-            subjects.iter().filter_map(|subject| subject.strip_prefix(&prefix).map(str::to_string)).collect();
-        ids.sort_unstable();
-        Ok(ids)
+        let prefix = item_key(sweep_id, "");
+        let keys = kv_listing::keys(&self.kv, &format!("{prefix}*")).await?;
+        Ok(keys.iter().filter_map(|key| key.strip_prefix(&prefix).map(str::to_string)).collect())
     }
 
     /// The sweep's items with what their entries hold (their reviews, until handed over).
     pub async fn items(&self, sweep_id: &str) -> Result<Vec<ItemEntry>, StoreError> {
-        let entries = self.last_of(self.items_filter(sweep_id)).await?;
+        let entries = self.last_of(&format!("{}*", item_key(sweep_id, ""))).await?;
         let mut items = entries
             .into_iter()
-            .map(|(_, payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
+            .map(|(payload, _)| serde_json::from_slice(&payload).map_err(|_| StoreError::Corrupt))
             .collect::<Result<Vec<ItemEntry>, _>>()?;
         // In the order they were added (by the time the ingress took their page, then
         // their place in it), not by when each entry was last written: stripping an
@@ -297,12 +290,11 @@ impl Sweeps {
 
     /// The sweep's provider batches, by sequence, with their revisions.
     pub async fn chunks(&self, sweep_id: &str) -> Result<Vec<(ChunkRecord, u64)>, StoreError> {
-        let filter = format!("$KV.{}.batch.{sweep_id}.*", layout::sweeps_bucket(self.region));
         let mut out = self
-            .last_of(filter)
+            .last_of(&format!("batch.{sweep_id}.*"))
             .await?
             .into_iter()
-            .map(|(_, payload, revision)| {
+            .map(|(payload, revision)| {
                 serde_json::from_slice(&payload).map(|c| (c, revision)).map_err(|_| StoreError::Corrupt)
             })
             .collect::<Result<Vec<(ChunkRecord, u64)>, _>>()?;
@@ -356,56 +348,27 @@ impl Sweeps {
         Ok(())
     }
 
-    fn items_filter(&self, sweep_id: &str) -> String {
-        format!("$KV.{}.item.{sweep_id}.*", layout::sweeps_bucket(self.region))
-    }
-
-    /// The keys under `filter` as the stream counts them now, from its subject index:
-    /// exact whatever is being written meanwhile (one request, and one more for the
-    /// empty page that ends it). A deleted key keeps its subject until it is purged.
-    async fn subjects<I>(stream: &jetstream::stream::Stream<I>, filter: &str) -> Result<HashSet<String>, StoreError> {
-        let mut info = stream.info_with_subjects(filter).await.map_err(StoreError::other)?;
-        let mut out = HashSet::new();
-        while let Some((subject, _)) = info.try_next().await.map_err(StoreError::other)? {
-            out.insert(subject);
-        }
-        Ok(out)
-    }
-
-    async fn stream(&self) -> Result<jetstream::stream::Stream<()>, StoreError> {
-        let bucket = layout::sweeps_bucket(self.region);
-        self.js.get_stream_no_info(format!("KV_{bucket}")).await.map_err(StoreError::other)
-    }
-
-    /// The keys under `filter`.
-    async fn keys(&self, filter: &str) -> Result<HashSet<String>, StoreError> {
-        Self::subjects(&self.stream().await?, filter).await
-    }
-
-    /// The last entry of each key under `filter`: (subject, payload, revision), oldest
-    /// revision first; a deleted key is left out. Every key the stream holds when the
-    /// listing starts, or an error: a listing that stalls is not cut short (a seal
-    /// would leave the items past the cut unrun).
+    /// The last entry of each key that matches `filter` (a key pattern), with its
+    /// revision, oldest revision first; a deleted key is left out. Every key the stream
+    /// holds when the listing starts, or an error: a listing that stalls is not cut
+    /// short (a seal would leave the items past the cut unrun).
     ///
-    /// The keys come from the stream's subject index, and the consumer is read until
-    /// each has been seen. Its pending count is no bound: a key rewritten while it is
-    /// read is delivered again, and its count drops at the rewrite before it rises for
-    /// the new entry, so a listing that stopped at the count ended keys short. A key
-    /// whose entry ages out before the consumer reaches it is never delivered: after a
-    /// stall the keys are listed again, and the listing ends if only such keys were
-    /// left.
-    async fn last_of(&self, filter: String) -> Result<Vec<(String, bytes::Bytes, u64)>, StoreError> {
-        let stream = self.stream().await?;
-        let mut keys = Self::subjects(&stream, &filter).await?;
+    /// The keys come from the stream's subject index (`kv_listing`), and the consumer
+    /// is read until each has been seen, not to its pending count; a key delivered
+    /// twice (rewritten meanwhile) keeps its later entry. A key whose entry ages out
+    /// before the consumer reaches it is never delivered: after a stall the keys are
+    /// listed again, and the listing ends if only such keys were left.
+    async fn last_of(&self, filter: &str) -> Result<Vec<(bytes::Bytes, u64)>, StoreError> {
+        let mut keys = kv_listing::keys(&self.kv, filter).await?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }
         let config = consumer::pull::OrderedConfig {
-            filter_subject: filter.clone(),
+            filter_subject: format!("{}{filter}", self.kv.prefix),
             deliver_policy: consumer::DeliverPolicy::LastPerSubject,
             ..Default::default()
         };
-        let consumer = stream.create_consumer(config).await.map_err(StoreError::other)?;
+        let consumer = self.kv.stream.create_consumer(config).await.map_err(StoreError::other)?;
         let mut messages = consumer.messages().await.map_err(StoreError::other)?;
         // By key: its entry (none: deleted) and revision.
         let mut last: HashMap<String, (Option<bytes::Bytes>, u64)> = HashMap::with_capacity(keys.len());
@@ -415,7 +378,7 @@ impl Sweeps {
                 Ok(Some(msg)) => msg.map_err(StoreError::other)?,
                 Ok(None) => return Err(StoreError::other("the listing ended early")),
                 Err(_) => {
-                    let now = Self::subjects(&stream, &filter).await?;
+                    let now = kv_listing::keys(&self.kv, filter).await?;
                     keys.retain(|k| last.contains_key(k) || now.contains(k));
                     if keys.iter().all(|k| last.contains_key(k)) {
                         break;
@@ -424,13 +387,9 @@ impl Sweeps {
                 }
             };
             let revision = msg.info().map_err(StoreError::other)?.stream_sequence;
-            let deleted = msg
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("KV-Operation"))
-                .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
-            let entry = (!deleted).then(|| msg.payload.clone());
-            match last.entry(msg.subject.to_string()) {
+            let entry = (!kv_listing::is_removal(msg.headers.as_ref())).then(|| msg.payload.clone());
+            let Some(key) = msg.subject.strip_prefix(self.kv.prefix.as_str()) else { continue };
+            match last.entry(key.to_string()) {
                 Entry::Occupied(mut seen) => {
                     if revision > seen.get().1 {
                         seen.insert((entry, revision));
@@ -444,11 +403,9 @@ impl Sweeps {
                 }
             }
         }
-        let mut out: Vec<_> = last
-            .into_iter()
-            .filter_map(|(subject, (entry, revision))| entry.map(|payload| (subject, payload, revision)))
-            .collect();
-        out.sort_unstable_by_key(|e| e.2);
+        let mut out: Vec<_> =
+            last.into_values().filter_map(|(entry, revision)| entry.map(|payload| (payload, revision))).collect();
+        out.sort_unstable_by_key(|e| e.1);
         Ok(out)
     }
 }

@@ -332,7 +332,7 @@ async fn settled(stack: &Stack, id: &str) -> bool {
     use reviewlane_shared::Region;
     let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
     let layout = reviewlane_shared::layout::ensure(&js, Region::Us, &Default::default()).await.unwrap();
-    let sweeps = reviewlane_shared::sweeps::Sweeps::new(js, layout.sweeps, Region::Us);
+    let sweeps = reviewlane_shared::sweeps::Sweeps::new(js, layout.sweeps);
     let sweeps = &sweeps;
     poll_until(Duration::from_secs(20), || async move {
         sweeps.get("acme", id).await.unwrap().filter(|(r, _)| r.finished).map(|_| ())
@@ -566,7 +566,7 @@ async fn chunk_records(stack: &Stack, sweep_id: &str) -> Vec<reviewlane_core::ba
     use reviewlane_shared::Region;
     let js = async_nats::jetstream::new(async_nats::connect(stack.us.nats.url()).await.unwrap());
     let layout = reviewlane_shared::layout::ensure(&js, Region::Us, &Default::default()).await.unwrap();
-    let sweeps = reviewlane_shared::sweeps::Sweeps::new(js, layout.sweeps, Region::Us);
+    let sweeps = reviewlane_shared::sweeps::Sweeps::new(js, layout.sweeps);
     sweeps.chunks(sweep_id).await.unwrap().into_iter().map(|(c, _)| c).collect()
 }
 

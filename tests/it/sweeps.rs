@@ -248,7 +248,7 @@ async fn a_manifest_listed_while_its_items_are_rewritten_holds_every_item_once()
     let nats = reviewlane_shared::testing::NatsServer::start();
     let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     let layout = layout::ensure(&js, Region::Us, &LayoutConfig::default()).await.unwrap();
-    let store = Sweeps::new(js.clone(), layout.sweeps.clone(), Region::Us);
+    let store = Sweeps::new(js.clone(), layout.sweeps.clone());
     // Five pages of ten, in the order added; their job ids (digests, in production)
     // sort the other way.
     let n = 50;
@@ -267,7 +267,7 @@ async fn a_manifest_listed_while_its_items_are_rewritten_holds_every_item_once()
     }
     let (stop, rewrites) = (std::sync::Arc::new(AtomicBool::new(false)), std::sync::Arc::new(AtomicUsize::new(0)));
     let writer = {
-        let (store, items) = (Sweeps::new(js.clone(), layout.sweeps.clone(), Region::Us), items.clone());
+        let (store, items) = (Sweeps::new(js.clone(), layout.sweeps.clone()), items.clone());
         let (stop, rewrites) = (stop.clone(), rewrites.clone());
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {

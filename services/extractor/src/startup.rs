@@ -123,8 +123,7 @@ pub async fn build_with_provider(
         metrics.known_scope(&l.scope);
     }
     let client = conn.client.clone();
-    let sweeps =
-        reviewlane_shared::sweeps::Sweeps::new(conn.layout.js.clone(), conn.layout.sweeps.clone(), config.region);
+    let sweeps = reviewlane_shared::sweeps::Sweeps::new(conn.layout.js.clone(), conn.layout.sweeps.clone());
     let region_class = config.quota.model_class.clone();
     // The tenants' batch classes. Each class's sweeps go to its batch path; the region's
     // class also takes those of a class that has lost its path (it took every sweep

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_nats::jetstream::kv;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -278,16 +278,14 @@ impl Quota {
     }
 
     /// Reads every replica's heartbeat once (at start; later ones arrive as written).
-    /// A failed read fails the start rather than shrink the ranks. The keys come from
-    /// the stream's subject index: a listing by consumer (`keys()`) stops at its
-    /// pending count, which a heartbeat rewritten meanwhile leaves short.
+    /// A failed read fails the start rather than shrink the ranks.
     async fn load_heartbeats(&self) -> Result<(), FleetError> {
         self.tally.read();
-        let filter = format!("{}{}>", self.kv.prefix, self.replicas());
-        let mut subjects = self.kv.stream.info_with_subjects(filter).await.map_err(FleetError::store)?;
-        while let Some((subject, _)) = subjects.try_next().await.map_err(FleetError::store)? {
-            let Some(key) = subject.strip_prefix(self.kv.prefix.as_str()) else { continue };
-            let Some(id) = key.strip_prefix(&self.replicas()) else { continue };
+        let prefix = self.replicas();
+        let keys =
+            reviewlane_shared::kv_listing::keys(&self.kv, &format!("{prefix}>")).await.map_err(FleetError::store)?;
+        for key in &keys {
+            let Some(id) = key.strip_prefix(&prefix) else { continue };
             self.tally.read();
             let Some(v) = self.kv.get(key).await.map_err(FleetError::store)? else { continue };
             if let Ok(h) = serde_json::from_slice::<Heartbeat>(&v) {
@@ -300,11 +298,7 @@ impl Quota {
     /// A heartbeat written (or removed) by a replica, as `QUOTA_<R>` delivers it.
     fn note_heartbeat(&self, m: &async_nats::Message) {
         let Some(id) = m.subject.as_str().rsplit_once(&self.replicas()).map(|(_, id)| id.to_string()) else { return };
-        let removed = m
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("KV-Operation"))
-            .is_some_and(|op| op.as_str() == "DEL" || op.as_str() == "PURGE");
+        let removed = reviewlane_shared::kv_listing::is_removal(m.headers.as_ref());
         let mut beats = self.heartbeats.lock().expect("heartbeats lock");
         match serde_json::from_slice::<Heartbeat>(&m.payload) {
             Ok(h) if !removed => {

@@ -203,7 +203,7 @@ impl Worker {
     /// Whether the tenant's sweep was cancelled (read only on a sweep item's retry).
     async fn sweep_cancelled(&self, tenant: &str, sweep_id: &str) -> Result<bool, StoreError> {
         let layout = &self.stores.layout;
-        let sweeps = reviewlane_shared::sweeps::Sweeps::new(layout.js.clone(), layout.sweeps.clone(), self.region);
+        let sweeps = reviewlane_shared::sweeps::Sweeps::new(layout.js.clone(), layout.sweeps.clone());
         let state = sweeps.get(tenant, sweep_id).await?.map(|(s, _)| s.state);
         Ok(state == Some(reviewlane_core::sweep::SweepState::Cancelled))
     }

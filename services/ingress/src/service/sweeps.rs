@@ -32,7 +32,7 @@ const MAX_KEY: usize = 256;
 pub(super) type SweepStream = Pin<Box<dyn Stream<Item = Result<proto::WatchSweepResponse, Status>> + Send>>;
 
 pub(super) fn sweeps(handle: &RegionHandle) -> Sweeps {
-    Sweeps::new(handle.layout.js.clone(), handle.layout.sweeps.clone(), handle.layout.region)
+    Sweeps::new(handle.layout.js.clone(), handle.layout.sweeps.clone())
 }
 
 impl From<ApplyError> for ApiError {
@@ -240,7 +240,7 @@ impl ReviewApi {
             if item.item_key.is_empty() || item.item_key.len() > MAX_KEY {
                 return Err(ApiError::invalid("items.item_key", format!("required, at most {MAX_KEY} bytes")));
             }
-            entries.push(ItemEntry { position, ..self.item_entry(tenant, handle, &rec, item, &limits, now)? });
+            entries.push(self.item_entry(tenant, handle, &rec, (position, item), &limits, now)?);
         }
         let (mut added, mut present) = (0u32, 0u32);
         // A sealed or cancelled sweep takes no item; a page it has already (a retry) is
@@ -293,7 +293,7 @@ impl ReviewApi {
         tenant: &Tenant,
         handle: &RegionHandle,
         rec: &SweepRecord,
-        item: proto::SweepItem,
+        (position, item): (u32, proto::SweepItem),
         limits: &Limits,
         now: u64,
     ) -> Result<ItemEntry, ApiError> {
@@ -336,7 +336,7 @@ impl ReviewApi {
             item_key: item.item_key,
             request_digest,
             added_at_ms: now,
-            position: 0,
+            position,
             review: Some(review),
         })
     }
